@@ -1,0 +1,228 @@
+"""Container entrypoint: derive the process count and parallel mode, check the mounts, start the trainer.
+
+It reads only the environment that the rendered Compose override sets
+(astrai/compose.py), never the YAML's ``runtime:`` block:
+
+    TRAIN_JOB_NAME                job name; the job dir is /checkpoints/<job_name>
+    ASTRAI_CONFIG                 the mounted train.yaml
+    ASTRAI_GPU_DEVICES            all | none | 0,1,...
+    ASTRAI_PROCESSES              process count when ASTRAI_GPU_DEVICES=none
+    ASTRAI_PARALLEL_MODE          auto | none | ddp | fsdp
+    ASTRAI_STOP_TIMEOUT_SECONDS   Docker's grace period on stop
+
+One process: the trainer replaces this process (exec), so Docker's SIGTERM
+reaches it directly. Several: ``torchrun --standalone`` runs them; this process
+stays as their parent and forwards SIGTERM/SIGINT straight to each worker, so
+every rank finishes its step and the job exits 0 once the emergency checkpoint
+is written. torchrun's own shutdown timeout (30 s by default, after which it
+SIGKILLs the workers) is raised to the stop timeout for the case it is signalled
+itself.
+
+Arguments are passed on to the trainer. ``--print-plan`` as the first argument
+prints the launch decision as JSON and exits without checking GPUs or mounts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+from astrai.checkpoints import latest_complete_checkpoint
+from astrai.parallel import resolve_parallel_mode
+
+DATA_DIR = Path("/data")
+MODEL_DIR = Path("/models/base")
+CHECKPOINTS_DIR = Path("/checkpoints")
+DEFAULT_CONFIG = "/run/astrai/train.yaml"
+# torchrun must never cut an emergency save short; keep a floor in case the timeout is tiny.
+MIN_SHUTDOWN_TIMEOUT_SECONDS = 30
+
+
+class EntrypointError(Exception):
+    """The container cannot start the trainer; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    processes: int
+    parallel_mode: str
+    job_dir: str
+    command: list[str]
+
+
+def resolve_process_count(devices: str, processes: str | None, cuda_device_count: Callable[[], int]) -> int:
+    """Processes to start: one per listed GPU, every visible GPU for ``all``, ASTRAI_PROCESSES on CPU."""
+    if devices == "none":
+        try:
+            count = int(processes or "1")
+        except ValueError:
+            raise EntrypointError(f"ASTRAI_PROCESSES must be a whole number, got {processes!r}") from None
+        if count < 1:
+            raise EntrypointError(f"runtime.gpu.processes must be at least 1, got {count}")
+        return count
+    if devices == "all":
+        count = cuda_device_count()
+        if count == 0:
+            raise EntrypointError(
+                "runtime.gpu.devices is 'all' but the container sees no GPU (torch.cuda.device_count() == 0); "
+                "check the NVIDIA container runtime with `invoke preflight`, or set runtime.gpu.devices: none"
+            )
+        return count
+    indices = [part for part in devices.split(",") if part.strip()]
+    if not indices:
+        raise EntrypointError(f"ASTRAI_GPU_DEVICES must be all, none or a list of GPU indices, got {devices!r}")
+    return len(indices)
+
+
+def plan_launch(
+    env: Mapping[str, str],
+    trainer_args: list[str],
+    cuda_device_count: Callable[[], int],
+    python: str = sys.executable,
+) -> LaunchPlan:
+    """Decide how to start the trainer from the container's environment."""
+    job_name = env.get("TRAIN_JOB_NAME")
+    if not job_name:
+        raise EntrypointError("TRAIN_JOB_NAME is not set; start the job with `invoke start`")
+    devices = env.get("ASTRAI_GPU_DEVICES", "all")
+    processes = resolve_process_count(devices, env.get("ASTRAI_PROCESSES"), cuda_device_count)
+    try:
+        mode = resolve_parallel_mode(env.get("ASTRAI_PARALLEL_MODE", "auto"), processes)
+    except ValueError as error:
+        raise EntrypointError(f"runtime.gpu.parallel_mode: {error} (runtime.gpu.devices: {devices})") from None
+    job_dir = CHECKPOINTS_DIR / job_name
+    trainer = [
+        "-m", "astrai.train",
+        "--config", env.get("ASTRAI_CONFIG", DEFAULT_CONFIG),
+        "--ckpt_dir", str(job_dir),
+        "--param_path", str(MODEL_DIR),
+        "--parallel_mode", mode,
+        *trainer_args,
+    ]
+    if processes == 1:
+        command = [python, *trainer]
+    else:
+        stop_timeout = int(env.get("ASTRAI_STOP_TIMEOUT_SECONDS", "600"))
+        command = [
+            python, "-m", "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node", str(processes),
+            "--shutdown-timeout", str(max(stop_timeout, MIN_SHUTDOWN_TIMEOUT_SECONDS)),
+            *trainer,
+        ]
+    return LaunchPlan(processes, mode, str(job_dir), command)
+
+
+def check_gpus(env: Mapping[str, str], plan: LaunchPlan, cuda_device_count: Callable[[], int]) -> None:
+    """Listed GPUs must be visible: one process per GPU."""
+    devices = env.get("ASTRAI_GPU_DEVICES", "all")
+    if devices in ("all", "none"):
+        return
+    visible = cuda_device_count()
+    if visible < plan.processes:
+        raise EntrypointError(
+            f"runtime.gpu.devices lists {plan.processes} GPU(s) ({devices}) but the container sees {visible}; "
+            "check the indices with `nvidia-smi -L` and the NVIDIA container runtime with `invoke preflight`"
+        )
+
+
+def check_mounts(job_dir: Path, data_dir: Path = DATA_DIR, model_dir: Path = MODEL_DIR) -> None:
+    """The data must be readable, the job dir writable, and a base model present unless resuming."""
+    if not data_dir.is_dir() or not os.access(data_dir, os.R_OK | os.X_OK):
+        raise EntrypointError(f"{data_dir} is missing or not readable; check runtime.paths.data")
+    try:
+        job_dir.mkdir(parents=True, exist_ok=True)
+        probe = job_dir / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise EntrypointError(
+            f"the job dir {job_dir} is not writable ({error.strerror}); check runtime.paths.checkpoints "
+            "and that it belongs to the user who runs `invoke start` (`invoke init` creates it)"
+        ) from None
+    if latest_complete_checkpoint(job_dir) is not None:
+        return
+    for name in ("config.json", "model.safetensors"):
+        path = model_dir / name
+        if not path.is_file() or path.stat().st_size == 0:
+            raise EntrypointError(
+                f"no complete checkpoint in {job_dir} and the base model file {path} is missing or empty; "
+                "check runtime.paths.model (make one with `python -m astrai.model init DIR --preset tiny`)"
+            )
+
+
+def _cuda_device_count() -> int:
+    import torch  # only inside the container, where torch is installed
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _child_pids(parent: int) -> list[int]:
+    """Direct children of ``parent``, read from /proc."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        # The command name may hold spaces and parentheses; fields after the last ')' are fixed.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 1 and int(fields[1]) == parent:
+            children.append(int(entry))
+    return children
+
+
+def supervise_workers(command: list[str]) -> int:
+    launcher = subprocess.Popen(command)
+
+    def forward(signum: int, _frame) -> None:
+        # Signal the ranks themselves: torchrun, once signalled, tears the group
+        # down and exits non-zero even when every rank stopped cleanly.
+        for pid in _child_pids(launcher.pid) or [launcher.pid]:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    status = launcher.wait()
+    return 128 - status if status < 0 else status
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    print_only = bool(args) and args[0] == "--print-plan"
+    if print_only:
+        args = args[1:]
+    try:
+        plan = plan_launch(os.environ, args, _cuda_device_count)
+        if print_only:
+            print(json.dumps(asdict(plan), indent=2, sort_keys=True))
+            return 0
+        check_gpus(os.environ, plan, _cuda_device_count)
+        check_mounts(Path(plan.job_dir))
+    except EntrypointError as error:
+        print(f"astrai entrypoint: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    print(
+        f"astrai entrypoint: job {os.environ['TRAIN_JOB_NAME']}: {plan.processes} process(es), "
+        f"parallel_mode {plan.parallel_mode}",
+        flush=True,
+    )
+    if plan.processes == 1:
+        os.execv(plan.command[0], plan.command)
+    return supervise_workers(plan.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

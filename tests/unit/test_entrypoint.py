@@ -1,0 +1,193 @@
+"""The container entrypoint's decisions (process count, parallel mode, command) and its checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from astrai import entrypoint
+from astrai.entrypoint import EntrypointError, plan_launch
+
+PY = "/usr/bin/python3"
+
+
+def _env(**values: str) -> dict[str, str]:
+    return {"TRAIN_JOB_NAME": "job", "ASTRAI_CONFIG": "/run/astrai/train.yaml",
+            "ASTRAI_STOP_TIMEOUT_SECONDS": "600", **values}
+
+
+def _no_gpu() -> int:
+    return 0
+
+
+def _trainer(mode: str, *extra: str) -> list[str]:
+    return ["-m", "astrai.train", "--config", "/run/astrai/train.yaml", "--ckpt_dir", "/checkpoints/job",
+            "--param_path", "/models/base", "--parallel_mode", mode, *extra]
+
+
+def test_two_listed_gpus_mean_ddp_with_two_processes_under_torchrun():
+    plan = plan_launch(_env(ASTRAI_GPU_DEVICES="0,1", ASTRAI_PARALLEL_MODE="auto"), [], _no_gpu, python=PY)
+    assert (plan.processes, plan.parallel_mode) == (2, "ddp")
+    assert plan.command == [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "--shutdown-timeout", "600", *_trainer("ddp")]
+
+
+def test_one_listed_gpu_runs_the_trainer_directly():
+    plan = plan_launch(_env(ASTRAI_GPU_DEVICES="3", ASTRAI_PARALLEL_MODE="auto"), ["--max_steps", "9"], _no_gpu,
+                       python=PY)
+    assert (plan.processes, plan.parallel_mode) == (1, "none")
+    assert plan.command == [PY, *_trainer("none", "--max_steps", "9")]
+
+
+def test_all_gpus_counts_what_the_container_sees():
+    plan = plan_launch(_env(ASTRAI_GPU_DEVICES="all", ASTRAI_PARALLEL_MODE="fsdp"), [], lambda: 4, python=PY)
+    assert (plan.processes, plan.parallel_mode) == (4, "fsdp")
+    assert "--nproc-per-node" in plan.command and plan.command[plan.command.index("--nproc-per-node") + 1] == "4"
+
+
+def test_all_gpus_with_none_visible_fails_clearly():
+    with pytest.raises(EntrypointError, match=r"sees no GPU"):
+        plan_launch(_env(ASTRAI_GPU_DEVICES="all"), [], _no_gpu)
+
+
+def test_cpu_mode_takes_the_process_count_from_the_runtime_block():
+    plan = plan_launch(_env(ASTRAI_GPU_DEVICES="none", ASTRAI_PROCESSES="2", ASTRAI_PARALLEL_MODE="auto"), [],
+                       _no_gpu, python=PY)
+    assert (plan.processes, plan.parallel_mode) == (2, "ddp")
+
+
+def test_shutdown_timeout_follows_the_stop_timeout_with_a_floor():
+    plan = plan_launch(_env(ASTRAI_GPU_DEVICES="none", ASTRAI_PROCESSES="2", ASTRAI_STOP_TIMEOUT_SECONDS="5"), [],
+                       _no_gpu)
+    assert plan.command[plan.command.index("--shutdown-timeout") + 1] == "30"
+    plan = plan_launch(_env(ASTRAI_GPU_DEVICES="none", ASTRAI_PROCESSES="2", ASTRAI_STOP_TIMEOUT_SECONDS="900"), [],
+                       _no_gpu)
+    assert plan.command[plan.command.index("--shutdown-timeout") + 1] == "900"
+
+
+@pytest.mark.parametrize(("devices", "mode", "message"), [
+    ("0", "ddp", r"ddp needs 2 or more processes, but 1 was requested"),
+    ("0,1", "none", r"none needs exactly 1 process, but 2 were requested"),
+    ("0", "fsdp", r"fsdp needs 2 or more"),
+])
+def test_parallel_mode_rules_are_checked_in_the_container_too(devices, mode, message):
+    with pytest.raises(EntrypointError, match=message):
+        plan_launch(_env(ASTRAI_GPU_DEVICES=devices, ASTRAI_PARALLEL_MODE=mode), [], _no_gpu)
+
+
+def test_missing_job_name_is_an_error():
+    with pytest.raises(EntrypointError, match="TRAIN_JOB_NAME"):
+        plan_launch({"ASTRAI_GPU_DEVICES": "none"}, [], _no_gpu)
+
+
+def test_listed_gpus_must_be_visible():
+    env = _env(ASTRAI_GPU_DEVICES="0,1")
+    plan = plan_launch(env, [], _no_gpu)
+    with pytest.raises(EntrypointError, match=r"lists 2 GPU\(s\) \(0,1\) but the container sees 1"):
+        entrypoint.check_gpus(env, plan, lambda: 1)
+    entrypoint.check_gpus(env, plan, lambda: 2)
+
+
+def _model(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"x")
+    return folder
+
+
+def test_mount_checks_pass_and_create_the_job_dir(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    entrypoint.check_mounts(tmp_path / "ckpt" / "job", data, _model(tmp_path / "model"))
+    assert (tmp_path / "ckpt" / "job").is_dir()
+    assert list((tmp_path / "ckpt" / "job").iterdir()) == []
+
+
+def test_mount_checks_name_the_missing_piece(tmp_path):
+    model = _model(tmp_path / "model")
+    with pytest.raises(EntrypointError, match=r"/missing-data is missing or not readable"):
+        entrypoint.check_mounts(tmp_path / "job", tmp_path / "missing-data", model)
+    data = tmp_path / "data"
+    data.mkdir()
+    (tmp_path / "blocked").write_text("a file, not a folder")
+    with pytest.raises(EntrypointError, match=r"job dir .* is not writable"):
+        entrypoint.check_mounts(tmp_path / "blocked" / "job", data, model)
+    (model / "model.safetensors").write_bytes(b"")
+    with pytest.raises(EntrypointError, match=r"model.safetensors is missing or empty"):
+        entrypoint.check_mounts(tmp_path / "job", data, model)
+
+
+def test_a_complete_checkpoint_makes_the_base_model_optional(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    checkpoint = tmp_path / "job" / "epoch_0_step_10"
+    checkpoint.mkdir(parents=True)
+    for name in ("meta.json", "config.json", "model.safetensors", "optimizer.pt", "scheduler.pt"):
+        (checkpoint / name).write_text("x")
+    entrypoint.check_mounts(tmp_path / "job", data, tmp_path / "no-model")
+
+
+def test_print_plan_prints_json_without_checking_mounts(monkeypatch, capsys):
+    monkeypatch.setattr(os, "environ", _env(ASTRAI_GPU_DEVICES="0,1", ASTRAI_PARALLEL_MODE="auto"))
+    assert entrypoint.main(["--print-plan", "--max_steps", "3"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["processes"], plan["parallel_mode"]) == (2, "ddp")
+    assert plan["command"][-2:] == ["--max_steps", "3"]
+
+
+def test_errors_exit_2_with_a_message_and_no_traceback():
+    env = {**os.environ, **_env(ASTRAI_GPU_DEVICES="0", ASTRAI_PARALLEL_MODE="ddp")}
+    result = subprocess.run([sys.executable, "-m", "astrai.entrypoint"], env=env, capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 2
+    assert "runtime.gpu.parallel_mode: ddp needs 2 or more processes" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+_FAKE_LAUNCHER = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    out = sys.argv[1]
+    # Like torchrun: a launcher that would tear everything down if it were signalled itself.
+    signal.signal(signal.SIGTERM, lambda *_: (open(out + "/launcher-signalled", "w").close(), sys.exit(1)))
+    worker = (
+        "import signal, sys, time\\n"
+        "rank = sys.argv[1]\\n"
+        "stop = []\\n"
+        "signal.signal(signal.SIGTERM, lambda *_: stop.append(1))\\n"
+        "open(sys.argv[2] + '/ready-' + rank, 'w').close()\\n"
+        "while not stop: time.sleep(0.01)\\n"
+        "open(sys.argv[2] + '/saved-' + rank, 'w').close()\\n"
+    )
+    workers = [subprocess.Popen([sys.executable, "-c", worker, str(rank), out]) for rank in range(2)]
+    sys.exit(max(w.wait() for w in workers))
+    """
+)
+
+
+def test_stop_signal_reaches_every_worker_and_not_the_launcher(tmp_path):
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(_FAKE_LAUNCHER)
+    code = f"import sys; from astrai.entrypoint import supervise_workers; " \
+           f"sys.exit(supervise_workers([sys.executable, {str(launcher)!r}, {str(tmp_path)!r}]))"
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2])
+    try:
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / f"ready-{rank}").exists() for rank in range(2)):
+            assert time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+        process.wait()
+    assert (tmp_path / "saved-0").exists() and (tmp_path / "saved-1").exists()
+    assert not (tmp_path / "launcher-signalled").exists()
