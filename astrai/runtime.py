@@ -1,0 +1,430 @@
+"""The ``runtime:`` block of train.yaml: load, validate, resolve.
+
+Host-side only (imports neither torch nor Invoke). The block's shape lives in
+``schema/runtime.schema.json``; this module adds the rules a schema cannot
+express (process counts against parallel modes, grace period against stop
+timeout, reserved environment names) and turns a valid block into a
+:class:`Runtime` with absolute paths and derived values.
+
+    doc, runtime = load_config("train.yaml")   # raises ConfigError on bad input
+
+Every problem is reported at once, sorted by dotted path, as
+``FILE: runtime.gpu.devices: what is wrong and what is allowed``. Nothing here
+writes to disk.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import difflib
+import fnmatch
+import functools
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+from astrai.parallel import resolve_parallel_mode
+
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schema" / "runtime.schema.json"
+SECTIONS = ("runtime", "model", "data", "parallel", "training", "ckpt", "log")
+RESERVED_ENVIRONMENT = {
+    "CUDA_VISIBLE_DEVICES": "the product sets it from runtime.gpu.devices (choose GPUs there)",
+    "TRAIN_JOB_NAME": "the product sets it from runtime.job_name",
+}
+RESERVED_ENVIRONMENT_PREFIX = "ASTRAI_"
+_DURATION = re.compile(r"(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?")
+# What a value must look like, for keys whose rule a bare schema message would not explain.
+_EXPECTED = {
+    "job_name": "a job name of at most 63 letters, digits, '.', '_' or '-', starting with a letter or digit",
+    "paths.*": "a non-empty path",
+    "gpu.devices": '"all", "none" or a non-empty list of distinct GPU indices (0, 1, ...)',
+    "container.cuda_tag": "cuNNN such as cu118, cu121 or cu128, or cpu",
+    "container.base_image": "an image reference without spaces such as python:3.11-slim, or null",
+    "container.ipc": "host, private, shareable, container:NAME or service:NAME",
+    "container.stop_grace_period": "a duration like 90s, 10m or 1h30m",
+    "container.max_duration_hours": "a number of hours greater than 0, or null for no timer",
+    "environment.*": "a string, number or boolean",
+}
+_TYPE_WORDS = {"object": "a mapping", "array": "a list", "string": "a string", "integer": "an integer",
+               "number": "a number", "boolean": "true or false", "null": "null"}
+
+
+class ConfigError(Exception):
+    """A rejected configuration; ``messages`` are 'FILE: dotted.key.path: problem' lines, sorted by path."""
+
+    def __init__(self, messages):
+        self.messages = list(messages)
+        super().__init__("\n".join(self.messages))
+
+
+class SchemaError(RuntimeError):
+    """The product's own runtime schema is missing or broken: an installation bug, not a user's mistake."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """A valid ``runtime:`` block with defaults filled in, paths made absolute and derived values computed."""
+
+    config_path: Path
+    job_name: str
+    data_dir: Path
+    model_dir: Path
+    checkpoints_dir: Path
+    job_dir: Path
+    devices: str | tuple[int, ...]
+    processes: int | None
+    parallel_mode: str
+    cuda_visible_devices: str | None
+    cuda_tag: str
+    base_image: str | None
+    ipc: str
+    stop_grace_period: str
+    stop_grace_seconds: int
+    stop_timeout_seconds: int
+    checkpoint_keep_last: int
+    max_duration_hours: float | None
+    environment: dict[str, str]
+
+    @property
+    def uses_gpu(self) -> bool:
+        return self.devices != "none"
+
+
+def load_config(config_path) -> tuple[dict, Runtime]:
+    """Read, validate and resolve one YAML file: its whole document and its runtime."""
+    doc = load_yaml(config_path)
+    problems = validate_config(doc, config_path)
+    if problems:
+        raise ConfigError(problems)
+    return doc, _build_runtime(doc["runtime"], Path(os.path.abspath(config_path)))
+
+
+def resolve_runtime(config_path) -> Runtime:
+    return load_config(config_path)[1]
+
+
+def trainer_value(doc: dict, section: str, key: str, default=None):
+    """One trainer setting as written, or ``default``; trainer sections are validated in the container, not here."""
+    values = doc.get(section) if isinstance(doc, dict) else None
+    return values.get(key, default) if isinstance(values, dict) else default
+
+
+def load_yaml(config_path) -> dict:
+    """The YAML document, which must be a mapping; duplicate keys are rejected rather than silently overwritten."""
+    try:
+        data = Path(config_path).read_bytes()
+    except FileNotFoundError:
+        raise ConfigError([f"{config_path}: file not found"]) from None
+    except OSError as exc:
+        raise ConfigError([f"{config_path}: cannot read: {exc.strerror}"]) from None
+    try:
+        doc = yaml.load(data, Loader=_UniqueKeyLoader)
+    except yaml.MarkedYAMLError as exc:
+        raise ConfigError([_yaml_problem(config_path, exc)]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{config_path}: not readable as YAML: {' '.join(str(exc).split())}"]) from None
+    if not isinstance(doc, dict):
+        found = "an empty file" if doc is None else _show(doc)
+        raise ConfigError([f"{config_path}: expected a mapping with a runtime: block at the top level, got {found}"])
+    return doc
+
+
+def parse_duration(text: str) -> int:
+    """Seconds in a Compose-style duration of whole hours, minutes and seconds: '90s', '10m', '1h30m'."""
+    match = _DURATION.fullmatch(text) if isinstance(text, str) and text else None
+    if match is None:
+        raise ValueError(f"expected a duration like 90s, 10m or 1h30m, got {_show(text)}")
+    hours, minutes, seconds = (int(part or 0) for part in match.groups())
+    total = hours * 3600 + minutes * 60 + seconds
+    if total == 0:
+        raise ValueError(f"a duration must be longer than zero, got {_show(text)}")
+    return total
+
+
+def validate_config(doc: dict, config_path) -> list[str]:
+    """Every problem of the top level and of the runtime block, sorted by dotted path."""
+    if not isinstance(doc, dict):
+        return [f"{config_path}: expected a mapping with a runtime: block at the top level, got {_show(doc)}"]
+    problems = _section_problems(doc)
+    runtime = doc.get("runtime")
+    if isinstance(runtime, dict):
+        schema_problems = _schema_problems(runtime)
+        broken = {path for path, _ in schema_problems}
+        problems += schema_problems + _rule_problems(runtime, broken)
+    return [f"{config_path}: {path}: {message}" for path, message in sorted(set(problems))]
+
+
+def _section_problems(doc: dict) -> list[tuple[str, str]]:
+    problems = [(str(key), _unknown(f"unknown section '{key}'", key, SECTIONS)) for key in doc if key not in SECTIONS]
+    if "runtime" not in doc:
+        problems.append(("runtime", "missing: the file needs a runtime: block (write runtime: {} for all defaults)"))
+    elif not isinstance(doc["runtime"], dict):
+        problems.append(("runtime", f"expected a mapping of runtime settings, got {_show(doc['runtime'])}"))
+    return problems
+
+
+def _schema_problems(runtime: dict) -> list[tuple[str, str]]:
+    problems = []
+    for error in _validator().iter_errors(runtime):
+        where = ["runtime", *error.absolute_path]
+        if error.validator == "additionalProperties" and error.validator_value is False:
+            allowed = list(error.schema.get("properties", {}))
+            problems += [(_dotted(*where, key), _unknown("unknown key", key, allowed))
+                         for key in error.instance if key not in allowed]
+        elif "propertyNames" in error.relative_schema_path:
+            problems.append((_dotted(*where, error.instance), "expected an environment variable name: letters, "
+                             f"digits and '_', not starting with a digit, got {_show(error.instance)}"))
+        else:
+            problems.append((_dotted(*where), _schema_message(error, _dotted(*where[1:]))))
+    return problems
+
+
+def _schema_message(error: jsonschema.ValidationError, key: str) -> str:
+    got = _show(error.instance)
+    expected = next((text for pattern, text in _EXPECTED.items() if fnmatch.fnmatchcase(key, pattern)), None)
+    if expected:
+        return f"expected {expected}, got {got}"
+    if error.validator == "type":
+        types = [error.validator_value] if isinstance(error.validator_value, str) else error.validator_value
+        return f"expected {' or '.join(_TYPE_WORDS.get(name, name) for name in types)}, got {got}"
+    if error.validator == "enum":
+        allowed = [str(value) for value in error.validator_value]
+        match = _close_match(error.instance, allowed)
+        return f"expected one of {', '.join(allowed)}, got {got}{f' (did you mean {match!r}?)' if match else ''}"
+    if error.validator == "minimum":
+        return f"must be {error.validator_value} or more, got {got}"
+    return error.message
+
+
+def _rule_problems(raw: dict, broken: set[str]) -> list[tuple[str, str]]:
+    """The cross-field rules, each run only when the keys it reads passed the schema."""
+    runtime = _with_defaults(raw)
+
+    def usable(*keys: str) -> bool:
+        return all(_is_clean(f"runtime.{key}", broken) for key in keys)
+
+    problems = []
+    for name in ("data", "model", "checkpoints"):
+        if usable(f"paths.{name}"):
+            try:
+                Path(runtime["paths"][name]).expanduser()
+            except RuntimeError as exc:
+                problems.append((f"runtime.paths.{name}", f"cannot expand ~ in {_show(runtime['paths'][name])}: {exc}"))
+    if usable("gpu.devices", "gpu.processes", "gpu.parallel_mode"):
+        problems += _gpu_problems(runtime["gpu"], processes_given="processes" in raw.get("gpu", {}))
+    if usable("gpu.devices", "container.cuda_tag") and runtime["container"]["cuda_tag"] == "cpu" \
+            and runtime["gpu"]["devices"] != "none":
+        problems.append(("runtime.container.cuda_tag", "the cpu image has no CUDA and cannot use GPUs, but "
+                         f"runtime.gpu.devices is {_show(runtime['gpu']['devices'])}; "
+                         "use a cuNNN tag such as cu128, or set runtime.gpu.devices: none"))
+    if usable("container.stop_grace_period"):
+        timeout = runtime["container"]["stop_timeout_seconds"] if usable("container.stop_timeout_seconds") else None
+        problems += _stop_problems(runtime["container"]["stop_grace_period"], timeout)
+    hours = runtime["container"].get("max_duration_hours") if usable("container.max_duration_hours") else None
+    if hours is not None and not math.isfinite(hours):
+        problems.append(("runtime.container.max_duration_hours", f"expected a finite number of hours, got {hours}"))
+    if isinstance(runtime["environment"], dict):
+        problems += [(f"runtime.environment.{name}", _reserved_reason(name))
+                     for name in runtime["environment"] if usable(f"environment.{name}") and _reserved_reason(name)]
+    return problems
+
+
+def _gpu_problems(gpu: dict, processes_given: bool) -> list[tuple[str, str]]:
+    devices, mode = gpu["devices"], gpu["parallel_mode"]
+    problems = []
+    if devices != "none" and processes_given:
+        problems.append(("runtime.gpu.processes", "only applies with runtime.gpu.devices: none (CPU); with devices "
+                         f"{_show(devices)} there is one process per GPU, so remove it"))
+    count = _process_count(devices, gpu["processes"])
+    if count is None or count < 1:
+        return problems
+    try:
+        resolve_parallel_mode(mode, count)
+    except ValueError:
+        if devices == "none":
+            source = f"runtime.gpu.processes is {count}{'' if processes_given else ' (the default)'}"
+        else:
+            source = f"runtime.gpu.devices {_show(devices)} gives {count}"
+        needs = "exactly 1 process" if mode == "none" else "2 or more processes"
+        problems.append(("runtime.gpu.parallel_mode", f"{mode} needs {needs}, but {source}; auto picks the right mode"))
+    return problems
+
+
+def _stop_problems(grace: str, timeout: int | None) -> list[tuple[str, str]]:
+    """A grace period Docker can honour: longer than zero, and not shorter than the trainer's stop timeout."""
+    try:
+        grace_seconds = parse_duration(grace)
+    except ValueError as exc:
+        return [("runtime.container.stop_grace_period", str(exc))]
+    if timeout is None or grace_seconds >= timeout:
+        return []
+    return [("runtime.container.stop_grace_period", f"{grace} ({grace_seconds} seconds) is shorter than "
+             f"runtime.container.stop_timeout_seconds ({timeout} seconds): Docker would kill the trainer before "
+             f"its emergency checkpoint is written; make it at least {timeout}s")]
+
+
+def _reserved_reason(name: str) -> str | None:
+    if name in RESERVED_ENVIRONMENT:
+        return f"reserved: {RESERVED_ENVIRONMENT[name]}; remove it from runtime.environment"
+    if name.startswith(RESERVED_ENVIRONMENT_PREFIX):
+        return f"reserved: names starting with {RESERVED_ENVIRONMENT_PREFIX} belong to the product; rename it"
+    return None
+
+
+def _build_runtime(raw: dict, config_path: Path) -> Runtime:
+    runtime = _with_defaults(raw)
+    paths, gpu, container = runtime["paths"], runtime["gpu"], runtime["container"]
+    devices = gpu["devices"] if isinstance(gpu["devices"], str) else tuple(int(index) for index in gpu["devices"])
+    count = _process_count(devices, int(gpu["processes"]))
+    checkpoints_dir = _absolute_path(paths["checkpoints"], config_path.parent)
+    hours = container["max_duration_hours"]
+    return Runtime(
+        config_path=config_path,
+        job_name=runtime["job_name"],
+        data_dir=_absolute_path(paths["data"], config_path.parent),
+        model_dir=_absolute_path(paths["model"], config_path.parent),
+        checkpoints_dir=checkpoints_dir,
+        job_dir=checkpoints_dir / runtime["job_name"],
+        devices=devices,
+        processes=count,
+        parallel_mode=gpu["parallel_mode"] if count is None else resolve_parallel_mode(gpu["parallel_mode"], count),
+        cuda_visible_devices=_cuda_visible_devices(devices),
+        cuda_tag=container["cuda_tag"],
+        base_image=container["base_image"],
+        ipc=container["ipc"],
+        stop_grace_period=container["stop_grace_period"],
+        stop_grace_seconds=parse_duration(container["stop_grace_period"]),
+        stop_timeout_seconds=int(container["stop_timeout_seconds"]),
+        checkpoint_keep_last=int(container["checkpoint_keep_last"]),
+        max_duration_hours=None if hours is None else float(hours),
+        environment={name: _environment_text(value) for name, value in runtime["environment"].items()},
+    )
+
+
+def _process_count(devices, processes: int) -> int | None:
+    """Processes the job runs, or None when devices is "all": only the container can count the host's GPUs."""
+    if devices == "all":
+        return None
+    return processes if devices == "none" else len(devices)
+
+
+def _cuda_visible_devices(devices) -> str | None:
+    if devices == "all":
+        return None
+    return "" if devices == "none" else ",".join(str(index) for index in devices)
+
+
+def _environment_text(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _absolute_path(text: str, base: Path) -> Path:
+    """``text`` with ~ expanded, relative to ``base``, normalised; reads nothing from disk."""
+    return Path(os.path.normpath(base / Path(text).expanduser()))
+
+
+def _with_defaults(raw: dict) -> dict:
+    """A copy of ``raw`` with the schema's defaults filled in wherever the enclosing value is a mapping."""
+    def fill(schema: dict, value: dict) -> dict:
+        for name, rule in schema.get("properties", {}).items():
+            if name not in value and "default" in rule:
+                value[name] = copy.deepcopy(rule["default"])
+            if isinstance(value.get(name), dict):
+                fill(rule, value[name])
+        return value
+    return fill(_validator().schema, copy.deepcopy(raw))
+
+
+def _validator() -> jsonschema.Draft202012Validator:
+    return _load_validator(SCHEMA_PATH)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_validator(schema_path: Path) -> jsonschema.Draft202012Validator:
+    try:
+        schema = json.loads(schema_path.read_text(encoding="utf-8"))
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except OSError as exc:
+        raise SchemaError(f"cannot read the runtime schema {schema_path}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise SchemaError(f"the runtime schema {schema_path} is not valid JSON: {exc}") from exc
+    except jsonschema.SchemaError as exc:
+        raise SchemaError(f"the runtime schema {schema_path} is not a valid JSON Schema: {exc.message}") from exc
+    if not isinstance(schema, dict):
+        raise SchemaError(f"the runtime schema {schema_path} must be a JSON object")
+    return _EcmaValidator(schema)
+
+
+def _ecma_pattern(validator, pattern: str, instance, schema):
+    """``pattern`` as JSON Schema means it (ECMA-262), where a final ``$`` matches only at the very end.
+
+    Python's ``$`` also matches before a trailing newline, which would let ``"cpu\\n"`` pass as a cuda_tag.
+    """
+    anchored = pattern[:-1] + "\\Z" if pattern.endswith("$") and not pattern.endswith("\\$") else pattern
+    if validator.is_type(instance, "string") and not re.search(anchored, instance):
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+_EcmaValidator = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"pattern": _ecma_pattern})
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key written twice in one mapping is an error, not a silent overwrite."""
+
+    def construct_mapping(self, node, deep=False):
+        first_seen = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                first = first_seen.setdefault(key_node.value, key_node)
+                if first is not key_node:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key '{key_node.value}' (first on line {first.start_mark.line + 1})",
+                        key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_problem(config_path, exc: yaml.MarkedYAMLError) -> str:
+    mark = exc.problem_mark or exc.context_mark
+    where = f"{config_path}:{mark.line + 1}:{mark.column + 1}" if mark else str(config_path)
+    started = f", which started on line {exc.context_mark.line + 1}" if exc.context_mark and exc.problem_mark else ""
+    context = f" ({exc.context}{started})" if exc.context else ""
+    return f"{where}: YAML syntax error: {exc.problem}{context}"
+
+
+def _is_clean(path: str, broken: set[str]) -> bool:
+    """True when no schema problem sits at ``path``, inside it, or at any key enclosing it."""
+    return not any(bad == path or bad.startswith(path + ".") or path.startswith(bad + ".") for bad in broken)
+
+
+def _dotted(*keys) -> str:
+    return ".".join(str(key) for key in keys)
+
+
+def _unknown(what: str, key, allowed) -> str:
+    match = _close_match(key, allowed)
+    return f"{what} ({f'did you mean {match!r}? ' if match else ''}allowed: {', '.join(allowed)})"
+
+
+def _close_match(value, allowed) -> str | None:
+    matches = difflib.get_close_matches(str(value), [str(name) for name in allowed], n=1)
+    return matches[0] if matches else None
+
+
+def _show(value) -> str:
+    """A value as a user would recognise it in a message: JSON-like, cut short when long."""
+    if isinstance(value, datetime.date):
+        return f"the date {value} (quote it to keep it as text)"
+    try:
+        text = json.dumps(value, default=str, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
