@@ -1,0 +1,353 @@
+"""The job lifecycle on the host: init, build, start, stop, logs, status, latest, list, clean.
+
+Plain functions behind the Invoke tasks; expected failures raise ``JobError``
+with a message that says what to do, and the task turns it into an exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from astrai import compose, engine, preflight, timer
+from astrai.checkpoints import (
+    METRICS_FILE,
+    Checkpoint,
+    list_complete_checkpoints,
+    plan_retention,
+    read_meta,
+    remove_checkpoint,
+    remove_job_entry,
+    scan_job_dir,
+)
+from astrai.hostuser import make_dirs
+from astrai.runtime import Runtime
+
+
+class JobError(Exception):
+    """An expected failure of a lifecycle command; ``code`` is the exit code."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def _say(message: str = "") -> None:
+    print(message, flush=True)
+
+
+# --- init, preflight, build ---------------------------------------------------------------
+
+
+def init_job(runtime: Runtime) -> list[Path]:
+    """Create the declared runtime folders and the job dir; return the ones that were new."""
+    created = []
+    for path in (runtime.data_dir, runtime.model_dir, runtime.checkpoints_dir, runtime.job_dir):
+        if path.exists() and not path.is_dir():
+            raise JobError(f"{path} exists but is not a folder; fix runtime.paths in {runtime.config_path}")
+        try:
+            created += make_dirs(path)
+        except OSError as error:
+            raise JobError(f"cannot create {error.filename}: {error.strerror}") from None
+    return created
+
+
+def run_preflight(runtime: Runtime, document: dict) -> None:
+    checks = preflight.run_checks(runtime, document)
+    _say(preflight.format_checklist(checks))
+    if any(check.failed for check in checks):
+        raise JobError("fix the ✗ lines above, then run `invoke preflight` again")
+
+
+def build_image(runtime: Runtime) -> None:
+    compose.write_override(runtime)
+    _run_compose(runtime, "build", compose.SERVICE, what="building the trainer image")
+
+
+# --- start, stop, restart ---------------------------------------------------------------------
+
+
+def start_job(runtime: Runtime, document: dict, trainer_args: list[str], *, foreground: bool) -> int:
+    """Preflight, build, then start (or resume) the job; returns the exit code for the task."""
+    project = compose.project_name(runtime.job_name)
+    running = engine.find_container(project) if _daemon_up() else None
+    if running is not None and running.running:
+        raise JobError(
+            f"job {runtime.job_name} is already running (container {running.name}); "
+            f"follow it with `invoke logs --config {runtime.config_path}` or stop it with `invoke stop`"
+        )
+    run_preflight(runtime, document)
+    compose.write_override(runtime, trainer_args)
+    _run_compose(runtime, "build", compose.SERVICE, what="building the trainer image")
+    timer.cancel(compose.state_dir(runtime))
+    # A fresh container per run: its id and start time tell this run apart from later ones.
+    _run_compose(runtime, "up", "--detach", "--no-build", "--force-recreate", compose.SERVICE, what="starting")
+    container = engine.find_container(project)
+    if container is None:
+        raise JobError(f"the container of job {runtime.job_name} did not appear; see `invoke logs`")
+    latest = list_complete_checkpoints(runtime.job_dir)
+    origin = f"resuming from {latest[-1].path}" if latest else f"starting from the base model {runtime.model_dir}"
+    _say(f"started job {runtime.job_name} (container {container.name}), {origin}")
+    if runtime.max_duration_hours:
+        state = timer.schedule(
+            compose.state_dir(runtime), hours=runtime.max_duration_hours, container=container,
+            stop_timeout_seconds=runtime.stop_timeout_seconds, job_name=runtime.job_name,
+        )
+        _say(f"max duration {runtime.max_duration_hours} h: a timer stops it gracefully at {_clock(state.deadline)}")
+    if not foreground:
+        config = runtime.config_path
+        _say(f"follow it: invoke logs --config {config}    stop it: invoke stop --config {config}")
+        return 0
+    return _follow_until_exit(runtime, container)
+
+
+def _follow_until_exit(runtime: Runtime, container: engine.Container) -> int:
+    """Stream the logs until the container exits; Ctrl-C stops the job gracefully."""
+    try:
+        subprocess.run(compose.compose_command(runtime, "logs", "--follow", "--no-log-prefix", compose.SERVICE))
+    except KeyboardInterrupt:
+        _say("\nCtrl-C: stopping the job gracefully (the trainer writes an emergency checkpoint)")
+        stop_job(runtime)
+    final = _wait_for_exit(container.id)
+    if final.exit_code != 0:
+        _say(f"the trainer exited with code {final.exit_code}")
+    return final.exit_code
+
+
+def stop_job(runtime: Runtime) -> int:
+    """Graceful stop: SIGTERM, `stop_timeout_seconds` of grace, then report the emergency checkpoint."""
+    cancelled = timer.cancel(compose.state_dir(runtime))
+    container = engine.find_container(compose.project_name(runtime.job_name))
+    if container is None or not container.running:
+        extra = " (its max-duration timer was cancelled)" if cancelled else ""
+        _say(f"job {runtime.job_name} is not running; nothing to stop{extra}")
+        return 0
+    _say(f"stopping job {runtime.job_name}: SIGTERM, up to {runtime.stop_timeout_seconds} s for the emergency checkpoint")
+    started = time.monotonic()
+    result = timer.stop_container(container.id, runtime.stop_timeout_seconds)
+    if result.returncode != 0:
+        raise JobError(f"docker stop failed: {result.stderr.strip()}")
+    final = engine.inspect_container(container.id) or container
+    seconds = time.monotonic() - started
+    emergency = _emergency_checkpoint_since(runtime, container)
+    if final.exit_code == 0 and emergency is not None:
+        _say(f"stopped in {seconds:.1f} s; emergency checkpoint {emergency.path} (step {emergency.step})")
+        return 0
+    if final.exit_code == 0:
+        latest = list_complete_checkpoints(runtime.job_dir)
+        where = latest[-1].path if latest else "none"
+        _say(f"stopped in {seconds:.1f} s (the trainer had no step to save); newest checkpoint: {where}")
+        return 0
+    latest = list_complete_checkpoints(runtime.job_dir)
+    raise JobError(
+        f"the trainer exited with code {final.exit_code} after {seconds:.1f} s"
+        + (" (killed: it did not finish within runtime.container.stop_timeout_seconds)" if final.exit_code == 137 else "")
+        + f"; newest complete checkpoint: {latest[-1].path if latest else 'none'}"
+    )
+
+
+def _emergency_checkpoint_since(runtime: Runtime, container: engine.Container) -> Checkpoint | None:
+    started = container.started()
+    for checkpoint in reversed(list_complete_checkpoints(runtime.job_dir)):
+        try:
+            meta = read_meta(checkpoint)
+        except (OSError, ValueError):
+            continue
+        written = datetime.fromtimestamp(checkpoint.path.stat().st_mtime, timezone.utc)
+        if meta.get("reason") == "emergency" and (started is None or written >= started):
+            return checkpoint
+        break
+    return None
+
+
+def _wait_for_exit(container_id: str) -> engine.Container:
+    subprocess.run(["docker", "wait", container_id], capture_output=True)
+    final = engine.inspect_container(container_id)
+    if final is None:
+        raise JobError(f"container {container_id[:12]} disappeared")
+    return final
+
+
+# --- logs, status, latest, list -----------------------------------------------------------------
+
+
+def show_logs(runtime: Runtime, tail: str, follow: bool) -> None:
+    if engine.find_container(compose.project_name(runtime.job_name)) is None:
+        raise JobError(f"job {runtime.job_name} has no container yet; start it with `invoke start`")
+    if not compose.override_path(runtime).exists():
+        compose.write_override(runtime)
+    args = ["logs", "--no-log-prefix", "--tail", tail] + (["--follow"] if follow else [])
+    try:
+        subprocess.run(compose.compose_command(runtime, *args, compose.SERVICE))
+    except KeyboardInterrupt:
+        pass
+
+
+def status_lines(runtime: Runtime) -> list[str]:
+    """What `invoke status` prints: container state, progress, latest checkpoint, timer."""
+    lines = [f"job         {runtime.job_name}  ({runtime.config_path})"]
+    try:
+        container = engine.find_container(compose.project_name(runtime.job_name))
+        if container is None:
+            state = "not started"
+        elif container.running:
+            state = f"{container.status} for {_age(container.started())} ({container.name})"
+        else:
+            state = f"{container.status} (exit code {container.exit_code}) {_age(container.finished())} ago"
+    except engine.EngineError as error:
+        state = f"unknown: {error}"
+    lines.append(f"container   {state}")
+    lines.append(f"progress    {_progress(runtime.job_dir)}")
+    complete = list_complete_checkpoints(runtime.job_dir)
+    if complete:
+        lines.append(f"latest      {complete[-1].path} ({_reason(complete[-1])}; {len(complete)} complete)")
+    else:
+        lines.append("latest      no complete checkpoint")
+    state_timer = timer.read_timer(compose.state_dir(runtime))
+    if state_timer is None:
+        lines.append("timer       none")
+    else:
+        left = timer.seconds_left(state_timer)
+        lines.append(f"timer       graceful stop in {_duration(left)} (at {_clock(state_timer.deadline)})")
+    return lines
+
+
+def latest_path(runtime: Runtime) -> Path:
+    complete = list_complete_checkpoints(runtime.job_dir)
+    if not complete:
+        raise JobError(f"no complete checkpoint in {runtime.job_dir}")
+    return complete[-1].path
+
+
+def list_paths(runtime: Runtime) -> list[Path]:
+    return [checkpoint.path for checkpoint in list_complete_checkpoints(runtime.job_dir)]
+
+
+# --- clean --------------------------------------------------------------------------------------------
+
+
+def clean_job(runtime: Runtime, keep: int | None, force: bool) -> None:
+    """Preview (or with ``force`` delete) all but the ``keep`` newest complete checkpoints."""
+    keep = runtime.checkpoint_keep_last if keep is None else keep
+    if keep < 1:
+        raise JobError(f"--keep must be at least 1 (the newest checkpoint is never removed), got {keep}", code=2)
+    scan = scan_job_dir(runtime.job_dir)
+    kept, removed = plan_retention(scan.complete, keep)
+    verb = "removing" if force else "would remove"
+    _say(f"job dir {runtime.job_dir}: {len(scan.complete)} complete checkpoint(s), keeping the {keep} newest")
+    for checkpoint in kept:
+        _say(f"  keep          {checkpoint.name}")
+    for checkpoint in removed:
+        _say(f"  {verb:<13} {checkpoint.name}")
+    for checkpoint in scan.incomplete:
+        _say(f"  incomplete    {checkpoint.name} (missing files; not touched)")
+    for staging in scan.staging:
+        _say(f"  stale staging {staging.name}")
+    if not force:
+        _say("preview only: nothing was deleted; run again with --force to delete")
+        return
+    for checkpoint in removed:
+        remove_checkpoint(runtime.job_dir, checkpoint)
+    staging_removed = 0
+    if scan.staging and _trainer_may_run(runtime):
+        _say("staging folders kept: a trainer may be writing them (stop the job first)")
+    elif scan.staging:
+        for staging in scan.staging:
+            remove_job_entry(runtime.job_dir, staging)
+        staging_removed = len(scan.staging)
+    _say(f"deleted {len(removed)} checkpoint(s) and {staging_removed} staging folder(s)")
+
+
+def _trainer_may_run(runtime: Runtime) -> bool:
+    try:
+        container = engine.find_container(compose.project_name(runtime.job_name))
+    except engine.EngineError:
+        return True  # cannot tell, so assume the worst
+    return container is not None and container.running
+
+
+# --- helpers --------------------------------------------------------------------------------------------
+
+
+def _run_compose(runtime: Runtime, *args: str, what: str) -> None:
+    command = compose.compose_command(runtime, *args)
+    result = subprocess.run(command, stdout=sys.stdout, stderr=sys.stderr)
+    if result.returncode != 0:
+        raise JobError(f"{what} failed (exit {result.returncode}): {compose.format_command(command)}")
+
+
+def _daemon_up() -> bool:
+    try:
+        engine.daemon_version()
+    except engine.EngineError:
+        return False
+    return True
+
+
+def last_progress(job_dir: Path) -> dict | None:
+    """The newest progress report of a job (a line of metrics.jsonl), or None."""
+    last = _last_line(job_dir / METRICS_FILE)
+    try:
+        entry = json.loads(last) if last is not None else None
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) and "step" in entry and "max_steps" in entry else None
+
+
+def _progress(job_dir: Path) -> str:
+    entry = last_progress(job_dir)
+    if entry is None:
+        return "no progress reported yet"
+    step, max_steps = entry["step"], entry["max_steps"]
+    parts = [f"step {step}/{max_steps} ({100.0 * step / max(max_steps, 1):.0f}%)"]
+    if isinstance(entry.get("loss"), (int, float)):
+        parts.append(f"loss {entry['loss']:.4f}")
+    if isinstance(entry.get("tokens_per_s"), (int, float)):
+        parts.append(f"{entry['tokens_per_s']:.0f} tok/s")
+    if isinstance(entry.get("eta_s"), (int, float)) and step < max_steps:
+        parts.append(f"eta {_duration(entry['eta_s'])}")
+    if isinstance(entry.get("time"), (int, float)):
+        parts.append(f"reported {_duration(time.time() - entry['time'])} ago")
+    return ", ".join(parts)
+
+
+def _last_line(path: Path, chunk: int = 8192) -> str | None:
+    """The last non-empty line of a file, read from its end (metrics files grow large)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - chunk))
+            lines = [line for line in handle.read().splitlines() if line.strip()]
+    except OSError:
+        return None
+    return lines[-1].decode("utf-8", errors="replace") if lines else None
+
+
+def _reason(checkpoint: Checkpoint) -> str:
+    try:
+        return str(read_meta(checkpoint).get("reason", "unknown reason"))
+    except (OSError, ValueError):
+        return "unreadable meta.json"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _age(moment: datetime | None) -> str:
+    if moment is None:
+        return "?"
+    return _duration((datetime.now(timezone.utc) - moment).total_seconds())
+
+
+def _clock(unix_time: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_time))

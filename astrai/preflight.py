@@ -1,0 +1,207 @@
+"""`invoke preflight`: every check that can fail before a job starts, as one checklist.
+
+Each check says what it found; a failed one also says what to do. The schema
+check comes first (``resolve_runtime`` raises before any of this runs); the
+rest run even after a failure, so one pass shows every problem.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from astrai import compose, engine
+from astrai.checkpoints import latest_complete_checkpoint
+from astrai.hostuser import host_user_ids, make_dirs
+from astrai.runtime import Runtime, trainer_value
+
+PASS, FAIL, SKIP = "✓", "✗", "-"
+BASE_MODEL_FILES = ("config.json", "model.safetensors")
+CDI_SPEC_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
+
+
+@dataclass(frozen=True)
+class Check:
+    mark: str
+    """PASS, FAIL, or SKIP (not applicable; never fails the checklist)."""
+    name: str
+    detail: str
+    hint: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.mark == FAIL
+
+
+def run_checks(runtime: Runtime, document: dict) -> list[Check]:
+    """Run every check for a validated runtime; creates the job dir if it is missing."""
+    checks = [Check(PASS, "schema", f"{runtime.config_path}: runtime block is valid (job {runtime.job_name})")]
+    checks += _docker_checks()
+    checks.append(_data_dir_check(runtime))
+    checks.append(_job_dir_check(runtime))
+    checks.append(_base_model_check(runtime))
+    if runtime.uses_gpu:
+        checks.append(_gpu_runtime_check())
+        checks.append(_gpu_indices_check(runtime))
+    checks.append(_data_root_path_check(document))
+    checks.append(_compose_config_check(runtime))
+    return checks
+
+
+def format_checklist(checks: list[Check]) -> str:
+    width = max(len(check.name) for check in checks)
+    lines = []
+    for check in checks:
+        lines.append(f"{check.mark} {check.name.ljust(width)}  {check.detail}")
+        if check.failed and check.hint:
+            lines.append(f"  {' ' * width}  → {check.hint}")
+    failed = sum(check.failed for check in checks)
+    lines.append("preflight passed" if failed == 0 else f"preflight failed: {failed} check(s) need attention")
+    return "\n".join(lines)
+
+
+def _docker_checks() -> list[Check]:
+    cli = shutil.which("docker")
+    if cli is None:
+        return [
+            Check(FAIL, "docker CLI", "not found on PATH", "install Docker Engine (Debian: apt-get install docker.io)"),
+            Check(SKIP, "docker daemon", "not checked without the CLI"),
+            _compose_check(),
+        ]
+    checks = [Check(PASS, "docker CLI", cli)]
+    try:
+        version = engine.daemon_version()
+        checks.append(Check(PASS, "docker daemon", f"reachable, engine {version}"))
+    except engine.EngineError as error:
+        where = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+        checks.append(
+            Check(
+                FAIL, "docker daemon", f"{error} (DOCKER_HOST={where})",
+                "start it (`sudo systemctl start docker`, or `sudo dockerd &`), or point DOCKER_HOST at a "
+                "running engine; your user needs access to its socket (the docker group)",
+            )
+        )
+    checks.append(_compose_check())
+    return checks
+
+
+def _compose_check() -> Check:
+    try:
+        program = compose.compose_program()
+    except compose.ComposeError as error:
+        return Check(FAIL, "compose v2", str(error))
+    return Check(PASS, "compose v2", " ".join(program))
+
+
+def _data_dir_check(runtime: Runtime) -> Check:
+    path = runtime.data_dir
+    if not path.is_dir():
+        return Check(FAIL, "data dir", f"{path} does not exist",
+                     "create it with `invoke init`, then prepare data with `python -m astrai.data prepare --out "
+                     f"{path} FILE...` (runtime.paths.data)")
+    if not os.access(path, os.R_OK | os.X_OK):
+        return Check(FAIL, "data dir", f"{path} is not readable", "fix its permissions (runtime.paths.data)")
+    return Check(PASS, "data dir", f"{path} is readable")
+
+
+def _job_dir_check(runtime: Runtime) -> Check:
+    path = runtime.job_dir
+    try:
+        make_dirs(path)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".preflight-"):
+            pass
+    except OSError as error:
+        return Check(FAIL, "checkpoint dir", f"{path} is not writable ({error.strerror})",
+                     "fix ownership or permissions of runtime.paths.checkpoints, or run `invoke init`")
+    uid, gid = host_user_ids()
+    if uid != os.getuid():
+        # Running as root for a sudo user: the container writes as that user, not as root.
+        info = path.stat()
+        if info.st_uid != uid and not info.st_mode & 0o002:
+            return Check(FAIL, "checkpoint dir", f"{path} belongs to uid {info.st_uid} but the container runs as "
+                         f"uid {uid}", f"sudo chown -R {uid}:{gid} {path}")
+    return Check(PASS, "checkpoint dir", f"{path} is writable")
+
+
+def _base_model_check(runtime: Runtime) -> Check:
+    latest = latest_complete_checkpoint(runtime.job_dir)
+    if latest is not None:
+        return Check(PASS, "base model", f"not needed: the job resumes from {latest.path}")
+    problems = []
+    for name in BASE_MODEL_FILES:
+        path = runtime.model_dir / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size == 0:
+            problems.append(f"{name} is empty")
+    if problems:
+        return Check(FAIL, "base model", f"{runtime.model_dir}: {', '.join(problems)} and no checkpoint to resume",
+                     f"write one with `python -m astrai.model init {runtime.model_dir} --preset tiny` "
+                     "(runtime.paths.model)")
+    return Check(PASS, "base model", f"{runtime.model_dir} holds {' and '.join(BASE_MODEL_FILES)}")
+
+
+def _gpu_runtime_check() -> Check:
+    try:
+        runtimes = engine.docker("info", "--format", "{{json .Runtimes}}").stdout
+    except engine.EngineError:
+        runtimes = ""
+    if '"nvidia"' in runtimes:
+        return Check(PASS, "gpu runtime", "Docker knows the nvidia runtime")
+    if shutil.which("nvidia-container-runtime-hook"):
+        return Check(PASS, "gpu runtime", "the NVIDIA container runtime hook is installed")
+    specs = [p for d in CDI_SPEC_DIRS if d.is_dir() for p in d.iterdir() if "nvidia" in p.name]
+    if specs:
+        return Check(PASS, "gpu runtime", f"NVIDIA CDI spec {specs[0]}")
+    return Check(FAIL, "gpu runtime", "Docker has no NVIDIA runtime or CDI device",
+                 "install the NVIDIA Container Toolkit and run `sudo nvidia-ctk runtime configure --runtime=docker`, "
+                 "or train on CPU with runtime.gpu.devices: none")
+
+
+def _gpu_indices_check(runtime: Runtime) -> Check:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return Check(SKIP, "gpu devices", "nvidia-smi not found; the indices are checked when the container starts")
+    result = subprocess.run([smi, "-L"], capture_output=True, text=True)
+    found = [int(m) for m in re.findall(r"^GPU (\d+):", result.stdout, flags=re.MULTILINE)]
+    if result.returncode != 0 or not found:
+        return Check(FAIL, "gpu devices", f"`nvidia-smi -L` lists no GPU ({result.stderr.strip() or 'no output'})",
+                     "check the NVIDIA driver, or set runtime.gpu.devices: none")
+    if runtime.devices == "all":
+        return Check(PASS, "gpu devices", f"all {len(found)} GPU(s): {', '.join(map(str, found))}")
+    missing = [index for index in runtime.devices if index not in found]
+    if missing:
+        return Check(FAIL, "gpu devices", f"runtime.gpu.devices lists {missing} but the host has GPU(s) {found}",
+                     "use indices from `nvidia-smi -L`")
+    return Check(PASS, "gpu devices", f"GPU(s) {list(runtime.devices)} present (host has {len(found)})")
+
+
+def _data_root_path_check(document: dict) -> Check:
+    value = trainer_value(document, "data", "data_root_path", compose.CONTAINER_DATA)
+    if value != compose.CONTAINER_DATA:
+        return Check(FAIL, "trainer data path", f"data.data_root_path is {value!r}",
+                     f"set data.data_root_path: {compose.CONTAINER_DATA} (runtime.paths.data is mounted there)")
+    return Check(PASS, "trainer data path", f"data.data_root_path is {compose.CONTAINER_DATA}")
+
+
+def _compose_config_check(runtime: Runtime) -> Check:
+    try:
+        program = compose.compose_program()
+    except compose.ComposeError:
+        return Check(SKIP, "compose config", "not checked without Compose v2")
+    with tempfile.TemporaryDirectory(prefix="astrai-preflight-") as folder:
+        try:
+            override = compose.write_override(runtime, path=Path(folder) / compose.OVERRIDE_FILE_NAME)
+        except compose.ComposeError as error:
+            return Check(FAIL, "compose config", str(error))
+        command = compose.compose_command(runtime, "config", "--quiet", override=override)
+        result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        return Check(FAIL, "compose config", f"{' '.join(program)} rejected the rendered files: "
+                     f"{result.stderr.strip()}", "see `invoke render` for the override")
+    return Check(PASS, "compose config", "the rendered override is accepted")

@@ -1,0 +1,204 @@
+"""AstrAI training deployment: every command a user runs. `invoke --list` shows them.
+
+Each task parses its arguments, calls one plain function from ``astrai/`` and
+turns expected failures into a message and an exit code (never a traceback).
+Arguments after ``--`` on `start`, `restart` and `render` go to the trainer:
+
+    invoke start --config train.yaml -- --max_steps 500 --max_lr 1e-3
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+
+from invoke import Collection, Exit, task
+
+CONFIG_HELP = "the job's YAML file (default: ./train.yaml)"
+DEFAULT_CONFIG = "train.yaml"
+
+
+@contextlib.contextmanager
+def _user_errors():
+    """Expected failures end as a message on stderr and a non-zero exit, not a traceback."""
+    from astrai.baseimage import BaseImageError
+    from astrai.compose import ComposeError
+    from astrai.engine import EngineError
+    from astrai.jobs import JobError
+    from astrai.runtime import ConfigError, SchemaError
+
+    try:
+        yield
+    except ConfigError as error:
+        raise Exit(str(error), code=2) from None
+    except JobError as error:
+        raise Exit(f"error: {error}", code=error.code) from None
+    except SchemaError as error:
+        raise Exit(f"internal error: {error}", code=3) from None
+    except (ComposeError, EngineError, BaseImageError) as error:
+        raise Exit(f"error: {error}", code=1) from None
+
+
+def _load(config: str):
+    from astrai.runtime import load_config
+
+    return load_config(config)
+
+
+def _trainer_args(c) -> list[str]:
+    return shlex.split(c.remainder)
+
+
+@task(help={"config": CONFIG_HELP})
+def init(c, config=DEFAULT_CONFIG):
+    """Create the runtime folders (data, model, checkpoints, job dir); never writes the YAML."""
+    from astrai.jobs import init_job
+
+    with _user_errors():
+        _, runtime = _load(config)
+        created = init_job(runtime)
+    for path in created:
+        print(f"created {path}")
+    print(f"ready: job dir {runtime.job_dir}" if created else f"nothing to create: all folders of {config} exist")
+
+
+@task(help={"config": CONFIG_HELP})
+def preflight(c, config=DEFAULT_CONFIG):
+    """Check the config, Docker, Compose, paths, model and GPUs; non-zero on any failure."""
+    from astrai.jobs import run_preflight
+
+    with _user_errors():
+        document, runtime = _load(config)
+        run_preflight(runtime, document)
+
+
+@task(help={"config": CONFIG_HELP})
+def render(c, config=DEFAULT_CONFIG):
+    """Print the generated Compose override of a job (arguments after -- become the trainer's)."""
+    from astrai.compose import dump_override, render_override
+
+    with _user_errors():
+        _, runtime = _load(config)
+        print(dump_override(runtime, render_override(runtime, _trainer_args(c))), end="")
+
+
+@task(help={"config": CONFIG_HELP})
+def build(c, config=DEFAULT_CONFIG):
+    """Build the trainer image of a job."""
+    from astrai.jobs import build_image
+
+    with _user_errors():
+        _, runtime = _load(config)
+        build_image(runtime)
+
+
+@task(help={"config": CONFIG_HELP, "foreground": "stay attached to the logs; Ctrl-C stops the job gracefully"})
+def start(c, config=DEFAULT_CONFIG, foreground=False):
+    """Preflight, build, then start or resume the job (-- ARGS override trainer settings)."""
+    from astrai.jobs import start_job
+
+    with _user_errors():
+        document, runtime = _load(config)
+        code = start_job(runtime, document, _trainer_args(c), foreground=foreground)
+    if code:
+        raise Exit(code=code)
+
+
+@task(help={"config": CONFIG_HELP})
+def stop(c, config=DEFAULT_CONFIG):
+    """Stop gracefully: SIGTERM, emergency checkpoint, exit; cancels the max-duration timer."""
+    from astrai.jobs import stop_job
+
+    with _user_errors():
+        _, runtime = _load(config)
+        stop_job(runtime)
+
+
+@task(help={"config": CONFIG_HELP, "foreground": "stay attached to the logs after starting"})
+def restart(c, config=DEFAULT_CONFIG, foreground=False):
+    """Stop the job gracefully, then start it again (it resumes from the emergency checkpoint)."""
+    from astrai.jobs import start_job, stop_job
+
+    with _user_errors():
+        document, runtime = _load(config)
+        stop_job(runtime)
+        code = start_job(runtime, document, _trainer_args(c), foreground=foreground)
+    if code:
+        raise Exit(code=code)
+
+
+@task(help={"config": CONFIG_HELP, "tail": "lines of history to show first (a number or 'all')",
+            "follow": "keep following new lines (default on; --no-follow prints and exits)"})
+def logs(c, config=DEFAULT_CONFIG, tail="100", follow=True):
+    """Follow the trainer's logs (progress lines name the step)."""
+    from astrai.jobs import show_logs
+
+    if tail != "all" and not tail.isdigit():
+        raise Exit(f"error: --tail takes a number of lines or 'all', got {tail!r}", code=2)
+    with _user_errors():
+        _, runtime = _load(config)
+        show_logs(runtime, tail, follow)
+
+
+@task(help={"config": CONFIG_HELP})
+def status(c, config=DEFAULT_CONFIG):
+    """Show the container state, progress, latest checkpoint and timer of a job."""
+    from astrai.jobs import status_lines
+
+    with _user_errors():
+        _, runtime = _load(config)
+        print("\n".join(status_lines(runtime)))
+
+
+@task(help={"config": CONFIG_HELP})
+def latest(c, config=DEFAULT_CONFIG):
+    """Print the path of the newest complete checkpoint."""
+    from astrai.jobs import latest_path
+
+    with _user_errors():
+        _, runtime = _load(config)
+        print(latest_path(runtime))
+
+
+@task(name="list", help={"config": CONFIG_HELP})
+def list_(c, config=DEFAULT_CONFIG):
+    """Print the path of every complete checkpoint, oldest first by (epoch, step)."""
+    from astrai.jobs import list_paths
+
+    with _user_errors():
+        _, runtime = _load(config)
+        for path in list_paths(runtime):
+            print(path)
+
+
+@task(help={"config": CONFIG_HELP,
+            "keep": "how many newest complete checkpoints to keep (default: runtime.container.checkpoint_keep_last)",
+            "force": "really delete; without it, only show what would go"})
+def clean(c, config=DEFAULT_CONFIG, keep=None, force=False):
+    """Preview removal of old complete checkpoints; delete only with --force."""
+    from astrai.jobs import clean_job
+
+    try:
+        keep = None if keep is None else int(keep)
+    except ValueError:
+        raise Exit(f"error: --keep takes a whole number of at least 1, got {keep!r}", code=2) from None
+    with _user_errors():
+        _, runtime = _load(config)
+        clean_job(runtime, keep, force)
+
+
+@task(help={"workdir": "where the demo writes its model, data, config and checkpoints (default: ./demo)",
+            "fresh": "delete the demo job dir of an earlier run first"})
+def demo(c, workdir="demo", fresh=False):
+    """Run a tiny CPU job end to end: init, preflight, start, stop, resume, finish."""
+    from pathlib import Path
+
+    from astrai.demo import run_demo
+
+    with _user_errors():
+        run_demo(Path(workdir), fresh=fresh)
+
+
+namespace = Collection(
+    init, preflight, render, build, start, stop, restart, logs, status, latest, list_, clean, demo,
+)

@@ -1,0 +1,164 @@
+"""The invoke tasks as a user runs them: exit codes, messages, and a disk left alone on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runtime_cases import MALFORMED, mutated
+
+REPO = Path(__file__).resolve().parents[2]
+COMPLETE_FILES = ("meta.json", "config.json", "model.safetensors", "optimizer.pt", "scheduler.pt")
+# Every task that reads a config must reject a bad one before it does anything.
+COMMANDS = [["init"], ["preflight"], ["start"], ["render"], ["clean", "--force"], ["stop"], ["build"],
+            ["status"], ["latest"], ["list"], ["restart"], ["logs", "--no-follow"]]
+
+
+def invoke(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "invoke", "--search-root", str(REPO), *args],
+                          cwd=cwd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+
+
+def _snapshot(folder: Path) -> list[tuple[str, int]]:
+    return sorted((str(path.relative_to(folder)), path.stat().st_mtime_ns) for path in folder.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    ("index", "changes", "key"),
+    [(index, case[1], case[2]) for index, case in enumerate(MALFORMED)],
+    ids=[case[0] for case in MALFORMED],
+)
+def test_malformed_config_exits_non_zero_names_the_key_and_changes_nothing(tmp_path, index, changes, key):
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump(mutated(changes), sort_keys=False), encoding="utf-8")
+    before = _snapshot(tmp_path)
+    command = COMMANDS[index % len(COMMANDS)]
+    result = invoke(*command, "--config", str(config))
+    assert result.returncode == 2, result
+    assert f"{config}: {key}: " in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert _snapshot(tmp_path) == before
+
+
+def test_yaml_syntax_error_gives_the_line_and_exit_2(tmp_path):
+    config = tmp_path / "train.yaml"
+    config.write_text("runtime:\n  job_name: x\n  gpu: [\n", encoding="utf-8")
+    result = invoke("init", "--config", str(config))
+    assert result.returncode == 2
+    assert f"{config}:4:" in result.stderr and "YAML syntax error" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_config_is_a_clear_error(tmp_path):
+    result = invoke("preflight", "--config", str(tmp_path / "nope.yaml"))
+    assert result.returncode == 2
+    assert "nope.yaml: file not found" in result.stderr
+
+
+def test_config_defaults_to_train_yaml_in_the_working_directory(tmp_path):
+    (tmp_path / "train.yaml").write_text("runtime:\n  job_name: here\n  gpu: {devices: none}\n"
+                                         "  container: {cuda_tag: cpu}\n")
+    result = invoke("init", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "checkpoints" / "here").is_dir()
+
+
+def test_every_verb_is_listed_with_help():
+    result = invoke("--list")
+    assert result.returncode == 0
+    for verb in ("init", "preflight", "build", "start", "stop", "restart", "logs", "status", "latest", "list",
+                 "clean", "render", "demo", "bench"):
+        assert f"  {verb} " in result.stdout, verb
+
+
+@pytest.fixture
+def job(tmp_path):
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump({"runtime": {"job_name": "j", "gpu": {"devices": "none"},
+                                                  "container": {"cuda_tag": "cpu", "checkpoint_keep_last": 2}}}))
+    return config, tmp_path / "checkpoints" / "j"
+
+
+def _checkpoint(job_dir: Path, epoch: int, step: int, complete: bool = True) -> Path:
+    folder = job_dir / f"epoch_{epoch}_step_{step}"
+    folder.mkdir(parents=True)
+    for name in COMPLETE_FILES if complete else COMPLETE_FILES[:2]:
+        (folder / name).write_text(json.dumps({"epoch": epoch, "step": step, "reason": "periodic"}))
+    return folder
+
+
+def test_init_creates_the_runtime_folders_and_never_touches_the_yaml(job):
+    config, job_dir = job
+    text = config.read_text()
+    result = invoke("init", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    for name in ("data", "params", "checkpoints", "checkpoints/j"):
+        assert (config.parent / name).is_dir()
+    assert config.read_text() == text
+    again = invoke("init", "--config", str(config))
+    assert again.returncode == 0 and "nothing to create" in again.stdout
+
+
+def test_latest_and_list_order_numerically_and_skip_incomplete(job):
+    config, job_dir = job
+    for epoch, step in [(0, 900), (1, 1000), (0, 100), (1, 950)]:
+        _checkpoint(job_dir, epoch, step)
+    _checkpoint(job_dir, 9, 9999, complete=False)
+    (job_dir / ".staging-epoch_9_step_10000-1-abcd").mkdir()
+    listed = invoke("list", "--config", str(config))
+    assert listed.stdout.split() == [str(job_dir / name) for name in
+                                     ("epoch_0_step_100", "epoch_0_step_900", "epoch_1_step_950", "epoch_1_step_1000")]
+    latest = invoke("latest", "--config", str(config))
+    assert latest.returncode == 0 and latest.stdout.strip() == str(job_dir / "epoch_1_step_1000")
+
+
+def test_latest_without_checkpoints_fails_clearly(job):
+    config, _ = job
+    result = invoke("latest", "--config", str(config))
+    assert result.returncode == 1 and "no complete checkpoint" in result.stderr
+
+
+def test_clean_previews_without_force_then_keeps_exactly_the_newest(job):
+    config, job_dir = job
+    folders = [_checkpoint(job_dir, 0, step) for step in (100, 200, 300, 400, 500)]
+    partial = _checkpoint(job_dir, 0, 600, complete=False)
+    outside = config.parent / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep me")
+    (job_dir / "epoch_0_step_50").symlink_to(outside, target_is_directory=True)
+    before = _snapshot(config.parent)
+
+    preview = invoke("clean", "--config", str(config), "--keep", "3")
+    assert preview.returncode == 0, preview.stderr
+    assert "would remove  epoch_0_step_100" in preview.stdout and "nothing was deleted" in preview.stdout
+    assert _snapshot(config.parent) == before
+
+    forced = invoke("clean", "--config", str(config), "--keep", "3", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert [path.exists() for path in folders] == [False, False, True, True, True]
+    assert partial.exists(), "incomplete folders are not checkpoints and are left alone"
+    assert (outside / "precious.txt").read_text() == "keep me"
+    assert (job_dir / "epoch_0_step_50").is_symlink()
+
+
+def test_clean_keep_defaults_to_checkpoint_keep_last(job):
+    config, job_dir = job
+    for step in (1, 2, 3, 4):
+        _checkpoint(job_dir, 0, step)
+    invoke("clean", "--config", str(config), "--force")
+    assert sorted(path.name for path in job_dir.iterdir()) == ["epoch_0_step_3", "epoch_0_step_4"]
+
+
+@pytest.mark.parametrize("keep", ["0", "-1", "two"])
+def test_clean_rejects_a_keep_below_one(job, keep):
+    config, job_dir = job
+    _checkpoint(job_dir, 0, 1)
+    result = invoke("clean", "--config", str(config), "--keep", keep, "--force")
+    assert result.returncode == 2 and "--keep" in result.stderr
+    assert (job_dir / "epoch_0_step_1").exists()
