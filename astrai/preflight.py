@@ -23,6 +23,7 @@ from astrai.runtime import Runtime, trainer_value
 PASS, FAIL, SKIP = "✓", "✗", "-"
 BASE_MODEL_FILES = ("config.json", "model.safetensors")
 CDI_SPEC_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
+READ, WRITE, EXECUTE = 4, 2, 1
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,11 @@ def _data_dir_check(runtime: Runtime) -> Check:
         return Check(FAIL, "data dir", f"{path} does not exist",
                      "create it with `invoke init`, then prepare data with `python -m astrai.data prepare --out "
                      f"{path} FILE...` (runtime.paths.data)")
-    if not os.access(path, os.R_OK | os.X_OK):
-        return Check(FAIL, "data dir", f"{path} is not readable", "fix its permissions (runtime.paths.data)")
+    unreadable = [p for p in [path, *path.iterdir()] if not _container_may(p, READ)]
+    if unreadable:
+        uid, gid = host_user_ids()
+        return Check(FAIL, "data dir", f"{unreadable[0]} is not readable by uid {uid}, which the container runs as",
+                     f"sudo chown -R {uid}:{gid} {path}  (or chmod -R a+rX {path})")
     return Check(PASS, "data dir", f"{path} is readable")
 
 
@@ -118,13 +122,10 @@ def _job_dir_check(runtime: Runtime) -> Check:
     except OSError as error:
         return Check(FAIL, "checkpoint dir", f"{path} is not writable ({error.strerror})",
                      "fix ownership or permissions of runtime.paths.checkpoints, or run `invoke init`")
-    uid, gid = host_user_ids()
-    if uid != os.getuid():
-        # Running as root for a sudo user: the container writes as that user, not as root.
-        info = path.stat()
-        if info.st_uid != uid and not info.st_mode & 0o002:
-            return Check(FAIL, "checkpoint dir", f"{path} belongs to uid {info.st_uid} but the container runs as "
-                         f"uid {uid}", f"sudo chown -R {uid}:{gid} {path}")
+    if not _container_may(path, WRITE):
+        uid, gid = host_user_ids()
+        return Check(FAIL, "checkpoint dir", f"{path} is not writable by uid {uid}, which the container runs as",
+                     f"sudo chown -R {uid}:{gid} {path}")
     return Check(PASS, "checkpoint dir", f"{path} is writable")
 
 
@@ -139,11 +140,28 @@ def _base_model_check(runtime: Runtime) -> Check:
             problems.append(f"{name} is missing")
         elif path.stat().st_size == 0:
             problems.append(f"{name} is empty")
+        elif not _container_may(path, READ):
+            problems.append(f"{name} is not readable by uid {host_user_ids()[0]}, which the container runs as")
     if problems:
         return Check(FAIL, "base model", f"{runtime.model_dir}: {', '.join(problems)} and no checkpoint to resume",
-                     f"write one with `python -m astrai.model init {runtime.model_dir} --preset tiny` "
-                     "(runtime.paths.model)")
+                     f"write one with `python -m astrai.model init {runtime.model_dir} --preset tiny`, or fix its "
+                     "permissions (runtime.paths.model)")
     return Check(PASS, "base model", f"{runtime.model_dir} holds {' and '.join(BASE_MODEL_FILES)}")
+
+
+def _container_may(path: Path, access: int) -> bool:
+    """Whether the container's user (the host user, see hostuser) gets ``access`` (READ or WRITE) on ``path``.
+
+    Decided from the mode bits rather than os.access, which answers for the
+    current process: under sudo that is root, who may do anything.
+    """
+    uid, gid = host_user_ids()
+    if uid == 0:
+        return True
+    info = path.stat()
+    shift = 6 if info.st_uid == uid else 3 if info.st_gid == gid else 0
+    needed = access | (EXECUTE if path.is_dir() else 0)
+    return (info.st_mode >> shift) & needed == needed
 
 
 def _gpu_runtime_check() -> Check:
