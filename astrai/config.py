@@ -1,0 +1,301 @@
+"""The trainer's configuration: the model/data/parallel/training/ckpt/log sections of train.yaml.
+
+Every key is unique across sections, so the command line can name it flat:
+``--max_steps 300`` overrides ``training.max_steps``. Explicit arguments beat
+YAML values. The ``runtime:`` section belongs to the host and is ignored here;
+any other unknown section or key is an error with a close-match hint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+HOST_SECTION = "runtime"
+
+
+class ConfigError(Exception):
+    """A bad trainer config; the message names the key, the value and what is allowed."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    activation_checkpointing: bool = False
+    """Recompute each block's activations during backward: less memory for ~30% more compute."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (needs a C++ compiler on CPU)."""
+
+
+@dataclass(frozen=True)
+class DataSection:
+    data_root_path: str = "/data"
+    """Folder written by ``python -m astrai.data prepare`` (manifest.json + shards)."""
+    window_size: int = 256
+    """Tokens per training sequence; at most the model's max_seq_len."""
+    num_workers: int = 1
+    """DataLoader worker processes; one keeps reading off the training thread, 0 reads in the main process."""
+
+    def __post_init__(self) -> None:
+        _check(self.window_size >= 1, "data.window_size", self.window_size, "an integer >= 1")
+        _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "an integer >= 0")
+
+
+PARALLEL_MODES = ("none", "ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    parallel_mode: str = "none"
+    """none (one process), ddp or fsdp (two or more processes under torchrun)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.parallel_mode in PARALLEL_MODES,
+            "parallel.parallel_mode",
+            self.parallel_mode,
+            " | ".join(PARALLEL_MODES),
+        )
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class TrainingSection:
+    max_steps: int = 1000
+    """Optimizer steps of the whole run; the learning-rate schedule spans them."""
+    batch_per_device: int = 8
+    """Sequences per micro-batch on each process."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    max_lr: float = 3e-4
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay, as a fraction of max_lr."""
+    warmup_ratio: float = 0.02
+    """Fraction of max_steps spent warming the learning rate up linearly."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices and embeddings but not to norm weights."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    random_seed: int = 1337
+    """All randomness derives from it: data order per epoch, and each rank's RNG (seed + rank)."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu or cuda."""
+
+    def __post_init__(self) -> None:
+        for key in ("max_steps", "batch_per_device", "grad_accum_steps"):
+            _check(getattr(self, key) >= 1, f"training.{key}", getattr(self, key), "an integer >= 1")
+        _check(self.max_lr > 0, "training.max_lr", self.max_lr, "a number > 0")
+        _check(0 <= self.min_lr_ratio <= 1, "training.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        _check(0 <= self.warmup_ratio < 1, "training.warmup_ratio", self.warmup_ratio, "a number in [0, 1)")
+        _check(self.weight_decay >= 0, "training.weight_decay", self.weight_decay, "a number >= 0")
+        _check(self.max_grad_norm >= 0, "training.max_grad_norm", self.max_grad_norm, "a number >= 0 (0 = no clipping)")
+        for key in ("adam_beta1", "adam_beta2"):
+            _check(0 <= getattr(self, key) < 1, f"training.{key}", getattr(self, key), "a number in [0, 1)")
+        _check(self.adam_eps > 0, "training.adam_eps", self.adam_eps, "a number > 0")
+        _check(self.random_seed >= 0, "training.random_seed", self.random_seed, "an integer >= 0")
+        _check(self.device in DEVICES, "training.device", self.device, " | ".join(DEVICES))
+
+
+@dataclass(frozen=True)
+class CkptSection:
+    ckpt_interval: int = 500
+    """Optimizer steps between periodic checkpoints."""
+    ckpt_dir: str = "/checkpoints/astrai-train"
+    """The job's checkpoint folder; also holds metrics.jsonl."""
+    param_path: str = "/models/base"
+    """Base model folder (config.json + model.safetensors) used when there is no checkpoint to resume."""
+    keep_last: int | None = None
+    """Keep only this many newest checkpoints (the newest is never deleted); null keeps all."""
+
+    def __post_init__(self) -> None:
+        _check(self.ckpt_interval >= 1, "ckpt.ckpt_interval", self.ckpt_interval, "an integer >= 1")
+        _check(
+            self.keep_last is None or self.keep_last >= 1,
+            "ckpt.keep_last",
+            self.keep_last,
+            "an integer >= 1, or null to keep all",
+        )
+
+
+@dataclass(frozen=True)
+class LogSection:
+    log_interval: int = 10
+    """Optimizer steps between progress lines (and metrics.jsonl records)."""
+
+    def __post_init__(self) -> None:
+        _check(self.log_interval >= 1, "log.log_interval", self.log_interval, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    ckpt: CkptSection = field(default_factory=CkptSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def config_hash(self) -> str:
+        """Short stable hash of the resolved config, recorded in every checkpoint's meta.json."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+_SECTION_CLASSES = {
+    "model": ModelSection,
+    "data": DataSection,
+    "parallel": ParallelSection,
+    "training": TrainingSection,
+    "ckpt": CkptSection,
+    "log": LogSection,
+}
+# Flat key -> section: the command line names keys without their section.
+KEY_SECTION: dict[str, str] = {
+    f.name: section for section, cls in _SECTION_CLASSES.items() for f in dataclasses.fields(cls)
+}
+
+
+def _check(ok: bool, key: str, value, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: expected {allowed}, got {value!r}")
+
+
+def close_match_hint(name: str, choices) -> str:
+    """'; did you mean X?' for the closest of ``choices``, else the list of them."""
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(choices))}"
+
+
+def _field_types(cls) -> dict[str, object]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(dotted: str, value, kind, from_text: bool):
+    """Check (YAML) or parse (command line text) one value against its field type."""
+    optional = isinstance(kind, types.UnionType) and type(None) in kind.__args__
+    if optional:
+        kind = next(arg for arg in kind.__args__ if arg is not type(None))
+        if value is None or (from_text and value.lower() in ("null", "none", "~")):
+            return None
+    if kind is bool:
+        if from_text and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{dotted}: expected true or false, got {value!r}")
+    if kind is int:
+        if from_text:
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        elif isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{dotted}: expected an integer{' or null' if optional else ''}, got {value!r}")
+    if kind is float:
+        # PyYAML reads "3e-4" (no dot) as a string, so numeric strings are accepted from YAML too.
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{dotted}: expected a number, got {value!r}")
+    if isinstance(value, str):
+        return value
+    if not from_text and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{dotted}: expected a string, got {value!r}")
+
+
+def load_yaml(path: Path) -> dict:
+    """The trainer sections of a YAML file, checked for unknown sections and keys (``runtime`` is dropped)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found (pass --config FILE)") from None
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read config file: {error.strerror}") from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}:{where}: invalid YAML: {getattr(error, 'problem', None) or error}") from None
+    if document is None:
+        return {}
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    values: dict[str, dict] = {}
+    for section, body in document.items():
+        if section == HOST_SECTION:
+            continue
+        if section not in _SECTION_CLASSES:
+            raise ConfigError(
+                f"{path}: {section}: unknown section{close_match_hint(str(section), [*_SECTION_CLASSES, HOST_SECTION])}"
+            )
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise ConfigError(f"{path}: {section}: expected a mapping of keys, got {body!r}")
+        hints = _field_types(_SECTION_CLASSES[section])
+        for key, value in body.items():
+            if key not in hints:
+                where = (
+                    f"; it belongs in section {KEY_SECTION[key]!r}"
+                    if key in KEY_SECTION
+                    else close_match_hint(str(key), hints)
+                )
+                raise ConfigError(f"{path}: {section}.{key}: unknown key{where}")
+            values.setdefault(section, {})[key] = _coerce(f"{section}.{key}", value, hints[key], from_text=False)
+    return values
+
+
+def parse_overrides(pairs: list[tuple[str, str]]) -> dict:
+    """Command-line ``(key, text)`` pairs as section values; unknown keys raise with a hint."""
+    values: dict[str, dict] = {}
+    for key, text in pairs:
+        if key not in KEY_SECTION:
+            raise ConfigError(f"--{key}: unknown option{close_match_hint(key, KEY_SECTION)}")
+        section = KEY_SECTION[key]
+        kind = _field_types(_SECTION_CLASSES[section])[key]
+        values.setdefault(section, {})[key] = _coerce(f"{section}.{key} (--{key})", text, kind, from_text=True)
+    return values
+
+
+def build_config(*layers: dict) -> TrainerConfig:
+    """Merge section values, later layers winning, then validate every section."""
+    merged: dict[str, dict] = {}
+    for layer in layers:
+        for section, body in layer.items():
+            merged.setdefault(section, {}).update(body)
+    return TrainerConfig(**{name: cls(**merged.get(name, {})) for name, cls in _SECTION_CLASSES.items()})
+
+
+def load_config(path: Path, overrides: list[tuple[str, str]] = ()) -> TrainerConfig:
+    """The resolved config: defaults, then the YAML file, then command-line overrides."""
+    return build_config(load_yaml(path), parse_overrides(list(overrides)))
+
+
+def describe(config: TrainerConfig) -> str:
+    """The resolved config as YAML, sections in their usual order."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=False).rstrip()
