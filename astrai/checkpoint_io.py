@@ -1,0 +1,374 @@
+"""The torch side of checkpoints: when to save, what goes in, writing in the background, loading with fallback.
+
+The folder rules (names, completeness, staging, publish, retention) live in
+:mod:`astrai.checkpoints`, shared with the host. A checkpoint folder holds::
+
+    meta.json              progress, data position, reason, config hash (JSON)
+    config.json            the model architecture
+    model.safetensors      the full model, even under FSDP
+    optimizer.pt           full optimizer state keyed by parameter name (tensors and plain values only)
+    scheduler.pt           learning-rate scheduler state (plain values only)
+    rng_state.safetensors  every rank's torch RNG states
+
+``optimizer.pt`` and ``scheduler.pt`` are read with ``torch.load(weights_only=True)``,
+so a checkpoint folder can never run code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_optimizer_state_dict,
+)
+
+from astrai.checkpoints import (
+    Checkpoint,
+    checkpoint_name,
+    fsync_dir,
+    list_complete_checkpoints,
+    new_staging_dir,
+    parse_checkpoint_name,
+    plan_retention,
+    publish,
+    read_meta,
+    remove_checkpoint,
+    remove_job_entry,
+    scan_job_dir,
+)
+from astrai.distributed import DistEnv
+from astrai.model import ModelConfig, ModelLoadError, check_state_dict, save_tensors
+
+RNG_FILE = "rng_state.safetensors"
+REASONS = ("periodic", "final", "emergency")
+# What a damaged checkpoint file raises when read: truncated zip or safetensors, bad JSON,
+# a pickle that weights_only refuses, missing keys or wrong types in meta.json.
+_DAMAGED = (OSError, ValueError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError, SafetensorError)
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be written, or the one every rank agreed on could not be read."""
+
+
+@dataclass
+class Progress:
+    """Where the run is: what meta.json records and resume restores."""
+
+    step: int = 0
+    epoch: int = 0
+    samples_in_epoch: int = 0
+    """Windows of this epoch's permutation already trained on (all ranks together)."""
+    tokens_seen: int = 0
+
+
+@dataclass
+class LoadedCheckpoint:
+    checkpoint: Checkpoint
+    meta: dict
+    progress: Progress
+    model_config: ModelConfig
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict
+    scheduler_state: dict
+    rng_state: dict[str, torch.Tensor]
+
+
+class CheckpointManager:
+    """Checkpoint policy for one job dir: when to save, writing in the background, resuming with fallback.
+
+    Rank 0 writes every file; other ranks only take part in the collectives that
+    gather full state. Periodic saves copy the state to CPU and return while a
+    background thread writes, flushes and publishes it; final and emergency saves
+    wait; a new save first waits for the previous one.
+    """
+
+    def __init__(self, job_dir: Path, interval: int, keep_last: int | None, env: DistEnv, log: Callable[[str], None]):
+        self.job_dir = Path(job_dir)
+        self.interval = interval
+        self.keep_last = keep_last
+        self.env = env
+        self.log = log
+        self._host_copy = _HostCopy(pin=env.device.type == "cuda")
+        self._writer: threading.Thread | None = None
+        self._write_error: Exception | None = None
+
+    def reason_for(self, step: int, max_steps: int, stopping: bool) -> str | None:
+        """Why a checkpoint is due after ``step``, or None."""
+        if step >= max_steps:
+            return "final"
+        if stopping:
+            return "emergency"
+        if step % self.interval == 0:
+            return "periodic"
+        return None
+
+    def remove_leftovers(self) -> None:
+        """Delete staging and trash folders that an interrupted save or delete left behind (rank 0)."""
+        for path in scan_job_dir(self.job_dir).staging:
+            remove_job_entry(self.job_dir, path)
+
+    # Resuming
+
+    def load_latest(self) -> LoadedCheckpoint | None:
+        """The newest checkpoint that loads; ones that fail are skipped with a warning. None means start fresh.
+
+        Rank 0 picks; every other rank then reads the same folder.
+        """
+        loaded = None
+        if self.env.master_process:
+            scan = scan_job_dir(self.job_dir)
+            for checkpoint in scan.incomplete:
+                self.log(f"warning: skipping {checkpoint.path}: incomplete (a required file is missing)")
+            for checkpoint in reversed(scan.complete):
+                try:
+                    loaded = read_checkpoint(checkpoint)
+                    break
+                except CheckpointError as error:
+                    self.log(f"warning: skipping {checkpoint.path}: {error}")
+        if self.env.distributed:
+            chosen = [loaded.checkpoint.name if loaded else None]
+            dist.broadcast_object_list(chosen, src=0, group=self.env.control_group)
+            if not self.env.master_process and chosen[0] is not None:
+                epoch, step = parse_checkpoint_name(chosen[0])
+                loaded = read_checkpoint(Checkpoint(epoch, step, self.job_dir / chosen[0]))
+        return loaded
+
+    def restore(self, loaded: LoadedCheckpoint, model: torch.nn.Module, optimizer, scheduler) -> None:
+        """Load optimizer, scheduler and this rank's RNG state (the weights went in before wrapping)."""
+        set_optimizer_state_dict(
+            model, optimizer, loaded.optimizer_state, options=StateDictOptions(full_state_dict=True)
+        )
+        scheduler.load_state_dict(loaded.scheduler_state)
+        cpu_key, cuda_key = f"rank{self.env.rank}.cpu", f"rank{self.env.rank}.cuda"
+        if cpu_key in loaded.rng_state:
+            torch.set_rng_state(loaded.rng_state[cpu_key])
+        if cuda_key in loaded.rng_state and self.env.device.type == "cuda":
+            torch.cuda.set_rng_state(loaded.rng_state[cuda_key], self.env.device)
+
+    # Saving
+
+    def save(
+        self,
+        model,
+        optimizer,
+        scheduler,
+        model_config: ModelConfig,
+        progress: Progress,
+        reason: str,
+        extra_meta: dict,
+        wait: bool,
+    ) -> Path:
+        """Snapshot the training state now and write it as ``epoch_<E>_step_<S>`` (all ranks call this)."""
+        if reason not in REASONS:
+            raise ValueError(f"reason must be one of {REASONS}, got {reason!r}")
+        self.wait()
+        final = self.job_dir / checkpoint_name(progress.epoch, progress.step)
+        fsdp = self.env.parallel_mode == "fsdp"
+        # Full (unsharded) state. FSDP gathers it into fresh CPU tensors on rank 0 (other ranks get empty
+        # dicts); otherwise the tensors are the live parameters and optimizer moments themselves.
+        model_state, optimizer_state = get_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=fsdp)
+        )
+        rng_state = self._gather_rng_state()
+        if self.env.master_process:
+            # Live tensors must be copied when training goes on during the write, or when they sit on a GPU.
+            if not fsdp and (not wait or self.env.device.type != "cpu"):
+                model_state, optimizer_state = self._host_copy.copy((model_state, optimizer_state))
+            meta = {
+                "epoch": progress.epoch,
+                "step": progress.step,
+                "reason": reason,
+                "tokens_seen": progress.tokens_seen,
+                "data_position": {"epoch": progress.epoch, "samples_in_epoch": progress.samples_in_epoch},
+                "world_size": self.env.world_size,
+                "parallel_mode": self.env.parallel_mode,
+                "time": time.time(),
+                **extra_meta,
+            }
+            files = _CheckpointFiles(
+                model_state, optimizer_state, scheduler.state_dict(), rng_state, model_config, meta
+            )
+            self._write_error = None
+            self._writer = threading.Thread(
+                target=self._write, args=(files, final, reason), name="checkpoint-writer", daemon=False
+            )
+            self._writer.start()
+            if wait:
+                self.wait()
+        if wait and self.env.distributed:
+            # No rank reports or exits before the checkpoint is on disk.
+            dist.barrier(group=self.env.control_group)
+        return final
+
+    def wait(self) -> None:
+        """Block until the save in progress (if any) is published; re-raise its error."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._write_error is not None:
+            error, self._write_error = self._write_error, None
+            raise CheckpointError(f"writing a checkpoint failed: {error}") from error
+
+    def _gather_rng_state(self) -> dict[str, torch.Tensor]:
+        local = {"cpu": torch.get_rng_state()}
+        if self.env.device.type == "cuda":
+            local["cuda"] = torch.cuda.get_rng_state(self.env.device)
+        if not self.env.distributed:
+            return {f"rank{self.env.rank}.{kind}": state for kind, state in local.items()}
+        states = {}
+        for kind, state in local.items():
+            gathered = [torch.empty_like(state) for _ in range(self.env.world_size)]
+            dist.all_gather(gathered, state, group=self.env.control_group)
+            states.update({f"rank{rank}.{kind}": tensor for rank, tensor in enumerate(gathered)})
+        return states
+
+    def _write(self, files: _CheckpointFiles, final: Path, reason: str) -> None:
+        staging = None
+        try:
+            staging = new_staging_dir(self.job_dir, final.name)
+            files.write(staging)
+            publish(staging, final)
+            staging = None
+            if self.keep_last is not None:
+                self._apply_retention(Checkpoint(files.meta["epoch"], files.meta["step"], final))
+            if reason == "periodic":
+                self.log(f"saved periodic checkpoint {final}")
+        except Exception as error:  # any failure: wait() hands it to the main thread
+            self._write_error = error
+            if staging is not None and staging.exists():
+                remove_job_entry(self.job_dir, staging)
+
+    def _apply_retention(self, newest: Checkpoint) -> None:
+        # Only checkpoints up to the one just written count: a newer leftover (one that failed to load)
+        # must not push good checkpoints out.
+        candidates = [c for c in list_complete_checkpoints(self.job_dir) if c <= newest]
+        for old in plan_retention(candidates, self.keep_last)[1]:
+            remove_checkpoint(self.job_dir, old)
+            self.log(f"removed old checkpoint {old.path} (keep_last={self.keep_last})")
+
+
+@dataclass
+class _CheckpointFiles:
+    model_state: dict
+    optimizer_state: dict
+    scheduler_state: dict
+    rng_state: dict
+    model_config: ModelConfig
+    meta: dict
+
+    def write(self, folder: Path) -> None:
+        """Write every file into ``folder`` and flush it to disk; meta.json goes last."""
+        model_path, optimizer_path = folder / "model.safetensors", folder / "optimizer.pt"
+        save_tensors({k: v.contiguous() for k, v in self.model_state.items()}, model_path, metadata={"format": "pt"})
+        _start_writeback(model_path)
+        torch.save(self.optimizer_state, optimizer_path)
+        _start_writeback(optimizer_path)
+        torch.save(self.scheduler_state, folder / "scheduler.pt")
+        save_tensors(self.rng_state, folder / RNG_FILE)
+        (folder / "config.json").write_text(self.model_config.to_json(), encoding="utf-8")
+        (folder / "meta.json").write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        for entry in os.scandir(folder):
+            fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(folder)
+
+
+def _start_writeback(path: Path) -> None:
+    """Start flushing a written file to disk now, so the fsync at the end mostly finds it done.
+
+    On Linux, POSIX_FADV_DONTNEED submits a file's dirty pages for writeback without waiting; the disk
+    then works while the next file is serialized. Elsewhere the final fsync does all the flushing.
+    """
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class _HostCopy:
+    """Reusable CPU copies of a state tree, taken so that training can go on while a thread writes them.
+
+    The buffers are allocated by the first save and reused by the next ones (a new save waits for the
+    previous one), which spares the page faults of fresh memory on every save; on CUDA they are pinned
+    so the device-to-host copy runs at full speed.
+    """
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def copy(self, tree):
+        copied = self._copy(tree, ())
+        if self.pin:
+            torch.cuda.synchronize()
+        return copied
+
+    def _copy(self, tree, path: tuple):
+        if isinstance(tree, torch.Tensor):
+            buffer = self.buffers.get(path)
+            if buffer is None or buffer.shape != tree.shape or buffer.dtype != tree.dtype:
+                buffer = self.buffers[path] = torch.empty(tree.shape, dtype=tree.dtype, pin_memory=self.pin)
+            return buffer.copy_(tree.detach(), non_blocking=self.pin)
+        if isinstance(tree, dict):
+            return {key: self._copy(value, (*path, key)) for key, value in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(self._copy(value, (*path, index)) for index, value in enumerate(tree))
+        return tree
+
+
+def read_checkpoint(checkpoint: Checkpoint) -> LoadedCheckpoint:
+    """Read and check every file of a checkpoint; anything damaged raises CheckpointError with the reason."""
+    path = checkpoint.path
+    try:
+        meta = read_meta(checkpoint)
+        position = meta["data_position"]
+        progress = Progress(
+            step=_int(meta, "step"),
+            epoch=_int(meta, "epoch"),
+            samples_in_epoch=_int(position, "samples_in_epoch"),
+            tokens_seen=_int(meta, "tokens_seen"),
+        )
+        if (progress.epoch, progress.step) != (checkpoint.epoch, checkpoint.step):
+            raise ValueError(f"meta.json says epoch {progress.epoch} step {progress.step}, the folder name disagrees")
+        model_config = ModelConfig.load(path)
+        model_state = load_file(path / "model.safetensors", device="cpu")
+        check_state_dict(model_state, model_config, path / "model.safetensors")
+        optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+        if not isinstance(optimizer_state, dict) or not set(optimizer_state.get("state", {})) <= set(model_state):
+            raise ValueError("optimizer.pt: not an optimizer state keyed by this model's parameter names")
+        scheduler_state = torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True)
+        if not isinstance(scheduler_state, dict):
+            raise ValueError("scheduler.pt: not a scheduler state")
+        rng_state = load_file(path / RNG_FILE, device="cpu")
+    except ModelLoadError as error:
+        raise CheckpointError(str(error)) from None
+    except _DAMAGED as error:
+        raise CheckpointError(f"{type(error).__name__}: {error}") from None
+    return LoadedCheckpoint(
+        checkpoint, meta, progress, model_config, model_state, optimizer_state, scheduler_state, rng_state
+    )
+
+
+def _int(values: dict, key: str) -> int:
+    value = values[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"meta.json: {key} must be a non-negative integer, got {value!r}")
+    return value

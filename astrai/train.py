@@ -1,0 +1,474 @@
+"""The trainer: what the container runs, and what runs the same on a laptop CPU.
+
+One process (CPU, or one GPU)::
+
+    python -m astrai.train --config train.yaml
+    python -m astrai.train --config train.yaml --max_steps 300 --ckpt_dir ./checkpoints/try --dry-run
+
+Several processes on one machine (gloo on CPU, NCCL on GPUs)::
+
+    torchrun --standalone --nproc-per-node 2 -m astrai.train --config train.yaml --parallel_mode ddp
+    torchrun --standalone --nproc-per-node 2 -m astrai.train --config train.yaml --parallel_mode fsdp
+
+It reads the model/data/parallel/training/ckpt/log sections of the YAML
+(``runtime`` is the host's), and ``--KEY VALUE`` overrides any key. It resumes
+from the newest checkpoint in ckpt_dir that loads, else starts from the base
+model in param_path. SIGTERM or SIGINT finishes the current optimizer step,
+writes an emergency checkpoint and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+from astrai.checkpoint_io import CheckpointError, CheckpointManager, LoadedCheckpoint, Progress
+from astrai.checkpoints import METRICS_FILE, latest_complete_checkpoint, read_meta
+from astrai.config import KEY_SECTION, ConfigError, TrainerConfig, close_match_hint, describe, load_config
+from astrai.data import DataError, TokenData, WindowBatchSampler, WindowDataset, ignore_stop_signals
+from astrai.distributed import (
+    DistEnv,
+    GracefulStop,
+    check_parallel_mode,
+    init_distributed,
+    parallelize,
+    resolve_device,
+    set_gradient_sync,
+    shutdown_distributed,
+    world_from_environment,
+)
+from astrai.model import ModelLoadError, Transformer, load_base_model
+
+
+class SetupError(Exception):
+    """Inputs that do not fit together (data vs model vs batch); the message shows the numbers."""
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """What one ``Trainer.train`` call did."""
+
+    steps: int
+    tokens: int
+    seconds: float
+    stopped: bool
+    """True when a stop signal ended the call early."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def lr_multiplier(step: int, max_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to min_lr_ratio at max_steps."""
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    progress = min((step - warmup_steps) / max(max_steps - warmup_steps, 1), 1.0)
+    return min_lr_ratio + 0.5 * (1.0 - min_lr_ratio) * (1.0 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    """Builds everything from a config, resumes, trains, checkpoints. ``train()`` runs; ``close()`` cleans up.
+
+    In-process use (benchmarks, tests)::
+
+        trainer = Trainer(load_config(path, [("max_steps", "1000")]), init_distributed("none", "cpu"))
+        stats = trainer.train(steps=50)          # stats.tokens_per_s
+        trainer.save_checkpoint("emergency")     # waits; "periodic" returns once the state is copied
+        trainer.close()
+    """
+
+    def __init__(self, config: TrainerConfig, env: DistEnv, stop: GracefulStop | None = None):
+        self.config = config
+        self.env = env
+        self.stop = stop or GracefulStop()
+        self.done = False
+        training = config.training
+        self.max_steps = training.max_steps
+        self.window_size = config.data.window_size
+        self.job_dir = Path(config.ckpt.ckpt_dir)
+        self.checkpointer = CheckpointManager(
+            self.job_dir, config.ckpt.ckpt_interval, config.ckpt.keep_last, env, self.log
+        )
+        self._batches = None
+
+        if env.master_process:
+            self.job_dir.mkdir(parents=True, exist_ok=True)
+            self.checkpointer.remove_leftovers()
+        loaded = self.checkpointer.load_latest()
+        if loaded is not None and loaded.progress.step >= self.max_steps:
+            self.log(
+                f"already at max_steps ({self.max_steps}): {loaded.checkpoint.path} "
+                f"is at step {loaded.progress.step}; nothing to do"
+            )
+            self.done = True
+            return
+
+        data = TokenData.open(Path(config.data.data_root_path))
+        if loaded is not None:
+            self.model_config, weights = loaded.model_config, loaded.model_state
+        else:
+            self.model_config, weights = load_base_model(Path(config.ckpt.param_path))
+        self.global_batch = training.batch_per_device * training.grad_accum_steps * env.world_size
+        self._check_fit(data)
+
+        model = Transformer(self.model_config, activation_checkpointing=config.model.activation_checkpointing)
+        model.load_state_dict(weights)
+        del weights
+        model.to(env.device)
+        if config.model.compile:
+            for layer in model.layers:
+                layer.compile()
+        self.model = parallelize(model, env)
+        self.optimizer = self._build_optimizer()
+        warmup_steps = int(training.warmup_ratio * self.max_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: lr_multiplier(step, self.max_steps, warmup_steps, training.min_lr_ratio),
+        )
+        if loaded is not None:
+            self.checkpointer.restore(loaded, self.model, self.optimizer, self.scheduler)
+            self.progress = loaded.progress
+            self._note_resume(loaded)
+        else:
+            torch.manual_seed(training.random_seed + env.rank)
+            self.progress = Progress()
+            self.log(
+                f"starting from base model {config.ckpt.param_path} (world size {env.world_size}, device {env.device})"
+            )
+
+        self.sampler = WindowBatchSampler(
+            data.num_windows(self.window_size),
+            training.batch_per_device,
+            training.grad_accum_steps,
+            env.rank,
+            env.world_size,
+            training.random_seed,
+        )
+        workers = config.data.num_workers
+        self.loader = DataLoader(
+            WindowDataset(data, self.window_size),
+            batch_sampler=self.sampler,
+            num_workers=workers,
+            pin_memory=env.device.type == "cuda",
+            persistent_workers=workers > 0,
+            worker_init_fn=ignore_stop_signals if workers > 0 else None,
+        )
+        if self.sampler.num_windows - self.progress.samples_in_epoch < self.global_batch:
+            # The global batch grew, or the data shrank, since the checkpoint: the rest of that epoch
+            # no longer fills a step.
+            self.progress.epoch, self.progress.samples_in_epoch = self.progress.epoch + 1, 0
+        self._start_epoch()
+        # bf16 autocast on CUDA; CPU trains in fp32, where autocast would only slow it down.
+        self.autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else contextlib.nullcontext()
+        )
+        self._loss_sum = torch.zeros((), device=env.device)
+
+    # Setup helpers
+
+    def log(self, message: str) -> None:
+        """Print from rank 0, as one write, so lines from the checkpoint thread never interleave."""
+        if self.env.master_process:
+            sys.stdout.write(message + "\n")
+            sys.stdout.flush()
+
+    def _check_fit(self, data: TokenData) -> None:
+        cfg, model = self.config, self.model_config
+        if data.vocab_size > model.vocab_size:
+            raise SetupError(
+                f"data vocabulary {data.vocab_size} ({data.tokenizer} tokenizer, {data.root}) "
+                f"is larger than the model's "
+                f"vocab_size {model.vocab_size}; init a model with --vocab_size {data.vocab_size} or more"
+            )
+        if self.window_size > model.max_seq_len:
+            raise SetupError(f"data.window_size {self.window_size} exceeds the model's max_seq_len {model.max_seq_len}")
+        windows = data.num_windows(self.window_size)
+        if windows < self.global_batch:
+            raise SetupError(
+                f"{data.root} holds {data.num_tokens} tokens = {windows} windows of {self.window_size}+1, "
+                f"fewer than one "
+                f"global batch of batch_per_device({cfg.training.batch_per_device}) * grad_accum_steps"
+                f"({cfg.training.grad_accum_steps}) * world_size({self.env.world_size}) = {self.global_batch}"
+            )
+
+    def _build_optimizer(self) -> torch.optim.AdamW:
+        training = self.config.training
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # Matrices and embeddings decay; norm weights (1-D) do not.
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": training.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(
+            groups,
+            lr=training.max_lr,
+            betas=(training.adam_beta1, training.adam_beta2),
+            eps=training.adam_eps,
+            fused=self.env.device.type == "cuda",
+        )
+
+    def _note_resume(self, loaded: LoadedCheckpoint) -> None:
+        p, meta = loaded.progress, loaded.meta
+        self.log(
+            f"resumed from {loaded.checkpoint.path} (epoch {p.epoch}, step {p.step}, reason {meta.get('reason')}; "
+            f"world size {self.env.world_size}, device {self.env.device})"
+        )
+        if meta.get("config_hash") != self.config.config_hash():
+            self.log(
+                f"note: the training config changed since that checkpoint "
+                f"(config_hash {meta.get('config_hash')} -> {self.config.config_hash()})"
+            )
+
+    def _start_epoch(self) -> None:
+        self.sampler.set_position(self.progress.epoch, self.progress.samples_in_epoch)
+        self._batches = iter(self.loader)
+
+    # Training
+
+    def train(self, steps: int | None = None) -> TrainStats:
+        """Train until max_steps, a stop signal, or ``steps`` more optimizer steps; checkpoints as configured."""
+        if self.done:
+            return TrainStats(0, 0, 0.0, stopped=False)
+        training = self.config.training
+        accum = training.grad_accum_steps
+        vocab_size = self.model_config.vocab_size
+        tokens_per_step = self.global_batch * self.window_size
+        end = self.max_steps if steps is None else min(self.max_steps, self.progress.step + steps)
+        first_step = self.progress.step
+        self.model.train()
+        # Progress reports average over the steps of this call.
+        started = self._log_time = time.perf_counter()
+        self._log_step = first_step
+        self._loss_sum.zero_()
+        stopping = False
+        while self.progress.step < end and not stopping:
+            lr = self.optimizer.param_groups[0]["lr"]
+            for micro in range(accum):
+                batch = next(self._batches).to(self.env.device, non_blocking=True)
+                inputs, targets = batch[:, :-1], batch[:, 1:]
+                set_gradient_sync(self.model, self.env, micro == accum - 1)
+                with self.autocast:
+                    logits = self.model(inputs)
+                loss = F.cross_entropy(logits.float().view(-1, vocab_size), targets.reshape(-1))
+                (loss / accum).backward()
+                self._loss_sum += loss.detach()
+            grad_norm = None
+            if training.max_grad_norm > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), training.max_grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+            progress = self.progress
+            progress.step += 1
+            progress.tokens_seen += tokens_per_step
+            progress.samples_in_epoch += self.global_batch
+            if self.sampler.num_windows - progress.samples_in_epoch < self.global_batch:
+                progress.epoch, progress.samples_in_epoch = progress.epoch + 1, 0
+                self._start_epoch()
+            stopping = self.stop.agree(self.env)
+            if stopping:
+                who = self.stop.signal_name or "on another rank"
+                self.log(f"stop requested ({who}): stopping after step {progress.step}")
+            if progress.step % self.config.log.log_interval == 0 or progress.step == self.max_steps or stopping:
+                self._report(lr, grad_norm)
+            reason = self.checkpointer.reason_for(progress.step, self.max_steps, stopping)
+            if reason is not None:
+                self.save_checkpoint(reason)
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
+        steps_done = self.progress.step - first_step
+        return TrainStats(steps_done, steps_done * tokens_per_step, time.perf_counter() - started, stopped=stopping)
+
+    def _report(self, lr: float, grad_norm: torch.Tensor | None) -> None:
+        """Progress line and metrics.jsonl record (the only place the loop waits for the device)."""
+        steps = self.progress.step - self._log_step
+        loss = self._loss_sum / (steps * self.config.training.grad_accum_steps)
+        if self.env.distributed:
+            dist.all_reduce(loss)
+            loss = loss / self.env.world_size
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        loss_value = loss.item()
+        now = time.perf_counter()
+        elapsed = now - self._log_time
+        tokens_per_s = steps * self.global_batch * self.window_size / elapsed if elapsed > 0 else 0.0
+        eta_s = (self.max_steps - self.progress.step) * elapsed / steps
+        self._loss_sum.zero_()
+        self._log_time, self._log_step = now, self.progress.step
+        if not self.env.master_process:
+            return
+        record = {
+            "step": self.progress.step,
+            "max_steps": self.max_steps,
+            "epoch": self.progress.epoch,
+            "loss": loss_value,
+            "lr": lr,
+            "tokens_per_s": tokens_per_s,
+            "eta_s": eta_s,
+            "tokens_seen": self.progress.tokens_seen,
+            "time": time.time(),
+        }
+        line = (
+            f"step {self.progress.step}/{self.max_steps} | epoch {self.progress.epoch} "
+            f"| loss {loss_value:.4f} | lr {lr:.3e}"
+        )
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm.item()
+            line += f" | grad_norm {record['grad_norm']:.3f}"
+        line += f" | {tokens_per_s:,.0f} tokens/s | eta {_duration(eta_s)}"
+        self.log(line)
+        with open(self.job_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def save_checkpoint(self, reason: str) -> Path:
+        """Checkpoint now (all ranks call this). Periodic saves finish in the background; the others wait."""
+        extra = {
+            "config_hash": self.config.config_hash(),
+            "max_steps": self.max_steps,
+            "window_size": self.window_size,
+            "global_batch": self.global_batch,
+        }
+        path = self.checkpointer.save(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.model_config,
+            self.progress,
+            reason,
+            extra,
+            wait=reason != "periodic",
+        )
+        if reason == "final":
+            self.log(f"final checkpoint {path}")
+        elif reason == "emergency":
+            self.log(f"emergency checkpoint {path} (step {self.progress.step}/{self.max_steps})")
+        return path
+
+    def close(self) -> None:
+        """Finish a save in progress and stop the DataLoader workers. Call it when done with a Trainer."""
+        # Dropping the iterator and the loader (which keeps persistent workers' iterator) shuts the workers
+        # down now, through their queues; left to interpreter exit, they would be sent SIGTERM, which they ignore.
+        self._batches = None
+        self.loader = None
+        self.checkpointer.wait()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ConfigError(message)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[TrainerConfig, bool]:
+    """(resolved config, dry_run) from the command line; bad input raises ConfigError."""
+    parser = _ArgumentParser(
+        prog="python -m astrai.train",
+        description="Train (or resume) a model from the trainer sections of train.yaml.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", type=Path, default=Path("train.yaml"), help="YAML file (default ./train.yaml)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config, world size, device and resume decision, then exit",
+    )
+    defaults = TrainerConfig().to_dict()
+    for key, section in KEY_SECTION.items():
+        parser.add_argument(
+            f"--{key}",
+            dest=f"key_{key}",
+            metavar="VALUE",
+            default=argparse.SUPPRESS,
+            help=f"{section}.{key} (default {defaults[section][key]!r})",
+        )
+    args, unknown = parser.parse_known_args(argv)
+    for token in unknown:
+        if token.startswith("--"):
+            key = token[2:].split("=", 1)[0]
+            raise ConfigError(f"--{key}: unknown option{close_match_hint(key, [*KEY_SECTION, 'config', 'dry-run'])}")
+        raise ConfigError(f"unexpected argument {token!r}")
+    overrides = [(name[len("key_") :], value) for name, value in vars(args).items() if name.startswith("key_")]
+    return load_config(args.config, overrides), args.dry_run
+
+
+def dry_run(config: TrainerConfig) -> int:
+    """Print the resolved config, world size, device and resume decision; train nothing, change nothing."""
+    rank, local_rank, world_size = world_from_environment()
+    check_parallel_mode(config.parallel.parallel_mode, world_size)
+    device = resolve_device(config.training.device, local_rank)
+    if rank != 0:
+        return 0
+    print(describe(config))
+    print(f"world size: {world_size}")
+    print(f"device: {device}")
+    print(f"resume decision: {_resume_decision(config)}")
+    return 0
+
+
+def _resume_decision(config: TrainerConfig) -> str:
+    job_dir = Path(config.ckpt.ckpt_dir)
+    latest = latest_complete_checkpoint(job_dir)
+    if latest is None:
+        return f"start from base model {config.ckpt.param_path} (no checkpoint in {job_dir})"
+    try:
+        step = read_meta(latest).get("step")
+    except (OSError, ValueError) as error:
+        return f"newest checkpoint {latest.path} has an unreadable meta.json ({error}); a run skips it for older ones"
+    if isinstance(step, int) and step >= config.training.max_steps:
+        return f"already at max_steps ({config.training.max_steps}): {latest.path}; a run exits at once"
+    return f"resume from {latest.path} (epoch {latest.epoch}, step {latest.step}), or an older one if it fails to load"
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config, is_dry_run = parse_args(argv)
+        if is_dry_run:
+            return dry_run(config)
+        stop = GracefulStop()
+        # Installed before anything slow, so a stop during setup is honoured at the first step boundary.
+        stop.install()
+        env = init_distributed(config.parallel.parallel_mode, config.training.device)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        _train(config, env, stop)
+    except (DataError, ModelLoadError, SetupError, CheckpointError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        # No destroy_process_group: another rank may be waiting in a collective, and it would hang this one.
+        # Exiting lets torchrun end the job.
+        return 1
+    stop.finish()
+    shutdown_distributed(env)
+    return 0
+
+
+def _train(config: TrainerConfig, env: DistEnv, stop: GracefulStop) -> None:
+    """Run a trainer to its end; once this returns, nothing refers to its model or optimizer any more."""
+    trainer = Trainer(config, env, stop)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

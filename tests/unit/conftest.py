@@ -1,0 +1,83 @@
+"""Shared fixtures for the trainer tests: a tiny base model, the example corpus as token data, train.yaml files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CORPUS_FILES = sorted((REPO / "examples" / "corpus").glob("*.txt"))
+
+# Small enough to train a few hundred steps in seconds on one CPU thread.
+SMALL_RUN = {
+    "window_size": 32,
+    "batch_per_device": 4,
+    "num_workers": 0,
+    "max_steps": 200,
+    "max_lr": 3e-3,
+    "warmup_ratio": 0.05,
+    "device": "cpu",
+    "ckpt_interval": 20,
+    "log_interval": 10,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny base model folder (config.json + model.safetensors), seed 0."""
+    from astrai.model import PRESETS, write_base_model
+
+    folder = tmp_path_factory.mktemp("base_model")
+    write_base_model(folder, PRESETS["tiny"], seed=0)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def corpus_data(tmp_path_factory) -> Path:
+    """examples/corpus prepared as token data."""
+    from astrai.data import prepare
+
+    folder = tmp_path_factory.mktemp("corpus_data")
+    prepare(folder, CORPUS_FILES)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def train_yaml(tiny_model, corpus_data):
+    """Write a train.yaml (with a runtime block the trainer must ignore) from flat keys; returns its path."""
+    from astrai.config import KEY_SECTION
+
+    def write(path: Path, **keys) -> Path:
+        values = {"data_root_path": str(corpus_data), "param_path": str(tiny_model), **SMALL_RUN, **keys}
+        document: dict = {"runtime": {"job_name": "test", "gpu": {"devices": "none"}}}
+        for key, value in values.items():
+            document.setdefault(KEY_SECTION[key], {})[key] = value
+        path.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
+        return path
+
+    return write
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: deterministic float results across in-process runs, and kind to a shared CPU."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def trainer_env(tmp_path) -> dict[str, str]:
+    """Environment for trainer subprocesses: importable repo, one thread each, unbuffered output.
+
+    TMPDIR points into the test's folder, so torchrun's log folders go away with it.
+    """
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
+    return env

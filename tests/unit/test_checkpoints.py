@@ -1,0 +1,217 @@
+"""Checkpoint folders: the shared rules (astrai.checkpoints) and the trainer's writer/reader (astrai.checkpoint_io)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from astrai import checkpoint_io
+from astrai.checkpoint_io import CheckpointError, CheckpointManager, Progress, read_checkpoint
+from astrai.checkpoints import (
+    REQUIRED_FILES,
+    Checkpoint,
+    checkpoint_name,
+    is_complete,
+    latest_complete_checkpoint,
+    list_complete_checkpoints,
+    new_staging_dir,
+    parse_checkpoint_name,
+    plan_retention,
+    publish,
+    remove_checkpoint,
+    scan_job_dir,
+)
+from astrai.distributed import init_distributed
+from astrai.model import PRESETS, Transformer
+
+
+def _fake_checkpoint(job_dir, epoch, step, files=REQUIRED_FILES):
+    path = job_dir / checkpoint_name(epoch, step)
+    path.mkdir(parents=True)
+    for name in files:
+        (path / name).write_text("x")
+    return path
+
+
+# The shared folder rules.
+
+
+def test_names_round_trip_and_order_numerically(tmp_path):
+    assert checkpoint_name(2, 1000) == "epoch_2_step_1000"
+    assert parse_checkpoint_name("epoch_2_step_1000") == (2, 1000)
+    for bad in ("epoch_2_step_01", "epoch_2_step_", "epoch_2_step_5.tmp", ".staging-epoch_0_step_5-1-ab"):
+        assert parse_checkpoint_name(bad) is None
+    for epoch, step in ((0, 999), (0, 1000), (0, 100), (1, 5)):
+        _fake_checkpoint(tmp_path, epoch, step)
+    assert [c.name for c in list_complete_checkpoints(tmp_path)] == [
+        "epoch_0_step_100",
+        "epoch_0_step_999",
+        "epoch_0_step_1000",
+        "epoch_1_step_5",
+    ]
+    assert latest_complete_checkpoint(tmp_path).name == "epoch_1_step_5"
+
+
+def test_scan_separates_complete_incomplete_and_staging(tmp_path):
+    _fake_checkpoint(tmp_path, 0, 10)
+    _fake_checkpoint(tmp_path, 9, 999, files=("meta.json",))
+    staging = new_staging_dir(tmp_path, "epoch_0_step_20")
+    (tmp_path / "notes").mkdir()
+    os.symlink(tmp_path / "epoch_0_step_10", tmp_path / "epoch_5_step_5")
+    scan = scan_job_dir(tmp_path)
+    assert [c.name for c in scan.complete] == ["epoch_0_step_10"]
+    assert [c.name for c in scan.incomplete] == ["epoch_9_step_999"]
+    assert scan.staging == [staging]
+    assert not is_complete(tmp_path / "epoch_9_step_999")
+    assert scan_job_dir(tmp_path / "missing").complete == []
+
+
+def test_retention_keeps_the_newest(tmp_path):
+    checkpoints = [Checkpoint(0, step, tmp_path / checkpoint_name(0, step)) for step in (30, 10, 20)]
+    kept, removed = plan_retention(checkpoints, keep=2)
+    assert [c.step for c in kept] == [20, 30] and [c.step for c in removed] == [10]
+    with pytest.raises(ValueError, match="newest checkpoint is never removed"):
+        plan_retention(checkpoints, keep=0)
+
+
+def test_publish_replaces_an_existing_folder_and_remove_is_atomic(tmp_path):
+    broken = _fake_checkpoint(tmp_path, 0, 10, files=("meta.json",))
+    staging = new_staging_dir(tmp_path, broken.name)
+    for name in REQUIRED_FILES:
+        (staging / name).write_text("new")
+    publish(staging, broken)
+    assert is_complete(broken) and (broken / "meta.json").read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["epoch_0_step_10"]
+    remove_checkpoint(tmp_path, Checkpoint(0, 10, broken))
+    assert os.listdir(tmp_path) == []
+
+
+# The trainer's side: writing and reading real checkpoints.
+
+
+@pytest.fixture
+def training_state(one_thread):
+    torch.manual_seed(0)
+    model = Transformer(PRESETS["tiny"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    tokens = torch.randint(0, 257, (2, 9))
+    torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    scheduler.step()
+    return model, optimizer, scheduler
+
+
+def _manager(job_dir, keep_last=None, logs=None):
+    return CheckpointManager(
+        job_dir, 10, keep_last, init_distributed("none", "cpu"), (logs if logs is not None else []).append
+    )
+
+
+def _save(manager, state, step, reason="periodic", wait=True):
+    model, optimizer, scheduler = state
+    progress = Progress(step=step, epoch=0, samples_in_epoch=4 * step, tokens_seen=128 * step)
+    return manager.save(model, optimizer, scheduler, model.config, progress, reason, {"config_hash": "abc"}, wait=wait)
+
+
+def test_policy_says_which_checkpoint_is_due(tmp_path):
+    manager = _manager(tmp_path)
+    assert manager.reason_for(10, 100, stopping=False) == "periodic"
+    assert manager.reason_for(11, 100, stopping=False) is None
+    assert manager.reason_for(11, 100, stopping=True) == "emergency"
+    assert manager.reason_for(100, 100, stopping=True) == "final"
+
+
+def test_saved_checkpoint_is_complete_safe_and_round_trips(tmp_path, training_state):
+    model = training_state[0]
+    path = _save(_manager(tmp_path), training_state, step=10, reason="emergency")
+    assert path.name == "epoch_0_step_10" and is_complete(path)
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["reason"] == "emergency" and meta["step"] == 10 and meta["world_size"] == 1
+    assert meta["data_position"] == {"epoch": 0, "samples_in_epoch": 40} and meta["tokens_seen"] == 1280
+    assert meta["config_hash"] == "abc"
+    # Nothing in the folder needs pickle to load.
+    torch.load(path / "optimizer.pt", weights_only=True)
+    torch.load(path / "scheduler.pt", weights_only=True)
+    assert "rank0.cpu" in load_file(path / "rng_state.safetensors")
+    loaded = read_checkpoint(Checkpoint(0, 10, path))
+    assert loaded.progress == Progress(step=10, epoch=0, samples_in_epoch=40, tokens_seen=1280)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.model_state[name], tensor)
+    assert set(loaded.optimizer_state["state"]) == set(model.state_dict())
+
+
+def test_background_save_keeps_a_snapshot_of_the_moment(tmp_path, training_state):
+    model = training_state[0]
+    before = model.tok_embeddings.weight.detach().clone()
+    manager = _manager(tmp_path)
+    path = _save(manager, training_state, step=10, wait=False)
+    with torch.no_grad():
+        model.tok_embeddings.weight.add_(1.0)
+    manager.wait()
+    assert torch.equal(load_file(path / "model.safetensors")["tok_embeddings.weight"], before)
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (
+            lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:1000]),
+            "SafetensorError",
+        ),
+        (lambda p: (p / "meta.json").write_text("{broken"), "JSONDecodeError"),
+        (lambda p: (p / "optimizer.pt").write_bytes(pickle.dumps(print, protocol=2)), "UnpicklingError"),
+        (lambda p: (p / "config.json").write_text('{"dim": 64}'), "model.safetensors"),
+    ],
+)
+def test_a_damaged_checkpoint_is_refused_with_the_reason(tmp_path, training_state, damage, reason):
+    path = _save(_manager(tmp_path), training_state, step=10)
+    damage(path)
+    with pytest.raises(CheckpointError, match=reason):
+        read_checkpoint(Checkpoint(0, 10, path))
+
+
+def test_resume_skips_broken_and_partial_checkpoints(tmp_path, training_state):
+    manager = _manager(tmp_path, logs=(logs := []))
+    _save(manager, training_state, step=10)
+    newest = _save(manager, training_state, step=20)
+    (newest / "model.safetensors").write_bytes(b"")
+    _fake_checkpoint(tmp_path, 9, 999, files=("meta.json",))
+    loaded = manager.load_latest()
+    assert loaded.checkpoint.name == "epoch_0_step_10"
+    assert any("skipping" in line and str(newest) in line for line in logs)
+    assert any("skipping" in line and "epoch_9_step_999" in line and "incomplete" in line for line in logs)
+
+
+def test_a_failed_write_leaves_nothing_visible_and_is_reported(tmp_path, training_state, monkeypatch):
+    def fail(self, folder):
+        (folder / "model.safetensors").write_text("half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_io._CheckpointFiles, "write", fail)
+    manager = _manager(tmp_path)
+    _save(manager, training_state, step=10, wait=False)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        manager.wait()
+    assert os.listdir(tmp_path) == []
+
+
+def test_keep_last_never_lets_a_newer_leftover_push_out_good_checkpoints(tmp_path, training_state):
+    manager = _manager(tmp_path, keep_last=2)
+    _fake_checkpoint(tmp_path, 5, 500)  # newer than anything this run writes, and unloadable
+    for step in (10, 20, 30):
+        _save(manager, training_state, step=step)
+    names = sorted(c.name for c in list_complete_checkpoints(tmp_path))
+    assert names == ["epoch_0_step_20", "epoch_0_step_30", "epoch_5_step_500"]
+
+
+def test_leftover_staging_folders_are_removed_on_start(tmp_path):
+    staging = new_staging_dir(tmp_path, "epoch_0_step_10")
+    (staging / "model.safetensors").write_text("partial")
+    _manager(tmp_path).remove_leftovers()
+    assert os.listdir(tmp_path) == []

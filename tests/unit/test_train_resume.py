@@ -1,0 +1,272 @@
+"""The trainer as the container runs it: killed, stopped and restarted, alone and under torchrun.
+
+Every run here is a real ``python -m astrai.train`` (or torchrun) subprocess on
+one CPU thread per process; each test kills whatever it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from astrai.checkpoints import STAGING_PREFIX, latest_complete_checkpoint, read_meta
+from astrai.model import ModelConfig, check_state_dict
+
+pytestmark = pytest.mark.slow
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+TRAINER = [sys.executable, "-m", "astrai.train"]
+
+
+class Run:
+    """One trainer launch (plain or torchrun) in its own session, with its output in a file."""
+
+    def __init__(self, command: list[str], env: dict, log: Path):
+        self.log = log
+        with open(log, "ab") as handle:
+            self.proc = subprocess.Popen(
+                command, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def workers(self) -> dict[int, int]:
+        """rank -> pid of the torchrun workers (they run in sessions of their own)."""
+        ranks = {}
+        for pid in _children(self.proc.pid):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for item in environ:
+                if item.startswith(b"RANK="):
+                    ranks[int(item[5:])] = pid
+        return ranks
+
+    def kill(self) -> None:
+        """SIGKILL everything this run started: the launcher, its session, torchrun's workers."""
+        for pid in [*self.workers().values(), self.proc.pid]:
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        self.proc.wait(timeout=30)
+
+    def wait(self, timeout: float = 240) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.kill()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _metrics_steps(ckpt_dir: Path) -> list[int]:
+    """Steps of the progress records so far, in the order they were written (restarts append)."""
+    try:
+        lines = (ckpt_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
+
+
+def _metrics_step(ckpt_dir: Path) -> int:
+    return max(_metrics_steps(ckpt_dir), default=0)
+
+
+def _wait_for(condition, run: Run, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert run.proc.poll() is None, f"trainer exited early:\n{run.output()}"
+        assert time.monotonic() < deadline, f"timed out:\n{run.output()}"
+        time.sleep(0.02)
+
+
+def _final_weights(ckpt_dir: Path, step: int) -> bytes:
+    latest = latest_complete_checkpoint(ckpt_dir)
+    assert latest is not None and latest.step == step
+    return (latest.path / "model.safetensors").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, train_yaml):
+    """Uninterrupted runs, computed on first use: {"single": bytes, "ddp": bytes}."""
+    root = tmp_path_factory.mktemp("references")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]), TMPDIR=str(root))
+    cache = {}
+
+    def get(kind: str) -> bytes:
+        if kind not in cache:
+            path = train_yaml(root / f"{kind}.yaml", ckpt_dir=str(root / kind))
+            command = TRAINER if kind == "single" else [*TORCHRUN, "-m", "astrai.train"]
+            extra = [] if kind == "single" else ["--parallel_mode", "ddp"]
+            run = Run([*command, "--config", str(path), *extra], env, root / f"{kind}.log")
+            assert run.wait() == 0, run.output()
+            cache[kind] = _final_weights(root / kind, 200)
+        return cache[kind]
+
+    return get
+
+
+def test_sigkill_at_random_moments_then_restart_ends_bitwise_equal(tmp_path, train_yaml, trainer_env, references):
+    path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), ckpt_interval=10)
+    ckpt_dir = tmp_path / "ckpt"
+    rng = random.Random(20240601)
+    kills = kills_during_save = 0
+    for attempt in range(7):
+        run = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "run.log")
+        try:
+            if attempt < 6:
+                reported = len(_metrics_steps(ckpt_dir))
+                deadline = time.monotonic() + 60
+                # Once this run trains, kill it at a random moment, or (every other time) while it writes a checkpoint.
+                while (
+                    run.proc.poll() is None
+                    and len(_metrics_steps(ckpt_dir)) <= reported
+                    and time.monotonic() < deadline
+                ):
+                    time.sleep(0.01)
+                if attempt % 2:
+                    deadline = time.monotonic() + 3
+                    while run.proc.poll() is None and time.monotonic() < deadline and not _staging(ckpt_dir):
+                        time.sleep(0.0005)
+                    kills_during_save += bool(_staging(ckpt_dir))
+                else:
+                    time.sleep(rng.uniform(0.0, 0.5))
+                if run.proc.poll() is None:
+                    run.kill()
+                    kills += 1
+                    continue
+            assert run.wait() == 0, run.output()
+            break
+        finally:
+            run.kill()
+    assert kills == 6, run.output()
+    print(f"{kills} kills, {kills_during_save} of them while a checkpoint was being written")
+    assert _final_weights(ckpt_dir, 200) == references("single")
+    assert not _staging(ckpt_dir)
+
+
+def _staging(ckpt_dir: Path) -> list[str]:
+    return [name for name in os.listdir(ckpt_dir) if name.startswith(STAGING_PREFIX)] if ckpt_dir.exists() else []
+
+
+def test_sigterm_stops_within_a_step_and_a_save_and_resumes_bitwise_equal(
+    tmp_path, train_yaml, trainer_env, references
+):
+    # One DataLoader worker: the stop signal goes to the whole process group, and the worker must ignore it.
+    path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), num_workers=1)
+    ckpt_dir = tmp_path / "ckpt"
+    run = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "run.log")
+    try:
+        _wait_for(lambda: _metrics_step(ckpt_dir) >= 50, run)
+        started = time.monotonic()
+        os.killpg(run.proc.pid, signal.SIGTERM)
+        time.sleep(0.05)
+        # A second signal while the emergency checkpoint is written changes nothing.
+        os.kill(run.proc.pid, signal.SIGINT)
+        code = run.proc.wait(timeout=30)
+        elapsed = time.monotonic() - started
+    finally:
+        run.kill()
+    output = run.output()
+    assert code == 0, output
+    # One step (~0.03 s) plus one save of a tiny model (~0.1 s) plus 2 s.
+    assert elapsed < 2.5, output
+    assert "emergency checkpoint" in output
+    latest = latest_complete_checkpoint(ckpt_dir)
+    assert read_meta(latest)["reason"] == "emergency" and 50 <= latest.step < 200
+
+    rerun = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "rerun.log")
+    assert rerun.wait() == 0, rerun.output()
+    assert f"resumed from {latest.path}" in rerun.output()
+    assert _final_weights(ckpt_dir, 200) == references("single")
+
+
+def test_ddp_two_processes_killed_and_stopped_ends_bitwise_equal(tmp_path, train_yaml, trainer_env, references):
+    path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"))
+    ckpt_dir = tmp_path / "ckpt"
+    command = [*TORCHRUN, "-m", "astrai.train", "--config", str(path), "--parallel_mode", "ddp"]
+    rng = random.Random(7)
+
+    # SIGKILL everything at a random moment after the first checkpoint.
+    run = Run(command, trainer_env, tmp_path / "run1.log")
+    try:
+        _wait_for(lambda: _metrics_step(ckpt_dir) >= 30, run)
+        time.sleep(rng.uniform(0.0, 1.0))
+    finally:
+        run.kill()
+    killed_at = latest_complete_checkpoint(ckpt_dir)
+    assert killed_at is not None
+
+    # SIGTERM to rank 1 only: both ranks agree on the stop step and exit 0.
+    run = Run(command, trainer_env, tmp_path / "run2.log")
+    reported = len(_metrics_steps(ckpt_dir))
+    try:
+        # Records of the killed run may be ahead of its last checkpoint: wait for two records of this run.
+        _wait_for(lambda: len(_metrics_steps(ckpt_dir)) >= reported + 2, run)
+        os.kill(run.workers()[1], signal.SIGTERM)
+        assert run.proc.wait(timeout=60) == 0, run.output()
+    finally:
+        run.kill()
+    assert f"resumed from {killed_at.path}" in run.output()
+    stopped_at = latest_complete_checkpoint(ckpt_dir)
+    meta = read_meta(stopped_at)
+    assert (
+        meta["reason"] == "emergency" and meta["world_size"] == 2 and "stop requested (on another rank)" in run.output()
+    )
+
+    run = Run(command, trainer_env, tmp_path / "run3.log")
+    assert run.wait() == 0, run.output()
+    assert _final_weights(ckpt_dir, 200) == references("ddp")
+
+
+def test_fsdp_two_processes_train_checkpoint_and_resume(tmp_path, train_yaml, trainer_env):
+    path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), max_steps=60)
+    ckpt_dir = tmp_path / "ckpt"
+    command = [*TORCHRUN, "-m", "astrai.train", "--config", str(path), "--parallel_mode", "fsdp"]
+
+    run = Run(command, trainer_env, tmp_path / "run1.log")
+    try:
+        _wait_for(lambda: _metrics_step(ckpt_dir) >= 30, run)
+        os.kill(run.workers()[0], signal.SIGTERM)
+        assert run.proc.wait(timeout=60) == 0, run.output()
+    finally:
+        run.kill()
+    stopped = latest_complete_checkpoint(ckpt_dir)
+    assert read_meta(stopped)["reason"] == "emergency" and read_meta(stopped)["parallel_mode"] == "fsdp"
+    # The full model in one file, and an optimizer state keyed by parameter name, loadable without pickle.
+    check_state_dict(load_file(stopped.path / "model.safetensors"), ModelConfig.load(stopped.path), stopped.path)
+    optimizer = torch.load(stopped.path / "optimizer.pt", weights_only=True)
+    assert optimizer["state"]["tok_embeddings.weight"]["exp_avg"].shape == (320, 128)
+
+    run = Run(command, trainer_env, tmp_path / "run2.log")
+    assert run.wait() == 0, run.output()
+    assert f"resumed from {stopped.path}" in run.output() and "final checkpoint" in run.output()
+    assert latest_complete_checkpoint(ckpt_dir).step == 60
+    losses = [json.loads(line)["loss"] for line in (ckpt_dir / "metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] < losses[0]
