@@ -138,17 +138,19 @@ def stop_job(runtime: Runtime) -> int:
     if final.exit_code == 0 and emergency is not None:
         _say(f"stopped in {seconds:.1f} s; emergency checkpoint {emergency.path} (step {emergency.step})")
         return 0
+    latest = list_complete_checkpoints(runtime.job_dir)
+    where = latest[-1].path if latest else "none"
     if final.exit_code == 0:
-        latest = list_complete_checkpoints(runtime.job_dir)
-        where = latest[-1].path if latest else "none"
         _say(f"stopped in {seconds:.1f} s (the trainer had no step to save); newest checkpoint: {where}")
         return 0
-    latest = list_complete_checkpoints(runtime.job_dir)
-    raise JobError(
-        f"the trainer exited with code {final.exit_code} after {seconds:.1f} s"
-        + (" (killed: it did not finish within runtime.container.stop_timeout_seconds)" if final.exit_code == 137 else "")
-        + f"; newest complete checkpoint: {latest[-1].path if latest else 'none'}"
-    )
+    if final.exit_code == 128 + 15 and not _progress_since(runtime, container):
+        # SIGTERM arrived while Python was still importing torch, before the trainer could catch it.
+        _say(f"stopped in {seconds:.1f} s while the trainer was still starting (no step taken, nothing lost); "
+             f"newest checkpoint: {where}")
+        return 0
+    killed = " (killed: it did not finish within runtime.container.stop_timeout_seconds)" if final.exit_code == 137 else ""
+    raise JobError(f"the trainer exited with code {final.exit_code} after {seconds:.1f} s{killed}; "
+                   f"newest complete checkpoint: {where}")
 
 
 def _emergency_checkpoint_since(runtime: Runtime, container: engine.Container) -> Checkpoint | None:
@@ -163,6 +165,13 @@ def _emergency_checkpoint_since(runtime: Runtime, container: engine.Container) -
             return checkpoint
         break
     return None
+
+
+def _progress_since(runtime: Runtime, container: engine.Container) -> bool:
+    """True when the trainer reported progress during this container run."""
+    entry = last_progress(runtime.job_dir)
+    started = container.started()
+    return entry is not None and (started is None or entry.get("time", 0) >= started.timestamp())
 
 
 def _wait_for_exit(container_id: str) -> engine.Container:
