@@ -188,17 +188,30 @@ def clean(c, config=DEFAULT_CONFIG, keep=None, force=False):
 
 
 @task(help={"workdir": "where the demo writes its model, data, config and checkpoints (default: ./demo)",
-            "fresh": "delete the demo job dir of an earlier run first"})
-def demo(c, workdir="demo", fresh=False):
+            "fresh": "delete the demo job dir of an earlier run first",
+            "job_name": "the demo job's name (default: astrai-demo)"})
+def demo(c, workdir="demo", fresh=False, job_name="astrai-demo"):
     """Run a tiny CPU job end to end: init, preflight, start, stop, resume, finish."""
     from pathlib import Path
 
     from astrai.demo import run_demo
 
     with _user_errors():
-        run_demo(Path(workdir), fresh=fresh)
+        run_demo(Path(workdir), fresh=fresh, job_name=job_name)
+
+
+@task(help={"quick": "fewer repetitions (a few minutes instead of about half an hour)",
+            "readme": "also write the result table into README.md"})
+def bench(c, quick=False, readme=False):
+    """Measure speed and robustness side by side; writes bench/results.json."""
+    from bench.run import run
+
+    from astrai.baseimage import DEFAULT_TAG
+
+    with _user_errors():
+        run(quick, readme, DEFAULT_TAG)
 
 
 namespace = Collection(
-    init, preflight, render, build, start, stop, restart, logs, status, latest, list_, clean, demo,
+    init, preflight, render, build, start, stop, restart, logs, status, latest, list_, clean, demo, bench,
 )

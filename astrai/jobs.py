@@ -83,10 +83,12 @@ def start_job(runtime: Runtime, document: dict, trainer_args: list[str], *, fore
         )
     run_preflight(runtime, document)
     compose.write_override(runtime, trainer_args)
-    _run_compose(runtime, "build", compose.SERVICE, what="building the trainer image")
+    _say("building the trainer image (`invoke build` shows the build output)")
+    _run_compose(runtime, "build", compose.SERVICE, what="building the trainer image", quiet=True)
     timer.cancel(compose.state_dir(runtime))
     # A fresh container per run: its id and start time tell this run apart from later ones.
-    _run_compose(runtime, "up", "--detach", "--no-build", "--force-recreate", compose.SERVICE, what="starting")
+    _run_compose(runtime, "up", "--detach", "--no-build", "--force-recreate", compose.SERVICE,
+                 what="starting the container", quiet=True)
     container = engine.find_container(project)
     if container is None:
         raise JobError(f"the container of job {runtime.job_name} did not appear; see `invoke logs`")
@@ -283,11 +285,20 @@ def _trainer_may_run(runtime: Runtime) -> bool:
 # --- helpers --------------------------------------------------------------------------------------------
 
 
-def _run_compose(runtime: Runtime, *args: str, what: str) -> None:
+def _run_compose(runtime: Runtime, *args: str, what: str, quiet: bool = False) -> None:
+    """Run one compose command; ``quiet`` keeps its output unless it fails."""
     command = compose.compose_command(runtime, *args)
-    result = subprocess.run(command, stdout=sys.stdout, stderr=sys.stderr)
+    started = time.monotonic()
+    if quiet:
+        result = subprocess.run(command, capture_output=True, text=True)
+    else:
+        result = subprocess.run(command, stdout=sys.stdout, stderr=sys.stderr)
     if result.returncode != 0:
+        if quiet:
+            print((result.stdout + result.stderr)[-4000:], file=sys.stderr)
         raise JobError(f"{what} failed (exit {result.returncode}): {compose.format_command(command)}")
+    if quiet:
+        _say(f"{what}: done in {time.monotonic() - started:.1f} s")
 
 
 def _daemon_up() -> bool:
