@@ -1,0 +1,179 @@
+"""Fixtures for tests that drive the real Docker engine and Compose v2 through the invoke tasks.
+
+Each test job gets its own job name, folder and Compose project; whatever it
+started (containers, networks, images, timers) is removed when the test ends,
+pass or fail. The expensive base image is built once and cached by tag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from astrai import baseimage, compose, engine, timer
+from astrai.checkpoints import list_complete_checkpoints, read_meta
+
+REPO = Path(__file__).resolve().parents[2]
+BASE_IMAGE = os.environ.get("ASTRAI_TEST_BASE_IMAGE", baseimage.DEFAULT_TAG)
+CORPUS = REPO / "examples" / "corpus"
+
+# A tiny job that trains in a few seconds per hundred steps on two CPU cores.
+TRAINER = {
+    "data": {"data_root_path": "/data", "window_size": 32, "num_workers": 0},
+    "training": {"max_steps": 120, "batch_per_device": 8, "grad_accum_steps": 1, "max_lr": 3e-3,
+                 "warmup_ratio": 0.1, "weight_decay": 0.1, "max_grad_norm": 1.0, "random_seed": 7},
+    "ckpt": {"ckpt_interval": 40},
+    "log": {"log_interval": 5},
+}
+
+
+@pytest.fixture(scope="session")
+def base_image() -> str:
+    baseimage.ensure_base_image(BASE_IMAGE)
+    return BASE_IMAGE
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> Path:
+    """A tiny base model and token data, made once per session on the host."""
+    folder = tmp_path_factory.mktemp("assets")
+    subprocess.run([sys.executable, "-m", "astrai.model", "init", str(folder / "params"), "--preset", "tiny"],
+                   check=True, capture_output=True)
+    corpus = sorted(str(path) for path in CORPUS.glob("*.txt"))
+    subprocess.run([sys.executable, "-m", "astrai.data", "prepare", "--out", str(folder / "data"), *corpus],
+                   check=True, capture_output=True)
+    return folder
+
+
+@dataclass
+class Job:
+    """One test job: its folder, YAML and the commands a user would run on it."""
+
+    name: str
+    folder: Path
+    env: dict = field(default_factory=dict)
+
+    @property
+    def config(self) -> Path:
+        return self.folder / "train.yaml"
+
+    @property
+    def job_dir(self) -> Path:
+        return self.folder / "checkpoints" / self.name
+
+    @property
+    def project(self) -> str:
+        return compose.project_name(self.name)
+
+    def invoke(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+        """Run `invoke TASK --config <this job> ...` the way a user would."""
+        task, *rest = args
+        head, sep, tail = _split_remainder(rest)
+        command = [sys.executable, "-m", "invoke", "--search-root", str(REPO), task, "--config", str(self.config),
+                   *head, *sep, *tail]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                                env={**os.environ, **self.env}, cwd=self.folder)
+        if check and result.returncode != 0:
+            raise AssertionError(f"{' '.join(args)} exited {result.returncode}\nstdout:\n{result.stdout}\n"
+                                 f"stderr:\n{result.stderr}")
+        return result
+
+    def container(self) -> engine.Container | None:
+        return engine.find_container(self.project)
+
+    def logs(self) -> str:
+        found = self.container()
+        if found is None:
+            return ""
+        return subprocess.run(["docker", "logs", found.id], capture_output=True, text=True).stdout
+
+    def progress_step(self) -> int:
+        metrics = self.job_dir / "metrics.jsonl"
+        if not metrics.exists():
+            return -1
+        lines = [line for line in metrics.read_text().splitlines() if line.strip()]
+        return json.loads(lines[-1])["step"] if lines else -1
+
+    def wait_for(self, what: str, predicate, timeout: float = 300, pause: float = 0.5):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(pause)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}\nlogs:\n{self.logs()[-3000:]}")
+
+    def wait_for_exit(self, timeout: float = 600) -> engine.Container:
+        found = self.container()
+        assert found is not None, "no container"
+        subprocess.run(["docker", "wait", found.id], capture_output=True, timeout=timeout)
+        final = engine.inspect_container(found.id)
+        assert final is not None
+        return final
+
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """(step, reason) of every complete checkpoint, oldest first."""
+        return [(c.step, read_meta(c)["reason"]) for c in list_complete_checkpoints(self.job_dir)]
+
+
+def _split_remainder(args: list[str]) -> tuple[list[str], list[str], list[str]]:
+    if "--" in args:
+        index = args.index("--")
+        return args[:index], ["--"], args[index + 1:]
+    return args, [], []
+
+
+@pytest.fixture
+def make_job(tmp_path, base_image, assets, request):
+    """Factory: make_job(runtime={...}, trainer={...}) -> Job with its own name, data, model and YAML."""
+    made: list[Job] = []
+
+    def factory(runtime: dict | None = None, trainer: dict | None = None, env: dict | None = None) -> Job:
+        name = f"t-{request.node.name[:24].strip('_-').replace('[', '-').replace(']', '')}-{secrets.token_hex(3)}"
+        folder = tmp_path / name
+        folder.mkdir()
+        shutil.copytree(assets / "params", folder / "params")
+        shutil.copytree(assets / "data", folder / "data")
+        block = {
+            "job_name": name,
+            "paths": {"data": "./data", "model": "./params", "checkpoints": "./checkpoints"},
+            "gpu": {"devices": "none"},
+            "container": {"cuda_tag": "cpu", "base_image": base_image, "stop_grace_period": "2m",
+                          "stop_timeout_seconds": 60, "checkpoint_keep_last": 2},
+        }
+        for key, value in (runtime or {}).items():
+            block[key] = {**block[key], **value} if isinstance(value, dict) else value
+        document = {"runtime": block}
+        for section, values in TRAINER.items():
+            document[section] = {**values, **(trainer or {}).get(section, {})}
+        for section, values in (trainer or {}).items():
+            document.setdefault(section, values)
+        job = Job(name, folder, env or {})
+        job.config.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
+        made.append(job)
+        return job
+
+    yield factory
+    for job in made:
+        _tear_down(job)
+
+
+def _tear_down(job: Job) -> None:
+    timer.cancel(job.job_dir / compose.STATE_DIR_NAME)
+    subprocess.run(["docker", "compose", "--project-name", job.project, "down", "--volumes", "--remove-orphans",
+                    "--rmi", "local", "--timeout", "5"], capture_output=True)
+    leftovers = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={job.project}"],
+                               capture_output=True, text=True).stdout.split()
+    if leftovers:
+        subprocess.run(["docker", "rm", "-f", *leftovers], capture_output=True)
+    subprocess.run(["docker", "image", "rm", "--force", f"{job.project}-{compose.SERVICE}"], capture_output=True)
