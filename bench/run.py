@@ -1,0 +1,132 @@
+"""Run every benchmark, print a table, write bench/results.json (and the README's table with --readme).
+
+    invoke bench            # the full set (about half an hour on 2 CPU cores)
+    invoke bench --quick    # fewer repetitions, same measurements
+    python -m bench.run --quick --readme
+
+Every figure is a ratio or a count measured side by side in the same run, as a
+median of repetitions: these machines are shared and noisy, so absolute
+seconds are given for context only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import time
+
+from astrai import baseimage
+from bench import checkpoint_cost, faults, host_commands, image_build, stop_latency, trainer_speed
+from bench.common import REPO
+
+RESULTS = REPO / "bench" / "results.json"
+README = REPO / "README.md"
+README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+# key: (description, comparison, target); comparison "<=" / ">=" against a number, "==" against another key
+TARGETS = {
+    "trainer_vs_bare": ("trainer tokens/s over a bare PyTorch loop (worst of tiny, small)", ">=", 0.95),
+    "ckpt_save_vs_raw": ("checkpoint write over raw safetensors + torch.save", "<=", 1.2),
+    "ckpt_stall_vs_sync": ("loop pause of a periodic checkpoint over a synchronous save", "<=", 0.3),
+    "resume_s": ("resume from a `small` checkpoint, seconds", None, None),
+    "stop_latency_units": ("`invoke stop` to exit, in (step + save) units", None, None),
+    "stop_latency_s": ("`invoke stop` to exit, seconds", None, None),
+    "list_1000_vs_shell": ("`invoke list` over a shell loop, 1000 checkpoints", "<=", 0.33),
+    "list_1000_s": ("`invoke list`, 1000 checkpoints, seconds", None, None),
+    "host_imports_torch": ("host commands import torch", "==", False),
+    "rebuild_code_change_s": ("image rebuild after a code change, seconds", None, None),
+    "full_build_s": ("full image build (local base image), seconds", None, None),
+    "kill_trials": ("SIGKILLs at random moments, each followed by a restart", ">=", 20),
+    "kill_exact": ("of the killed runs, bitwise equal to an uninterrupted run", "==", "kill_runs"),
+    "term_trials": ("SIGTERM stops", ">=", 10),
+    "term_ok": ("stops that left an emergency checkpoint and resumed from it", "==", "term_trials"),
+}
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = "unknown"
+    with open("/proc/cpuinfo", encoding="utf-8") as handle:
+        for line in handle:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    docker = subprocess.run(["docker", "version", "--format", "{{.Server.Version}}"], capture_output=True, text=True)
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "docker": docker.stdout.strip() or "unavailable", "date": time.strftime("%Y-%m-%d")}
+
+
+def verdict(key: str, results: dict) -> str:
+    _, comparison, target = TARGETS[key]
+    if comparison is None or key not in results:
+        return ""
+    value = results[key]
+    goal = results.get(target) if isinstance(target, str) else target
+    met = {"<=": value <= goal, ">=": value >= goal, "==": value == goal}[comparison]
+    return f"{'met' if met else 'MISSED'} ({comparison} {goal})"
+
+
+def table(results: dict) -> str:
+    rows = ["| measure | key | value | target |", "|---|---|---|---|"]
+    for key, (description, _, _) in TARGETS.items():
+        if key in results:
+            value = results[key]
+            shown = f"{value:.3g}" if isinstance(value, float) else str(value)
+            rows.append(f"| {description} | `{key}` | {shown} | {verdict(key, results)} |")
+    return "\n".join(rows)
+
+
+def update_readme(text: str) -> None:
+    readme = README.read_text(encoding="utf-8")
+    block = f"{README_START}\n{text}\n{README_END}"
+    pattern = re.compile(re.escape(README_START) + ".*?" + re.escape(README_END), re.DOTALL)
+    if not pattern.search(readme):
+        raise SystemExit(f"{README} has no {README_START} ... {README_END} block")
+    README.write_text(pattern.sub(lambda _: block, readme), encoding="utf-8")
+
+
+def run(quick: bool, readme: bool, base_image: str) -> dict:
+    baseimage.ensure_base_image(base_image)
+    results: dict = {"quick": quick, "machine": machine()}
+    steps = [
+        ("trainer overhead", lambda: trainer_speed.run(quick)),
+        ("checkpoint cost", lambda: checkpoint_cost.run(quick)),
+        ("host commands at scale", lambda: host_commands.run(quick)),
+        ("image rebuild", lambda: image_build.run(quick, base_image)),
+        ("stop latency", lambda: stop_latency.run(quick, base_image)),
+        ("fault injection", lambda: faults.run(quick)),
+    ]
+    for name, step in steps:
+        print(f"== {name}", flush=True)
+        started = time.perf_counter()
+        results.update(step())
+        print(f"   done in {time.perf_counter() - started:.0f} s", flush=True)
+    RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    info = results["machine"]
+    summary = (f"Measured {info['date']} with `invoke bench{' --quick' if quick else ''}` on {info['cores']} cores "
+               f"({info['cpu']}), Python {info['python']}, torch {info['torch']}, Docker {info['docker']}.\n\n"
+               + table(results))
+    print("\n" + summary)
+    if readme:
+        update_readme(summary)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--readme", action="store_true", help="write the table into README.md")
+    parser.add_argument("--base-image", default=os.environ.get("ASTRAI_TEST_BASE_IMAGE", baseimage.DEFAULT_TAG),
+                        help="local base image for the Docker benchmarks")
+    args = parser.parse_args(argv)
+    run(args.quick, args.readme, args.base_image)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""Stop latency: from `invoke stop` to the container's exit with a complete emergency checkpoint.
+
+A `tiny` job runs in a container on the CPU; once it trains, `invoke stop` is
+timed until it returns (it returns when the container has exited). The
+latency is also given in units of (one step + one synchronous save), the least
+a graceful stop can take: finish the step in flight, then write everything.
+Step time comes from the job's own progress records; save time from a save of
+the same model in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from astrai import compose
+from astrai.checkpoints import latest_complete_checkpoint, read_meta
+from astrai.distributed import init_distributed
+from astrai.train import Trainer
+from bench.common import invoke, write_config
+from bench.trainer_speed import make_assets, trainer_config
+
+JOB = "bench-stop"
+WINDOW, BATCH = 64, 16
+
+
+def _save_seconds(folder: Path, params: Path, data: Path) -> float:
+    trainer = Trainer(trainer_config(params, data, folder / "save-probe", WINDOW, BATCH, 10**6),
+                      init_distributed("none", "cpu"))
+    try:
+        trainer.train(steps=2)
+        times = []
+        for _ in range(3):
+            trainer.train(steps=1)
+            start = time.perf_counter()
+            trainer.save_checkpoint("emergency")
+            times.append(time.perf_counter() - start)
+    finally:
+        trainer.close()
+    return statistics.median(times)
+
+
+def _step_seconds(job_dir: Path) -> float:
+    lines = (job_dir / "metrics.jsonl").read_text().splitlines()
+    rates = [json.loads(line)["tokens_per_s"] for line in lines[1:-1] if line.strip()]
+    return WINDOW * BATCH / statistics.median(rates)
+
+
+def run(quick: bool, base_image: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="astrai-bench-stop-") as work:
+        folder = Path(work)
+        params, data = make_assets(folder, "tiny")
+        config = write_config(
+            folder,
+            {"job_name": JOB, "paths": {"data": str(data), "model": str(params), "checkpoints": str(folder / "ckpt")},
+             "gpu": {"devices": "none"}, "container": {"cuda_tag": "cpu", "base_image": base_image}},
+            {"data": {"data_root_path": "/data", "window_size": WINDOW, "num_workers": 1},
+             "training": {"max_steps": 10**6, "batch_per_device": BATCH},
+             "ckpt": {"ckpt_interval": 10**5}, "log": {"log_interval": 10}},
+        )
+        job_dir = folder / "ckpt" / JOB
+        latencies = []
+        try:
+            invoke("init", "--config", str(config))
+            for _ in range(2 if quick else 5):
+                invoke("start", "--config", str(config))
+                started = time.monotonic()
+                while not (job_dir / "metrics.jsonl").exists() or len(
+                        (job_dir / "metrics.jsonl").read_text().splitlines()) < 4:
+                    if time.monotonic() - started > 300:
+                        raise RuntimeError("the benchmark job made no progress")
+                    time.sleep(0.2)
+                start = time.perf_counter()
+                invoke("stop", "--config", str(config))
+                latencies.append(time.perf_counter() - start)
+                latest = latest_complete_checkpoint(job_dir)
+                if latest is None or read_meta(latest)["reason"] != "emergency":
+                    raise RuntimeError("stop left no emergency checkpoint")
+                step_s = _step_seconds(job_dir)
+                (job_dir / "metrics.jsonl").unlink()
+        finally:
+            subprocess.run(["docker", "compose", "--project-name", compose.project_name(JOB), "down", "--rmi",
+                            "local", "--timeout", "5"], capture_output=True)
+        save_s = _save_seconds(folder, params, data)
+    latency = statistics.median(latencies)
+    return {"stop_latency_s": latency, "stop_step_s": step_s, "stop_save_s": save_s,
+            "stop_latency_units": latency / (step_s + save_s)}

@@ -1,0 +1,110 @@
+"""Trainer overhead: tokens/s of the trainer over tokens/s of a bare PyTorch loop.
+
+Both train the same model (same weights), on the same token windows, with the
+same batch, AdamW settings, clipping and learning rate, in this one process on
+the CPU. The bare loop is the smallest honest training loop: batches already in
+memory, forward, cross-entropy, backward, clip, step. The trainer adds what a
+user relies on: its DataLoader, schedule, loss bookkeeping, progress lines and
+metrics file. The two are measured in turns, several times, and the medians
+compared.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from astrai.config import build_config
+from astrai.data import TokenData, WindowDataset, epoch_permutation, prepare
+from astrai.distributed import init_distributed
+from astrai.model import PRESETS, Transformer, load_base_model, write_base_model
+from astrai.train import Trainer
+from bench.common import REPO
+
+# (preset, window_size, batch_per_device, steps per measurement)
+SETUPS = {"tiny": (128, 16, 40), "small": (128, 4, 8)}
+
+
+def make_assets(folder: Path, preset: str) -> tuple[Path, Path]:
+    """A base model of ``preset`` and token data from the demo corpus."""
+    params, data = folder / f"params-{preset}", folder / "data"
+    write_base_model(params, PRESETS[preset], seed=0)
+    if not data.exists():
+        prepare(data, sorted((REPO / "examples" / "corpus").glob("*.txt")))
+    return params, data
+
+
+def trainer_config(params: Path, data: Path, job_dir: Path, window: int, batch: int, max_steps: int, **ckpt):
+    return build_config({
+        "data": {"data_root_path": str(data), "window_size": window, "num_workers": 0},
+        "training": {"max_steps": max_steps, "batch_per_device": batch, "max_lr": 1e-3, "warmup_ratio": 0.0,
+                     "device": "cpu"},
+        "ckpt": {"ckpt_dir": str(job_dir), "param_path": str(params), "ckpt_interval": 10**9, **ckpt},
+        "log": {"log_interval": 20},
+    })
+
+
+class BareLoop:
+    """The reference: a plain PyTorch training loop over the same windows."""
+
+    def __init__(self, params: Path, data: Path, window: int, batch: int, lr: float, max_grad_norm: float):
+        config, weights = load_base_model(params)
+        self.model = Transformer(config)
+        self.model.load_state_dict(weights)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+        dataset = WindowDataset(TokenData.open(data), window)
+        order = epoch_permutation(len(dataset), seed=0, epoch=0)
+        windows = [dataset[int(index)] for index in order[: (len(order) // batch) * batch]]
+        self.batches = torch.stack(windows).view(-1, batch, window + 1)
+        self.vocab_size, self.max_grad_norm, self.cursor = config.vocab_size, max_grad_norm, 0
+
+    def train(self, steps: int) -> float:
+        """Train ``steps`` steps; return tokens/s."""
+        self.model.train()
+        start = time.perf_counter()
+        for _ in range(steps):
+            batch = self.batches[self.cursor % len(self.batches)]
+            self.cursor += 1
+            logits = self.model(batch[:, :-1])
+            loss = F.cross_entropy(logits.view(-1, self.vocab_size), batch[:, 1:].reshape(-1))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - start
+        return steps * self.batches.shape[1] * (self.batches.shape[2] - 1) / seconds
+
+
+def measure(preset: str, repeats: int, folder: Path) -> dict:
+    window, batch, steps = SETUPS[preset]
+    params, data = make_assets(folder, preset)
+    env = init_distributed("none", "cpu")
+    config = trainer_config(params, data, folder / f"job-{preset}", window, batch, max_steps=10**6)
+    trainer = Trainer(config, env)
+    bare = BareLoop(params, data, window, batch, config.training.max_lr, config.training.max_grad_norm)
+    try:
+        trainer.train(steps=3)  # warm up both: allocator, kernels, first batches
+        bare.train(3)
+        trainer_rates, bare_rates = [], []
+        for _ in range(repeats):
+            trainer_rates.append(trainer.train(steps=steps).tokens_per_s)
+            bare_rates.append(bare.train(steps))
+    finally:
+        trainer.close()
+    trainer_rate, bare_rate = statistics.median(trainer_rates), statistics.median(bare_rates)
+    return {f"{preset}_trainer_tokens_per_s": trainer_rate, f"{preset}_bare_tokens_per_s": bare_rate,
+            f"{preset}_trainer_vs_bare": trainer_rate / bare_rate}
+
+
+def run(quick: bool) -> dict:
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="astrai-bench-speed-") as work:
+        for preset in SETUPS:
+            results.update(measure(preset, 3 if quick else 7, Path(work)))
+    results["trainer_vs_bare"] = min(results[f"{preset}_trainer_vs_bare"] for preset in SETUPS)
+    return results
