@@ -121,14 +121,14 @@ def _follow_until_exit(runtime: Runtime, container: engine.Container) -> int:
     return final.exit_code
 
 
-def stop_job(runtime: Runtime) -> int:
+def stop_job(runtime: Runtime) -> None:
     """Graceful stop: SIGTERM, `stop_timeout_seconds` of grace, then report the emergency checkpoint."""
     cancelled = timer.cancel(compose.state_dir(runtime))
     container = engine.find_container(compose.project_name(runtime.job_name))
     if container is None or not container.running:
         extra = " (its max-duration timer was cancelled)" if cancelled else ""
         _say(f"job {runtime.job_name} is not running; nothing to stop{extra}")
-        return 0
+        return
     _say(f"stopping job {runtime.job_name}: SIGTERM, up to {runtime.stop_timeout_seconds} s for the emergency checkpoint")
     started = time.monotonic()
     result = timer.stop_container(container.id, runtime.stop_timeout_seconds)
@@ -139,17 +139,17 @@ def stop_job(runtime: Runtime) -> int:
     emergency = _emergency_checkpoint_since(runtime, container)
     if final.exit_code == 0 and emergency is not None:
         _say(f"stopped in {seconds:.1f} s; emergency checkpoint {emergency.path} (step {emergency.step})")
-        return 0
+        return
     latest = list_complete_checkpoints(runtime.job_dir)
     where = latest[-1].path if latest else "none"
     if final.exit_code == 0:
         _say(f"stopped in {seconds:.1f} s (the trainer had no step to save); newest checkpoint: {where}")
-        return 0
+        return
     if final.exit_code == 128 + 15 and not _progress_since(runtime, container):
         # SIGTERM arrived while Python was still importing torch, before the trainer could catch it.
         _say(f"stopped in {seconds:.1f} s while the trainer was still starting (no step taken, nothing lost); "
              f"newest checkpoint: {where}")
-        return 0
+        return
     killed = " (killed: it did not finish within runtime.container.stop_timeout_seconds)" if final.exit_code == 137 else ""
     raise JobError(f"the trainer exited with code {final.exit_code} after {seconds:.1f} s{killed}; "
                    f"newest complete checkpoint: {where}")
@@ -202,18 +202,20 @@ def show_logs(runtime: Runtime, tail: str, follow: bool) -> None:
 def status_lines(runtime: Runtime) -> list[str]:
     """What `invoke status` prints: container state, progress, latest checkpoint, timer."""
     lines = [f"job         {runtime.job_name}  ({runtime.config_path})"]
+    running = False
     try:
         container = engine.find_container(compose.project_name(runtime.job_name))
         if container is None:
             state = "not started"
         elif container.running:
+            running = True
             state = f"{container.status} for {_age(container.started())} ({container.name})"
         else:
             state = f"{container.status} (exit code {container.exit_code}) {_age(container.finished())} ago"
     except engine.EngineError as error:
         state = f"unknown: {error}"
     lines.append(f"container   {state}")
-    lines.append(f"progress    {_progress(runtime.job_dir)}")
+    lines.append(f"progress    {_progress(runtime.job_dir, running)}")
     complete = list_complete_checkpoints(runtime.job_dir)
     if complete:
         lines.append(f"latest      {complete[-1].path} ({_reason(complete[-1])}; {len(complete)} complete)")
@@ -319,7 +321,7 @@ def last_progress(job_dir: Path) -> dict | None:
     return entry if isinstance(entry, dict) and "step" in entry and "max_steps" in entry else None
 
 
-def _progress(job_dir: Path) -> str:
+def _progress(job_dir: Path, running: bool) -> str:
     entry = last_progress(job_dir)
     if entry is None:
         return "no progress reported yet"
@@ -327,9 +329,9 @@ def _progress(job_dir: Path) -> str:
     parts = [f"step {step}/{max_steps} ({100.0 * step / max(max_steps, 1):.0f}%)"]
     if isinstance(entry.get("loss"), (int, float)):
         parts.append(f"loss {entry['loss']:.4f}")
-    if isinstance(entry.get("tokens_per_s"), (int, float)):
+    if isinstance(entry.get("tokens_per_s"), (int, float)) and running:
         parts.append(f"{entry['tokens_per_s']:.0f} tok/s")
-    if isinstance(entry.get("eta_s"), (int, float)) and step < max_steps:
+    if isinstance(entry.get("eta_s"), (int, float)) and running and step < max_steps:
         parts.append(f"eta {_duration(entry['eta_s'])}")
     if isinstance(entry.get("time"), (int, float)):
         parts.append(f"reported {_duration(time.time() - entry['time'])} ago")

@@ -42,10 +42,8 @@ def _clear(job_dir: Path) -> None:
         shutil.rmtree(checkpoint.path)
 
 
-def _raw_save(trainer: Trainer, target: Path, durable: bool) -> float:
+def _raw_save(trainer: Trainer, target: Path, durable: bool) -> None:
     target.mkdir()
-    os.sync()
-    start = time.perf_counter()
     save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, target / "model.safetensors")
     torch.save(trainer.optimizer.state_dict(), target / "optimizer.pt")
     torch.save(trainer.scheduler.state_dict(), target / "scheduler.pt")
@@ -54,31 +52,28 @@ def _raw_save(trainer: Trainer, target: Path, durable: bool) -> float:
             fd = os.open(target / name, os.O_RDONLY)
             os.fsync(fd)
             os.close(fd)
-    seconds = time.perf_counter() - start
-    shutil.rmtree(target)
-    return seconds
 
 
 def _save_costs(trainer: Trainer, folder: Path, repeats: int) -> dict:
-    ours, raw, durable, pauses = [], [], [], []
-    for attempt in range(repeats):
-        trainer.train(steps=1)
-        os.sync()
-        start = time.perf_counter()
-        trainer.save_checkpoint("final")
-        ours.append(time.perf_counter() - start)
-        _clear(trainer.job_dir)
-        raw.append(_raw_save(trainer, folder / f"raw-{attempt}", durable=False))
-        durable.append(_raw_save(trainer, folder / f"durable-{attempt}", durable=True))
-        trainer.train(steps=1)
-        os.sync()
-        start = time.perf_counter()
-        trainer.save_checkpoint("periodic")
-        pauses.append(time.perf_counter() - start)
-        trainer.checkpointer.wait()
-        _clear(trainer.job_dir)
-    return {name: statistics.median(values) for name, values in
-            (("save", ours), ("raw", raw), ("durable", durable), ("pause", pauses))}
+    """Median seconds of each way to save, each measured right after a training step, in turns."""
+    ways = {
+        "save": lambda: trainer.save_checkpoint("final"),
+        "raw": lambda: _raw_save(trainer, folder / "raw", durable=False),
+        "durable": lambda: _raw_save(trainer, folder / "raw", durable=True),
+        "pause": lambda: trainer.save_checkpoint("periodic"),
+    }
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(repeats):
+        for name, save in ways.items():
+            trainer.train(steps=1)
+            os.sync()
+            start = time.perf_counter()
+            save()
+            times[name].append(time.perf_counter() - start)
+            trainer.checkpointer.wait()
+            _clear(trainer.job_dir)
+            shutil.rmtree(folder / "raw", ignore_errors=True)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def _loop_seconds(trainer: Trainer, steps: int) -> float:

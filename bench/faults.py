@@ -139,8 +139,8 @@ def run(quick: bool) -> dict:
         reference_dir = folder / "reference"
         _start(config, reference_dir).communicate()
         reference = _final_weights(reference_dir)
-        runs, kills_per_run = (2, 3) if quick else (5, 4)
+        runs, kills_per_run = (5, 4) if quick else (8, 4)
         kill_trials, kill_exact = _kill_runs(folder, config, reference, runs, kills_per_run, rng)
-        term_trials, term_ok = _term_trials(folder, config, 4 if quick else 10, rng)
+        term_trials, term_ok = _term_trials(folder, config, 10 if quick else 15, rng)
     return {"kill_trials": kill_trials, "kill_runs": runs, "kill_exact": kill_exact,
             "term_trials": term_trials, "term_ok": term_ok}

@@ -31,9 +31,11 @@ README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
 TARGETS = {
     "trainer_vs_bare": ("trainer tokens/s over a bare PyTorch loop (worst of tiny, small)", ">=", 0.95),
     "ckpt_save_vs_raw": ("checkpoint write over raw safetensors + torch.save", "<=", 1.2),
+    "ckpt_save_vs_raw_fsync": ("checkpoint write over the same raw writes plus fsync", None, None),
     "ckpt_stall_vs_sync": ("loop pause of a periodic checkpoint over a synchronous save", "<=", 0.3),
+    "ckpt_contention_vs_sync": ("extra run time per periodic save over a synchronous save (2 busy cores)", None, None),
     "resume_s": ("resume from a `small` checkpoint, seconds", None, None),
-    "stop_latency_units": ("`invoke stop` to exit, in (step + save) units", None, None),
+    "stop_latency_units": ("`invoke stop` to exit with an emergency checkpoint, in (step + save) units", None, None),
     "stop_latency_s": ("`invoke stop` to exit, seconds", None, None),
     "list_1000_vs_shell": ("`invoke list` over a shell loop, 1000 checkpoints", "<=", 0.33),
     "list_1000_s": ("`invoke list`, 1000 checkpoints, seconds", None, None),

@@ -1,6 +1,6 @@
 """Stop latency: from `invoke stop` to the container's exit with a complete emergency checkpoint.
 
-A `tiny` job runs in a container on the CPU; once it trains, `invoke stop` is
+A `small` job (26M parameters) runs in a container on the CPU; once it trains, `invoke stop` is
 timed until it returns (it returns when the container has exited). The
 latency is also given in units of (one step + one synchronous save), the least
 a graceful stop can take: finish the step in flight, then write everything.
@@ -25,7 +25,7 @@ from bench.common import invoke, write_config
 from bench.trainer_speed import make_assets, trainer_config
 
 JOB = "bench-stop"
-WINDOW, BATCH = 64, 16
+PRESET, WINDOW, BATCH = "small", 64, 8
 
 
 def _save_seconds(folder: Path, params: Path, data: Path) -> float:
@@ -53,7 +53,7 @@ def _step_seconds(job_dir: Path) -> float:
 def run(quick: bool, base_image: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="astrai-bench-stop-") as work:
         folder = Path(work)
-        params, data = make_assets(folder, "tiny")
+        params, data = make_assets(folder, PRESET)
         config = write_config(
             folder,
             {"job_name": JOB, "paths": {"data": str(data), "model": str(params), "checkpoints": str(folder / "ckpt")},

@@ -58,6 +58,14 @@ def test_init_preflight_start_stop_resume_finish(make_job):
     assert job.invoke("latest").stdout.strip().endswith(f"_step_{target}")
     assert "not running; nothing to stop" in job.invoke("stop").stdout
 
+    leftover = job.job_dir / ".staging-epoch_9_step_999-1-dead"
+    leftover.mkdir()
+    before = job.checkpoints()
+    assert "would remove" in job.invoke("clean", "--keep", "1").stdout and job.checkpoints() == before
+    cleaned = job.invoke("clean", "--keep", "1", "--force")
+    assert "1 staging folder(s)" in cleaned.stdout and not leftover.exists()
+    assert job.checkpoints() == [(target, "final")]
+
 
 def test_start_refuses_a_running_job(make_job):
     job = make_job(trainer=LONG)
@@ -65,6 +73,11 @@ def test_start_refuses_a_running_job(make_job):
     job.invoke("start")
     again = job.invoke("start", check=False)
     assert again.returncode != 0 and "already running" in again.stderr
+    job.wait_for("progress", lambda: job.progress_step() >= 1)  # past the trainer's own start-up clean-up
+    leftover = job.job_dir / ".staging-epoch_9_step_999-1-dead"
+    leftover.mkdir()
+    cleaned = job.invoke("clean", "--force")
+    assert "staging folders kept: a trainer may be writing them" in cleaned.stdout and leftover.exists()
     job.invoke("stop")
 
 
