@@ -45,6 +45,11 @@ def _build(project: Path, config: Path, *extra: str) -> float:
     return time.perf_counter() - start
 
 
+def _image_id(image: str) -> str:
+    found = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", image], capture_output=True, text=True)
+    return found.stdout.strip()
+
+
 def run(quick: bool, base_image: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="astrai-bench-build-") as work:
         project = _copy_project(Path(work) / "project")
@@ -52,16 +57,19 @@ def run(quick: bool, base_image: str) -> dict:
         (jobs / "checkpoints" / JOB).mkdir(parents=True)
         config = write_config(jobs, {"job_name": JOB, "gpu": {"devices": "none"},
                                      "container": {"cuda_tag": "cpu", "base_image": base_image}})
+        image = f"{compose.project_name(JOB)}-trainer"
+        built = []  # every build leaves an image; earlier ones lose their tag but still take space
         try:
             full = _build(project, config, "--no-cache")
+            built.append(_image_id(image))
             rebuilds = []
             for attempt in range(2 if quick else 3):
                 with open(project / "astrai" / "__init__.py", "a", encoding="utf-8") as handle:
                     handle.write(f"# code change {attempt}\n")
                 rebuilds.append(_build(project, config))
+                built.append(_image_id(image))
         finally:
-            subprocess.run(["docker", "image", "rm", "--force", f"{compose.project_name(JOB)}-trainer"],
-                           capture_output=True)
+            subprocess.run(["docker", "image", "rm", "--force", image, *filter(None, built)], capture_output=True)
     rebuilds.sort()
     return {"full_build_s": full, "rebuild_code_change_s": rebuilds[len(rebuilds) // 2],
             "rebuild_vs_full": rebuilds[len(rebuilds) // 2] / full}
