@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -144,6 +145,26 @@ def test_saved_checkpoint_is_complete_safe_and_round_trips(tmp_path, training_st
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.model_state[name], tensor)
     assert set(loaded.optimizer_state["state"]) == set(model.state_dict())
+
+
+class _ShortWrites(io.FileIO):
+    """A file whose every write stores at most 1000 bytes, as a raw write is allowed to."""
+
+    def write(self, data):
+        return super().write(memoryview(data).cast("B")[:1000])
+
+
+class _ShortWritebackFile(checkpoint_io._WritebackFile, _ShortWrites):
+    CHUNK = 4096
+
+
+def test_optimizer_file_streamed_to_disk_holds_every_byte_even_after_short_writes(tmp_path):
+    state = {"state": {"w": {"exp_avg": torch.randn(70, 90), "step": torch.tensor(7.0)}}, "param_groups": [{"lr": 0.1}]}
+    with _ShortWritebackFile(tmp_path / "optimizer.pt") as out:
+        torch.save(state, out)
+    loaded = torch.load(tmp_path / "optimizer.pt", weights_only=True)
+    assert torch.equal(loaded["state"]["w"]["exp_avg"], state["state"]["w"]["exp_avg"])
+    assert loaded["param_groups"] == state["param_groups"]
 
 
 def test_background_save_keeps_a_snapshot_of_the_moment(tmp_path, training_state):
