@@ -5,6 +5,8 @@
   model plus ``torch.save`` of the optimizer and scheduler state, same state.
   ``ckpt_save_vs_raw_fsync`` compares with the same raw writes followed by an
   fsync of each file, which is what makes a checkpoint survive a power cut.
+  ``ckpt_raw_fsync_vs_raw`` is that durable baseline over the raw one: what the
+  disk alone adds, a floor for any writer that flushes.
 - ``ckpt_stall_vs_sync``: how long a periodic checkpoint pauses the training
   loop (the state is copied, then written by a background thread) over the
   time of one synchronous save.
@@ -122,6 +124,7 @@ def run(quick: bool) -> dict:
         "ckpt_raw_save_s": costs["raw"],
         "ckpt_save_vs_raw": costs["save"] / costs["raw"],
         "ckpt_save_vs_raw_fsync": costs["save"] / costs["durable"],
+        "ckpt_raw_fsync_vs_raw": costs["durable"] / costs["raw"],
         "ckpt_stall_s": costs["pause"],
         "ckpt_stall_vs_sync": costs["pause"] / costs["save"],
         "ckpt_contention_vs_sync": contention / costs["save"],

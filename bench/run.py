@@ -32,6 +32,7 @@ TARGETS = {
     "trainer_vs_bare": ("trainer tokens/s over a bare PyTorch loop (worst of tiny, small)", ">=", 0.95),
     "ckpt_save_vs_raw": ("checkpoint write over raw safetensors + torch.save", "<=", 1.2),
     "ckpt_save_vs_raw_fsync": ("checkpoint write over the same raw writes plus fsync", None, None),
+    "ckpt_raw_fsync_vs_raw": ("raw writes plus fsync over raw writes (what the disk alone adds)", None, None),
     "ckpt_stall_vs_sync": ("loop pause of a periodic checkpoint over a synchronous save", "<=", 0.3),
     "ckpt_contention_vs_sync": ("extra run time per periodic save over a synchronous save (2 busy cores)", None, None),
     "resume_s": ("resume from a `small` checkpoint, seconds", None, None),
