@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from astrai import early_stop
 from astrai.config import ConfigError
 
 
@@ -139,6 +140,10 @@ class GracefulStop:
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._request)
         signal.signal(signal.SIGINT, self._request)
+        # A signal that came while the process was starting (see astrai/early_stop.py) counts too.
+        early = early_stop.received()
+        if early is not None and self.signal_name is None:
+            self.signal_name = early.name
 
     def finish(self) -> None:
         """The run is over and saved: ignore further signals until the process is gone.

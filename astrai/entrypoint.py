@@ -10,6 +10,8 @@ It reads only the environment that the rendered Compose override sets
     ASTRAI_PARALLEL_MODE          auto | none | ddp | fsdp
     ASTRAI_STOP_TIMEOUT_SECONDS   Docker's grace period on stop
 
+SIGTERM and SIGINT are held (blocked, pending) from the start, so a stop that
+comes while the container is still starting is not lost (astrai/early_stop.py).
 One process: the trainer replaces this process (exec), so Docker's SIGTERM
 reaches it directly. Several: ``torchrun --standalone`` runs them; this process
 stays as their parent and forwards SIGTERM/SIGINT straight to each worker, so
@@ -29,10 +31,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from astrai import early_stop
 from astrai.checkpoints import latest_complete_checkpoint
 from astrai.parallel import resolve_parallel_mode
 
@@ -181,21 +185,46 @@ def _child_pids(parent: int) -> list[int]:
     return children
 
 
-def supervise_workers(command: list[str]) -> int:
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (the SigCgt mask in /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def supervise_workers(command: list[str], poll_seconds: float = 0.1) -> int:
+    """Run the launcher (torchrun) and hand each stop signal to its workers; return its exit code.
+
+    The ranks are signalled themselves: torchrun, once signalled, tears the group
+    down and exits non-zero even when every rank stopped cleanly. A signal that
+    comes before the workers exist, or before they handle it, waits until they do.
+    """
+    pending: list[int] = []
+
+    def record(signum: int, _frame) -> None:
+        pending.append(signum)
+
+    for signum in early_stop.STOP_SIGNALS:
+        signal.signal(signum, record)
+    early_stop.release()  # main() held them; the launcher must start with them unblocked
     launcher = subprocess.Popen(command)
-
-    def forward(signum: int, _frame) -> None:
-        # Signal the ranks themselves: torchrun, once signalled, tears the group
-        # down and exits non-zero even when every rank stopped cleanly.
-        for pid in _child_pids(launcher.pid) or [launcher.pid]:
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    status = launcher.wait()
+    while (status := launcher.poll()) is None:
+        workers = _child_pids(launcher.pid) if pending else []
+        # A worker still starting up would die of the signal: wait until each one catches it.
+        if workers and all(_catches(pid, pending[0]) for pid in workers):
+            signum = pending.pop(0)
+            for pid in workers:
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+        else:
+            time.sleep(poll_seconds)
     return 128 - status if status < 0 else status
 
 
@@ -204,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     print_only = bool(args) and args[0] == "--print-plan"
     if print_only:
         args = args[1:]
+    else:
+        # Until the trainer (or the loop forwarding to its workers) can act on it, a stop signal waits.
+        early_stop.hold()
     try:
         plan = plan_launch(os.environ, args, _cuda_device_count)
         if print_only:

@@ -146,7 +146,7 @@ def stop_job(runtime: Runtime) -> None:
         _say(f"stopped in {seconds:.1f} s (the trainer had no step to save); newest checkpoint: {where}")
         return
     if final.exit_code == 128 + 15 and not _progress_since(runtime, container):
-        # SIGTERM arrived while Python was still importing torch, before the trainer could catch it.
+        # SIGTERM arrived in the first instant of the container, before the entrypoint could hold it.
         _say(f"stopped in {seconds:.1f} s while the trainer was still starting (no step taken, nothing lost); "
              f"newest checkpoint: {where}")
         return

@@ -19,6 +19,13 @@ writes an emergency checkpoint and exits 0.
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # Run as the trainer process: before the slow imports below, a stop signal becomes a
+    # recorded request instead of a kill (astrai/early_stop.py).
+    from astrai import early_stop
+
+    early_stop.catch()
+
 import argparse
 import contextlib
 import json

@@ -137,6 +137,19 @@ def test_cpu_ddp_with_two_processes_stops_and_resumes(make_job):
     assert f"_step_{stopped_at}" in job.logs() and job.checkpoints()[-1] == (stopped_at + 20, "final")
 
 
+@pytest.mark.parametrize("runtime", [None, {"gpu": {"devices": "none", "processes": 2}}], ids=["one", "ddp"])
+def test_a_stop_while_the_trainer_starts_is_still_graceful(make_job, runtime):
+    job = make_job(runtime=runtime, trainer=LONG)
+    job.invoke("init")
+    job.invoke("start")
+    result = job.invoke("stop")  # at once: the container is still importing torch
+    final = job.container()
+    assert final.exit_code == 0, result.stdout + job.logs()
+    assert "emergency checkpoint" in result.stdout, result.stdout
+    checkpoints = job.checkpoints()
+    assert len(checkpoints) == 1 and checkpoints[0][1] == "emergency", checkpoints
+
+
 def test_max_duration_stops_the_job_on_its_own(make_job):
     job = make_job(runtime={"container": {"max_duration_hours": 0.006}}, trainer=LONG)  # about 22 s
     job.invoke("init")

@@ -191,3 +191,47 @@ def test_stop_signal_reaches_every_worker_and_not_the_launcher(tmp_path):
         process.wait()
     assert (tmp_path / "saved-0").exists() and (tmp_path / "saved-1").exists()
     assert not (tmp_path / "launcher-signalled").exists()
+
+
+_SLOW_LAUNCHER = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    out = sys.argv[1]
+    time.sleep(1)  # torchrun importing torch: no worker yet
+    worker = (
+        "import signal, sys, time\\n"
+        "time.sleep(1)\\n"  # the worker importing torch: no handler yet
+        "stop = []\\n"
+        "signal.signal(signal.SIGTERM, lambda *_: stop.append(1))\\n"
+        "while not stop: time.sleep(0.01)\\n"
+        "open(sys.argv[2] + '/saved-' + sys.argv[1], 'w').close()\\n"
+    )
+    workers = [subprocess.Popen([sys.executable, "-c", worker, str(rank), out]) for rank in range(2)]
+    sys.exit(max(w.wait() for w in workers))
+    """
+)
+
+
+def test_a_stop_before_the_workers_can_catch_it_waits_for_them(tmp_path):
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(_SLOW_LAUNCHER)
+    code = (
+        "import sys, pathlib\n"
+        "from astrai import early_stop\n"
+        "from astrai.entrypoint import supervise_workers\n"
+        "early_stop.hold()\n"
+        f"pathlib.Path({str(tmp_path / 'held')!r}).touch()\n"
+        f"sys.exit(supervise_workers([sys.executable, {str(launcher)!r}, {str(tmp_path)!r}]))\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2])
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "held").exists():
+            assert time.monotonic() < deadline, "the supervisor did not start"
+            time.sleep(0.01)
+        process.send_signal(signal.SIGTERM)  # before any worker exists
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+        process.wait()
+    assert (tmp_path / "saved-0").exists() and (tmp_path / "saved-1").exists()

@@ -207,6 +207,29 @@ def test_sigterm_stops_within_a_step_and_a_save_and_resumes_bitwise_equal(
     assert _final_weights(ckpt_dir, 200) == references("single")
 
 
+def test_a_stop_that_comes_while_the_trainer_starts_is_kept_and_honoured(tmp_path, train_yaml, trainer_env):
+    # As in the container: the entrypoint holds the stop signals, a SIGTERM lands before the trainer runs
+    # (while it would still be importing torch), and exec carries it over, pending.
+    path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"))
+    launch = (
+        "import os, signal, sys\n"
+        "from astrai import early_stop\n"
+        "early_stop.hold()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        f"os.execv(sys.executable, {[*TRAINER, '--config', str(path)]!r})\n"
+    )
+    run = Run([sys.executable, "-c", launch], trainer_env, tmp_path / "run.log")
+    try:
+        code = run.wait(timeout=120)
+    finally:
+        run.kill()
+    output = run.output()
+    assert code == 0, output
+    assert "stop requested (SIGTERM)" in output
+    latest = latest_complete_checkpoint(tmp_path / "ckpt")
+    assert latest.step == 1 and read_meta(latest)["reason"] == "emergency", output
+
+
 def test_ddp_two_processes_killed_and_stopped_ends_bitwise_equal(tmp_path, train_yaml, trainer_env, references):
     path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"))
     ckpt_dir = tmp_path / "ckpt"
