@@ -296,12 +296,17 @@ def _start_writeback(path: Path) -> None:
     On Linux, POSIX_FADV_DONTNEED submits a file's dirty pages for writeback without waiting; the disk
     then works while the next file is serialized. Elsewhere the final fsync does all the flushing.
     """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _submit_for_writeback(fd)
+    finally:
+        os.close(fd)
+
+
+def _submit_for_writeback(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Hand a range of a file's dirty pages (length 0: to the end) to the disk without waiting for them."""
     if hasattr(os, "posix_fadvise"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 class _WritebackFile(io.FileIO):
@@ -326,8 +331,8 @@ class _WritebackFile(io.FileIO):
         while count < len(view):
             count += super().write(view[count:])
         self._written += count
-        if self._written - self._submitted >= self.CHUNK and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fileno(), self._submitted, self._written - self._submitted, os.POSIX_FADV_DONTNEED)
+        if self._written - self._submitted >= self.CHUNK:
+            _submit_for_writeback(self.fileno(), self._submitted, self._written - self._submitted)
             self._submitted = self._written
         return count
 

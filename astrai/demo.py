@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from astrai import baseimage, compose, engine, jobs
+from astrai import baseimage, compose, jobs
 from astrai.checkpoints import list_complete_checkpoints, read_meta
 from astrai.runtime import load_config
 
@@ -84,8 +84,7 @@ def run_demo(workdir: Path, *, fresh: bool = False, job_name: str = JOB_NAME) ->
 
     _title(f"5. invoke start --config {config}  (again: it resumes from the emergency checkpoint)")
     jobs.start_job(runtime, document, [], foreground=False)
-    container = engine.find_container(compose.project_name(runtime.job_name))
-    final = _wait_for_exit(container)
+    final = jobs.wait_for_exit(jobs.job_container(runtime).id, timeout=WAIT_TIMEOUT_SECONDS)  # start_job found it
     resumed = [line for line in _logs(runtime) if "resumed from" in line]
     _say(resumed[0] if resumed else "warning: the log does not name a resumed checkpoint")
     if final.exit_code != 0:
@@ -167,21 +166,11 @@ def _wait_for_step(runtime, step: int) -> int:
         progress = jobs.last_progress(runtime.job_dir)
         if progress is not None and progress["step"] >= step:
             return int(progress["step"])
-        container = engine.find_container(compose.project_name(runtime.job_name))
+        container = jobs.job_container(runtime)
         if container is None or not container.running:
             raise DemoError(f"the trainer stopped early; see `invoke logs --config {runtime.config_path}`")
         time.sleep(1)
     raise DemoError(f"no progress past step {step} within {WAIT_TIMEOUT_SECONDS} s")
-
-
-def _wait_for_exit(container: engine.Container | None) -> engine.Container:
-    if container is None:
-        raise DemoError("the demo container did not start")
-    subprocess.run(["docker", "wait", container.id], capture_output=True, timeout=WAIT_TIMEOUT_SECONDS)
-    final = engine.inspect_container(container.id)
-    if final is None:
-        raise DemoError("the demo container disappeared")
-    return final
 
 
 def _logs(runtime) -> list[str]:

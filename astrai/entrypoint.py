@@ -167,7 +167,7 @@ def _cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _child_pids(parent: int) -> list[int]:
+def child_pids(parent: int) -> list[int]:
     """Direct children of ``parent``, read from /proc."""
     children = []
     for entry in os.listdir("/proc"):
@@ -214,7 +214,7 @@ def supervise_workers(command: list[str], poll_seconds: float = 0.1) -> int:
     early_stop.release()  # main() held them; the launcher must start with them unblocked
     launcher = subprocess.Popen(command)
     while (status := launcher.poll()) is None:
-        workers = _child_pids(launcher.pid) if pending else []
+        workers = child_pids(launcher.pid) if pending else []
         # A worker still starting up would die of the signal: wait until each one catches it.
         if workers and all(_catches(pid, pending[0]) for pid in workers):
             signum = pending.pop(0)

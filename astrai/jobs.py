@@ -74,8 +74,7 @@ def build_image(runtime: Runtime) -> None:
 
 def start_job(runtime: Runtime, document: dict, trainer_args: list[str], *, foreground: bool) -> int:
     """Preflight, build, then start (or resume) the job; returns the exit code for the task."""
-    project = compose.project_name(runtime.job_name)
-    running = engine.find_container(project) if _daemon_up() else None
+    running = job_container(runtime) if _daemon_up() else None
     if running is not None and running.running:
         raise JobError(
             f"job {runtime.job_name} is already running (container {running.name}); "
@@ -89,7 +88,7 @@ def start_job(runtime: Runtime, document: dict, trainer_args: list[str], *, fore
     # A fresh container per run: its id and start time tell this run apart from later ones.
     _run_compose(runtime, "up", "--detach", "--no-build", "--force-recreate", compose.SERVICE,
                  what="starting the container", quiet=True)
-    container = engine.find_container(project)
+    container = job_container(runtime)
     if container is None:
         raise JobError(f"the container of job {runtime.job_name} did not appear; see `invoke logs`")
     latest = list_complete_checkpoints(runtime.job_dir)
@@ -115,7 +114,7 @@ def _follow_until_exit(runtime: Runtime, container: engine.Container) -> int:
     except KeyboardInterrupt:
         _say("\nCtrl-C: stopping the job gracefully (the trainer writes an emergency checkpoint)")
         stop_job(runtime)
-    final = _wait_for_exit(container.id)
+    final = wait_for_exit(container.id)
     if final.exit_code != 0:
         _say(f"the trainer exited with code {final.exit_code}")
     return final.exit_code
@@ -124,7 +123,7 @@ def _follow_until_exit(runtime: Runtime, container: engine.Container) -> int:
 def stop_job(runtime: Runtime) -> None:
     """Graceful stop: SIGTERM, `stop_timeout_seconds` of grace, then report the emergency checkpoint."""
     cancelled = timer.cancel(compose.state_dir(runtime))
-    container = engine.find_container(compose.project_name(runtime.job_name))
+    container = job_container(runtime)
     if container is None or not container.running:
         extra = " (its max-duration timer was cancelled)" if cancelled else ""
         _say(f"job {runtime.job_name} is not running; nothing to stop{extra}")
@@ -176,8 +175,12 @@ def _progress_since(runtime: Runtime, container: engine.Container) -> bool:
     return entry is not None and (started is None or entry.get("time", 0) >= started.timestamp())
 
 
-def _wait_for_exit(container_id: str) -> engine.Container:
-    subprocess.run(["docker", "wait", container_id], capture_output=True)
+def wait_for_exit(container_id: str, timeout: float | None = None) -> engine.Container:
+    """Block until the container exits (at most ``timeout`` seconds); return its final state."""
+    try:
+        subprocess.run(["docker", "wait", container_id], capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise JobError(f"container {container_id[:12]} still runs after {timeout:.0f} s") from None
     final = engine.inspect_container(container_id)
     if final is None:
         raise JobError(f"container {container_id[:12]} disappeared")
@@ -188,7 +191,7 @@ def _wait_for_exit(container_id: str) -> engine.Container:
 
 
 def show_logs(runtime: Runtime, tail: str, follow: bool) -> None:
-    if engine.find_container(compose.project_name(runtime.job_name)) is None:
+    if job_container(runtime) is None:
         raise JobError(f"job {runtime.job_name} has no container yet; start it with `invoke start`")
     if not compose.override_path(runtime).exists():
         compose.write_override(runtime)
@@ -204,7 +207,7 @@ def status_lines(runtime: Runtime) -> list[str]:
     lines = [f"job         {runtime.job_name}  ({runtime.config_path})"]
     running = False
     try:
-        container = engine.find_container(compose.project_name(runtime.job_name))
+        container = job_container(runtime)
         if container is None:
             state = "not started"
         elif container.running:
@@ -278,13 +281,18 @@ def clean_job(runtime: Runtime, keep: int | None, force: bool) -> None:
 
 def _trainer_may_run(runtime: Runtime) -> bool:
     try:
-        container = engine.find_container(compose.project_name(runtime.job_name))
+        container = job_container(runtime)
     except engine.EngineError:
         return True  # cannot tell, so assume the worst
     return container is not None and container.running
 
 
 # --- helpers --------------------------------------------------------------------------------------------
+
+
+def job_container(runtime: Runtime) -> engine.Container | None:
+    """The job's newest container, running or not (None before its first start)."""
+    return engine.find_container(compose.project_name(runtime.job_name))
 
 
 def _run_compose(runtime: Runtime, *args: str, what: str, quiet: bool = False) -> None:

@@ -173,22 +173,34 @@ _FAKE_LAUNCHER = textwrap.dedent(
 )
 
 
-def test_stop_signal_reaches_every_worker_and_not_the_launcher(tmp_path):
+def _supervise_and_stop(tmp_path: Path, launcher_source: str, signal_when: list[str]) -> int:
+    """Run supervise_workers (signals held, as main() does) over a fake launcher; once every file in
+    ``signal_when`` exists under tmp_path, send it SIGTERM; return its exit code."""
     launcher = tmp_path / "launcher.py"
-    launcher.write_text(_FAKE_LAUNCHER)
-    code = f"import sys; from astrai.entrypoint import supervise_workers; " \
-           f"sys.exit(supervise_workers([sys.executable, {str(launcher)!r}, {str(tmp_path)!r}]))"
+    launcher.write_text(launcher_source)
+    code = (
+        "import sys, pathlib\n"
+        "from astrai import early_stop\n"
+        "from astrai.entrypoint import supervise_workers\n"
+        "early_stop.hold()\n"
+        f"pathlib.Path({str(tmp_path / 'held')!r}).touch()\n"
+        f"sys.exit(supervise_workers([sys.executable, {str(launcher)!r}, {str(tmp_path)!r}]))\n"
+    )
     process = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2])
     try:
         deadline = time.monotonic() + 30
-        while not all((tmp_path / f"ready-{rank}").exists() for rank in range(2)):
-            assert time.monotonic() < deadline, "workers did not start"
-            time.sleep(0.05)
+        while not all((tmp_path / name).exists() for name in signal_when):
+            assert time.monotonic() < deadline, f"not all of {signal_when} appeared"
+            time.sleep(0.01)
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
+        return process.wait(timeout=30)
     finally:
         process.kill()
         process.wait()
+
+
+def test_stop_signal_reaches_every_worker_and_not_the_launcher(tmp_path):
+    assert _supervise_and_stop(tmp_path, _FAKE_LAUNCHER, ["ready-0", "ready-1"]) == 0
     assert (tmp_path / "saved-0").exists() and (tmp_path / "saved-1").exists()
     assert not (tmp_path / "launcher-signalled").exists()
 
@@ -213,25 +225,6 @@ _SLOW_LAUNCHER = textwrap.dedent(
 
 
 def test_a_stop_before_the_workers_can_catch_it_waits_for_them(tmp_path):
-    launcher = tmp_path / "launcher.py"
-    launcher.write_text(_SLOW_LAUNCHER)
-    code = (
-        "import sys, pathlib\n"
-        "from astrai import early_stop\n"
-        "from astrai.entrypoint import supervise_workers\n"
-        "early_stop.hold()\n"
-        f"pathlib.Path({str(tmp_path / 'held')!r}).touch()\n"
-        f"sys.exit(supervise_workers([sys.executable, {str(launcher)!r}, {str(tmp_path)!r}]))\n"
-    )
-    process = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2])
-    try:
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "held").exists():
-            assert time.monotonic() < deadline, "the supervisor did not start"
-            time.sleep(0.01)
-        process.send_signal(signal.SIGTERM)  # before any worker exists
-        assert process.wait(timeout=30) == 0
-    finally:
-        process.kill()
-        process.wait()
+    # Signalled as soon as the supervisor runs: before any worker exists.
+    assert _supervise_and_stop(tmp_path, _SLOW_LAUNCHER, ["held"]) == 0
     assert (tmp_path / "saved-0").exists() and (tmp_path / "saved-1").exists()

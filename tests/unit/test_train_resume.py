@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from astrai.checkpoints import STAGING_PREFIX, latest_complete_checkpoint, read_meta
+from astrai.entrypoint import child_pids
 from astrai.model import ModelConfig, check_state_dict
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,7 @@ class Run:
     def workers(self) -> dict[int, int]:
         """rank -> pid of the torchrun workers (they run in sessions of their own)."""
         ranks = {}
-        for pid in _children(self.proc.pid):
+        for pid in child_pids(self.proc.pid):
             try:
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
@@ -69,20 +70,6 @@ class Run:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(entry))
-    return found
 
 
 def _metrics_steps(ckpt_dir: Path) -> list[int]:
