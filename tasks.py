@@ -25,7 +25,8 @@ def _user_errors():
     from astrai.compose import ComposeError
     from astrai.engine import EngineError
     from astrai.jobs import JobError
-    from astrai.runtime import ConfigError, SchemaError
+    from astrai.configfile import ConfigError
+    from astrai.runtime import SchemaError
 
     try:
         yield
@@ -40,9 +41,9 @@ def _user_errors():
 
 
 def _load(config: str):
-    from astrai.runtime import load_config
+    from astrai.runtime import load_job_config
 
-    return load_config(config)
+    return load_job_config(config)
 
 
 def _trainer_args(c) -> list[str]:

@@ -50,11 +50,21 @@ from astrai.checkpoints import (
     remove_job_entry,
     scan_job_dir,
 )
+from astrai.contract import (
+    META_FILE,
+    MODEL_CONFIG_FILE,
+    OPTIMIZER_FILE,
+    REASON_EMERGENCY,
+    REASON_FINAL,
+    REASON_PERIODIC,
+    REASONS,
+    RNG_FILE,
+    SCHEDULER_FILE,
+    WEIGHTS_FILE,
+)
 from astrai.distributed import DistEnv
 from astrai.model import ModelConfig, ModelLoadError, check_state_dict, save_tensors
 
-RNG_FILE = "rng_state.safetensors"
-REASONS = ("periodic", "final", "emergency")
 # What a damaged checkpoint file raises when read: truncated zip or safetensors, bad JSON,
 # a pickle that weights_only refuses, missing keys or wrong types in meta.json.
 _DAMAGED = (OSError, ValueError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError, SafetensorError)
@@ -109,11 +119,11 @@ class CheckpointManager:
     def reason_for(self, step: int, max_steps: int, stopping: bool) -> str | None:
         """Why a checkpoint is due after ``step``, or None."""
         if step >= max_steps:
-            return "final"
+            return REASON_FINAL
         if stopping:
-            return "emergency"
+            return REASON_EMERGENCY
         if step % self.interval == 0:
-            return "periodic"
+            return REASON_PERIODIC
         return None
 
     def remove_leftovers(self) -> None:
@@ -245,7 +255,7 @@ class CheckpointManager:
             staging = None
             if self.keep_last is not None:
                 self._apply_retention(Checkpoint(files.meta["epoch"], files.meta["step"], final))
-            if reason == "periodic":
+            if reason == REASON_PERIODIC:
                 self.log(f"saved periodic checkpoint {final}")
         except Exception as error:  # any failure: wait() hands it to the main thread
             self._write_error = error
@@ -272,15 +282,15 @@ class _CheckpointFiles:
 
     def write(self, folder: Path) -> None:
         """Write every file into ``folder`` and flush it to disk; meta.json goes last."""
-        model_path, optimizer_path = folder / "model.safetensors", folder / "optimizer.pt"
+        model_path, optimizer_path = folder / WEIGHTS_FILE, folder / OPTIMIZER_FILE
         save_tensors({k: v.contiguous() for k, v in self.model_state.items()}, model_path, metadata={"format": "pt"})
         _start_writeback(model_path)
         with _WritebackFile(optimizer_path) as out:
             torch.save(self.optimizer_state, out)
-        torch.save(self.scheduler_state, folder / "scheduler.pt")
+        torch.save(self.scheduler_state, folder / SCHEDULER_FILE)
         save_tensors(self.rng_state, folder / RNG_FILE)
-        (folder / "config.json").write_text(self.model_config.to_json(), encoding="utf-8")
-        (folder / "meta.json").write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        (folder / MODEL_CONFIG_FILE).write_text(self.model_config.to_json(), encoding="utf-8")
+        (folder / META_FILE).write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         for entry in os.scandir(folder):
             fd = os.open(entry.path, os.O_RDONLY)
             try:
@@ -383,12 +393,12 @@ def read_checkpoint(checkpoint: Checkpoint) -> LoadedCheckpoint:
         if (progress.epoch, progress.step) != (checkpoint.epoch, checkpoint.step):
             raise ValueError(f"meta.json says epoch {progress.epoch} step {progress.step}, the folder name disagrees")
         model_config = ModelConfig.load(path)
-        model_state = load_file(path / "model.safetensors", device="cpu")
-        check_state_dict(model_state, model_config, path / "model.safetensors")
-        optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+        model_state = load_file(path / WEIGHTS_FILE, device="cpu")
+        check_state_dict(model_state, model_config, path / WEIGHTS_FILE)
+        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
         if not isinstance(optimizer_state, dict) or not set(optimizer_state.get("state", {})) <= set(model_state):
             raise ValueError("optimizer.pt: not an optimizer state keyed by this model's parameter names")
-        scheduler_state = torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True)
+        scheduler_state = torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True)
         if not isinstance(scheduler_state, dict):
             raise ValueError("scheduler.pt: not a scheduler state")
         rng_state = load_file(path / RNG_FILE, device="cpu")

@@ -26,10 +26,10 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REQUIRED_FILES = ("meta.json", "config.json", "model.safetensors", "optimizer.pt", "scheduler.pt")
+from astrai.contract import META_FILE, METRICS_FILE, REQUIRED_FILES
+
 STAGING_PREFIX = ".staging-"
 TRASH_PREFIX = ".trash-"
-METRICS_FILE = "metrics.jsonl"
 
 _NAME = re.compile(r"epoch_(0|[1-9][0-9]*)_step_(0|[1-9][0-9]*)")
 
@@ -135,10 +135,10 @@ def plan_retention(checkpoints: list[Checkpoint], keep: int) -> tuple[list[Check
 def read_meta(checkpoint: Checkpoint | Path) -> dict:
     """The parsed ``meta.json`` of a checkpoint (raises OSError or ValueError when unreadable)."""
     path = checkpoint.path if isinstance(checkpoint, Checkpoint) else Path(checkpoint)
-    with open(path / "meta.json", encoding="utf-8") as handle:
+    with open(path / META_FILE, encoding="utf-8") as handle:
         meta = json.load(handle)
     if not isinstance(meta, dict):
-        raise ValueError(f"{path / 'meta.json'}: expected a JSON object")
+        raise ValueError(f"{path / META_FILE}: expected a JSON object")
     return meta
 
 

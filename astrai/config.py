@@ -19,11 +19,10 @@ from pathlib import Path
 
 import yaml
 
+from astrai.configfile import ConfigError, load_yaml
+from astrai.contract import CONTAINER_DATA, CONTAINER_MODEL, PARALLEL_MODES, container_job_dir
+
 HOST_SECTION = "runtime"
-
-
-class ConfigError(Exception):
-    """A bad trainer config; the message names the key, the value and what is allowed."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    data_root_path: str = "/data"
+    data_root_path: str = CONTAINER_DATA
     """Folder written by ``python -m astrai.data prepare`` (manifest.json + shards)."""
     window_size: int = 256
     """Tokens per training sequence; at most the model's max_seq_len."""
@@ -47,8 +46,6 @@ class DataSection:
         _check(self.window_size >= 1, "data.window_size", self.window_size, "an integer >= 1")
         _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "an integer >= 0")
 
-
-PARALLEL_MODES = ("none", "ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -116,9 +113,9 @@ class TrainingSection:
 class CkptSection:
     ckpt_interval: int = 500
     """Optimizer steps between periodic checkpoints."""
-    ckpt_dir: str = "/checkpoints/astrai-train"
+    ckpt_dir: str = container_job_dir("astrai-train")
     """The job's checkpoint folder; also holds metrics.jsonl."""
-    param_path: str = "/models/base"
+    param_path: str = CONTAINER_MODEL
     """Base model folder (config.json + model.safetensors) used when there is no checkpoint to resume."""
     keep_last: int | None = None
     """Keep only this many newest checkpoints (the newest is never deleted); null keeps all."""
@@ -227,24 +224,9 @@ def _coerce(dotted: str, value, kind, from_text: bool):
     raise ConfigError(f"{dotted}: expected a string, got {value!r}")
 
 
-def load_yaml(path: Path) -> dict:
+def trainer_sections(path: Path) -> dict:
     """The trainer sections of a YAML file, checked for unknown sections and keys (``runtime`` is dropped)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found (pass --config FILE)") from None
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read config file: {error.strerror}") from None
-    try:
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}:{where}: invalid YAML: {getattr(error, 'problem', None) or error}") from None
-    if document is None:
-        return {}
-    if not isinstance(document, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    document = load_yaml(path)
     values: dict[str, dict] = {}
     for section, body in document.items():
         if section == HOST_SECTION:
@@ -291,9 +273,9 @@ def build_config(*layers: dict) -> TrainerConfig:
     return TrainerConfig(**{name: cls(**merged.get(name, {})) for name, cls in _SECTION_CLASSES.items()})
 
 
-def load_config(path: Path, overrides: list[tuple[str, str]] = ()) -> TrainerConfig:
+def load_trainer_config(path: Path, overrides: list[tuple[str, str]] = ()) -> TrainerConfig:
     """The resolved config: defaults, then the YAML file, then command-line overrides."""
-    return build_config(load_yaml(path), parse_overrides(list(overrides)))
+    return build_config(trainer_sections(path), parse_overrides(list(overrides)))
 
 
 def describe(config: TrainerConfig) -> str:

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, Sampler
 
-MANIFEST_FILE = "manifest.json"
+from astrai.contract import DATA_MANIFEST_FILE
+
 SHARD_PATTERN = "shard_{:05d}.bin"
 FORMAT = "astrai-tokens"
 # 2**27 tokens = 256 MiB per uint16 shard: large enough to keep the file count low, small enough to copy around.
@@ -78,7 +79,7 @@ def prepare(out_dir: Path, files: list[Path], shard_tokens: int = DEFAULT_SHARD_
             raise DataError(f"{path}: not a file")
     out_dir.mkdir(parents=True, exist_ok=True)
     # Without a manifest the folder reads as not prepared, so a crash below never leaves a half-written data set.
-    (out_dir / MANIFEST_FILE).unlink(missing_ok=True)
+    (out_dir / DATA_MANIFEST_FILE).unlink(missing_ok=True)
     shards: list[dict] = []
     writer = None
 
@@ -123,9 +124,9 @@ def prepare(out_dir: Path, files: list[Path], shard_tokens: int = DEFAULT_SHARD_
         "shards": shards,
         "sources": [Path(path).name for path in files],
     }
-    tmp = out_dir / f".{MANIFEST_FILE}.tmp"
+    tmp = out_dir / f".{DATA_MANIFEST_FILE}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, out_dir / MANIFEST_FILE)
+    os.replace(tmp, out_dir / DATA_MANIFEST_FILE)
     return manifest
 
 
@@ -146,9 +147,9 @@ class TokenData:
         how = f"run: python -m astrai.data prepare --out {root} FILE..."
         if not root.is_dir():
             raise DataError(f"data folder {root} does not exist (set data_root_path, or {how})")
-        manifest_path = root / MANIFEST_FILE
+        manifest_path = root / DATA_MANIFEST_FILE
         if not manifest_path.is_file():
-            raise DataError(f"data folder {root} has no {MANIFEST_FILE}; it is empty or not prepared ({how})")
+            raise DataError(f"data folder {root} has no {DATA_MANIFEST_FILE}; it is empty or not prepared ({how})")
         try:
             manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
             if manifest.get("format") != FORMAT or manifest.get("dtype") != "uint16":

@@ -23,7 +23,8 @@ import yaml
 
 from astrai import baseimage, compose, jobs
 from astrai.checkpoints import list_complete_checkpoints, read_meta
-from astrai.runtime import load_config
+from astrai.contract import CONTAINER_DATA, CONTAINER_MODEL, WEIGHTS_FILE
+from astrai.runtime import load_job_config
 
 CORPUS_DIR = compose.PROJECT_ROOT / "examples" / "corpus"
 JOB_NAME = "astrai-demo"
@@ -33,13 +34,13 @@ WAIT_TIMEOUT_SECONDS = 900
 
 TRAINER_SETTINGS = {
     "model": {"activation_checkpointing": False, "compile": False},
-    "data": {"data_root_path": "/data", "window_size": 64, "num_workers": 1},
+    "data": {"data_root_path": CONTAINER_DATA, "window_size": 64, "num_workers": 1},
     "parallel": {"parallel_mode": "none"},
     "training": {
         "max_steps": 600, "batch_per_device": 16, "grad_accum_steps": 1, "max_lr": 3e-3, "warmup_ratio": 0.05,
         "weight_decay": 0.1, "max_grad_norm": 1.0, "random_seed": 1234,
     },
-    "ckpt": {"ckpt_interval": 100, "param_path": "/models/base"},
+    "ckpt": {"ckpt_interval": 100, "param_path": CONTAINER_MODEL},
     "log": {"log_interval": 25},
 }
 
@@ -64,7 +65,7 @@ def run_demo(workdir: Path, *, fresh: bool = False, job_name: str = JOB_NAME) ->
     _make_base_model(workdir / "params")
     _prepare_data(workdir / "data")
     config = _write_config(workdir, image, job_name)
-    document, runtime = load_config(config)
+    document, runtime = load_job_config(config)
 
     _title(f"1. invoke init --config {config}")
     for path in jobs.init_job(runtime):
@@ -124,7 +125,7 @@ def _choose_base_image() -> str:
 
 
 def _make_base_model(folder: Path) -> None:
-    if (folder / "model.safetensors").is_file():
+    if (folder / WEIGHTS_FILE).is_file():
         _say(f"base model: {folder} (already there)")
         return
     _run_host([sys.executable, "-m", "astrai.model", "init", str(folder), "--preset", "tiny"])

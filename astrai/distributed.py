@@ -20,7 +20,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from astrai import early_stop
-from astrai.config import ConfigError
+from astrai.configfile import ConfigError
+from astrai.contract import resolve_parallel_mode
 
 
 @dataclass
@@ -51,17 +52,13 @@ def world_from_environment() -> tuple[int, int, int]:
 
 
 def check_parallel_mode(parallel_mode: str, world_size: int) -> None:
-    """Raise ConfigError when the mode does not fit the number of processes."""
-    if parallel_mode == "none" and world_size > 1:
-        raise ConfigError(
-            f"parallel.parallel_mode: none runs one process, but WORLD_SIZE is {world_size}; "
-            f"use ddp or fsdp under torchrun"
-        )
-    if parallel_mode != "none" and world_size < 2:
-        raise ConfigError(
-            f"parallel.parallel_mode: {parallel_mode} needs two or more processes, but WORLD_SIZE is {world_size}; "
-            f"run under torchrun --nproc-per-node N, or use none"
-        )
+    """Raise ConfigError when the mode does not fit the number of processes (the rule of DESIGN §3)."""
+    try:
+        resolve_parallel_mode(parallel_mode, world_size)
+    except ValueError as error:
+        hint = "use ddp or fsdp under torchrun" if parallel_mode == "none" else \
+            "run under torchrun --nproc-per-node N, or use none"
+        raise ConfigError(f"parallel.parallel_mode: {error} (WORLD_SIZE is {world_size}); {hint}") from None
 
 
 def resolve_device(preference: str, local_rank: int) -> torch.device:

@@ -38,12 +38,24 @@ from typing import Callable, Mapping
 
 from astrai import early_stop
 from astrai.checkpoints import latest_complete_checkpoint
-from astrai.parallel import resolve_parallel_mode
+from astrai.contract import (
+    BASE_MODEL_FILES,
+    CONTAINER_CHECKPOINTS,
+    CONTAINER_CONFIG,
+    CONTAINER_DATA,
+    CONTAINER_MODEL,
+    ENV_CONFIG,
+    ENV_GPU_DEVICES,
+    ENV_JOB_NAME,
+    ENV_PARALLEL_MODE,
+    ENV_PROCESSES,
+    ENV_STOP_TIMEOUT_SECONDS,
+    resolve_parallel_mode,
+)
 
-DATA_DIR = Path("/data")
-MODEL_DIR = Path("/models/base")
-CHECKPOINTS_DIR = Path("/checkpoints")
-DEFAULT_CONFIG = "/run/astrai/train.yaml"
+DATA_DIR = Path(CONTAINER_DATA)
+MODEL_DIR = Path(CONTAINER_MODEL)
+CHECKPOINTS_DIR = Path(CONTAINER_CHECKPOINTS)
 # torchrun must never cut an emergency save short; keep a floor in case the timeout is tiny.
 MIN_SHUTDOWN_TIMEOUT_SECONDS = 30
 
@@ -66,7 +78,7 @@ def resolve_process_count(devices: str, processes: str | None, cuda_device_count
         try:
             count = int(processes or "1")
         except ValueError:
-            raise EntrypointError(f"ASTRAI_PROCESSES must be a whole number, got {processes!r}") from None
+            raise EntrypointError(f"{ENV_PROCESSES} must be a whole number, got {processes!r}") from None
         if count < 1:
             raise EntrypointError(f"runtime.gpu.processes must be at least 1, got {count}")
         return count
@@ -80,7 +92,7 @@ def resolve_process_count(devices: str, processes: str | None, cuda_device_count
         return count
     indices = [part for part in devices.split(",") if part.strip()]
     if not indices:
-        raise EntrypointError(f"ASTRAI_GPU_DEVICES must be all, none or a list of GPU indices, got {devices!r}")
+        raise EntrypointError(f"{ENV_GPU_DEVICES} must be all, none or a list of GPU indices, got {devices!r}")
     return len(indices)
 
 
@@ -91,19 +103,19 @@ def plan_launch(
     python: str = sys.executable,
 ) -> LaunchPlan:
     """Decide how to start the trainer from the container's environment."""
-    job_name = env.get("TRAIN_JOB_NAME")
+    job_name = env.get(ENV_JOB_NAME)
     if not job_name:
-        raise EntrypointError("TRAIN_JOB_NAME is not set; start the job with `invoke start`")
-    devices = env.get("ASTRAI_GPU_DEVICES", "all")
-    processes = resolve_process_count(devices, env.get("ASTRAI_PROCESSES"), cuda_device_count)
+        raise EntrypointError(f"{ENV_JOB_NAME} is not set; start the job with `invoke start`")
+    devices = env.get(ENV_GPU_DEVICES, "all")
+    processes = resolve_process_count(devices, env.get(ENV_PROCESSES), cuda_device_count)
     try:
-        mode = resolve_parallel_mode(env.get("ASTRAI_PARALLEL_MODE", "auto"), processes)
+        mode = resolve_parallel_mode(env.get(ENV_PARALLEL_MODE, "auto"), processes)
     except ValueError as error:
         raise EntrypointError(f"runtime.gpu.parallel_mode: {error} (runtime.gpu.devices: {devices})") from None
     job_dir = CHECKPOINTS_DIR / job_name
     trainer = [
         "-m", "astrai.train",
-        "--config", env.get("ASTRAI_CONFIG", DEFAULT_CONFIG),
+        "--config", env.get(ENV_CONFIG, CONTAINER_CONFIG),
         "--ckpt_dir", str(job_dir),
         "--param_path", str(MODEL_DIR),
         "--parallel_mode", mode,
@@ -112,7 +124,7 @@ def plan_launch(
     if processes == 1:
         command = [python, *trainer]
     else:
-        stop_timeout = int(env.get("ASTRAI_STOP_TIMEOUT_SECONDS", "600"))
+        stop_timeout = int(env.get(ENV_STOP_TIMEOUT_SECONDS, "600"))
         command = [
             python, "-m", "torch.distributed.run",
             "--standalone",
@@ -125,7 +137,7 @@ def plan_launch(
 
 def check_gpus(env: Mapping[str, str], plan: LaunchPlan, cuda_device_count: Callable[[], int]) -> None:
     """Listed GPUs must be visible: one process per GPU."""
-    devices = env.get("ASTRAI_GPU_DEVICES", "all")
+    devices = env.get(ENV_GPU_DEVICES, "all")
     if devices in ("all", "none"):
         return
     visible = cuda_device_count()
@@ -152,7 +164,7 @@ def check_mounts(job_dir: Path, data_dir: Path = DATA_DIR, model_dir: Path = MOD
         ) from None
     if latest_complete_checkpoint(job_dir) is not None:
         return
-    for name in ("config.json", "model.safetensors"):
+    for name in BASE_MODEL_FILES:
         path = model_dir / name
         if not path.is_file() or path.stat().st_size == 0:
             raise EntrypointError(
@@ -247,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"astrai entrypoint: error: {error}", file=sys.stderr, flush=True)
         return 2
     print(
-        f"astrai entrypoint: job {os.environ['TRAIN_JOB_NAME']}: {plan.processes} process(es), "
+        f"astrai entrypoint: job {os.environ[ENV_JOB_NAME]}: {plan.processes} process(es), "
         f"parallel_mode {plan.parallel_mode}",
         flush=True,
     )

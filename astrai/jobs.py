@@ -16,7 +16,6 @@ from pathlib import Path
 
 from astrai import compose, engine, preflight, timer
 from astrai.checkpoints import (
-    METRICS_FILE,
     Checkpoint,
     list_complete_checkpoints,
     plan_retention,
@@ -24,6 +23,16 @@ from astrai.checkpoints import (
     remove_checkpoint,
     remove_job_entry,
     scan_job_dir,
+)
+from astrai.contract import (
+    METRIC_ETA_S,
+    METRIC_LOSS,
+    METRIC_MAX_STEPS,
+    METRIC_STEP,
+    METRIC_TIME,
+    METRIC_TOKENS_PER_S,
+    METRICS_FILE,
+    REASON_EMERGENCY,
 )
 from astrai.hostuser import make_dirs
 from astrai.runtime import Runtime
@@ -162,7 +171,7 @@ def _emergency_checkpoint_since(runtime: Runtime, container: engine.Container) -
         except (OSError, ValueError):
             continue
         written = datetime.fromtimestamp(checkpoint.path.stat().st_mtime, timezone.utc)
-        if meta.get("reason") == "emergency" and (started is None or written >= started):
+        if meta.get("reason") == REASON_EMERGENCY and (started is None or written >= started):
             return checkpoint
         break
     return None
@@ -326,23 +335,23 @@ def last_progress(job_dir: Path) -> dict | None:
         entry = json.loads(last) if last is not None else None
     except ValueError:
         return None
-    return entry if isinstance(entry, dict) and "step" in entry and "max_steps" in entry else None
+    return entry if isinstance(entry, dict) and METRIC_STEP in entry and METRIC_MAX_STEPS in entry else None
 
 
 def _progress(job_dir: Path, running: bool) -> str:
     entry = last_progress(job_dir)
     if entry is None:
         return "no progress reported yet"
-    step, max_steps = entry["step"], entry["max_steps"]
+    step, max_steps = entry[METRIC_STEP], entry[METRIC_MAX_STEPS]
     parts = [f"step {step}/{max_steps} ({100.0 * step / max(max_steps, 1):.0f}%)"]
-    if isinstance(entry.get("loss"), (int, float)):
-        parts.append(f"loss {entry['loss']:.4f}")
-    if isinstance(entry.get("tokens_per_s"), (int, float)) and running:
-        parts.append(f"{entry['tokens_per_s']:.0f} tok/s")
-    if isinstance(entry.get("eta_s"), (int, float)) and running and step < max_steps:
-        parts.append(f"eta {_duration(entry['eta_s'])}")
-    if isinstance(entry.get("time"), (int, float)):
-        parts.append(f"reported {_duration(time.time() - entry['time'])} ago")
+    if isinstance(entry.get(METRIC_LOSS), (int, float)):
+        parts.append(f"loss {entry[METRIC_LOSS]:.4f}")
+    if isinstance(entry.get(METRIC_TOKENS_PER_S), (int, float)) and running:
+        parts.append(f"{entry[METRIC_TOKENS_PER_S]:.0f} tok/s")
+    if isinstance(entry.get(METRIC_ETA_S), (int, float)) and running and step < max_steps:
+        parts.append(f"eta {_duration(entry[METRIC_ETA_S])}")
+    if isinstance(entry.get(METRIC_TIME), (int, float)):
+        parts.append(f"reported {_duration(time.time() - entry[METRIC_TIME])} ago")
     return ", ".join(parts)
 
 

@@ -29,8 +29,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
+from astrai.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE
+
 
 
 class ModelLoadError(Exception):
@@ -104,7 +104,7 @@ class ModelConfig:
     @classmethod
     def load(cls, folder: Path) -> ModelConfig:
         """Read ``folder/config.json``; any problem raises ModelLoadError naming the file."""
-        path = Path(folder) / CONFIG_FILE
+        path = Path(folder) / MODEL_CONFIG_FILE
         try:
             with open(path, encoding="utf-8") as handle:
                 return cls.from_dict(json.load(handle))
@@ -306,11 +306,11 @@ def write_base_model(folder: Path, config: ModelConfig, seed: int = 0) -> int:
     state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
     # Write under temporary names and rename, so an interrupted init never leaves a half-written model.
     weights_tmp = folder / f".{WEIGHTS_FILE}.tmp"
-    config_tmp = folder / f".{CONFIG_FILE}.tmp"
+    config_tmp = folder / f".{MODEL_CONFIG_FILE}.tmp"
     save_tensors(state, weights_tmp, metadata={"format": "pt"})
     config_tmp.write_text(config.to_json(), encoding="utf-8")
     os.replace(weights_tmp, folder / WEIGHTS_FILE)
-    os.replace(config_tmp, folder / CONFIG_FILE)
+    os.replace(config_tmp, folder / MODEL_CONFIG_FILE)
     return sum(t.numel() for t in state.values())
 
 
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if not args.force and ((args.dir / WEIGHTS_FILE).exists() or (args.dir / CONFIG_FILE).exists()):
+    if not args.force and ((args.dir / WEIGHTS_FILE).exists() or (args.dir / MODEL_CONFIG_FILE).exists()):
         print(f"error: {args.dir} already holds a model; pass --force to overwrite it", file=sys.stderr)
         return 1
     count = write_base_model(args.dir, config, seed=args.seed)

@@ -17,11 +17,11 @@ from pathlib import Path
 
 from astrai import compose, engine
 from astrai.checkpoints import latest_complete_checkpoint
+from astrai.contract import BASE_MODEL_FILES, CONTAINER_DATA
 from astrai.hostuser import host_user_ids, make_dirs
 from astrai.runtime import Runtime, trainer_value
 
 PASS, FAIL, SKIP = "✓", "✗", "-"
-BASE_MODEL_FILES = ("config.json", "model.safetensors")
 CDI_SPEC_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
 READ, WRITE, EXECUTE = 4, 2, 1
 
@@ -200,11 +200,11 @@ def _gpu_indices_check(runtime: Runtime) -> Check:
 
 
 def _data_root_path_check(document: dict) -> Check:
-    value = trainer_value(document, "data", "data_root_path", compose.CONTAINER_DATA)
-    if value != compose.CONTAINER_DATA:
+    value = trainer_value(document, "data", "data_root_path", CONTAINER_DATA)
+    if value != CONTAINER_DATA:
         return Check(FAIL, "trainer data path", f"data.data_root_path is {value!r}",
-                     f"set data.data_root_path: {compose.CONTAINER_DATA} (runtime.paths.data is mounted there)")
-    return Check(PASS, "trainer data path", f"data.data_root_path is {compose.CONTAINER_DATA}")
+                     f"set data.data_root_path: {CONTAINER_DATA} (runtime.paths.data is mounted there)")
+    return Check(PASS, "trainer data path", f"data.data_root_path is {CONTAINER_DATA}")
 
 
 def _compose_config_check(runtime: Runtime) -> Check:

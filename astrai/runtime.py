@@ -6,7 +6,7 @@ express (process counts against parallel modes, grace period against stop
 timeout, reserved environment names) and turns a valid block into a
 :class:`Runtime` with absolute paths and derived values.
 
-    doc, runtime = load_config("train.yaml")   # raises ConfigError on bad input
+    doc, runtime = load_job_config("train.yaml")   # raises ConfigError on bad input
 
 Every problem is reported at once, sorted by dotted path, as
 ``FILE: runtime.gpu.devices: what is wrong and what is allowed``. Nothing here
@@ -28,17 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jsonschema
-import yaml
 
-from astrai.parallel import resolve_parallel_mode
+from astrai.configfile import ConfigError, load_yaml
+from astrai.contract import ENV_JOB_NAME, RESERVED_ENV_PREFIX, resolve_parallel_mode
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schema" / "runtime.schema.json"
 SECTIONS = ("runtime", "model", "data", "parallel", "training", "ckpt", "log")
 RESERVED_ENVIRONMENT = {
     "CUDA_VISIBLE_DEVICES": "the product sets it from runtime.gpu.devices (choose GPUs there)",
-    "TRAIN_JOB_NAME": "the product sets it from runtime.job_name",
+    ENV_JOB_NAME: "the product sets it from runtime.job_name",
 }
-RESERVED_ENVIRONMENT_PREFIX = "ASTRAI_"
 _DURATION = re.compile(r"(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?")
 # What a value must look like, for keys whose rule a bare schema message would not explain.
 _EXPECTED = {
@@ -54,14 +53,6 @@ _EXPECTED = {
 }
 _TYPE_WORDS = {"object": "a mapping", "array": "a list", "string": "a string", "integer": "an integer",
                "number": "a number", "boolean": "true or false", "null": "null"}
-
-
-class ConfigError(Exception):
-    """A rejected configuration; ``messages`` are 'FILE: dotted.key.path: problem' lines, sorted by path."""
-
-    def __init__(self, messages):
-        self.messages = list(messages)
-        super().__init__("\n".join(self.messages))
 
 
 class SchemaError(RuntimeError):
@@ -97,7 +88,7 @@ class Runtime:
         return self.devices != "none"
 
 
-def load_config(config_path) -> tuple[dict, Runtime]:
+def load_job_config(config_path) -> tuple[dict, Runtime]:
     """Read, validate and resolve one YAML file: its whole document and its runtime."""
     doc = load_yaml(config_path)
     problems = validate_config(doc, config_path)
@@ -107,33 +98,13 @@ def load_config(config_path) -> tuple[dict, Runtime]:
 
 
 def resolve_runtime(config_path) -> Runtime:
-    return load_config(config_path)[1]
+    return load_job_config(config_path)[1]
 
 
 def trainer_value(doc: dict, section: str, key: str, default=None):
     """One trainer setting as written, or ``default``; trainer sections are validated in the container, not here."""
     values = doc.get(section) if isinstance(doc, dict) else None
     return values.get(key, default) if isinstance(values, dict) else default
-
-
-def load_yaml(config_path) -> dict:
-    """The YAML document, which must be a mapping; duplicate keys are rejected rather than silently overwritten."""
-    try:
-        data = Path(config_path).read_bytes()
-    except FileNotFoundError:
-        raise ConfigError([f"{config_path}: file not found"]) from None
-    except OSError as exc:
-        raise ConfigError([f"{config_path}: cannot read: {exc.strerror}"]) from None
-    try:
-        doc = yaml.load(data, Loader=_UniqueKeyLoader)
-    except yaml.MarkedYAMLError as exc:
-        raise ConfigError([_yaml_problem(config_path, exc)]) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"{config_path}: not readable as YAML: {' '.join(str(exc).split())}"]) from None
-    if not isinstance(doc, dict):
-        found = "an empty file" if doc is None else _show(doc)
-        raise ConfigError([f"{config_path}: expected a mapping with a runtime: block at the top level, got {found}"])
-    return doc
 
 
 def parse_duration(text: str) -> int:
@@ -273,8 +244,8 @@ def _stop_problems(grace: str, timeout: int | None) -> list[tuple[str, str]]:
 def _reserved_reason(name: str) -> str | None:
     if name in RESERVED_ENVIRONMENT:
         return f"reserved: {RESERVED_ENVIRONMENT[name]}; remove it from runtime.environment"
-    if name.startswith(RESERVED_ENVIRONMENT_PREFIX):
-        return f"reserved: names starting with {RESERVED_ENVIRONMENT_PREFIX} belong to the product; rename it"
+    if name.startswith(RESERVED_ENV_PREFIX):
+        return f"reserved: names starting with {RESERVED_ENV_PREFIX} belong to the product; rename it"
     return None
 
 
@@ -375,29 +346,6 @@ def _ecma_pattern(validator, pattern: str, instance, schema):
 
 
 _EcmaValidator = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"pattern": _ecma_pattern})
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a key written twice in one mapping is an error, not a silent overwrite."""
-
-    def construct_mapping(self, node, deep=False):
-        first_seen = {}
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                first = first_seen.setdefault(key_node.value, key_node)
-                if first is not key_node:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key '{key_node.value}' (first on line {first.start_mark.line + 1})",
-                        key_node.start_mark)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _yaml_problem(config_path, exc: yaml.MarkedYAMLError) -> str:
-    mark = exc.problem_mark or exc.context_mark
-    where = f"{config_path}:{mark.line + 1}:{mark.column + 1}" if mark else str(config_path)
-    started = f", which started on line {exc.context_mark.line + 1}" if exc.context_mark and exc.problem_mark else ""
-    context = f" ({exc.context}{started})" if exc.context else ""
-    return f"{where}: YAML syntax error: {exc.problem}{context}"
 
 
 def _is_clean(path: str, broken: set[str]) -> bool:

@@ -42,8 +42,21 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from astrai.checkpoint_io import CheckpointError, CheckpointManager, LoadedCheckpoint, Progress
-from astrai.checkpoints import METRICS_FILE, latest_complete_checkpoint, read_meta
-from astrai.config import KEY_SECTION, ConfigError, TrainerConfig, close_match_hint, describe, load_config
+from astrai.checkpoints import latest_complete_checkpoint, read_meta
+from astrai.config import KEY_SECTION, TrainerConfig, close_match_hint, describe, load_trainer_config
+from astrai.configfile import ConfigError
+from astrai.contract import (
+    METRIC_ETA_S,
+    METRIC_LOSS,
+    METRIC_MAX_STEPS,
+    METRIC_STEP,
+    METRIC_TIME,
+    METRIC_TOKENS_PER_S,
+    METRICS_FILE,
+    REASON_EMERGENCY,
+    REASON_FINAL,
+    REASON_PERIODIC,
+)
 from astrai.data import DataError, TokenData, WindowBatchSampler, WindowDataset, ignore_stop_signals
 from astrai.distributed import (
     DistEnv,
@@ -91,9 +104,9 @@ class Trainer:
 
     In-process use (benchmarks, tests)::
 
-        trainer = Trainer(load_config(path, [("max_steps", "1000")]), init_distributed("none", "cpu"))
+        trainer = Trainer(load_trainer_config(path, [("max_steps", "1000")]), init_distributed("none", "cpu"))
         stats = trainer.train(steps=50)          # stats.tokens_per_s
-        trainer.save_checkpoint("emergency")     # waits; "periodic" returns once the state is copied
+        trainer.save_checkpoint(REASON_EMERGENCY)     # waits; "periodic" returns once the state is copied
         trainer.close()
     """
 
@@ -319,15 +332,15 @@ class Trainer:
         if not self.env.master_process:
             return
         record = {
-            "step": self.progress.step,
-            "max_steps": self.max_steps,
+            METRIC_STEP: self.progress.step,
+            METRIC_MAX_STEPS: self.max_steps,
             "epoch": self.progress.epoch,
-            "loss": loss_value,
+            METRIC_LOSS: loss_value,
             "lr": lr,
-            "tokens_per_s": tokens_per_s,
-            "eta_s": eta_s,
+            METRIC_TOKENS_PER_S: tokens_per_s,
+            METRIC_ETA_S: eta_s,
             "tokens_seen": self.progress.tokens_seen,
-            "time": time.time(),
+            METRIC_TIME: time.time(),
         }
         line = (
             f"step {self.progress.step}/{self.max_steps} | epoch {self.progress.epoch} "
@@ -357,11 +370,11 @@ class Trainer:
             self.progress,
             reason,
             extra,
-            wait=reason != "periodic",
+            wait=reason != REASON_PERIODIC,
         )
-        if reason == "final":
+        if reason == REASON_FINAL:
             self.log(f"final checkpoint {path}")
-        elif reason == "emergency":
+        elif reason == REASON_EMERGENCY:
             self.log(f"emergency checkpoint {path} (step {self.progress.step}/{self.max_steps})")
         return path
 
@@ -413,7 +426,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainerConfig, bool]:
             raise ConfigError(f"--{key}: unknown option{close_match_hint(key, [*KEY_SECTION, 'config', 'dry-run'])}")
         raise ConfigError(f"unexpected argument {token!r}")
     overrides = [(name[len("key_") :], value) for name, value in vars(args).items() if name.startswith("key_")]
-    return load_config(args.config, overrides), args.dry_run
+    return load_trainer_config(args.config, overrides), args.dry_run
 
 
 def dry_run(config: TrainerConfig) -> int:

@@ -1,45 +1,20 @@
-"""Shared test setup: the `docker` marker skips without a Docker engine, unless ASTRAI_REQUIRE_DOCKER=1."""
+"""Settings shared by the unit and Docker tests."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-
-import pytest
+import tempfile
 
 
-def _docker_unavailable_reason() -> str | None:
-    if shutil.which("docker") is None:
-        return "the docker CLI is not installed"
-    try:
-        info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=30)
-    except subprocess.TimeoutExpired:
-        return "the Docker daemon did not answer within 30 s"
-    if info.returncode != 0:
-        return "the Docker daemon is not reachable"
-    compose = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
-    if compose.returncode != 0:
-        return "Docker Compose v2 is not installed"
-    return None
+def pytest_configure(config):
+    # Two test runs at once (two checkouts, a developer and CI) must not share pytest's numbered
+    # temp folders, which each run prunes; give every run its own unless --basetemp names one.
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        config.option.basetemp = tempfile.mkdtemp(prefix="astrai-pytest-")
+        config._astrai_own_basetemp = config.option.basetemp
 
 
-def pytest_collection_modifyitems(config, items):
-    docker_items = [item for item in items if item.get_closest_marker("docker")]
-    if not docker_items:
-        return
-    reason = _docker_unavailable_reason()
-    if reason is None:
-        return
-    if os.environ.get("ASTRAI_REQUIRE_DOCKER") == "1":
-        marker = pytest.mark.usefixtures("_docker_required_but_missing")
-        config._astrai_docker_reason = reason
-    else:
-        marker = pytest.mark.skip(reason=f"{reason} (set ASTRAI_REQUIRE_DOCKER=1 to make this a failure)")
-    for item in docker_items:
-        item.add_marker(marker)
-
-
-@pytest.fixture
-def _docker_required_but_missing(request):
-    pytest.fail(f"ASTRAI_REQUIRE_DOCKER=1 but {request.config._astrai_docker_reason}")
+def pytest_unconfigure(config):
+    own = getattr(config, "_astrai_own_basetemp", None)
+    if own is not None:
+        shutil.rmtree(own, ignore_errors=True)

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from astrai import checkpoint_io
 from astrai.checkpoint_io import CheckpointError, CheckpointManager, Progress, read_checkpoint
+from astrai.contract import REQUIRED_FILES
 from astrai.checkpoints import (
-    REQUIRED_FILES,
     Checkpoint,
     checkpoint_name,
     is_complete,

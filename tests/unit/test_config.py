@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from astrai.config import KEY_SECTION, ConfigError, TrainerConfig, load_config
+from astrai.config import KEY_SECTION, TrainerConfig, load_trainer_config
+from astrai.configfile import ConfigError
+from astrai.contract import REQUIRED_FILES
 from astrai.train import main, parse_args
 
 
@@ -84,12 +86,12 @@ ckpt:
         ("parallel:\n  parallel_mode: dp\n", "parallel.parallel_mode: expected none | ddp | fsdp, got 'dp'"),
         ("model:\n  compile: maybe\n", "model.compile: expected true or false, got 'maybe'"),
         ("training: [1, 2]\n", "training: expected a mapping of keys"),
-        ("training:\n  max_steps: 5\n\twindow_size: 1\n", "train.yaml: line 3: invalid YAML"),
+        ("training:\n  max_steps: 5\n\twindow_size: 1\n", "train.yaml:3:1: YAML syntax error"),
     ],
 )
 def test_bad_yaml_names_the_key_and_what_is_allowed(tmp_path, text, message):
     with pytest.raises(ConfigError) as error:
-        load_config(_yaml(tmp_path, text))
+        load_trainer_config(_yaml(tmp_path, text))
     assert message in str(error.value)
 
 
@@ -109,17 +111,17 @@ def test_bad_config_exits_2_with_one_line_on_stderr(tmp_path, capsys):
         captured.err.count("\n") == 1 and "log.log_intervall: unknown key; did you mean 'log_interval'?" in captured.err
     )
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
-    assert "config file not found" in capsys.readouterr().err
+    assert "file not found (pass --config FILE)" in capsys.readouterr().err
 
 
 def test_parallel_mode_must_fit_the_process_count(tmp_path, monkeypatch, capsys):
     path = _yaml(tmp_path, "")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["--config", str(path), "--dry-run"]) == 2
-    assert "none runs one process, but WORLD_SIZE is 2" in capsys.readouterr().err
+    assert "none needs exactly 1 process, but 2 were requested (WORLD_SIZE is 2)" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert main(["--config", str(path), "--dry-run", "--parallel_mode", "fsdp"]) == 2
-    assert "fsdp needs two or more processes" in capsys.readouterr().err
+    assert "fsdp needs 2 or more processes" in capsys.readouterr().err
 
 
 def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path, capsys):
@@ -133,7 +135,7 @@ def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path, capsys):
     assert not ckpt_dir.exists()
 
     (ckpt_dir / "epoch_0_step_10").mkdir(parents=True)
-    for name in ("config.json", "model.safetensors", "optimizer.pt", "scheduler.pt"):
+    for name in REQUIRED_FILES:
         (ckpt_dir / "epoch_0_step_10" / name).write_text("x")
     (ckpt_dir / "epoch_0_step_10" / "meta.json").write_text('{"epoch": 0, "step": 10}')
     assert main(["--config", str(path), "--dry-run", "--ckpt_dir", str(ckpt_dir)]) == 0

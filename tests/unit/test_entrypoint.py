@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from astrai.contract import REQUIRED_FILES
 from astrai import entrypoint
 from astrai.entrypoint import EntrypointError, plan_launch
 
@@ -130,7 +131,7 @@ def test_a_complete_checkpoint_makes_the_base_model_optional(tmp_path):
     data.mkdir()
     checkpoint = tmp_path / "job" / "epoch_0_step_10"
     checkpoint.mkdir(parents=True)
-    for name in ("meta.json", "config.json", "model.safetensors", "optimizer.pt", "scheduler.pt"):
+    for name in REQUIRED_FILES:
         (checkpoint / name).write_text("x")
     entrypoint.check_mounts(tmp_path / "job", data, tmp_path / "no-model")
 

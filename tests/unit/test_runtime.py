@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from astrai import runtime as rt
-from astrai.runtime import ConfigError, SchemaError, load_config, load_yaml, parse_duration, resolve_runtime
+from astrai.configfile import ConfigError, load_yaml
+from astrai.runtime import SchemaError, load_job_config, parse_duration, resolve_runtime
 from runtime_cases import MALFORMED, SEED, SEED_YAML, mutated
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +75,7 @@ def test_trainer_sections_are_not_validated_here(tmp_path):
     doc = mutated({"model": {"anything": [1, 2]}, "training": "not even a mapping"})
     path = _write(tmp_path, yaml.safe_dump(doc))
     assert rt.validate_config(yaml.safe_load(path.read_text()), path) == []
-    loaded, _ = load_config(path)
+    loaded, _ = load_job_config(path)
     assert rt.trainer_value(loaded, "model", "anything") == [1, 2]
     assert rt.trainer_value(loaded, "training", "max_steps", 7) == 7
     assert rt.trainer_value(loaded, "data", "data_root_path") is None
@@ -99,14 +100,20 @@ def test_missing_file(tmp_path):
     path = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError) as caught:
         resolve_runtime(path)
-    assert caught.value.messages == [f"{path}: file not found"]
+    assert caught.value.messages == [f"{path}: file not found (pass --config FILE)"]
 
 
-@pytest.mark.parametrize("text", ["", "- runtime\n", "just words\n"])
+@pytest.mark.parametrize("text", ["- runtime\n", "just words\n"])
 def test_top_level_must_be_a_mapping(tmp_path, text):
     path = _write(tmp_path, text)
-    with pytest.raises(ConfigError, match="expected a mapping with a runtime: block"):
+    with pytest.raises(ConfigError, match="expected a mapping of sections"):
         load_yaml(path)
+
+
+def test_an_empty_file_lacks_the_runtime_block(tmp_path):
+    path = _write(tmp_path, "")
+    with pytest.raises(ConfigError, match="runtime: missing: the file needs a runtime: block"):
+        resolve_runtime(path)
 
 
 def test_paths_resolve_from_the_yaml_folder_not_the_working_directory(tmp_path, monkeypatch):

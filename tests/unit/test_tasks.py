@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from astrai.contract import REQUIRED_FILES
 from runtime_cases import MALFORMED, mutated
 
 REPO = Path(__file__).resolve().parents[2]
-COMPLETE_FILES = ("meta.json", "config.json", "model.safetensors", "optimizer.pt", "scheduler.pt")
+COMPLETE_FILES = REQUIRED_FILES
 # Every task that reads a config must reject a bad one before it does anything.
 COMMANDS = [["init"], ["preflight"], ["start"], ["render"], ["clean", "--force"], ["stop"], ["build"],
             ["status"], ["latest"], ["list"], ["restart"], ["logs", "--no-follow"]]

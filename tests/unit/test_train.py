@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from astrai.checkpoints import latest_complete_checkpoint, list_complete_checkpoints
-from astrai.config import load_config
+from astrai.config import load_trainer_config
 from astrai.data import DataError, prepare
 from astrai.distributed import init_distributed
 from astrai.model import PRESETS, write_base_model
@@ -19,7 +19,7 @@ from astrai.train import SetupError, Trainer, main
 
 
 def _trainer(config_path, **overrides) -> Trainer:
-    config = load_config(config_path, [(key, str(value)) for key, value in overrides.items()])
+    config = load_trainer_config(config_path, [(key, str(value)) for key, value in overrides.items()])
     return Trainer(config, init_distributed("none", "cpu"))
 
 

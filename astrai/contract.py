@@ -1,0 +1,98 @@
+"""The host–container contract: every fixed name both sides rely on, written once.
+
+The host tasks (runtime block, Compose override, preflight, status, clean) and
+the trainer inside the container (entrypoint, training loop, checkpoints) import
+these names from here and nowhere else, so the two sides cannot drift apart.
+Standard library only: the host side must import without torch.
+"""
+
+from __future__ import annotations
+
+# --- Mount points inside the container (DESIGN §3) -------------------------------------------
+CONTAINER_DATA = "/data"
+"""Token data, mounted read-only from ``runtime.paths.data``."""
+CONTAINER_MODEL = "/models/base"
+"""Base model, mounted read-only from ``runtime.paths.model``."""
+CONTAINER_CHECKPOINTS = "/checkpoints"
+"""Checkpoints root, mounted read-write from ``runtime.paths.checkpoints``; the job dir is ``<root>/<job_name>``."""
+CONTAINER_CONFIG = "/run/astrai/train.yaml"
+"""The job's YAML file, mounted read-only."""
+
+
+def container_job_dir(job_name: str) -> str:
+    """The job dir as the trainer sees it."""
+    return f"{CONTAINER_CHECKPOINTS}/{job_name}"
+
+
+# --- Environment the host sets for the entrypoint ------------------------------------------------
+ENV_JOB_NAME = "TRAIN_JOB_NAME"
+ENV_CONFIG = "ASTRAI_CONFIG"
+ENV_GPU_DEVICES = "ASTRAI_GPU_DEVICES"
+ENV_PARALLEL_MODE = "ASTRAI_PARALLEL_MODE"
+ENV_PROCESSES = "ASTRAI_PROCESSES"
+ENV_STOP_TIMEOUT_SECONDS = "ASTRAI_STOP_TIMEOUT_SECONDS"
+RESERVED_ENV_PREFIX = "ASTRAI_"
+"""Every variable with this prefix belongs to the product; ``runtime.environment`` may not set one."""
+
+# --- Container labels ----------------------------------------------------------------------------
+LABEL_JOB = "ai.astrai.job"
+LABEL_NODE = "ai.astrai.node"
+LABEL_CONFIG = "ai.astrai.config"
+
+# --- Model folders (base model and checkpoint alike) ---------------------------------------------
+MODEL_CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+BASE_MODEL_FILES = (MODEL_CONFIG_FILE, WEIGHTS_FILE)
+"""What a base model folder must hold."""
+
+# --- Checkpoint folders (DESIGN §7) ---------------------------------------------------------------
+META_FILE = "meta.json"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_FILE = "rng_state.safetensors"
+REQUIRED_FILES = (META_FILE, MODEL_CONFIG_FILE, WEIGHTS_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE)
+"""A checkpoint folder is complete, for the host and the trainer alike, when it holds all of these."""
+
+REASON_PERIODIC = "periodic"
+REASON_FINAL = "final"
+REASON_EMERGENCY = "emergency"
+REASONS = (REASON_PERIODIC, REASON_FINAL, REASON_EMERGENCY)
+"""Why a checkpoint was written (``meta.json``'s ``reason``)."""
+
+# --- Files in the job dir ---------------------------------------------------------------------------
+METRICS_FILE = "metrics.jsonl"
+"""One JSON object per logged step; readers take the last record of a step."""
+METRIC_STEP = "step"
+METRIC_MAX_STEPS = "max_steps"
+METRIC_LOSS = "loss"
+METRIC_TIME = "time"
+METRIC_TOKENS_PER_S = "tokens_per_s"
+METRIC_ETA_S = "eta_s"
+
+# --- Token data -----------------------------------------------------------------------------------
+DATA_MANIFEST_FILE = "manifest.json"
+
+# --- Parallel modes (DESIGN §3) -------------------------------------------------------------------
+PARALLEL_MODES = ("none", "ddp", "fsdp")
+"""The concrete modes the trainer runs."""
+REQUESTED_PARALLEL_MODES = ("auto", *PARALLEL_MODES)
+"""What ``runtime.gpu.parallel_mode`` may ask for."""
+
+
+def resolve_parallel_mode(requested: str, processes: int) -> str:
+    """The concrete mode for ``processes`` processes; ValueError explains a mismatch.
+
+    ``auto`` means ``none`` for one process and ``ddp`` for more; ``none`` needs
+    exactly one process; ``ddp`` and ``fsdp`` need two or more.
+    """
+    if requested not in REQUESTED_PARALLEL_MODES:
+        raise ValueError(f"unknown parallel mode {requested!r}; allowed: {', '.join(REQUESTED_PARALLEL_MODES)}")
+    if processes < 1:
+        raise ValueError(f"the process count must be at least 1, got {processes}")
+    if requested == "auto":
+        return "none" if processes == 1 else "ddp"
+    if requested == "none" and processes != 1:
+        raise ValueError(f"none needs exactly 1 process, but {processes} were requested")
+    if requested in ("ddp", "fsdp") and processes < 2:
+        raise ValueError(f"{requested} needs 2 or more processes, but {processes} was requested")
+    return requested
