@@ -10,6 +10,8 @@ The folder rules (names, completeness, staging, publish, retention) live in
     scheduler.pt           learning-rate scheduler state (plain values only)
     rng_state.safetensors  every rank's torch RNG states
 
+Only rank 0 (on node 0) reads and writes these files; the other ranks receive the state from it.
+
 ``optimizer.pt`` and ``scheduler.pt`` are read with ``torch.load(weights_only=True)``,
 so a checkpoint folder can never run code.
 """
@@ -42,7 +44,6 @@ from astrai.checkpoints import (
     fsync_dir,
     list_complete_checkpoints,
     new_staging_dir,
-    parse_checkpoint_name,
     plan_retention,
     publish,
     read_meta,
@@ -62,7 +63,7 @@ from astrai.contract import (
     SCHEDULER_FILE,
     WEIGHTS_FILE,
 )
-from astrai.distributed import DistEnv
+from astrai.distributed import DistEnv, broadcast_from_master
 from astrai.model import ModelConfig, ModelLoadError, check_state_dict, save_tensors
 
 # What a damaged checkpoint file raises when read: truncated zip or safetensors, bad JSON,
@@ -136,36 +137,41 @@ class CheckpointManager:
     def load_latest(self) -> LoadedCheckpoint | None:
         """The newest checkpoint that loads; ones that fail are skipped with a warning. None means start fresh.
 
-        Rank 0 picks; every other rank then reads the same folder.
+        Rank 0 reads it (only node 0 needs the checkpoint folder); every other rank receives it from rank 0.
         """
-        loaded = None
-        if self.env.master_process:
-            scan = scan_job_dir(self.job_dir)
-            for checkpoint in scan.incomplete:
-                self.log(f"warning: skipping {checkpoint.path}: incomplete (a required file is missing)")
-            for checkpoint in reversed(scan.complete):
-                try:
-                    loaded = read_checkpoint(checkpoint)
-                    break
-                except CheckpointError as error:
-                    self.log(f"warning: skipping {checkpoint.path}: {error}")
-        if self.env.distributed:
-            chosen = [loaded.checkpoint.name if loaded else None]
-            dist.broadcast_object_list(chosen, src=0, group=self.env.control_group)
-            if not self.env.master_process and chosen[0] is not None:
-                epoch, step = parse_checkpoint_name(chosen[0])
-                loaded = read_checkpoint(Checkpoint(epoch, step, self.job_dir / chosen[0]))
-        return loaded
+        return broadcast_from_master(self.env, self._read_latest)
 
-    def restore(self, loaded: LoadedCheckpoint, model: torch.nn.Module, optimizer, scheduler) -> None:
-        """Load optimizer, scheduler and this rank's RNG state (the weights went in before wrapping)."""
+    def _read_latest(self) -> LoadedCheckpoint | None:
+        scan = scan_job_dir(self.job_dir)
+        for checkpoint in scan.incomplete:
+            self.log(f"warning: skipping {checkpoint.path}: incomplete (a required file is missing)")
+        for checkpoint in reversed(scan.complete):
+            try:
+                return read_checkpoint(checkpoint)
+            except CheckpointError as error:
+                self.log(f"warning: skipping {checkpoint.path}: {error}")
+        return None
+
+    def restore(self, loaded: LoadedCheckpoint, model: torch.nn.Module, optimizer, scheduler, seed: int) -> None:
+        """Load optimizer, scheduler and this rank's RNG state (the weights went in before wrapping).
+
+        Saved RNG states belong to the world size that wrote them. On another world size, each rank's
+        RNG is seeded from (seed, step, rank) instead: nothing blocks the resume, and it is reproducible.
+        """
         set_optimizer_state_dict(
             model, optimizer, loaded.optimizer_state, options=StateDictOptions(full_state_dict=True)
         )
         scheduler.load_state_dict(loaded.scheduler_state)
         cpu_key, cuda_key = f"rank{self.env.rank}.cpu", f"rank{self.env.rank}.cuda"
-        if cpu_key in loaded.rng_state:
-            torch.set_rng_state(loaded.rng_state[cpu_key])
+        saved_world = loaded.meta.get("world_size")
+        if saved_world != self.env.world_size or cpu_key not in loaded.rng_state:
+            torch.manual_seed(resumed_rank_seed(seed, loaded.progress.step, self.env.rank))
+            self.log(
+                f"note: the checkpoint holds the RNG states of {saved_world} process(es), this run has "
+                f"{self.env.world_size}: each rank's RNG is seeded from random_seed, step and rank"
+            )
+            return
+        torch.set_rng_state(loaded.rng_state[cpu_key])
         if cuda_key in loaded.rng_state and self.env.device.type == "cuda":
             torch.cuda.set_rng_state(loaded.rng_state[cuda_key], self.env.device)
 
@@ -376,6 +382,11 @@ class _HostCopy:
         if isinstance(tree, (list, tuple)):
             return type(tree)(self._copy(value, (*path, index)) for index, value in enumerate(tree))
         return tree
+
+
+def resumed_rank_seed(seed: int, step: int, rank: int) -> int:
+    """The RNG seed of ``rank`` when resuming at ``step`` on a world size other than the checkpoint's."""
+    return (seed * 1_000_003 + step) * 1_009 + rank
 
 
 def read_checkpoint(checkpoint: Checkpoint) -> LoadedCheckpoint:

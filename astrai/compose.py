@@ -26,16 +26,22 @@ from astrai.contract import (
     CONTAINER_DATA,
     CONTAINER_MODEL,
     ENV_CONFIG,
+    ENV_FAILURE_TIMEOUT_SECONDS,
     ENV_GPU_DEVICES,
     ENV_JOB_NAME,
+    ENV_NODE_RANK,
+    ENV_NODES,
     ENV_PARALLEL_MODE,
     ENV_PROCESSES,
+    ENV_RDZV_BACKEND,
+    ENV_RDZV_ENDPOINT,
     ENV_STOP_TIMEOUT_SECONDS,
     LABEL_CONFIG,
     LABEL_JOB,
+    LABEL_NODE,
 )
 from astrai.hostuser import host_user_ids
-from astrai.runtime import Runtime
+from astrai.runtime import INTERFACE_VARIABLES, Runtime
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 BASE_COMPOSE_FILE = PROJECT_ROOT / "compose" / "docker-compose.yml"
@@ -64,17 +70,23 @@ class ComposeError(RuntimeError):
     """Compose v2 is missing, or a rendered file cannot be written."""
 
 
-def project_name(job_name: str) -> str:
-    """A Compose project name for a job: lowercase, and distinct for distinct job names.
+def project_name(job_name: str, node: int | None = None) -> str:
+    """A Compose project name for a job (and one of its nodes): lowercase, distinct for distinct job names.
 
     Compose allows only ``[a-z0-9_-]``; when lowering or replacing characters
     changed the name, a short hash of the original keeps ``Job`` and ``job`` apart.
+    Each node of a multi-node job is a project of its own, so nodes can share one engine.
     """
     cleaned = re.sub(r"[^a-z0-9_-]", "-", job_name.lower())
     name = f"astrai-{cleaned}"
     if cleaned != job_name:
         name += "-" + hashlib.sha256(job_name.encode()).hexdigest()[:8]
-    return name
+    return name if node is None else f"{name}-node{node}"
+
+
+def job_project(runtime: Runtime) -> str:
+    """This host's Compose project: the job's, with the node index when the job spans several hosts."""
+    return project_name(runtime.job_name, runtime.node if runtime.multi_node else None)
 
 
 def base_image(runtime: Runtime) -> str:
@@ -109,6 +121,18 @@ def container_environment(runtime: Runtime) -> dict[str, str]:
         env[ENV_PROCESSES] = str(runtime.processes)
     if runtime.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = runtime.cuda_visible_devices
+    if runtime.multi_node:
+        env.update(
+            {
+                ENV_NODES: str(runtime.nodes),
+                ENV_NODE_RANK: str(runtime.node),
+                ENV_RDZV_ENDPOINT: runtime.rendezvous,
+                ENV_RDZV_BACKEND: runtime.rdzv_backend,
+                ENV_FAILURE_TIMEOUT_SECONDS: str(runtime.failure_timeout_seconds),
+            }
+        )
+    if runtime.network_interface is not None:
+        env.update({name: runtime.network_interface for name in INTERFACE_VARIABLES})
     return env
 
 
@@ -136,6 +160,7 @@ def render_override(
         "labels": {
             LABEL_CONFIG: str(runtime.config_path),
             LABEL_JOB: runtime.job_name,
+            LABEL_NODE: str(runtime.node),
         },
         "security_opt": ["no-new-privileges:true"],
         "stop_grace_period": runtime.stop_grace_period,
@@ -149,6 +174,13 @@ def render_override(
     }
     if trainer_args:
         service["command"] = list(trainer_args)
+    if runtime.multi_node:
+        # The nodes reach each other at the rendezvous address and on ports torch picks: no port mapping can
+        # know them in advance, so the container shares the host's network.
+        service["network_mode"] = "host"
+    if runtime.max_restarts:
+        # Docker restarts a non-zero exit only: a graceful stop exits 0 (and `docker stop` never restarts).
+        service["restart"] = f"on-failure:{runtime.max_restarts}"
     if runtime.uses_gpu:
         # Reserve every GPU once; CUDA_VISIBLE_DEVICES is the only filter, so
         # device indices mean the same inside the container as on the host.
@@ -157,7 +189,7 @@ def render_override(
                 "reservations": {"devices": [{"capabilities": ["gpu"], "count": "all", "driver": "nvidia"}]}
             }
         }
-    return {"name": project_name(runtime.job_name), "services": {SERVICE: service}}
+    return {"name": job_project(runtime), "services": {SERVICE: service}}
 
 
 def dump_override(runtime: Runtime, document: dict) -> str:
@@ -167,7 +199,9 @@ def dump_override(runtime: Runtime, document: dict) -> str:
 
 
 def state_dir(runtime: Runtime) -> Path:
-    return runtime.job_dir / STATE_DIR_NAME
+    # Nodes that share one checkpoints folder (or one host, as in the tests) keep their overrides and timers apart.
+    base = runtime.job_dir / STATE_DIR_NAME
+    return base / f"node{runtime.node}" if runtime.multi_node else base
 
 
 def override_path(runtime: Runtime) -> Path:
@@ -210,7 +244,7 @@ def compose_command(runtime: Runtime, *args: str, override: Path | None = None) 
     """The full `docker compose` command line for this job, with its files and project name."""
     return [
         *compose_program(),
-        "--project-name", project_name(runtime.job_name),
+        "--project-name", job_project(runtime),
         "--file", str(BASE_COMPOSE_FILE),
         "--file", str(override_path(runtime) if override is None else override),
         *args,

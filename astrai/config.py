@@ -72,7 +72,11 @@ class TrainingSection:
     batch_per_device: int = 8
     """Sequences per micro-batch on each process."""
     grad_accum_steps: int = 1
-    """Micro-batches accumulated per optimizer step."""
+    """Micro-batches accumulated per optimizer step; derived instead when global_batch_size is set."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over all processes. When set, grad_accum_steps is derived as
+    global_batch_size / (batch_per_device x world size), so a resume on another world size trains the same
+    windows in every step; null uses grad_accum_steps as given."""
     max_lr: float = 3e-4
     """Peak learning rate, reached at the end of warmup."""
     min_lr_ratio: float = 0.1
@@ -97,6 +101,12 @@ class TrainingSection:
     def __post_init__(self) -> None:
         for key in ("max_steps", "batch_per_device", "grad_accum_steps"):
             _check(getattr(self, key) >= 1, f"training.{key}", getattr(self, key), "an integer >= 1")
+        _check(
+            self.global_batch_size is None or self.global_batch_size >= 1,
+            "training.global_batch_size",
+            self.global_batch_size,
+            "an integer >= 1, or null to use grad_accum_steps",
+        )
         _check(self.max_lr > 0, "training.max_lr", self.max_lr, "a number > 0")
         _check(0 <= self.min_lr_ratio <= 1, "training.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         _check(0 <= self.warmup_ratio < 1, "training.warmup_ratio", self.warmup_ratio, "a number in [0, 1)")
@@ -107,6 +117,27 @@ class TrainingSection:
         _check(self.adam_eps > 0, "training.adam_eps", self.adam_eps, "a number > 0")
         _check(self.random_seed >= 0, "training.random_seed", self.random_seed, "an integer >= 0")
         _check(self.device in DEVICES, "training.device", self.device, " | ".join(DEVICES))
+
+
+def resolve_grad_accum_steps(training: TrainingSection, world_size: int) -> int:
+    """Micro-batches per optimizer step on ``world_size`` processes: grad_accum_steps, or derived from
+    global_batch_size, which must then split exactly; the error names the world sizes that would fit."""
+    global_batch = training.global_batch_size
+    if global_batch is None:
+        return training.grad_accum_steps
+    per_step = training.batch_per_device * world_size
+    if global_batch % per_step == 0:
+        return global_batch // per_step
+    fitting = [size for size in range(1, global_batch + 1) if global_batch % (training.batch_per_device * size) == 0]
+    if fitting:
+        shown = ", ".join(str(size) for size in fitting[:12]) + (", ..." if len(fitting) > 12 else "")
+        hint = f"world sizes that divide it with batch_per_device {training.batch_per_device}: {shown}"
+    else:
+        hint = f"no world size does: make it a multiple of batch_per_device ({training.batch_per_device})"
+    raise ConfigError(
+        f"training.global_batch_size: {global_batch} is not a whole multiple of batch_per_device"
+        f"({training.batch_per_device}) * world_size({world_size}) = {per_step}; {hint}"
+    )
 
 
 @dataclass(frozen=True)

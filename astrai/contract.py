@@ -31,12 +31,21 @@ ENV_GPU_DEVICES = "ASTRAI_GPU_DEVICES"
 ENV_PARALLEL_MODE = "ASTRAI_PARALLEL_MODE"
 ENV_PROCESSES = "ASTRAI_PROCESSES"
 ENV_STOP_TIMEOUT_SECONDS = "ASTRAI_STOP_TIMEOUT_SECONDS"
+ENV_NODES = "ASTRAI_NODES"
+"""Hosts in the job (runtime.nodes.count); more than 1 makes the entrypoint join a rendezvous."""
+ENV_NODE_RANK = "ASTRAI_NODE_RANK"
+"""Which node this container is (``--node``); the trainer orders global ranks by it, so rank 0 is on node 0."""
+ENV_RDZV_ENDPOINT = "ASTRAI_RDZV_ENDPOINT"
+ENV_RDZV_BACKEND = "ASTRAI_RDZV_BACKEND"
+ENV_FAILURE_TIMEOUT_SECONDS = "ASTRAI_FAILURE_TIMEOUT_SECONDS"
+"""Survivors of a lost node exit within this many seconds; the trainer watches the other ranks' heartbeats."""
 RESERVED_ENV_PREFIX = "ASTRAI_"
 """Every variable with this prefix belongs to the product; ``runtime.environment`` may not set one."""
 
 # --- Container labels ----------------------------------------------------------------------------
 LABEL_JOB = "ai.astrai.job"
 LABEL_NODE = "ai.astrai.node"
+"""The node index (``--node``) of a container: 0 for a one-host job."""
 LABEL_CONFIG = "ai.astrai.config"
 
 # --- Model folders (base model and checkpoint alike) ---------------------------------------------
@@ -68,6 +77,9 @@ METRIC_LOSS = "loss"
 METRIC_TIME = "time"
 METRIC_TOKENS_PER_S = "tokens_per_s"
 METRIC_ETA_S = "eta_s"
+
+EXIT_LOST_NODE = 75
+"""Exit code of a trainer rank that gave up because another node was lost (not a stop: it may be restarted)."""
 
 # --- Token data -----------------------------------------------------------------------------------
 DATA_MANIFEST_FILE = "manifest.json"

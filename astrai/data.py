@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import hashlib
 import json
 import os
 import signal
@@ -172,6 +173,10 @@ class TokenData:
             if size != 2 * count:
                 raise DataError(f"{path}: expected {2 * count} bytes ({count} tokens), found {size}; {how}")
         return data
+
+    def fingerprint(self) -> str:
+        """A digest of the manifest: two folders with the same one hold the same tokens in the same shards."""
+        return hashlib.sha256((self.root / DATA_MANIFEST_FILE).read_bytes()).hexdigest()[:16]
 
     def num_windows(self, window_size: int) -> int:
         """Windows of ``window_size + 1`` tokens that fit inside the shards."""

@@ -1,16 +1,28 @@
-"""Processes, devices and the graceful stop: one process, or several under torchrun.
+"""Processes, devices and the graceful stop: one process, or several under torchrun, on one host or several.
 
 torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them the trainer is one
 process. NCCL carries tensors between GPUs, gloo between CPU processes. A
-separate small gloo group carries control messages (the stop flag, which
-checkpoint to resume, RNG states), so they never wait on the GPU.
+separate small gloo group carries control messages (the stop flag, the resumed
+state, RNG states), so they never wait on the GPU.
+
+On several hosts (ASTRAI_NODE_RANK set by the entrypoint), global ranks are
+ordered by node, so rank 0 — the one that reads and writes checkpoints — is
+always on node 0, whatever order torchrun's c10d rendezvous chose. A heartbeat
+thread then watches the other ranks through the rendezvous store, so a lost
+node ends the job within ASTRAI_FAILURE_TIMEOUT_SECONDS while the collectives
+themselves keep their long timeout (a big save or a first compile may take long).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import gc
 import os
 import signal
+import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from astrai import early_stop
 from astrai.configfile import ConfigError
-from astrai.contract import resolve_parallel_mode
+from astrai.contract import ENV_FAILURE_TIMEOUT_SECONDS, ENV_NODE_RANK, EXIT_LOST_NODE, resolve_parallel_mode
 
 
 @dataclass
@@ -35,6 +47,15 @@ class DistEnv:
     parallel_mode: str
     control_group: dist.ProcessGroup | None
     """CPU (gloo) group for control messages; None with one process."""
+    node: int = 0
+    """The host this process runs on (``--node``); 0 for a one-host job."""
+    local_world_size: int = 1
+    """Processes on each node."""
+    watch: NodeWatch | None = None
+    """Heartbeats of the other ranks, on a multi-node job."""
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.local_world_size
 
     @property
     def master_process(self) -> bool:
@@ -47,8 +68,24 @@ class DistEnv:
 
 
 def world_from_environment() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) as torchrun sets them; (0, 0, 1) for a plain process."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    """(rank, local_rank, world_size) as torchrun sets them; (0, 0, 1) for a plain process.
+
+    On several nodes the rank is node * processes_per_node + local_rank, so it is the same whichever
+    rendezvous backend ran; every node runs the same number of processes, so the ranks stay a permutation.
+    """
+    rank, local_rank, world_size = (
+        int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    )
+    node, local_world_size = _node_placement()
+    if node is not None and local_world_size * (world_size // local_world_size) == world_size:
+        rank = node * local_world_size + local_rank
+    return rank, local_rank, world_size
+
+
+def _node_placement() -> tuple[int | None, int]:
+    """(node index or None on one host, processes per node)."""
+    node = os.environ.get(ENV_NODE_RANK)
+    return (int(node) if node is not None else None), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
 def check_parallel_mode(parallel_mode: str, world_size: int) -> None:
@@ -80,15 +117,22 @@ def init_distributed(parallel_mode: str, device_preference: str) -> DistEnv:
     rank, local_rank, world_size = world_from_environment()
     check_parallel_mode(parallel_mode, world_size)
     device = resolve_device(device_preference, local_rank)
-    control_group = None
+    node, local_world_size = _node_placement()
+    env = DistEnv(rank, local_rank, world_size, device, parallel_mode, None, node or 0, local_world_size)
     if world_size > 1:
+        # The rank torchrun chose may differ from ours (c10d); the process group takes ours.
+        os.environ["RANK"] = str(rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, rank=rank, world_size=world_size)
         else:
-            dist.init_process_group("gloo")
-        control_group = dist.new_group(backend="gloo")
-    return DistEnv(rank, local_rank, world_size, device, parallel_mode, control_group)
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        env.control_group = dist.new_group(backend="gloo")
+        timeout = os.environ.get(ENV_FAILURE_TIMEOUT_SECONDS)
+        if node is not None and timeout is not None:
+            env.watch = NodeWatch(env, int(timeout))
+            env.watch.start()
+    return env
 
 
 def shutdown_distributed(env: DistEnv) -> None:
@@ -98,6 +142,8 @@ def shutdown_distributed(env: DistEnv) -> None:
     sharded module, an optimizer, this env) would be torn down during interpreter exit instead, which
     can abort the process.
     """
+    if env.watch is not None:
+        env.watch.finish()
     if env.distributed and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
@@ -170,3 +216,193 @@ class GracefulStop:
         flag = torch.tensor([int(self.requested)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=env.control_group)
         return bool(flag.item())
+
+
+# --- State from rank 0 ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def broadcast_from_master(env: DistEnv, produce, errors: tuple[type[Exception], ...] = ()):
+    """``produce()`` run on rank 0 only, its result on every rank; an expected error is raised on every rank.
+
+    Only node 0 holds the checkpoints and the base model: it reads them, and the others receive the state.
+    The structure (dicts, lists, dataclasses, plain values) travels pickled; tensors travel one by one over
+    the gloo control group, so no rank ever holds a pickled copy of the weights.
+    """
+    if not env.distributed:
+        return produce()
+    tensors: list[torch.Tensor] = []
+    header = [None]
+    if env.master_process:
+        try:
+            header[0] = ("ok", _strip_tensors(produce(), tensors))
+        except errors as error:
+            header[0] = ("error", error)
+    dist.broadcast_object_list(header, src=0, group=env.control_group)
+    kind, payload = header[0]
+    if kind == "error":
+        raise payload
+    if not env.master_process:
+        tensors = [torch.empty(slot.shape, dtype=slot.dtype) for slot in _slots(payload)]
+    for tensor in tensors:
+        dist.broadcast(tensor, src=0, group=env.control_group)
+    return _fill_tensors(payload, tensors)
+
+
+def _strip_tensors(tree, tensors: list[torch.Tensor]):
+    if isinstance(tree, torch.Tensor):
+        tensors.append(tree.detach().cpu().contiguous())
+        return _TensorSlot(len(tensors) - 1, tuple(tree.shape), tree.dtype)
+    if isinstance(tree, dict):
+        return {key: _strip_tensors(value, tensors) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_strip_tensors(value, tensors) for value in tree)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return dataclasses.replace(tree, **{f.name: _strip_tensors(getattr(tree, f.name), tensors)
+                                            for f in dataclasses.fields(tree) if f.init})
+    return tree
+
+
+def _slots(tree) -> list[_TensorSlot]:
+    found: list[_TensorSlot] = []
+
+    def walk(node) -> None:
+        if isinstance(node, _TensorSlot):
+            found.append(node)
+        elif isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                walk(value)
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for f in dataclasses.fields(node):
+                walk(getattr(node, f.name))
+
+    walk(tree)
+    return sorted(found, key=lambda slot: slot.index)
+
+
+def _fill_tensors(tree, tensors: list[torch.Tensor]):
+    if isinstance(tree, _TensorSlot):
+        return tensors[tree.index]
+    if isinstance(tree, dict):
+        return {key: _fill_tensors(value, tensors) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_fill_tensors(value, tensors) for value in tree)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return dataclasses.replace(tree, **{f.name: _fill_tensors(getattr(tree, f.name), tensors)
+                                            for f in dataclasses.fields(tree) if f.init})
+    return tree
+
+
+def gather_objects(env: DistEnv, value) -> list:
+    """Every rank's ``value``, in rank order, on every rank (small picklable values only)."""
+    if not env.distributed:
+        return [value]
+    gathered = [None] * env.world_size
+    dist.all_gather_object(gathered, value, group=env.control_group)
+    return gathered
+
+
+# --- Lost nodes ------------------------------------------------------------------------------------
+
+
+class NodeWatch:
+    """A heartbeat per rank in the rendezvous store; a rank silent for too long means its node was lost.
+
+    Each rank bumps its counter every few seconds from a thread of its own (collectives release the GIL,
+    so a rank blocked in one still beats). Counters are compared, never clocks, so hosts need no common
+    time. When another rank stays silent (or the store on node 0 stops answering) for the limit, this
+    process says which node was lost and exits with EXIT_LOST_NODE, ending the job on this node, while
+    the process group's own timeout stays long enough for any legitimate wait.
+    """
+
+    def __init__(self, env: DistEnv, failure_timeout_seconds: int):
+        self.env = env
+        self.timeout = failure_timeout_seconds
+        self.interval = max(1.0, failure_timeout_seconds / 10)
+        # Leave time for the last beat to be missed and for the process to exit within the timeout.
+        self.limit = max(failure_timeout_seconds - 2 * self.interval, 2 * self.interval)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        self.prefix = f"astrai/heartbeat/{run}/{attempt}/"
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="node-watch", daemon=True)
+        self._store = None
+
+    def start(self) -> None:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self._store = dist.TCPStore(
+            host, port, is_master=False, timeout=datetime.timedelta(seconds=max(self.interval, 5))
+        )
+        self._store.set(self._key(self.env.rank), "0")
+        self._thread.start()
+
+    def finish(self) -> None:
+        """This rank ends in order: the others stop watching it."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._thread.join()
+        try:
+            self._store.set(self._key(self.env.rank), "done")
+        except RuntimeError:
+            pass  # the store is gone with node 0, which has finished too
+
+    def explain(self, error: Exception) -> None:
+        """A collective failed: give the watch time to name a lost node (it exits the process if so)."""
+        deadline = time.monotonic() + self.limit + 2 * self.interval
+        while time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.2)
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}{rank}"
+
+    def _run(self) -> None:
+        others = [rank for rank in range(self.env.world_size) if rank != self.env.rank]
+        now = time.monotonic()
+        seen = {rank: None for rank in others}
+        changed = {rank: now for rank in others}
+        answered = now
+        beat = 0
+        while not self._stopped.wait(self.interval):
+            beat += 1
+            now = time.monotonic()
+            try:
+                self._store.set(self._key(self.env.rank), str(beat))
+                keys = [self._key(rank) for rank in seen]
+                values = self._store.multi_get(keys) if keys and self._store.check(keys) else None
+                answered = now
+            except RuntimeError:
+                values = None
+            if now - answered > self.limit:
+                self._lost(0, f"the rendezvous store on node 0 ({os.environ['MASTER_ADDR']}:"
+                              f"{os.environ['MASTER_PORT']}) has not answered for {now - answered:.0f} s")
+            if values is None:
+                continue
+            for rank, raw in zip(list(seen), values):
+                value = raw.decode()
+                if value == "done":
+                    del seen[rank]
+                elif value != seen[rank]:
+                    seen[rank], changed[rank] = value, now
+            for rank in seen:
+                if now - changed[rank] > self.limit:
+                    self._lost(self.env.node_of(rank), f"rank {rank} has sent no heartbeat for "
+                                                       f"{now - changed[rank]:.0f} s")
+
+    def _lost(self, node: int, detail: str) -> None:
+        sys.stderr.write(
+            f"error: lost node {node}: {detail} (runtime.nodes.failure_timeout_seconds is {self.timeout}); "
+            f"node {self.env.node} exits so that the job can be started again on every node, resuming from "
+            "the newest complete checkpoint\n"
+        )
+        sys.stderr.flush()
+        os._exit(EXIT_LOST_NODE)

@@ -9,11 +9,16 @@ It reads only the environment that the rendered Compose override sets
     ASTRAI_PROCESSES              process count when ASTRAI_GPU_DEVICES=none
     ASTRAI_PARALLEL_MODE          auto | none | ddp | fsdp
     ASTRAI_STOP_TIMEOUT_SECONDS   Docker's grace period on stop
+    ASTRAI_NODES                  hosts in the job (absent: 1)
+    ASTRAI_NODE_RANK              this host's node index (--node)
+    ASTRAI_RDZV_ENDPOINT          host:port of node 0
+    ASTRAI_RDZV_BACKEND           static | c10d
 
 SIGTERM and SIGINT are held (blocked, pending) from the start, so a stop that
 comes while the container is still starting is not lost (astrai/early_stop.py).
 One process: the trainer replaces this process (exec), so Docker's SIGTERM
-reaches it directly. Several: ``torchrun --standalone`` runs them; this process
+reaches it directly. Several: ``torchrun --standalone`` runs them (on several
+hosts, ``torchrun --nnodes`` joins the rendezvous on node 0); this process
 stays as their parent and forwards SIGTERM/SIGINT straight to each worker, so
 every rank finishes its step and the job exits 0 once the emergency checkpoint
 is written. torchrun's own shutdown timeout (30 s by default, after which it
@@ -47,8 +52,12 @@ from astrai.contract import (
     ENV_CONFIG,
     ENV_GPU_DEVICES,
     ENV_JOB_NAME,
+    ENV_NODE_RANK,
+    ENV_NODES,
     ENV_PARALLEL_MODE,
     ENV_PROCESSES,
+    ENV_RDZV_BACKEND,
+    ENV_RDZV_ENDPOINT,
     ENV_STOP_TIMEOUT_SECONDS,
     resolve_parallel_mode,
 )
@@ -67,9 +76,28 @@ class EntrypointError(Exception):
 @dataclass(frozen=True)
 class LaunchPlan:
     processes: int
+    """Processes on this node."""
     parallel_mode: str
     job_dir: str
     command: list[str]
+    nodes: int = 1
+    node: int = 0
+
+
+def rendezvous_id(job_name: str) -> str:
+    """The c10d rendezvous id: every node derives the same one from the job name alone."""
+    return f"astrai-{job_name}"
+
+
+def _whole(env: Mapping[str, str], name: str, default: str, minimum: int) -> int:
+    text = env.get(name, default)
+    try:
+        value = int(text)
+    except ValueError:
+        raise EntrypointError(f"{name} must be a whole number, got {text!r}") from None
+    if value < minimum:
+        raise EntrypointError(f"{name} must be at least {minimum}, got {value}")
+    return value
 
 
 def resolve_process_count(devices: str, processes: str | None, cuda_device_count: Callable[[], int]) -> int:
@@ -108,10 +136,16 @@ def plan_launch(
         raise EntrypointError(f"{ENV_JOB_NAME} is not set; start the job with `invoke start`")
     devices = env.get(ENV_GPU_DEVICES, "all")
     processes = resolve_process_count(devices, env.get(ENV_PROCESSES), cuda_device_count)
+    nodes = _whole(env, ENV_NODES, "1", 1)
+    node = _whole(env, ENV_NODE_RANK, "0", 0)
+    if node >= nodes:
+        raise EntrypointError(f"{ENV_NODE_RANK} is {node} but the job has {nodes} node(s)")
     try:
-        mode = resolve_parallel_mode(env.get(ENV_PARALLEL_MODE, "auto"), processes)
+        mode = resolve_parallel_mode(env.get(ENV_PARALLEL_MODE, "auto"), processes * nodes)
     except ValueError as error:
-        raise EntrypointError(f"runtime.gpu.parallel_mode: {error} (runtime.gpu.devices: {devices})") from None
+        raise EntrypointError(
+            f"runtime.gpu.parallel_mode: {error} (runtime.gpu.devices: {devices}, {nodes} node(s))"
+        ) from None
     job_dir = CHECKPOINTS_DIR / job_name
     trainer = [
         "-m", "astrai.train",
@@ -121,18 +155,47 @@ def plan_launch(
         "--parallel_mode", mode,
         *trainer_args,
     ]
-    if processes == 1:
+    stop_timeout = str(max(int(env.get(ENV_STOP_TIMEOUT_SECONDS, "600")), MIN_SHUTDOWN_TIMEOUT_SECONDS))
+    if nodes > 1:
+        command = [
+            python, "-m", "torch.distributed.run",
+            *_rendezvous_args(env, job_name, nodes, node),
+            "--nproc-per-node", str(processes),
+            "--max-restarts", "0",
+            "--shutdown-timeout", stop_timeout,
+            *trainer,
+        ]
+    elif processes == 1:
         command = [python, *trainer]
     else:
-        stop_timeout = int(env.get(ENV_STOP_TIMEOUT_SECONDS, "600"))
         command = [
             python, "-m", "torch.distributed.run",
             "--standalone",
             "--nproc-per-node", str(processes),
-            "--shutdown-timeout", str(max(stop_timeout, MIN_SHUTDOWN_TIMEOUT_SECONDS)),
+            "--shutdown-timeout", stop_timeout,
             *trainer,
         ]
-    return LaunchPlan(processes, mode, str(job_dir), command)
+    return LaunchPlan(processes, mode, str(job_dir), command, nodes, node)
+
+
+def _rendezvous_args(env: Mapping[str, str], job_name: str, nodes: int, node: int) -> list[str]:
+    """torchrun's rendezvous on node 0: static ranks nodes by --node; c10d lets node 0 host the store.
+
+    A container that crashes is restarted by Docker (runtime.container.max_restarts), never by torchrun,
+    so every restart resumes from the newest checkpoint on every node alike.
+    """
+    endpoint = env.get(ENV_RDZV_ENDPOINT)
+    if not endpoint:
+        raise EntrypointError(f"{ENV_RDZV_ENDPOINT} is not set for a job on {nodes} nodes; set runtime.nodes.rendezvous")
+    backend = env.get(ENV_RDZV_BACKEND, "static")
+    args = ["--nnodes", str(nodes), "--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
+            "--rdzv-id", rendezvous_id(job_name)]
+    if backend == "static":
+        return [*args, "--node-rank", str(node)]
+    if backend == "c10d":
+        # Node 0 hosts the rendezvous store; the others only connect (two nodes on one host would both claim it).
+        return [*args, "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}"]
+    raise EntrypointError(f"{ENV_RDZV_BACKEND} must be static or c10d, got {backend!r}")
 
 
 def check_gpus(env: Mapping[str, str], plan: LaunchPlan, cuda_device_count: Callable[[], int]) -> None:
@@ -148,8 +211,11 @@ def check_gpus(env: Mapping[str, str], plan: LaunchPlan, cuda_device_count: Call
         )
 
 
-def check_mounts(job_dir: Path, data_dir: Path = DATA_DIR, model_dir: Path = MODEL_DIR) -> None:
-    """The data must be readable, the job dir writable, and a base model present unless resuming."""
+def check_mounts(job_dir: Path, data_dir: Path = DATA_DIR, model_dir: Path = MODEL_DIR, node: int = 0) -> None:
+    """The data must be readable, the job dir writable, and a base model present unless resuming.
+
+    Only node 0 reads checkpoints and the base model (the other nodes receive them), so only it needs them.
+    """
     if not data_dir.is_dir() or not os.access(data_dir, os.R_OK | os.X_OK):
         raise EntrypointError(f"{data_dir} is missing or not readable; check runtime.paths.data")
     try:
@@ -162,7 +228,7 @@ def check_mounts(job_dir: Path, data_dir: Path = DATA_DIR, model_dir: Path = MOD
             f"the job dir {job_dir} is not writable ({error.strerror}); check runtime.paths.checkpoints "
             "and that it belongs to the user who runs `invoke start` (`invoke init` creates it)"
         ) from None
-    if latest_complete_checkpoint(job_dir) is not None:
+    if node != 0 or latest_complete_checkpoint(job_dir) is not None:
         return
     for name in BASE_MODEL_FILES:
         path = model_dir / name
@@ -254,16 +320,17 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(asdict(plan), indent=2, sort_keys=True))
             return 0
         check_gpus(os.environ, plan, _cuda_device_count)
-        check_mounts(Path(plan.job_dir))
+        check_mounts(Path(plan.job_dir), node=plan.node)
     except EntrypointError as error:
         print(f"astrai entrypoint: error: {error}", file=sys.stderr, flush=True)
         return 2
+    where = f"node {plan.node} of {plan.nodes}, " if plan.nodes > 1 else ""
     print(
-        f"astrai entrypoint: job {os.environ[ENV_JOB_NAME]}: {plan.processes} process(es), "
+        f"astrai entrypoint: job {os.environ[ENV_JOB_NAME]}: {where}{plan.processes} process(es), "
         f"parallel_mode {plan.parallel_mode}",
         flush=True,
     )
-    if plan.processes == 1:
+    if plan.processes == 1 and plan.nodes == 1:
         os.execv(plan.command[0], plan.command)
     return supervise_workers(plan.command)
 

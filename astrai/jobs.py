@@ -301,7 +301,7 @@ def _trainer_may_run(runtime: Runtime) -> bool:
 
 def job_container(runtime: Runtime) -> engine.Container | None:
     """The job's newest container, running or not (None before its first start)."""
-    return engine.find_container(compose.project_name(runtime.job_name))
+    return engine.find_container(compose.job_project(runtime))
 
 
 def _run_compose(runtime: Runtime, *args: str, what: str, quiet: bool = False) -> None:

@@ -16,6 +16,7 @@ writes to disk.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import difflib
 import fnmatch
@@ -38,6 +39,8 @@ RESERVED_ENVIRONMENT = {
     "CUDA_VISIBLE_DEVICES": "the product sets it from runtime.gpu.devices (choose GPUs there)",
     ENV_JOB_NAME: "the product sets it from runtime.job_name",
 }
+INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""Set from runtime.nodes.network_interface: the interface NCCL and gloo talk over."""
 _DURATION = re.compile(r"(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?")
 # What a value must look like, for keys whose rule a bare schema message would not explain.
 _EXPECTED = {
@@ -50,6 +53,8 @@ _EXPECTED = {
     "container.stop_grace_period": "a duration like 90s, 10m or 1h30m",
     "container.max_duration_hours": "a number of hours greater than 0, or null for no timer",
     "environment.*": "a string, number or boolean",
+    "nodes.rendezvous": "host:port of node 0, such as 10.0.0.1:29500 or node0.example:29500",
+    "nodes.network_interface": "a network interface name such as eth0 or ib0, or null",
 }
 _TYPE_WORDS = {"object": "a mapping", "array": "a list", "string": "a string", "integer": "an integer",
                "number": "a number", "boolean": "true or false", "null": "null"}
@@ -82,23 +87,53 @@ class Runtime:
     checkpoint_keep_last: int
     max_duration_hours: float | None
     environment: dict[str, str]
+    max_restarts: int = 0
+    nodes: int = 1
+    """Hosts in the job (runtime.nodes.count)."""
+    node: int = 0
+    """Which of them this host is (``--node``)."""
+    rendezvous: str | None = None
+    rdzv_backend: str = "static"
+    network_interface: str | None = None
+    failure_timeout_seconds: int = 300
 
     @property
     def uses_gpu(self) -> bool:
         return self.devices != "none"
 
+    @property
+    def multi_node(self) -> bool:
+        return self.nodes > 1
 
-def load_job_config(config_path) -> tuple[dict, Runtime]:
-    """Read, validate and resolve one YAML file: its whole document and its runtime."""
+    @property
+    def world_size(self) -> int | None:
+        """Processes over all nodes, or None when each node counts its own GPUs (devices: all)."""
+        return None if self.processes is None else self.processes * self.nodes
+
+
+def load_job_config(config_path, node: int = 0) -> tuple[dict, Runtime]:
+    """Read, validate and resolve one YAML file: its whole document and its runtime, as seen by ``node``."""
     doc = load_yaml(config_path)
     problems = validate_config(doc, config_path)
     if problems:
         raise ConfigError(problems)
-    return doc, _build_runtime(doc["runtime"], Path(os.path.abspath(config_path)))
+    runtime = _build_runtime(doc["runtime"], Path(os.path.abspath(config_path)))
+    if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < runtime.nodes:
+        raise ConfigError(
+            f"--node: {node!r} is not a node of this job; runtime.nodes.count is {runtime.nodes} in {config_path}, "
+            f"so --node takes {'0' if runtime.nodes == 1 else f'0 to {runtime.nodes - 1}'}"
+        )
+    return doc, dataclasses.replace(runtime, node=node)
 
 
-def resolve_runtime(config_path) -> Runtime:
-    return load_job_config(config_path)[1]
+def resolve_runtime(config_path, node: int = 0) -> Runtime:
+    return load_job_config(config_path, node)[1]
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``("10.0.0.1", 29500)`` from ``"10.0.0.1:29500"``; brackets of an IPv6 address are removed."""
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 def trainer_value(doc: dict, section: str, key: str, default=None):
@@ -189,7 +224,8 @@ def _rule_problems(raw: dict, broken: set[str]) -> list[tuple[str, str]]:
             except RuntimeError as exc:
                 problems.append((f"runtime.paths.{name}", f"cannot expand ~ in {_show(runtime['paths'][name])}: {exc}"))
     if usable("gpu.devices", "gpu.processes", "gpu.parallel_mode"):
-        problems += _gpu_problems(runtime["gpu"], processes_given="processes" in raw.get("gpu", {}))
+        nodes = runtime["nodes"]["count"] if usable("nodes.count") else 1
+        problems += _gpu_problems(runtime["gpu"], processes_given="processes" in raw.get("gpu", {}), nodes=nodes)
     if usable("gpu.devices", "container.cuda_tag") and runtime["container"]["cuda_tag"] == "cpu" \
             and runtime["gpu"]["devices"] != "none":
         problems.append(("runtime.container.cuda_tag", "the cpu image has no CUDA and cannot use GPUs, but "
@@ -201,31 +237,55 @@ def _rule_problems(raw: dict, broken: set[str]) -> list[tuple[str, str]]:
     hours = runtime["container"].get("max_duration_hours") if usable("container.max_duration_hours") else None
     if hours is not None and not math.isfinite(hours):
         problems.append(("runtime.container.max_duration_hours", f"expected a finite number of hours, got {hours}"))
+    if usable("nodes.count", "nodes.rendezvous"):
+        problems += _node_problems(runtime["nodes"])
+    if usable("nodes.network_interface") and runtime["nodes"]["network_interface"] is not None \
+            and isinstance(runtime["environment"], dict):
+        problems += [(f"runtime.environment.{name}", "set from runtime.nodes.network_interface; give the interface "
+                      "there only") for name in INTERFACE_VARIABLES if name in runtime["environment"]]
     if isinstance(runtime["environment"], dict):
         problems += [(f"runtime.environment.{name}", _reserved_reason(name))
                      for name in runtime["environment"] if usable(f"environment.{name}") and _reserved_reason(name)]
     return problems
 
 
-def _gpu_problems(gpu: dict, processes_given: bool) -> list[tuple[str, str]]:
+def _gpu_problems(gpu: dict, processes_given: bool, nodes: int = 1) -> list[tuple[str, str]]:
     devices, mode = gpu["devices"], gpu["parallel_mode"]
     problems = []
     if devices != "none" and processes_given:
         problems.append(("runtime.gpu.processes", "only applies with runtime.gpu.devices: none (CPU); with devices "
                          f"{_show(devices)} there is one process per GPU, so remove it"))
     count = _process_count(devices, gpu["processes"])
+    if nodes > 1 and mode == "none":
+        return problems + [("runtime.gpu.parallel_mode", f"none needs exactly 1 process, but runtime.nodes.count is "
+                            f"{nodes}; auto picks the right mode")]
     if count is None or count < 1:
         return problems
     try:
-        resolve_parallel_mode(mode, count)
+        resolve_parallel_mode(mode, count * nodes)
     except ValueError:
         if devices == "none":
             source = f"runtime.gpu.processes is {count}{'' if processes_given else ' (the default)'}"
         else:
             source = f"runtime.gpu.devices {_show(devices)} gives {count}"
+        if nodes > 1:
+            source += f" per node on {nodes} nodes"
         needs = "exactly 1 process" if mode == "none" else "2 or more processes"
         problems.append(("runtime.gpu.parallel_mode", f"{mode} needs {needs}, but {source}; auto picks the right mode"))
     return problems
+
+
+def _node_problems(nodes: dict) -> list[tuple[str, str]]:
+    endpoint = nodes["rendezvous"]
+    if endpoint is not None:
+        port = split_endpoint(endpoint)[1]
+        if not 1 <= port <= 65535:
+            return [("runtime.nodes.rendezvous", f"port {port} is out of range; use a port from 1 to 65535, "
+                     f"such as 29500, in {_show(endpoint)}")]
+    elif nodes["count"] > 1:
+        return [("runtime.nodes.rendezvous", f"missing: runtime.nodes.count is {nodes['count']}, so the nodes need "
+                 "a meeting point: host:port of node 0 that every node can reach, such as 10.0.0.1:29500")]
+    return []
 
 
 def _stop_problems(grace: str, timeout: int | None) -> list[tuple[str, str]]:
@@ -251,7 +311,7 @@ def _reserved_reason(name: str) -> str | None:
 
 def _build_runtime(raw: dict, config_path: Path) -> Runtime:
     runtime = _with_defaults(raw)
-    paths, gpu, container = runtime["paths"], runtime["gpu"], runtime["container"]
+    paths, gpu, container, nodes = runtime["paths"], runtime["gpu"], runtime["container"], runtime["nodes"]
     devices = gpu["devices"] if isinstance(gpu["devices"], str) else tuple(int(index) for index in gpu["devices"])
     count = _process_count(devices, int(gpu["processes"]))
     checkpoints_dir = _absolute_path(paths["checkpoints"], config_path.parent)
@@ -265,7 +325,8 @@ def _build_runtime(raw: dict, config_path: Path) -> Runtime:
         job_dir=checkpoints_dir / runtime["job_name"],
         devices=devices,
         processes=count,
-        parallel_mode=gpu["parallel_mode"] if count is None else resolve_parallel_mode(gpu["parallel_mode"], count),
+        parallel_mode=gpu["parallel_mode"] if count is None
+        else resolve_parallel_mode(gpu["parallel_mode"], count * int(nodes["count"])),
         cuda_visible_devices=_cuda_visible_devices(devices),
         cuda_tag=container["cuda_tag"],
         base_image=container["base_image"],
@@ -276,6 +337,12 @@ def _build_runtime(raw: dict, config_path: Path) -> Runtime:
         checkpoint_keep_last=int(container["checkpoint_keep_last"]),
         max_duration_hours=None if hours is None else float(hours),
         environment={name: _environment_text(value) for name, value in runtime["environment"].items()},
+        max_restarts=int(container["max_restarts"]),
+        nodes=int(nodes["count"]),
+        rendezvous=nodes["rendezvous"],
+        rdzv_backend=nodes["backend"],
+        network_interface=nodes["network_interface"],
+        failure_timeout_seconds=int(nodes["failure_timeout_seconds"]),
     )
 
 

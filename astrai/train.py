@@ -43,7 +43,14 @@ from torch.utils.data import DataLoader
 
 from astrai.checkpoint_io import CheckpointError, CheckpointManager, LoadedCheckpoint, Progress
 from astrai.checkpoints import latest_complete_checkpoint, read_meta
-from astrai.config import KEY_SECTION, TrainerConfig, close_match_hint, describe, load_trainer_config
+from astrai.config import (
+    KEY_SECTION,
+    TrainerConfig,
+    close_match_hint,
+    describe,
+    load_trainer_config,
+    resolve_grad_accum_steps,
+)
 from astrai.configfile import ConfigError
 from astrai.contract import (
     METRIC_ETA_S,
@@ -61,7 +68,9 @@ from astrai.data import DataError, TokenData, WindowBatchSampler, WindowDataset,
 from astrai.distributed import (
     DistEnv,
     GracefulStop,
+    broadcast_from_master,
     check_parallel_mode,
+    gather_objects,
     init_distributed,
     parallelize,
     resolve_device,
@@ -70,6 +79,27 @@ from astrai.distributed import (
     world_from_environment,
 )
 from astrai.model import ModelLoadError, Transformer, load_base_model
+
+
+def open_same_data(root: Path, env: DistEnv) -> TokenData:
+    """The data folder, checked to be the same on every rank (each node reads its own copy).
+
+    Every rank reports what it found, so a missing or different folder on one node is the same clear
+    error on all of them, instead of one rank failing while the others wait.
+    """
+    try:
+        data = TokenData.open(root)
+        mine = data.fingerprint()
+    except DataError as error:
+        data, mine = None, f"error: {error}"
+    everyone = gather_objects(env, mine)
+    if all(report == everyone[0] for report in everyone) and data is not None:
+        return data
+    lines = [f"node {env.node_of(rank)} rank {rank}: {report}" for rank, report in enumerate(everyone)]
+    raise DataError(
+        f"every node needs the same data in {root}, but the ranks found different data "
+        f"(manifest digests):\n  " + "\n  ".join(lines)
+    )
 
 
 class SetupError(Exception):
@@ -119,6 +149,8 @@ class Trainer:
         self.max_steps = training.max_steps
         self.window_size = config.data.window_size
         self.job_dir = Path(config.ckpt.ckpt_dir)
+        # Checked before anything is loaded: a world size that does not fit the global batch fails at once.
+        self.grad_accum = resolve_grad_accum_steps(training, env.world_size)
         self.checkpointer = CheckpointManager(
             self.job_dir, config.ckpt.ckpt_interval, config.ckpt.keep_last, env, self.log
         )
@@ -136,12 +168,15 @@ class Trainer:
             self.done = True
             return
 
-        data = TokenData.open(Path(config.data.data_root_path))
+        data = open_same_data(Path(config.data.data_root_path), env)
         if loaded is not None:
             self.model_config, weights = loaded.model_config, loaded.model_state
         else:
-            self.model_config, weights = load_base_model(Path(config.ckpt.param_path))
-        self.global_batch = training.batch_per_device * training.grad_accum_steps * env.world_size
+            # Only node 0 needs the base model: rank 0 reads it, the others receive it.
+            self.model_config, weights = broadcast_from_master(
+                env, lambda: load_base_model(Path(config.ckpt.param_path)), errors=(ModelLoadError,)
+            )
+        self.global_batch = training.batch_per_device * self.grad_accum * env.world_size
         self._check_fit(data)
 
         model = Transformer(self.model_config, activation_checkpointing=config.model.activation_checkpointing)
@@ -159,7 +194,7 @@ class Trainer:
             lambda step: lr_multiplier(step, self.max_steps, warmup_steps, training.min_lr_ratio),
         )
         if loaded is not None:
-            self.checkpointer.restore(loaded, self.model, self.optimizer, self.scheduler)
+            self.checkpointer.restore(loaded, self.model, self.optimizer, self.scheduler, training.random_seed)
             self.progress = loaded.progress
             self._note_resume(loaded)
         else:
@@ -172,7 +207,7 @@ class Trainer:
         self.sampler = WindowBatchSampler(
             data.num_windows(self.window_size),
             training.batch_per_device,
-            training.grad_accum_steps,
+            self.grad_accum,
             env.rank,
             env.world_size,
             training.random_seed,
@@ -221,7 +256,7 @@ class Trainer:
                 f"{data.root} holds {data.num_tokens} tokens = {windows} windows of {self.window_size}+1, "
                 f"fewer than one "
                 f"global batch of batch_per_device({cfg.training.batch_per_device}) * grad_accum_steps"
-                f"({cfg.training.grad_accum_steps}) * world_size({self.env.world_size}) = {self.global_batch}"
+                f"({self.grad_accum}) * world_size({self.env.world_size}) = {self.global_batch}"
             )
 
     def _build_optimizer(self) -> torch.optim.AdamW:
@@ -246,6 +281,13 @@ class Trainer:
             f"resumed from {loaded.checkpoint.path} (epoch {p.epoch}, step {p.step}, reason {meta.get('reason')}; "
             f"world size {self.env.world_size}, device {self.env.device})"
         )
+        saved_batch = meta.get("global_batch")
+        if isinstance(saved_batch, int) and saved_batch != self.global_batch:
+            self.log(
+                f"note: the global batch changed since that checkpoint ({saved_batch} -> {self.global_batch} "
+                f"sequences per step, world size {meta.get('world_size')} -> {self.env.world_size}); set "
+                "training.global_batch_size to keep it across world sizes"
+            )
         if meta.get("config_hash") != self.config.config_hash():
             self.log(
                 f"note: the training config changed since that checkpoint "
@@ -263,7 +305,7 @@ class Trainer:
         if self.done:
             return TrainStats(0, 0, 0.0, stopped=False)
         training = self.config.training
-        accum = training.grad_accum_steps
+        accum = self.grad_accum
         vocab_size = self.model_config.vocab_size
         tokens_per_step = self.global_batch * self.window_size
         end = self.max_steps if steps is None else min(self.max_steps, self.progress.step + steps)
@@ -316,7 +358,7 @@ class Trainer:
     def _report(self, lr: float, grad_norm: torch.Tensor | None) -> None:
         """Progress line and metrics.jsonl record (the only place the loop waits for the device)."""
         steps = self.progress.step - self._log_step
-        loss = self._loss_sum / (steps * self.config.training.grad_accum_steps)
+        loss = self._loss_sum / (steps * self.grad_accum)
         if self.env.distributed:
             dist.all_reduce(loss)
             loss = loss / self.env.world_size
@@ -471,11 +513,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         _train(config, env, stop)
-    except (DataError, ModelLoadError, SetupError, CheckpointError) as error:
+    except (ConfigError, DataError, ModelLoadError, SetupError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
+        if env.watch is not None:
+            env.watch.finish()
         # No destroy_process_group: another rank may be waiting in a collective, and it would hang this one.
         # Exiting lets torchrun end the job.
-        return 1
+        return 2 if isinstance(error, ConfigError) else 1
+    except RuntimeError as error:
+        if env.watch is not None:
+            # A collective failed: when a node was lost, the watch names it and ends this process.
+            env.watch.explain(error)
+        raise
     stop.finish()
     shutdown_distributed(env)
     return 0

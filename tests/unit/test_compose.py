@@ -13,7 +13,8 @@ from astrai.runtime import resolve_runtime
 BASE = "astrai-base:test"
 
 
-def _runtime(tmp_path: Path, gpu: dict, environment: dict | None = None):
+def _runtime(tmp_path: Path, gpu: dict, environment: dict | None = None, nodes: dict | None = None,
+             node: int = 0, container: dict | None = None):
     runtime = {
         "job_name": "demo.Job",
         "paths": {"data": "./data", "model": "/srv/models/base", "checkpoints": "./ckpt"},
@@ -28,9 +29,12 @@ def _runtime(tmp_path: Path, gpu: dict, environment: dict | None = None):
     }
     if environment is not None:
         runtime["environment"] = environment
+    if nodes is not None:
+        runtime["nodes"] = nodes
+    runtime["container"].update(container or {})
     config = tmp_path / "train.yaml"
     config.write_text(yaml.safe_dump({"runtime": runtime}), encoding="utf-8")
-    return resolve_runtime(config)
+    return resolve_runtime(config, node)
 
 
 def _expected(tmp_path: Path, environment: dict, cuda_tag: str, gpu: bool) -> dict:
@@ -43,7 +47,8 @@ def _expected(tmp_path: Path, environment: dict, cuda_tag: str, gpu: bool) -> di
             **environment,
         },
         "ipc": "host",
-        "labels": {"ai.astrai.config": str(tmp_path / "train.yaml"), "ai.astrai.job": "demo.Job"},
+        "labels": {"ai.astrai.config": str(tmp_path / "train.yaml"), "ai.astrai.job": "demo.Job",
+                   "ai.astrai.node": "0"},
         "security_opt": ["no-new-privileges:true"],
         "stop_grace_period": "10m",
         "user": "1000:1001",
@@ -204,3 +209,39 @@ def test_compose_program_explains_what_is_missing(tmp_path, monkeypatch, plugin,
             compose.compose_program()
     finally:
         compose.compose_program.cache_clear()
+
+
+TWO_NODES = {"count": 2, "rendezvous": "10.0.0.1:29500", "network_interface": "eth0", "failure_timeout_seconds": 60}
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_each_node_of_a_multi_node_job_is_its_own_project_on_the_host_network(tmp_path, node):
+    runtime = _runtime(tmp_path, {"devices": "none"}, nodes=TWO_NODES, node=node)
+    expected = _expected(
+        tmp_path,
+        {"ASTRAI_GPU_DEVICES": "none", "ASTRAI_PARALLEL_MODE": "ddp", "ASTRAI_PROCESSES": "1",
+         "CUDA_VISIBLE_DEVICES": "", "ASTRAI_NODES": "2", "ASTRAI_NODE_RANK": str(node),
+         "ASTRAI_RDZV_ENDPOINT": "10.0.0.1:29500", "ASTRAI_RDZV_BACKEND": "static",
+         "ASTRAI_FAILURE_TIMEOUT_SECONDS": "60", "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"},
+        "cpu", gpu=False,
+    )
+    expected["name"] = f"{compose.project_name('demo.Job')}-node{node}"
+    service = expected["services"]["trainer"]
+    service["labels"]["ai.astrai.node"] = str(node)
+    service["network_mode"] = "host"
+    assert compose.render_override(runtime, uid=1000, gid=1001) == expected
+    # The override and the timer of each node live apart, even in one shared checkpoints folder.
+    assert compose.override_path(runtime) == tmp_path / "ckpt" / "demo.Job" / ".astrai" / f"node{node}" / \
+        "compose.override.yml"
+
+
+def test_node_projects_never_collide_with_each_other_or_a_one_host_job():
+    names = {compose.project_name("job"), compose.project_name("job", 0), compose.project_name("job", 1)}
+    assert len(names) == 3
+
+
+def test_max_restarts_becomes_a_restart_on_failure_policy(tmp_path):
+    runtime = _runtime(tmp_path, {"devices": "none"}, container={"max_restarts": 2})
+    assert compose.render_override(runtime, uid=1000, gid=1001)["services"]["trainer"]["restart"] == "on-failure:2"
+    plain = _runtime(tmp_path, {"devices": "none"})
+    assert "restart" not in compose.render_override(plain, uid=1000, gid=1001)["services"]["trainer"]

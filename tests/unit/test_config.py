@@ -156,3 +156,21 @@ def test_command_line_error_has_no_traceback(tmp_path, trainer_env):
     )
     assert result.returncode == 2
     assert result.stderr == "error: data.window_size: expected an integer >= 1, got 0\n"
+
+
+def test_global_batch_size_derives_grad_accum_steps_or_names_the_world_sizes_that_fit():
+    from astrai.config import TrainingSection, resolve_grad_accum_steps
+
+    training = TrainingSection(batch_per_device=2, grad_accum_steps=5, global_batch_size=24)
+    assert [resolve_grad_accum_steps(training, size) for size in (1, 2, 3, 4, 6, 12)] == [12, 6, 4, 3, 2, 1]
+    with pytest.raises(ConfigError) as caught:
+        resolve_grad_accum_steps(training, 5)
+    assert str(caught.value) == (
+        "training.global_batch_size: 24 is not a whole multiple of batch_per_device(2) * world_size(5) = 10; "
+        "world sizes that divide it with batch_per_device 2: 1, 2, 3, 4, 6, 12"
+    )
+    assert resolve_grad_accum_steps(TrainingSection(grad_accum_steps=5), 3) == 5
+    with pytest.raises(ConfigError, match="no world size does: make it a multiple of batch_per_device"):
+        resolve_grad_accum_steps(TrainingSection(batch_per_device=4, global_batch_size=6), 1)
+    with pytest.raises(ConfigError, match="training.global_batch_size: expected an integer >= 1"):
+        TrainingSection(global_batch_size=0)

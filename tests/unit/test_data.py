@@ -143,3 +143,30 @@ def test_dataloader_workers_ignore_stop_signals():
     ((pid, ignores_term, ignores_int),) = [row.tolist() for row in loader]
     assert pid != os.getpid()
     assert ignores_term and ignores_int
+
+
+@pytest.mark.parametrize("resume_at", [0, 3])
+def test_every_world_size_trains_the_same_windows_in_every_step(resume_at):
+    # A global batch of 12 on world sizes 1, 2, 3 and 4 (grad_accum_steps 12, 6, 4, 3 of one window each),
+    # resumed after `resume_at` steps: step k uses the same 12 windows whatever the world size.
+    num_windows, global_batch, seed = 100, 12, 7
+
+    def steps(world_size: int) -> list[set[int]]:
+        accum = global_batch // world_size
+        per_rank = []
+        for rank in range(world_size):
+            sampler = WindowBatchSampler(num_windows, 1, accum, rank, world_size, seed)
+            sampler.set_position(epoch=2, samples_in_epoch=resume_at * global_batch)
+            per_rank.append(list(sampler))
+        count = len(per_rank[0]) // accum
+        assert all(len(batches) == count * accum for batches in per_rank)
+        return [
+            {i for batches in per_rank for batch in batches[step * accum : (step + 1) * accum] for i in batch}
+            for step in range(count)
+        ]
+
+    reference = steps(1)
+    assert len(reference) == num_windows // global_batch - resume_at
+    assert all(len(windows) == global_batch for windows in reference)
+    for world_size in (2, 3, 4):
+        assert steps(world_size) == reference

@@ -15,7 +15,7 @@ import pytest
 
 from astrai.contract import REQUIRED_FILES
 from astrai import entrypoint
-from astrai.entrypoint import EntrypointError, plan_launch
+from astrai.entrypoint import EntrypointError, check_mounts, plan_launch
 
 PY = "/usr/bin/python3"
 
@@ -229,3 +229,47 @@ def test_a_stop_before_the_workers_can_catch_it_waits_for_them(tmp_path):
     # Signalled as soon as the supervisor runs: before any worker exists.
     assert _supervise_and_stop(tmp_path, _SLOW_LAUNCHER, ["held"]) == 0
     assert (tmp_path / "saved-0").exists() and (tmp_path / "saved-1").exists()
+
+
+def _node_env(node: int, backend: str) -> dict[str, str]:
+    return _env(ASTRAI_GPU_DEVICES="none", ASTRAI_PROCESSES="1", ASTRAI_NODES="2", ASTRAI_NODE_RANK=str(node),
+                ASTRAI_RDZV_ENDPOINT="10.0.0.1:29500", ASTRAI_RDZV_BACKEND=backend)
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_static_rendezvous_gives_each_node_its_rank(node):
+    plan = plan_launch(_node_env(node, "static"), [], _no_gpu, python=PY)
+    assert (plan.nodes, plan.node, plan.processes, plan.parallel_mode) == (2, node, 1, "ddp")
+    assert plan.command == [
+        PY, "-m", "torch.distributed.run",
+        "--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "10.0.0.1:29500", "--rdzv-id", "astrai-job",
+        "--node-rank", str(node),
+        "--nproc-per-node", "1", "--max-restarts", "0", "--shutdown-timeout", "600",
+        *_trainer("ddp"),
+    ]
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_c10d_rendezvous_is_hosted_by_node_0_under_an_id_from_the_job_name(node):
+    plan = plan_launch(_node_env(node, "c10d"), [], _no_gpu, python=PY)
+    assert plan.command == [
+        PY, "-m", "torch.distributed.run",
+        "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:29500", "--rdzv-id", "astrai-job",
+        "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}",
+        "--nproc-per-node", "1", "--max-restarts", "0", "--shutdown-timeout", "600",
+        *_trainer("ddp"),
+    ]
+
+
+def test_a_node_outside_the_job_is_refused():
+    with pytest.raises(EntrypointError, match="ASTRAI_NODE_RANK is 2 but the job has 2 node"):
+        plan_launch({**_node_env(0, "static"), "ASTRAI_NODE_RANK": "2"}, [], _no_gpu)
+
+
+def test_only_node_0_needs_the_base_model(tmp_path):
+    data, model, job = tmp_path / "data", tmp_path / "model", tmp_path / "job"
+    data.mkdir()
+    model.mkdir()
+    with pytest.raises(EntrypointError, match="base model file"):
+        check_mounts(job, data, model, node=0)
+    check_mounts(job, data, model, node=1)

@@ -315,3 +315,23 @@ def test_random_breakage_is_always_rejected_under_runtime(breakages):
     messages = caught.value.messages
     assert all(line.startswith(f"{path}: runtime") for line in messages), messages
     assert any(line.startswith(f"{path}: {last_applied}: ") for line in messages), (last_applied, messages)
+
+
+def test_node_must_be_one_of_the_jobs_nodes(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump({"runtime": {"nodes": {"count": 2, "rendezvous": "node0:29500"}}}))
+    assert resolve_runtime(path, 1).node == 1
+    with pytest.raises(ConfigError, match="--node: 2 is not a node of this job; runtime.nodes.count is 2"):
+        resolve_runtime(path, 2)
+    one = tmp_path / "one.yaml"
+    one.write_text("runtime: {}\n")
+    with pytest.raises(ConfigError, match="--node takes 0"):
+        resolve_runtime(one, 1)
+
+
+def test_two_nodes_of_one_process_each_run_ddp(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump({"runtime": {"gpu": {"devices": "none"},
+                                                "nodes": {"count": 2, "rendezvous": "node0:29500"}}}))
+    runtime = resolve_runtime(path)
+    assert (runtime.parallel_mode, runtime.world_size, runtime.multi_node) == ("ddp", 2, True)

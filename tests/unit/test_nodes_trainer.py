@@ -1,0 +1,140 @@
+"""Several nodes and another world size, on one machine without Docker: real torchrun launches on CPU.
+
+Two nodes are two ``torchrun --nnodes 2`` launches that meet at a rendezvous on 127.0.0.1, as two hosts
+would; the entrypoint passes the same arguments in the containers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from astrai.checkpoints import latest_complete_checkpoint, list_complete_checkpoints, read_meta
+from test_train_resume import TRAINER, Run, _metrics_step, _wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _records(ckpt_dir: Path) -> dict[int, dict]:
+    """The last metrics record of each step (a resumed run repeats none, but take the newest anyway)."""
+    lines = (ckpt_dir / "metrics.jsonl").read_text().splitlines()
+    return {record["step"]: record for record in map(json.loads, lines)}
+
+
+def _node_command(node: int, port: int, backend: str = "static") -> list[str]:
+    rendezvous = ["--node-rank", str(node)] if backend == "static" else \
+        ["--rdzv-id", "test", "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}"]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-backend", backend, "--rdzv-endpoint", f"127.0.0.1:{port}", *rendezvous,
+            "--max-restarts", "0", "-m", "astrai.train", "--parallel_mode", "ddp"]
+
+
+def _node_env(trainer_env: dict, node: int, timeout: int = 10) -> dict:
+    return {**trainer_env, "ASTRAI_NODE_RANK": str(node), "ASTRAI_FAILURE_TIMEOUT_SECONDS": str(timeout),
+            "GLOO_SOCKET_IFNAME": "lo"}
+
+
+def test_a_resume_on_another_world_size_trains_the_same_steps(tmp_path, train_yaml, trainer_env):
+    keys = {"global_batch_size": 8, "batch_per_device": 4, "max_steps": 30, "log_interval": 1, "ckpt_interval": 100}
+    reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
+    reference = train_yaml(tmp_path / "reference.yaml", ckpt_dir=str(reference_dir), **keys)
+    run = Run([*TRAINER, "--config", str(reference)], trainer_env, tmp_path / "reference.log")
+    assert run.wait() == 0, run.output()
+
+    # Two processes (grad_accum_steps 1), stopped after a few steps, then one process (grad_accum_steps 2).
+    path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(resumed_dir), **keys)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "astrai.train", "--config", str(path), "--parallel_mode", "ddp"]
+    run = Run(command, trainer_env, tmp_path / "two.log")
+    try:
+        _wait_for(lambda: _metrics_step(resumed_dir) >= 10, run)
+        os.kill(run.workers()[0], signal.SIGTERM)
+        assert run.proc.wait(timeout=60) == 0, run.output()
+    finally:
+        run.kill()
+    stopped = latest_complete_checkpoint(resumed_dir)
+    assert read_meta(stopped)["world_size"] == 2 and read_meta(stopped)["global_batch"] == 8
+    run = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "one.log")
+    assert run.wait() == 0, run.output()
+    assert "seeded from random_seed, step and rank" in run.output()
+    assert "global batch changed" not in run.output()
+
+    expected, got = _records(reference_dir), _records(resumed_dir)
+    assert sorted(got) == sorted(expected) == list(range(1, 31))
+    for step in range(1, 31):
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-3), step
+        assert got[step]["lr"] == pytest.approx(expected[step]["lr"], rel=1e-9)
+        assert got[step]["tokens_seen"] == expected[step]["tokens_seen"]
+
+
+def test_without_global_batch_size_a_new_world_size_is_named_at_resume(tmp_path, train_yaml, trainer_env):
+    path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), max_steps=8, ckpt_interval=4)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "astrai.train", "--config", str(path), "--parallel_mode", "ddp", "--max_steps", "4"]
+    run = Run(command, trainer_env, tmp_path / "two.log")
+    assert run.wait() == 0, run.output()
+    run = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "one.log")
+    assert run.wait() == 0, run.output()
+    assert "note: the global batch changed since that checkpoint (8 -> 4 sequences per step" in run.output()
+
+
+def test_two_nodes_need_checkpoints_and_model_on_node_0_only_and_survive_no_lost_node(
+        tmp_path, train_yaml, trainer_env):
+    port = _free_port()
+    ckpt_dir = tmp_path / "ckpt"
+    node0 = train_yaml(tmp_path / "node0.yaml", ckpt_dir=str(ckpt_dir), max_steps=200, log_interval=5)
+    # Node 1 has neither the checkpoint folder nor the base model.
+    node1 = train_yaml(tmp_path / "node1.yaml", ckpt_dir=str(tmp_path / "absent"), max_steps=200,
+                       param_path=str(tmp_path / "no-model"), log_interval=5)
+    runs = [Run([*_node_command(0, port), "--config", str(node0)], _node_env(trainer_env, 0), tmp_path / "n0.log")]
+    runs.append(Run([*_node_command(1, port), "--config", str(node1)], _node_env(trainer_env, 1), tmp_path / "n1.log"))
+    try:
+        _wait_for(lambda: _metrics_step(ckpt_dir) >= 20, runs[0], timeout=180)
+        assert not (tmp_path / "absent").exists()
+        # Node 1 dies at once (a host reboot): node 0 names it and exits non-zero within the timeout.
+        runs[1].kill()
+        lost_at = time.monotonic()
+        code = runs[0].proc.wait(timeout=30)
+        elapsed = time.monotonic() - lost_at
+    finally:
+        for run in runs:
+            run.kill()
+    assert code != 0
+    assert elapsed <= 10 + 2, elapsed
+    assert "lost node 1" in runs[0].output()
+    assert "starting from base model" in runs[0].output()
+
+
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_a_stop_on_node_1_stops_both_nodes_with_one_emergency_checkpoint(tmp_path, train_yaml, trainer_env, backend):
+    port = _free_port()
+    ckpt_dir = tmp_path / "ckpt"
+    path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(ckpt_dir), max_steps=200, log_interval=5)
+    # Node 1 starts first: nodes may start in any order.
+    runs = {node: Run([*_node_command(node, port, backend), "--config", str(path)], _node_env(trainer_env, node),
+                      tmp_path / f"n{node}.log") for node in (1, 0)}
+    try:
+        _wait_for(lambda: _metrics_step(ckpt_dir) >= 20, runs[0], timeout=180)
+        (worker,) = runs[1].workers().values()
+        os.kill(worker, signal.SIGTERM)
+        codes = [runs[node].proc.wait(timeout=60) for node in (0, 1)]
+    finally:
+        for run in runs.values():
+            run.kill()
+    assert codes == [0, 0], runs[0].output() + runs[1].output()
+    reasons = [read_meta(c)["reason"] for c in list_complete_checkpoints(ckpt_dir)]
+    assert reasons.count("emergency") == 1 and reasons[-1] == "emergency"
+    assert "stop requested (on another rank)" in runs[0].output()
