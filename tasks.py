@@ -15,6 +15,7 @@ import shlex
 from invoke import Collection, Exit, task
 
 CONFIG_HELP = "the job's YAML file (default: ./train.yaml)"
+NODE_HELP = "which node of a multi-node job this host is (runtime.nodes; default 0)"
 DEFAULT_CONFIG = "train.yaml"
 
 
@@ -40,142 +41,143 @@ def _user_errors():
         raise Exit(f"error: {error}", code=1) from None
 
 
-def _load(config: str):
+def _load(config: str, node: int = 0):
     from astrai.runtime import load_job_config
 
-    return load_job_config(config)
+    return load_job_config(config, node)
 
 
 def _trainer_args(c) -> list[str]:
     return shlex.split(c.remainder)
 
 
-@task(help={"config": CONFIG_HELP})
-def init(c, config=DEFAULT_CONFIG):
+@task(help={"config": CONFIG_HELP, "node": NODE_HELP})
+def init(c, config=DEFAULT_CONFIG, node=0):
     """Create the runtime folders (data, model, checkpoints, job dir); never writes the YAML."""
     from astrai.jobs import init_job
 
     with _user_errors():
-        _, runtime = _load(config)
+        _, runtime = _load(config, node)
         created = init_job(runtime)
     for path in created:
         print(f"created {path}")
     print(f"ready: job dir {runtime.job_dir}" if created else f"nothing to create: all folders of {config} exist")
 
 
-@task(help={"config": CONFIG_HELP})
-def preflight(c, config=DEFAULT_CONFIG):
+@task(help={"config": CONFIG_HELP, "node": NODE_HELP})
+def preflight(c, config=DEFAULT_CONFIG, node=0):
     """Check the config, Docker, Compose, paths, model and GPUs; non-zero on any failure."""
     from astrai.jobs import run_preflight
 
     with _user_errors():
-        document, runtime = _load(config)
+        document, runtime = _load(config, node)
         run_preflight(runtime, document)
 
 
-@task(help={"config": CONFIG_HELP})
-def render(c, config=DEFAULT_CONFIG):
+@task(help={"config": CONFIG_HELP, "node": NODE_HELP})
+def render(c, config=DEFAULT_CONFIG, node=0):
     """Print the generated Compose override of a job (arguments after -- become the trainer's)."""
     from astrai.compose import dump_override, render_override
 
     with _user_errors():
-        _, runtime = _load(config)
+        _, runtime = _load(config, node)
         print(dump_override(runtime, render_override(runtime, _trainer_args(c))), end="")
 
 
-@task(help={"config": CONFIG_HELP})
-def build(c, config=DEFAULT_CONFIG):
+@task(help={"config": CONFIG_HELP, "node": NODE_HELP})
+def build(c, config=DEFAULT_CONFIG, node=0):
     """Build the trainer image of a job."""
     from astrai.jobs import build_image
 
     with _user_errors():
-        _, runtime = _load(config)
+        _, runtime = _load(config, node)
         build_image(runtime)
 
 
-@task(help={"config": CONFIG_HELP, "foreground": "stay attached to the logs; Ctrl-C stops the job gracefully"})
-def start(c, config=DEFAULT_CONFIG, foreground=False):
+@task(help={"config": CONFIG_HELP, "node": NODE_HELP,
+            "foreground": "stay attached to the logs; Ctrl-C stops the job gracefully"})
+def start(c, config=DEFAULT_CONFIG, node=0, foreground=False):
     """Preflight, build, then start or resume the job (-- ARGS override trainer settings)."""
     from astrai.jobs import start_job
 
     with _user_errors():
-        document, runtime = _load(config)
+        document, runtime = _load(config, node)
         code = start_job(runtime, document, _trainer_args(c), foreground=foreground)
     if code:
         raise Exit(code=code)
 
 
-@task(help={"config": CONFIG_HELP})
-def stop(c, config=DEFAULT_CONFIG):
+@task(help={"config": CONFIG_HELP, "node": NODE_HELP})
+def stop(c, config=DEFAULT_CONFIG, node=0):
     """Stop gracefully: SIGTERM, emergency checkpoint, exit; cancels the max-duration timer."""
     from astrai.jobs import stop_job
 
     with _user_errors():
-        _, runtime = _load(config)
+        _, runtime = _load(config, node)
         stop_job(runtime)
 
 
-@task(help={"config": CONFIG_HELP, "foreground": "stay attached to the logs after starting"})
-def restart(c, config=DEFAULT_CONFIG, foreground=False):
+@task(help={"config": CONFIG_HELP, "node": NODE_HELP, "foreground": "stay attached to the logs after starting"})
+def restart(c, config=DEFAULT_CONFIG, node=0, foreground=False):
     """Stop the job gracefully, then start it again (it resumes from the emergency checkpoint)."""
     from astrai.jobs import start_job, stop_job
 
     with _user_errors():
-        document, runtime = _load(config)
+        document, runtime = _load(config, node)
         stop_job(runtime)
         code = start_job(runtime, document, _trainer_args(c), foreground=foreground)
     if code:
         raise Exit(code=code)
 
 
-@task(help={"config": CONFIG_HELP, "tail": "lines of history to show first (a number or 'all')",
+@task(help={"config": CONFIG_HELP, "node": NODE_HELP, "tail": "lines of history to show first (a number or 'all')",
             "follow": "keep following new lines (default on; --no-follow prints and exits)"})
-def logs(c, config=DEFAULT_CONFIG, tail="100", follow=True):
+def logs(c, config=DEFAULT_CONFIG, node=0, tail="100", follow=True):
     """Follow the trainer's logs (progress lines name the step)."""
     from astrai.jobs import show_logs
 
     if tail != "all" and not tail.isdigit():
         raise Exit(f"error: --tail takes a number of lines or 'all', got {tail!r}", code=2)
     with _user_errors():
-        _, runtime = _load(config)
+        _, runtime = _load(config, node)
         show_logs(runtime, tail, follow)
 
 
-@task(help={"config": CONFIG_HELP})
-def status(c, config=DEFAULT_CONFIG):
+@task(help={"config": CONFIG_HELP, "node": NODE_HELP})
+def status(c, config=DEFAULT_CONFIG, node=0):
     """Show the container state, progress, latest checkpoint and timer of a job."""
     from astrai.jobs import status_lines
 
     with _user_errors():
-        _, runtime = _load(config)
+        _, runtime = _load(config, node)
         print("\n".join(status_lines(runtime)))
 
 
-@task(help={"config": CONFIG_HELP})
-def latest(c, config=DEFAULT_CONFIG):
+@task(help={"config": CONFIG_HELP, "node": NODE_HELP})
+def latest(c, config=DEFAULT_CONFIG, node=0):
     """Print the path of the newest complete checkpoint."""
     from astrai.jobs import latest_path
 
     with _user_errors():
-        _, runtime = _load(config)
+        _, runtime = _load(config, node)
         print(latest_path(runtime))
 
 
-@task(name="list", help={"config": CONFIG_HELP})
-def list_(c, config=DEFAULT_CONFIG):
+@task(name="list", help={"config": CONFIG_HELP, "node": NODE_HELP})
+def list_(c, config=DEFAULT_CONFIG, node=0):
     """Print the path of every complete checkpoint, oldest first by (epoch, step)."""
     from astrai.jobs import list_paths
 
     with _user_errors():
-        _, runtime = _load(config)
+        _, runtime = _load(config, node)
         for path in list_paths(runtime):
             print(path)
 
 
-@task(help={"config": CONFIG_HELP,
+@task(help={"config": CONFIG_HELP, "node": NODE_HELP,
             "keep": "how many newest complete checkpoints to keep (default: runtime.container.checkpoint_keep_last)",
             "force": "really delete; without it, only show what would go"})
-def clean(c, config=DEFAULT_CONFIG, keep=None, force=False):
+def clean(c, config=DEFAULT_CONFIG, node=0, keep=None, force=False):
     """Preview removal of old complete checkpoints; delete only with --force."""
     from astrai.jobs import clean_job
 
@@ -184,7 +186,7 @@ def clean(c, config=DEFAULT_CONFIG, keep=None, force=False):
     except ValueError:
         raise Exit(f"error: --keep takes a whole number of at least 1, got {keep!r}", code=2) from None
     with _user_errors():
-        _, runtime = _load(config)
+        _, runtime = _load(config, node)
         clean_job(runtime, keep, force)
 
 

@@ -32,6 +32,9 @@ class Container:
     exit_code: int
     started_at: str
     finished_at: str
+    restart_count: int = 0
+    """How many times Docker restarted it after a crash (runtime.container.max_restarts)."""
+    created_at: str = ""
 
     @property
     def running(self) -> bool:
@@ -94,7 +97,31 @@ def inspect_container(container_id: str) -> Container | None:
         exit_code=int(state["ExitCode"]),
         started_at=state["StartedAt"],
         finished_at=state["FinishedAt"],
+        restart_count=int(info.get("RestartCount", 0)),
+        created_at=info.get("Created", ""),
     )
+
+
+def crash_exit_codes(container: Container) -> list[int]:
+    """The non-zero exit codes of a container's runs so far, oldest first (from the engine's event log).
+
+    Docker keeps only the newest exit code in the container's state, and a restart resets it to 0.
+    """
+    result = docker(
+        "events", "--since", container.created_at or "0", "--until", datetime.now(timezone.utc).isoformat(),
+        "--filter", f"container={container.id}", "--filter", "event=die", "--format", "{{json .}}",
+    )
+    if result.returncode != 0:
+        raise EngineError(f"cannot read the engine's events: {result.stderr.strip()}")
+    codes = []
+    for line in result.stdout.splitlines():
+        try:
+            code = int(json.loads(line)["Actor"]["Attributes"]["exitCode"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if code != 0:
+            codes.append(code)
+    return codes
 
 
 def _parse_time(text: str) -> datetime | None:

@@ -186,7 +186,9 @@ def _rendezvous_args(env: Mapping[str, str], job_name: str, nodes: int, node: in
     """
     endpoint = env.get(ENV_RDZV_ENDPOINT)
     if not endpoint:
-        raise EntrypointError(f"{ENV_RDZV_ENDPOINT} is not set for a job on {nodes} nodes; set runtime.nodes.rendezvous")
+        raise EntrypointError(
+            f"{ENV_RDZV_ENDPOINT} is not set for a job on {nodes} nodes; set runtime.nodes.rendezvous"
+        )
     backend = env.get(ENV_RDZV_BACKEND, "static")
     args = ["--nnodes", str(nodes), "--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
             "--rdzv-id", rendezvous_id(job_name)]

@@ -102,6 +102,10 @@ def start_job(runtime: Runtime, document: dict, trainer_args: list[str], *, fore
         raise JobError(f"the container of job {runtime.job_name} did not appear; see `invoke logs`")
     latest = list_complete_checkpoints(runtime.job_dir)
     origin = f"resuming from {latest[-1].path}" if latest else f"starting from the base model {runtime.model_dir}"
+    if runtime.node != 0:
+        origin = f"node {runtime.node} of {runtime.nodes}, meeting the others at {runtime.rendezvous}"
+    elif runtime.multi_node:
+        origin += f"; node 0 of {runtime.nodes}: start the other nodes with `invoke start --node N`"
     _say(f"started job {runtime.job_name} (container {container.name}), {origin}")
     if runtime.max_duration_hours:
         state = timer.schedule(
@@ -150,6 +154,10 @@ def stop_job(runtime: Runtime) -> None:
         return
     latest = list_complete_checkpoints(runtime.job_dir)
     where = latest[-1].path if latest else "none"
+    if final.exit_code == 0 and runtime.node != 0:
+        _say(f"stopped in {seconds:.1f} s; every node stops at the same step and node 0 writes the emergency "
+             "checkpoint of the whole job")
+        return
     if final.exit_code == 0:
         _say(f"stopped in {seconds:.1f} s (the trainer had no step to save); newest checkpoint: {where}")
         return
@@ -213,8 +221,9 @@ def show_logs(runtime: Runtime, tail: str, follow: bool) -> None:
 
 def status_lines(runtime: Runtime) -> list[str]:
     """What `invoke status` prints: container state, progress, latest checkpoint, timer."""
-    lines = [f"job         {runtime.job_name}  ({runtime.config_path})"]
+    lines = [f"job         {runtime.job_name}  ({runtime.config_path})", f"node        {_placement(runtime)}"]
     running = False
+    container = None
     try:
         container = job_container(runtime)
         if container is None:
@@ -227,6 +236,8 @@ def status_lines(runtime: Runtime) -> list[str]:
     except engine.EngineError as error:
         state = f"unknown: {error}"
     lines.append(f"container   {state}")
+    if runtime.max_restarts or (container is not None and container.restart_count):
+        lines.append(f"restarts    {_restarts(container, runtime.max_restarts)}")
     lines.append(f"progress    {_progress(runtime.job_dir, running)}")
     complete = list_complete_checkpoints(runtime.job_dir)
     if complete:
@@ -240,6 +251,27 @@ def status_lines(runtime: Runtime) -> list[str]:
         left = timer.seconds_left(state_timer)
         lines.append(f"timer       graceful stop in {_duration(left)} (at {_clock(state_timer.deadline)})")
     return lines
+
+
+def _placement(runtime: Runtime) -> str:
+    """Which node this host is, and the job's world size."""
+    if runtime.world_size is not None:
+        world = f"world size {runtime.world_size} ({runtime.processes} process(es) on each of {runtime.nodes} node(s))"
+    else:
+        world = f"one process per GPU on each of {runtime.nodes} node(s)"
+    where = f"; rendezvous {runtime.rendezvous} ({runtime.rdzv_backend})" if runtime.multi_node else ""
+    return f"{runtime.node} of {runtime.nodes}, {world}{where}"
+
+
+def _restarts(container: engine.Container | None, allowed: int) -> str:
+    """Crash restarts so far, and the exit code of the last crash."""
+    count = 0 if container is None else container.restart_count
+    text = f"{count} of {allowed} allowed after a crash"
+    try:
+        crashes = engine.crash_exit_codes(container) if container is not None else []
+    except engine.EngineError as error:
+        return f"{text}; last crash unknown ({error})"
+    return f"{text}; last crash: exit code {crashes[-1]}" if crashes else f"{text}; no crash"
 
 
 def latest_path(runtime: Runtime) -> Path:

@@ -7,9 +7,11 @@ rest run even after a failure, so one pass shows every problem.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -19,9 +21,11 @@ from astrai import compose, engine
 from astrai.checkpoints import latest_complete_checkpoint
 from astrai.contract import BASE_MODEL_FILES, CONTAINER_DATA
 from astrai.hostuser import host_user_ids, make_dirs
-from astrai.runtime import Runtime, trainer_value
+from astrai.runtime import Runtime, split_endpoint, trainer_value
 
-PASS, FAIL, SKIP = "✓", "✗", "-"
+PASS, FAIL, SKIP, WARN = "✓", "✗", "-", "!"
+NET_CLASS_DIR = Path("/sys/class/net")
+CONNECT_TIMEOUT_SECONDS = 3
 CDI_SPEC_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
 READ, WRITE, EXECUTE = 4, 2, 1
 
@@ -29,7 +33,7 @@ READ, WRITE, EXECUTE = 4, 2, 1
 @dataclass(frozen=True)
 class Check:
     mark: str
-    """PASS, FAIL, or SKIP (not applicable; never fails the checklist)."""
+    """PASS, FAIL, SKIP (not applicable) or WARN (worth knowing); only FAIL fails the checklist."""
     name: str
     detail: str
     hint: str = ""
@@ -46,6 +50,8 @@ def run_checks(runtime: Runtime, document: dict) -> list[Check]:
     checks.append(_data_dir_check(runtime))
     checks.append(_job_dir_check(runtime))
     checks.append(_base_model_check(runtime))
+    if runtime.multi_node:
+        checks += node_checks(runtime)
     if runtime.uses_gpu:
         checks.append(_gpu_runtime_check())
         checks.append(_gpu_indices_check(runtime))
@@ -59,7 +65,7 @@ def format_checklist(checks: list[Check]) -> str:
     lines = []
     for check in checks:
         lines.append(f"{check.mark} {check.name.ljust(width)}  {check.detail}")
-        if check.failed and check.hint:
+        if check.hint and check.mark in (FAIL, WARN):
             lines.append(f"  {' ' * width}  → {check.hint}")
     failed = sum(check.failed for check in checks)
     lines.append("preflight passed" if failed == 0 else f"preflight failed: {failed} check(s) need attention")
@@ -130,6 +136,9 @@ def _job_dir_check(runtime: Runtime) -> Check:
 
 
 def _base_model_check(runtime: Runtime) -> Check:
+    if runtime.node != 0:
+        return Check(SKIP, "base model", f"not needed on node {runtime.node}: node 0 reads the base model or the "
+                     "newest checkpoint and sends the state to every node")
     latest = latest_complete_checkpoint(runtime.job_dir)
     if latest is not None:
         return Check(PASS, "base model", f"not needed: the job resumes from {latest.path}")
@@ -147,6 +156,54 @@ def _base_model_check(runtime: Runtime) -> Check:
                      f"write one with `python -m astrai.model init {runtime.model_dir} --preset tiny`, or fix its "
                      "permissions (runtime.paths.model)")
     return Check(PASS, "base model", f"{runtime.model_dir} holds {' and '.join(BASE_MODEL_FILES)}")
+
+
+def node_checks(runtime: Runtime) -> list[Check]:
+    """The rendezvous resolves, the interface exists; node 0 can listen on the port, the others can reach it."""
+    host, port = split_endpoint(runtime.rendezvous)
+    try:
+        addresses = sorted({info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})
+        checks = [Check(PASS, "rendezvous", f"{runtime.rendezvous} resolves to {', '.join(addresses)}")]
+    except OSError as error:
+        return [Check(FAIL, "rendezvous", f"{host} does not resolve ({error})",
+                      "set runtime.nodes.rendezvous to node 0's address or a name every node resolves")]
+    if runtime.network_interface is not None:
+        checks.append(_interface_check(runtime.network_interface))
+    checks.append(_port_free_check(port) if runtime.node == 0 else _reachable_check(host, port, runtime.rendezvous))
+    return checks
+
+
+def _interface_check(name: str) -> Check:
+    if (NET_CLASS_DIR / name).exists():
+        return Check(PASS, "network interface", f"{name} exists on this host")
+    present = sorted(entry.name for entry in NET_CLASS_DIR.iterdir()) if NET_CLASS_DIR.is_dir() else []
+    return Check(FAIL, "network interface", f"{name} does not exist on this host (found: {', '.join(present)})",
+                 "set runtime.nodes.network_interface to the interface the nodes reach each other over (`ip -br addr`)")
+
+
+def _port_free_check(port: int) -> Check:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As the rendezvous store binds it: connections of an earlier run in TIME_WAIT do not block it.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as error:
+            busy = error.errno == errno.EADDRINUSE
+            return Check(FAIL, "rendezvous port", f"port {port} is {'in use' if busy else 'not usable'} on node 0 "
+                         f"({error.strerror})", "stop what listens there (`ss -ltnp`), or pick another port in "
+                         "runtime.nodes.rendezvous")
+    return Check(PASS, "rendezvous port", f"port {port} is free to listen on (this is node 0)")
+
+
+def _reachable_check(host: str, port: int, endpoint: str) -> Check:
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_SECONDS):
+            pass
+    except OSError as error:
+        return Check(WARN, "rendezvous", f"{endpoint} does not answer yet ({error.strerror or error})",
+                     "fine when node 0 is not started yet (nodes may start in any order); otherwise check the "
+                     "address and the firewall between the nodes")
+    return Check(PASS, "rendezvous", f"{endpoint} answers (node 0 is up)")
 
 
 def _container_may(path: Path, access: int) -> bool:

@@ -1,0 +1,74 @@
+"""Preflight on each node of a multi-node job: rendezvous, interface, port; and what status says about the node."""
+
+from __future__ import annotations
+
+import socket
+
+import yaml
+
+from astrai import jobs, preflight
+from astrai.runtime import resolve_runtime
+
+
+def _runtime(tmp_path, node: int, rendezvous: str, interface: str | None = None):
+    nodes = {"count": 2, "rendezvous": rendezvous}
+    if interface is not None:
+        nodes["network_interface"] = interface
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump({"runtime": {"gpu": {"devices": "none"}, "container": {"cuda_tag": "cpu"},
+                                                "nodes": nodes}}))
+    return resolve_runtime(path, node)
+
+
+def _listening() -> socket.socket:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    return server
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_node_0_needs_its_port_free(tmp_path):
+    port = _free_port()
+    checks = preflight.node_checks(_runtime(tmp_path, 0, f"localhost:{port}", "lo"))
+    assert [(c.mark, c.name) for c in checks] == [
+        (preflight.PASS, "rendezvous"), (preflight.PASS, "network interface"), (preflight.PASS, "rendezvous port")]
+    with _listening() as server:
+        busy = server.getsockname()[1]
+        (*_, port_check) = preflight.node_checks(_runtime(tmp_path, 0, f"127.0.0.1:{busy}"))
+    assert port_check.failed and f"port {busy} is in use on node 0" in port_check.detail
+
+
+def test_other_nodes_only_warn_when_node_0_is_not_up_yet(tmp_path):
+    port = _free_port()
+    (_, reach) = preflight.node_checks(_runtime(tmp_path, 1, f"127.0.0.1:{port}"))
+    assert reach.mark == preflight.WARN and not reach.failed and "does not answer yet" in reach.detail
+    assert "any order" in preflight.format_checklist([reach])
+    with _listening() as server:
+        (_, reach) = preflight.node_checks(_runtime(tmp_path, 1, f"127.0.0.1:{server.getsockname()[1]}"))
+    assert reach.mark == preflight.PASS
+
+
+def test_an_unknown_host_or_interface_fails(tmp_path):
+    (bad_host,) = preflight.node_checks(_runtime(tmp_path, 1, "no-such-host.invalid:29500"))
+    assert bad_host.failed and "no-such-host.invalid does not resolve" in bad_host.detail
+    checks = preflight.node_checks(_runtime(tmp_path, 1, f"127.0.0.1:{_free_port()}", "nosuch0"))
+    interface = next(c for c in checks if c.name == "network interface")
+    assert interface.failed and "nosuch0 does not exist on this host" in interface.detail and "lo" in interface.detail
+
+
+def test_other_nodes_need_no_base_model(tmp_path):
+    check = preflight._base_model_check(_runtime(tmp_path, 1, "127.0.0.1:29500"))
+    assert check.mark == preflight.SKIP and "not needed on node 1" in check.detail
+
+
+def test_status_names_the_node_and_the_world_size(tmp_path, monkeypatch):
+    monkeypatch.setattr(jobs, "job_container", lambda runtime: None)
+    lines = jobs.status_lines(_runtime(tmp_path, 1, "10.0.0.1:29500"))
+    assert "node        1 of 2, world size 2 (1 process(es) on each of 2 node(s)); rendezvous 10.0.0.1:29500 " \
+           "(static)" in lines
