@@ -152,7 +152,7 @@ def make_job(tmp_path, base_image, assets, request):
                           "stop_timeout_seconds": 60, "checkpoint_keep_last": 2},
         }
         for key, value in (runtime or {}).items():
-            block[key] = {**block[key], **value} if isinstance(value, dict) else value
+            block[key] = {**block.get(key, {}), **value} if isinstance(value, dict) else value
         document = {"runtime": block}
         for section, values in TRAINER.items():
             document[section] = {**values, **(trainer or {}).get(section, {})}
