@@ -328,8 +328,10 @@ class NodeWatch:
         self.env = env
         self.timeout = failure_timeout_seconds
         self.interval = max(1.0, failure_timeout_seconds / 10)
-        # Leave time for the last beat to be missed and for the process to exit within the timeout.
-        self.limit = max(failure_timeout_seconds - 2 * self.interval, 2 * self.interval)
+        # Silence longer than this means lost. It leaves time within the timeout for the beat missed between
+        # checks and for torchrun and the container to wind down after this process exits.
+        margin = self.interval + min(10.0, 0.3 * failure_timeout_seconds)
+        self.limit = max(failure_timeout_seconds - margin, 2 * self.interval)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         run = os.environ.get("TORCHELASTIC_RUN_ID", "")
         self.prefix = f"astrai/heartbeat/{run}/{attempt}/"

@@ -20,7 +20,7 @@ import subprocess
 import time
 
 from astrai import baseimage
-from bench import checkpoint_cost, faults, host_commands, image_build, stop_latency, trainer_speed
+from bench import checkpoint_cost, faults, host_commands, image_build, stop_latency, trainer_speed, two_nodes
 from bench.common import REPO
 
 RESULTS = REPO / "bench" / "results.json"
@@ -43,6 +43,8 @@ TARGETS = {
     "host_imports_torch": ("host commands import torch", "==", False),
     "rebuild_code_change_s": ("image rebuild after a code change, seconds", None, None),
     "full_build_s": ("full image build (local base image), seconds", None, None),
+    "two_node_vs_one": ("tokens/s on 2 nodes x 1 process over 1 node x 2 processes (same global batch)", ">=", 0.9),
+    "stop_latency_two_nodes_s": ("`invoke stop --node 1` until both nodes exit, seconds", None, None),
     "kill_trials": ("SIGKILLs at random moments, each followed by a restart", ">=", 20),
     "kill_exact": ("of the killed runs, bitwise equal to an uninterrupted run", "==", "kill_runs"),
     "term_trials": ("SIGTERM stops", ">=", 10),
@@ -103,6 +105,7 @@ def run(quick: bool, readme: bool, base_image: str) -> dict:
         ("image rebuild", lambda: image_build.run(quick, base_image)),
         ("stop latency", lambda: stop_latency.run(quick, base_image)),
         ("fault injection", lambda: faults.run(quick)),
+        ("two nodes", lambda: two_nodes.run(quick, base_image)),
     ]
     for name, step in steps:
         print(f"== {name}", flush=True)
