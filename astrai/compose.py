@@ -172,6 +172,9 @@ def render_override(
             _bind(runtime.config_path, CONTAINER_CONFIG, read_only=True),
         ],
     }
+    if runtime.node != 0:
+        # Only node 0 reads the base model (it sends the weights to the others): nothing to mount here.
+        service["volumes"].pop(1)
     if trainer_args:
         service["command"] = list(trainer_args)
     if runtime.multi_node:
