@@ -172,16 +172,17 @@ def test_c10d_rendezvous_trains_two_nodes_to_the_end(node_jobs):
 
 
 def test_a_crashed_trainer_is_restarted_and_finishes(make_job):
-    job = make_job(runtime={"container": {"max_restarts": 2}}, trainer={"training": {"max_steps": 80}})
+    job = make_job(runtime={"container": {"max_restarts": 2}, "environment": ONE_THREAD},
+                   trainer={"training": {"max_steps": 30}, "ckpt": {"ckpt_interval": 10}})
     job.invoke("start")
-    job.wait_for("step 45 (after the checkpoint at 40)", lambda: job.progress_step() >= 45, timeout=600)
+    job.wait_for("step 12 (after the checkpoint at 10)", lambda: job.progress_step() >= 12, timeout=600)
     first = job.container()
     trainer = _trainer_pid(first.id)
     os.kill(trainer, signal.SIGKILL)  # as the OOM killer would
     job.wait_for("the restart", lambda: (job.container().restart_count or 0) >= 1, timeout=120)
     final = job.wait_for_exit(timeout=600)
     assert final.exit_code == 0 and final.id == first.id, job.logs()
-    assert job.checkpoints()[-1] == (80, "final")
+    assert job.checkpoints()[-1] == (30, "final")
     assert "resumed from" in job.logs()
     status = job.invoke("status").stdout
     assert "restarts    1 of 2 allowed after a crash; last crash: exit code 137" in status, status
