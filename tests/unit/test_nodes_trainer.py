@@ -148,3 +148,20 @@ def test_a_stop_on_node_1_stops_both_nodes_with_one_emergency_checkpoint(tmp_pat
     reasons = [read_meta(c)["reason"] for c in list_complete_checkpoints(ckpt_dir)]
     assert reasons.count("emergency") == 1 and reasons[-1] == "emergency"
     assert "stop requested (on another rank)" in runs[0].output()
+
+
+def test_state_travels_as_a_skeleton_and_tensors_in_order():
+    import torch
+
+    from astrai.checkpoint_io import Progress
+    from astrai.distributed import _fill_tensors, _slots, _strip_tensors
+
+    state = {"progress": Progress(step=3), "weights": {"a": torch.arange(6).view(2, 3), "b": torch.ones(2)},
+             "optimizer": {"state": {"a": {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1}]}}
+    tensors: list = []
+    skeleton = _strip_tensors(state, tensors)
+    assert [slot.shape for slot in _slots(skeleton)] == [(2, 3), (2,), ()]
+    received = _fill_tensors(skeleton, [torch.zeros_like(t) + t for t in tensors])
+    assert received["progress"] == Progress(step=3) and received["optimizer"]["param_groups"] == [{"lr": 0.1}]
+    assert torch.equal(received["weights"]["a"], state["weights"]["a"])
+    assert torch.equal(received["optimizer"]["state"]["a"]["step"], torch.tensor(3.0))
