@@ -358,7 +358,7 @@ class NodeWatch:
         except RuntimeError:
             pass  # the store is gone with node 0, which has finished too
 
-    def explain(self, error: Exception) -> None:
+    def explain(self) -> None:
         """A collective failed: give the watch time to name a lost node (it exits the process if so)."""
         deadline = time.monotonic() + self.limit + 2 * self.interval
         while time.monotonic() < deadline and self._thread.is_alive():
@@ -389,7 +389,7 @@ class NodeWatch:
                               f"{os.environ['MASTER_PORT']}) has not answered for {now - answered:.0f} s")
             if values is None:
                 continue
-            for rank, raw in zip(list(seen), values):
+            for rank, raw in zip(list(seen), values, strict=True):
                 value = raw.decode()
                 if value == "done":
                     del seen[rank]

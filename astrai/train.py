@@ -520,10 +520,10 @@ def main(argv: list[str] | None = None) -> int:
         # No destroy_process_group: another rank may be waiting in a collective, and it would hang this one.
         # Exiting lets torchrun end the job.
         return 2 if isinstance(error, ConfigError) else 1
-    except RuntimeError as error:
+    except RuntimeError:
         if env.watch is not None:
             # A collective failed: when a node was lost, the watch names it and ends this process.
-            env.watch.explain(error)
+            env.watch.explain()
         raise
     stop.finish()
     shutdown_distributed(env)
