@@ -4,8 +4,8 @@ The folder rules (names, completeness, staging, publish, retention) live in
 :mod:`astrai.checkpoints`, shared with the host. A checkpoint folder holds::
 
     meta.json              progress, data position, reason, config hash (JSON)
-    config.json            the model architecture
-    model.safetensors      the full model, even under FSDP
+    config.json            the model architecture (Hugging Face Llama form)
+    model.safetensors      the full model, even under FSDP, under Hugging Face's tensor names
     optimizer.pt           full optimizer state keyed by parameter name (tensors and plain values only)
     scheduler.pt           learning-rate scheduler state (plain values only)
     rng_state.safetensors  every rank's torch RNG states
@@ -64,7 +64,7 @@ from astrai.contract import (
     WEIGHTS_FILE,
 )
 from astrai.distributed import DistEnv, broadcast_from_master
-from astrai.model import ModelConfig, ModelLoadError, check_state_dict, save_tensors
+from astrai.model import ModelConfig, ModelLoadError, hf_state_dict, read_weights, save_tensors
 
 # What a damaged checkpoint file raises when read: truncated zip or safetensors, bad JSON,
 # a pickle that weights_only refuses, missing keys or wrong types in meta.json.
@@ -289,7 +289,8 @@ class _CheckpointFiles:
     def write(self, folder: Path) -> None:
         """Write every file into ``folder`` and flush it to disk; meta.json goes last."""
         model_path, optimizer_path = folder / WEIGHTS_FILE, folder / OPTIMIZER_FILE
-        save_tensors({k: v.contiguous() for k, v in self.model_state.items()}, model_path, metadata={"format": "pt"})
+        # Hugging Face names and config.json: the folder loads in transformers as it is.
+        save_tensors(hf_state_dict(self.model_state), model_path, metadata={"format": "pt"})
         _start_writeback(model_path)
         with _WritebackFile(optimizer_path) as out:
             torch.save(self.optimizer_state, out)
@@ -404,8 +405,7 @@ def read_checkpoint(checkpoint: Checkpoint) -> LoadedCheckpoint:
         if (progress.epoch, progress.step) != (checkpoint.epoch, checkpoint.step):
             raise ValueError(f"meta.json says epoch {progress.epoch} step {progress.step}, the folder name disagrees")
         model_config = ModelConfig.load(path)
-        model_state = load_file(path / WEIGHTS_FILE, device="cpu")
-        check_state_dict(model_state, model_config, path / WEIGHTS_FILE)
+        model_state = read_weights(path, model_config)
         optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
         if not isinstance(optimizer_state, dict) or not set(optimizer_state.get("state", {})) <= set(model_state):
             raise ValueError("optimizer.pt: not an optimizer state keyed by this model's parameter names")

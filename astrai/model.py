@@ -2,8 +2,17 @@
 
 Token embedding, rotary position embedding, RMSNorm, causal attention through
 ``scaled_dot_product_attention`` (optionally with fewer key/value heads than
-query heads), a SwiGLU MLP and an optionally tied output embedding. A base
-model folder holds ``config.json`` (the architecture) and ``model.safetensors``.
+query heads), a SwiGLU MLP and an optionally tied output embedding: the Llama
+architecture. A model folder is a Hugging Face model folder (``config.json`` and
+``model.safetensors`` or shards, see :mod:`astrai.model_folder`), so a Hugging
+Face Llama-family model can be a base model and every folder we write loads in
+``transformers``.
+
+Use a trained model (a base model or a checkpoint folder)::
+
+    from astrai.model import load_pretrained
+    model = load_pretrained("checkpoints/my-job/epoch_0_step_1000")   # fp32, eval mode
+    logits = model(tokens)                                            # [batch, seq, vocab]
 
 Write a fresh base model::
 
@@ -15,11 +24,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,90 +36,19 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from astrai.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE
-
-
-
-class ModelLoadError(Exception):
-    """A model folder whose config or weights cannot be used; the message says which file and tensor."""
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture; stored as ``config.json`` next to the weights."""
-
-    vocab_size: int = 320
-    """Embedding rows. The byte tokenizer needs 257; 320 rounds that up to a multiple of 64 for fast matmuls."""
-    dim: int = 128
-    """Width of the residual stream."""
-    n_layers: int = 4
-    """Number of transformer blocks."""
-    n_heads: int = 4
-    """Query heads per attention layer; must divide ``dim``."""
-    n_kv_heads: int = 4
-    """Key/value heads; fewer than ``n_heads`` gives grouped-query attention. Must divide ``n_heads``."""
-    ffn_hidden_dim: int = 384
-    """Hidden width of the SwiGLU MLP."""
-    max_seq_len: int = 1024
-    """Longest sequence the rotary tables cover; ``window_size`` must not exceed it."""
-    rope_theta: float = 10000.0
-    """Base of the rotary embedding frequencies."""
-    norm_eps: float = 1e-5
-    """Epsilon of every RMSNorm."""
-    tie_embeddings: bool = True
-    """Reuse the token embedding as the output projection (saves ``vocab_size * dim`` parameters)."""
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-        for name in ("rope_theta", "norm_eps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name}: expected a positive number, got {value!r}")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"tie_embeddings: expected true or false, got {self.tie_embeddings!r}")
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim({self.dim}) must be a multiple of n_heads({self.n_heads})")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads({self.n_heads}) must be a multiple of n_kv_heads({self.n_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(
-                f"head dim dim({self.dim}) / n_heads({self.n_heads}) = {self.head_dim} "
-                f"must be even for rotary embedding"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
-
-    @classmethod
-    def from_dict(cls, values: dict) -> ModelConfig:
-        """Build from parsed JSON; unknown or badly typed fields raise ValueError."""
-        if not isinstance(values, dict):
-            raise ValueError("expected a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**values)
-
-    @classmethod
-    def load(cls, folder: Path) -> ModelConfig:
-        """Read ``folder/config.json``; any problem raises ModelLoadError naming the file."""
-        path = Path(folder) / MODEL_CONFIG_FILE
-        try:
-            with open(path, encoding="utf-8") as handle:
-                return cls.from_dict(json.load(handle))
-        except FileNotFoundError:
-            raise ModelLoadError(f"{path}: not found") from None
-        except (OSError, ValueError, TypeError) as error:
-            raise ModelLoadError(f"{path}: {error}") from None
-
+from astrai.model_folder import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
+    ModelConfig,
+    ModelLoadError,
+    check_window,
+    describe,
+    hf_name,
+    inspect_weights,
+    tensor_shapes,
+)
+from astrai.model_folder import num_parameters as num_parameters
 
 PRESETS = {
     # About 0.9M parameters: fast enough for tests on one CPU thread.
@@ -124,10 +60,31 @@ PRESETS = {
 }
 
 
-def rotary_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (max_seq_len, head_dim // 2)."""
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
-    angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float32), inv_freq)
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """RoPE frequencies of one head, with the config's scaling (as transformers computes them)."""
+    dim = config.head_size
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated.
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_tables(config: ModelConfig, seq_len: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (seq_len, head_size // 2)."""
+    inv_freq = inverse_frequencies(config).to(device)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -142,11 +99,11 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
-        self.head_dim = config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        self.head_dim = config.head_size
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq_len, _ = x.shape
@@ -198,10 +155,9 @@ class Transformer(nn.Module):
         # A tied model has no separate output tensor, so the state dict never holds two names for one tensor
         # (which safetensors refuses to save).
         self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
-        cos, sin = rotary_tables(config)
-        # Derived from the config, so not part of the state dict.
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # Rotary tables derive from the config: not in the state dict, and not buffers either (DDP would
+        # broadcast them every step), computed for the longest sequence seen so far on the device in use.
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """GPT-2 style init: N(0, 0.02), with residual output projections scaled down by depth."""
@@ -214,11 +170,20 @@ class Transformer(nn.Module):
             else:
                 nn.init.ones_(param)
 
+    def _rotary(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope is None or self._rope[0].shape[0] < seq_len or self._rope[0].device != device:
+            self._rope = rotary_tables(self.config, seq_len, device)
+        cos, sin = self._rope
+        return cos[:seq_len], sin[:seq_len]
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq_len = tokens.shape[1]
         if seq_len > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}")
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        if self.config.sliding_window is not None and seq_len > self.config.sliding_window:
+            # Attention here is plain causal: longer sequences would need the sliding window mask.
+            raise ValueError(f"sequence length {seq_len} exceeds sliding_window {self.config.sliding_window}")
+        cos, sin = self._rotary(seq_len, tokens.device)
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             if self.activation_checkpointing and self.training:
@@ -229,32 +194,6 @@ class Transformer(nn.Module):
         if self.output is None:
             return F.linear(x, self.tok_embeddings.weight)
         return self.output(x)
-
-
-def num_parameters(config: ModelConfig) -> int:
-    """Parameter count of a config, computed without allocating weights."""
-    with torch.device("meta"):
-        model = Transformer(config)
-    return sum(p.numel() for p in model.parameters())
-
-
-def check_state_dict(state: dict[str, torch.Tensor], config: ModelConfig, source: Path | str) -> None:
-    """Raise ModelLoadError unless ``state`` has exactly the tensors, shapes and dtypes the config implies."""
-    with torch.device("meta"):
-        expected = Transformer(config).state_dict()
-    for name, want in expected.items():
-        if name not in state:
-            raise ModelLoadError(f"{source}: tensor {name!r} is missing (config.json expects shape {list(want.shape)})")
-        got = state[name]
-        if tuple(got.shape) != tuple(want.shape):
-            raise ModelLoadError(
-                f"{source}: tensor {name!r} has shape {list(got.shape)}, config.json expects {list(want.shape)}"
-            )
-        if not got.is_floating_point():
-            raise ModelLoadError(f"{source}: tensor {name!r} has dtype {got.dtype}, expected a floating point dtype")
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected:
-        raise ModelLoadError(f"{source}: unexpected tensor {unexpected[0]!r} (not in the architecture of config.json)")
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
@@ -277,25 +216,53 @@ def _umask() -> int:
 _FILE_MODE = 0o666 & ~_umask()
 
 
-def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Read a ``model.safetensors`` file to CPU; a missing or damaged file raises ModelLoadError."""
-    try:
-        return load_file(path, device="cpu")
-    except FileNotFoundError:
-        if Path(path).exists():
-            raise ModelLoadError(f"{path}: cannot be read by uid {os.getuid()}; check its permissions") from None
-        raise ModelLoadError(f"{path}: not found") from None
-    except (OSError, SafetensorError) as error:
-        raise ModelLoadError(f"{path}: {error}") from None
+def read_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a model folder, by our tensor names.
+
+    Reads either naming, one file or shards, fp32, bf16 or fp16. The file headers are checked against the
+    config first (missing, unexpected, misshapen tensors), so a bad folder fails before any weight is read.
+    """
+    summary = inspect_weights(folder, config)
+    state = {}
+    for path in summary.files:
+        try:
+            loaded = load_file(path, device="cpu")
+        except (OSError, SafetensorError) as error:
+            raise ModelLoadError(f"{path}: {error}") from None
+        for name, entry in summary.tensors.items():
+            if entry.file == path:
+                # A no-op for fp32 files; bf16 and fp16 weights train in fp32.
+                state[name] = loaded[entry.name].to(torch.float32)
+    return state
+
+
+def hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same tensors under Hugging Face's names, as written to ``model.safetensors``."""
+    return {hf_name(name): tensor.contiguous() for name, tensor in state.items()}
 
 
 def load_base_model(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and checked weights of a base model folder (``config.json`` + ``model.safetensors``)."""
+    """Config and checked fp32 weights of a base model folder (ours, or a Hugging Face Llama-family one)."""
     folder = Path(folder)
     config = ModelConfig.load(folder)
-    state = load_weights(folder / WEIGHTS_FILE)
-    check_state_dict(state, config, folder / WEIGHTS_FILE)
-    return config, state
+    return config, read_weights(folder, config)
+
+
+def load_pretrained(folder: Path) -> Transformer:
+    """The model of a folder (a base model, a Hugging Face Llama-family folder or a checkpoint), fp32, in eval mode.
+
+    ``model(tokens)`` maps token ids ``[batch, seq]`` to logits ``[batch, seq, vocab]``.
+    """
+    config, state = load_base_model(folder)
+    model = Transformer(config)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def describe_folder(folder: Path) -> str:
+    """One line about a model folder (architecture, parameter count, dtype); a bad folder raises ModelLoadError."""
+    config = ModelConfig.load(folder)
+    return describe(folder, config, inspect_weights(folder, config))
 
 
 def write_base_model(folder: Path, config: ModelConfig, seed: int = 0) -> int:
@@ -303,14 +270,14 @@ def write_base_model(folder: Path, config: ModelConfig, seed: int = 0) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     model = Transformer(config)
     model.init_weights(torch.Generator().manual_seed(seed))
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    state = hf_state_dict(model.state_dict())
     # Write under temporary names and rename, so an interrupted init never leaves a half-written model.
     weights_tmp = folder / f".{WEIGHTS_FILE}.tmp"
-    config_tmp = folder / f".{MODEL_CONFIG_FILE}.tmp"
+    config_tmp = folder / f".{CONFIG_FILE}.tmp"
     save_tensors(state, weights_tmp, metadata={"format": "pt"})
     config_tmp.write_text(config.to_json(), encoding="utf-8")
     os.replace(weights_tmp, folder / WEIGHTS_FILE)
-    os.replace(config_tmp, folder / MODEL_CONFIG_FILE)
+    os.replace(config_tmp, folder / CONFIG_FILE)
     return sum(t.numel() for t in state.values())
 
 
@@ -323,6 +290,10 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+# Fields a preset can be overridden with on the command line (RoPE scaling and token ids come from HF configs).
+_CLI_FIELDS = [f for f in dataclasses.fields(ModelConfig) if f.type in ("int", "float", "bool", "int | None")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m astrai.model", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -331,20 +302,18 @@ def main(argv: list[str] | None = None) -> int:
     init.add_argument("--preset", choices=sorted(PRESETS), required=True, help="architecture to start from")
     init.add_argument("--seed", type=int, default=0, help="seed of the weight initialisation (default 0)")
     init.add_argument("--force", action="store_true", help="overwrite a model that already exists in DIR")
-    for field in dataclasses.fields(ModelConfig):
+    for field in _CLI_FIELDS:
         kind = _parse_bool if field.type == "bool" else float if field.type == "float" else int
         init.add_argument(f"--{field.name}", type=kind, help=f"override the preset's {field.name}")
     args = parser.parse_args(argv)
 
-    overrides = {
-        f.name: getattr(args, f.name) for f in dataclasses.fields(ModelConfig) if getattr(args, f.name) is not None
-    }
+    overrides = {f.name: getattr(args, f.name) for f in _CLI_FIELDS if getattr(args, f.name) is not None}
     try:
         config = dataclasses.replace(PRESETS[args.preset], **overrides)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if not args.force and ((args.dir / WEIGHTS_FILE).exists() or (args.dir / MODEL_CONFIG_FILE).exists()):
+    if not args.force and ((args.dir / WEIGHTS_FILE).exists() or (args.dir / CONFIG_FILE).exists()):
         print(f"error: {args.dir} already holds a model; pass --force to overwrite it", file=sys.stderr)
         return 1
     count = write_base_model(args.dir, config, seed=args.seed)

@@ -37,7 +37,7 @@ def test_logits_at_a_position_do_not_depend_on_later_tokens(one_thread):
 def test_grouped_kv_heads_shrink_the_key_value_projections(one_thread):
     config = dataclasses.replace(PRESETS["tiny"], n_kv_heads=2)
     model = Transformer(config)
-    assert model.layers[0].attention.wk.weight.shape == (2 * config.head_dim, config.dim)
+    assert model.layers[0].attention.wk.weight.shape == (2 * config.head_size, config.dim)
     assert model(torch.randint(0, 257, (1, 8))).shape == (1, 8, config.vocab_size)
 
 
@@ -100,17 +100,23 @@ def test_init_cli_does_not_overwrite_without_force(tmp_path, capsys):
 def test_loading_names_the_tensor_that_does_not_fit(tmp_path):
     model_module.main(["init", str(tmp_path), "--preset", "tiny"])
     state = load_file(tmp_path / "model.safetensors")
-    state["layers.1.feed_forward.w1.weight"] = torch.zeros(7, 128)
+    state["model.layers.1.mlp.gate_proj.weight"] = torch.zeros(7, 128)
     save_file(state, tmp_path / "model.safetensors")
     with pytest.raises(
         ModelLoadError,
-        match=r"'layers\.1\.feed_forward\.w1\.weight' has shape \[7, 128\], config.json expects \[384, 128\]",
+        match=r"'model\.layers\.1\.mlp\.gate_proj\.weight' has shape \[7, 128\], config.json expects \[384, 128\]",
     ):
         load_base_model(tmp_path)
 
-    del state["layers.1.feed_forward.w1.weight"]
+    del state["model.layers.1.mlp.gate_proj.weight"]
     save_file(state, tmp_path / "model.safetensors")
-    with pytest.raises(ModelLoadError, match=r"'layers\.1\.feed_forward\.w1\.weight' is missing"):
+    with pytest.raises(ModelLoadError, match=r"'model\.layers\.1\.mlp\.gate_proj\.weight' is missing"):
+        load_base_model(tmp_path)
+
+    state["model.layers.1.mlp.gate_proj.weight"] = torch.zeros(384, 128)
+    state["model.layers.1.self_attn.q_proj.bias"] = torch.zeros(128)
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'model\.layers\.1\.self_attn\.q_proj\.bias'"):
         load_base_model(tmp_path)
 
 

@@ -15,6 +15,7 @@ from astrai.config import load_trainer_config
 from astrai.data import DataError, prepare
 from astrai.distributed import init_distributed
 from astrai.model import PRESETS, write_base_model
+from astrai.model_folder import hf_name
 from astrai.train import SetupError, Trainer, main
 
 
@@ -173,4 +174,4 @@ def test_checkpoint_holds_the_weights_of_its_step(tmp_path, train_yaml, one_thre
         trainer.close()
     assert saved.name == "epoch_0_step_3"
     weights = load_file(saved / "model.safetensors")
-    assert all(torch.equal(weights[k], live[k]) for k in live)
+    assert all(torch.equal(weights[hf_name(k)], live[k]) for k in live)

@@ -1,0 +1,514 @@
+"""A model folder, read without torch: the architecture in ``config.json`` and what the weight files hold.
+
+The host (preflight) and the trainer read folders through this module, so both
+accept and refuse the same ones. Two ``config.json`` forms are read:
+
+- a Hugging Face Llama-family config (``model_type`` ``llama`` or ``mistral``),
+  RoPE written the transformers 4.x way (``rope_theta``, ``rope_scaling``) or
+  the 5.x way (``rope_parameters``);
+- the field names our presets wrote before (``dim``, ``n_layers``, ...), so old
+  base models and checkpoints still load.
+
+Folders are written in the Hugging Face form (both RoPE spellings), so that
+``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads them.
+
+Weights are ``model.safetensors``, or shards listed in
+``model.safetensors.index.json``. Tensor names are Hugging Face's
+(``model.layers.0.self_attn.q_proj.weight``); older preset folders hold our
+module names (``layers.0.attention.wq.weight``). Both are read; only the first is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+MODEL_TYPES = ("llama", "mistral")
+ROPE_TYPES = ("default", "linear", "llama3")
+# Floating point dtypes a base model may be stored in, as safetensors names them.
+WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
+
+
+class ModelLoadError(Exception):
+    """A model folder whose config or weights cannot be used; the message names the file, key or tensor."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE frequency scaling as transformers defines it (``linear`` or ``llama3``)."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture; stored as ``config.json`` (Hugging Face Llama form) next to the weights."""
+
+    vocab_size: int = 320
+    """Embedding rows. The byte tokenizer needs 257; 320 rounds that up to a multiple of 64 for fast matmuls."""
+    dim: int = 128
+    """Width of the residual stream (``hidden_size``)."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Query heads per attention layer."""
+    n_kv_heads: int = 4
+    """Key/value heads; fewer than ``n_heads`` gives grouped-query attention. Must divide ``n_heads``."""
+    ffn_hidden_dim: int = 384
+    """Hidden width of the SwiGLU MLP (``intermediate_size``)."""
+    max_seq_len: int = 1024
+    """Longest sequence the model is meant for (``max_position_embeddings``); ``window_size`` must not exceed it."""
+    rope_theta: float = 10000.0
+    """Base of the rotary embedding frequencies."""
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    tie_embeddings: bool = True
+    """Reuse the token embedding as the output projection (saves ``vocab_size * dim`` parameters)."""
+    head_dim: int | None = None
+    """Width of one attention head; None means ``dim / n_heads``."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE frequency scaling of a long-context model; None for plain RoPE."""
+    sliding_window: int | None = None
+    """Mistral's attention window; None attends to the whole sequence. Training windows must fit in it."""
+    bos_token_id: int | None = None
+    """Kept from a Hugging Face config so that generation from a checkpoint behaves like the base model's."""
+    eos_token_id: int | tuple[int, ...] | None = None
+    """As ``bos_token_id``; Llama 3 lists several."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("head_dim", "sliding_window"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name}: expected a positive number, got {value!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings: expected true or false, got {self.tie_embeddings!r}")
+        if self.head_dim is None and self.dim % self.n_heads:
+            raise ValueError(f"dim({self.dim}) must be a multiple of n_heads({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads({self.n_heads}) must be a multiple of n_kv_heads({self.n_kv_heads})")
+        if self.head_size % 2:
+            raise ValueError(f"head dim {self.head_size} must be even for rotary embedding")
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+    @property
+    def head_size(self) -> int:
+        """Width of one attention head."""
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def model_type(self) -> str:
+        # A Llama with a sliding window is what transformers calls Mistral.
+        return "mistral" if self.sliding_window is not None else "llama"
+
+    def to_hf_dict(self) -> dict:
+        """``config.json`` in the form transformers 4.x and 5.x both read."""
+        scaling = self.rope_scaling.to_dict() if self.rope_scaling is not None else None
+        values = {
+            "architectures": ["MistralForCausalLM" if self.model_type == "mistral" else "LlamaForCausalLM"],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "intermediate_size": self.ffn_hidden_dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_size,
+            "max_position_embeddings": self.max_seq_len,
+            "rms_norm_eps": self.norm_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            # transformers 5.x reads rope_parameters, 4.x rope_theta and rope_scaling; both say the same.
+            "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta},
+            "rope_theta": self.rope_theta,
+            "rope_scaling": scaling,
+            # Checkpoints hold fp32 weights (5.x says dtype, 4.x torch_dtype).
+            "dtype": "float32",
+            "torch_dtype": "float32",
+            # Written even when None: transformers would otherwise assume Llama 2's ids 1 and 2.
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+        }
+        if self.sliding_window is not None:
+            values["sliding_window"] = self.sliding_window
+        return values
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_hf_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ModelConfig:
+        """Build from a parsed ``config.json`` of either form; anything unusable raises ValueError naming the key."""
+        if not isinstance(values, dict):
+            raise ValueError("expected a JSON object")
+        if "model_type" in values:
+            return _from_hf(values)
+        if "dim" in values:
+            return _from_preset_fields(values)
+        raise ValueError(f"model_type is missing; expected one of {', '.join(MODEL_TYPES)}")
+
+    @classmethod
+    def load(cls, folder: Path) -> ModelConfig:
+        """Read ``folder/config.json``; any problem raises ModelLoadError naming the file."""
+        path = Path(folder) / CONFIG_FILE
+        try:
+            with open(path, encoding="utf-8") as handle:
+                return cls.from_dict(json.load(handle))
+        except FileNotFoundError:
+            raise ModelLoadError(f"{path}: not found") from None
+        except PermissionError:
+            raise ModelLoadError(f"{path}: cannot be read by uid {os.getuid()}; check its permissions") from None
+        except (OSError, ValueError, TypeError) as error:
+            raise ModelLoadError(f"{path}: {error}") from None
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+
+
+def _from_preset_fields(values: dict) -> ModelConfig:
+    # The fields our presets wrote before config.json took the Hugging Face form.
+    known = {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len",
+             "rope_theta", "norm_eps", "tie_embeddings"}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return ModelConfig(**values)
+
+
+def _from_hf(values: dict) -> ModelConfig:
+    model_type = values["model_type"]
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported; expected one of {', '.join(MODEL_TYPES)} "
+                         "(a Llama-family model)")
+    for key in ("attention_bias", "mlp_bias"):
+        if values.get(key, False) is not False:
+            raise ValueError(f"{key} {values[key]!r} is not supported; expected false (no biases)")
+    if values.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {values['hidden_act']!r} is not supported; expected 'silu'")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if key not in values:
+            raise ValueError(f"{key} is missing")
+        _check_hf_int(key, values[key])
+    heads = values["num_attention_heads"]
+    for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+        if values.get(key) is not None:
+            _check_hf_int(key, values[key])
+    kv_heads = values.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    head_dim = values.get("head_dim")
+    if head_dim is None and values["hidden_size"] % heads:
+        raise ValueError(f"hidden_size {values['hidden_size']} is not a multiple of num_attention_heads {heads} "
+                         "and head_dim is not given")
+    rope_theta, rope_scaling = _rope_from_hf(values)
+    sliding_window = values.get("sliding_window") if model_type == "mistral" else None
+    if sliding_window is not None:
+        _check_hf_int("sliding_window", sliding_window)
+    eps = values.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
+        raise ValueError(f"rms_norm_eps {eps!r}: expected a positive number")
+    tie = values.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise ValueError(f"tie_word_embeddings {tie!r}: expected true or false")
+    return ModelConfig(
+        vocab_size=values["vocab_size"],
+        dim=values["hidden_size"],
+        n_layers=values["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        ffn_hidden_dim=values["intermediate_size"],
+        max_seq_len=values.get("max_position_embeddings") or 2048,
+        rope_theta=float(rope_theta),
+        norm_eps=float(eps),
+        tie_embeddings=tie,
+        head_dim=head_dim,
+        rope_scaling=rope_scaling,
+        sliding_window=sliding_window,
+        bos_token_id=_token_id("bos_token_id", values.get("bos_token_id")),
+        eos_token_id=_token_id("eos_token_id", values.get("eos_token_id")),
+    )
+
+
+def _check_hf_int(key: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} {value!r}: expected a positive integer")
+
+
+def _token_id(key: str, value):
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    raise ValueError(f"{key} {value!r}: expected a token id, a list of them, or null")
+
+
+def _rope_from_hf(values: dict) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from either spelling: 5.x ``rope_parameters``, else 4.x ``rope_theta`` + ``rope_scaling``."""
+    if isinstance(values.get("rope_parameters"), dict):
+        key, params = "rope_parameters", values["rope_parameters"]
+        theta = params.get("rope_theta", values.get("rope_theta", 10000.0))
+    elif values.get("rope_parameters") is not None:
+        raise ValueError(f"rope_parameters {values['rope_parameters']!r}: expected an object")
+    else:
+        key, params = "rope_scaling", values.get("rope_scaling") or {}
+        theta = values.get("rope_theta", 10000.0)
+        if not isinstance(params, dict):
+            raise ValueError(f"rope_scaling {params!r}: expected an object or null")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ValueError(f"{key}.rope_theta {theta!r}: expected a positive number")
+    # transformers 4.x wrote the kind as "type" before it became "rope_type".
+    kind_key = "rope_type" if "rope_type" in params or "type" not in params else "type"
+    kind = params.get(kind_key, "default")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"{key}.{kind_key} {kind!r} is not supported; expected one of {', '.join(ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial!r} is not supported; expected 1.0")
+    if kind == "default":
+        return theta, None
+    fields = {"factor": float}
+    if kind == "llama3":
+        fields.update(low_freq_factor=float, high_freq_factor=float, original_max_position_embeddings=int)
+    found = {}
+    for name, kind_of in fields.items():
+        value = params.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
+            kind_of is int and not isinstance(value, int)
+        ):
+            raise ValueError(f"{key}.{name} {value!r}: {kind} scaling needs a positive number here")
+        found[name] = kind_of(value)
+    if kind == "llama3" and found["high_freq_factor"] <= found["low_freq_factor"]:
+        raise ValueError(f"{key}.high_freq_factor {found['high_freq_factor']} must exceed "
+                         f"low_freq_factor {found['low_freq_factor']}")
+    return theta, RopeScaling(kind, **found)
+
+
+# Tensor names
+
+def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the architecture holds, by our module name, with its shape."""
+    d, hd, f = config.dim, config.head_size, config.ffn_hidden_dim
+    shapes = {"tok_embeddings.weight": (config.vocab_size, d)}
+    for i in range(config.n_layers):
+        prefix = f"layers.{i}."
+        shapes.update({
+            prefix + "attention_norm.weight": (d,),
+            prefix + "attention.wq.weight": (config.n_heads * hd, d),
+            prefix + "attention.wk.weight": (config.n_kv_heads * hd, d),
+            prefix + "attention.wv.weight": (config.n_kv_heads * hd, d),
+            prefix + "attention.wo.weight": (d, config.n_heads * hd),
+            prefix + "ffn_norm.weight": (d,),
+            prefix + "feed_forward.w1.weight": (f, d),
+            prefix + "feed_forward.w3.weight": (f, d),
+            prefix + "feed_forward.w2.weight": (d, f),
+        })
+    shapes["norm.weight"] = (d,)
+    if not config.tie_embeddings:
+        shapes["output.weight"] = (config.vocab_size, d)
+    return shapes
+
+
+def num_parameters(config: ModelConfig) -> int:
+    return sum(math.prod(shape) for shape in tensor_shapes(config).values())
+
+
+_LAYER_PARTS = {
+    "attention_norm": "input_layernorm",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+}
+_TOP_PARTS = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name(name: str) -> str:
+    """Hugging Face's name for one of our tensor names (``layers.0.attention.wq.weight`` -> ``model.layers.0.self_attn.q_proj.weight``)."""
+    module, _, leaf = name.rpartition(".")
+    if module in _TOP_PARTS:
+        return f"{_TOP_PARTS[module]}.{leaf}"
+    _, index, part = module.split(".", 2)
+    return f"model.layers.{index}.{_LAYER_PARTS[part]}.{leaf}"
+
+
+def hf_names(config: ModelConfig) -> dict[str, str]:
+    """Hugging Face name -> our name, for every tensor of the architecture."""
+    return {hf_name(name): name for name in tensor_shapes(config)}
+
+
+def _ignored(hf: str, config: ModelConfig) -> bool:
+    # Older Llama exports store the RoPE frequencies (derived, not weights); tied models sometimes
+    # store the output matrix although it is the embedding.
+    return hf.endswith(".rotary_emb.inv_freq") or (config.tie_embeddings and hf == "lm_head.weight")
+
+
+# Weight files
+
+@dataclass(frozen=True)
+class TensorEntry:
+    file: Path
+    name: str
+    """The name in the file."""
+    dtype: str
+    """safetensors' dtype name (F32, BF16, F16)."""
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WeightsSummary:
+    """What a folder's weight files hold, checked against its config."""
+
+    files: tuple[Path, ...]
+    tensors: dict[str, TensorEntry]
+    """Our tensor name -> where it is stored (tensors the loader skips are not listed)."""
+    dtypes: tuple[str, ...]
+    """torch dtype names found, e.g. ('bfloat16',)."""
+    num_parameters: int
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model folder: ``model.safetensors``, or the shards its index names."""
+    folder = Path(folder)
+    single, index = folder / WEIGHTS_FILE, folder / WEIGHTS_INDEX_FILE
+    if single.is_file():
+        return [single]
+    if not index.is_file():
+        raise ModelLoadError(f"{folder}: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE} (sharded weights) found")
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError("weight_map is not a non-empty object")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ModelLoadError(f"{index}: unreadable shard index ({type(error).__name__}: {error})") from None
+    files = []
+    for name in sorted(set(weight_map.values()), key=str):
+        if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+            raise ModelLoadError(f"{index}: weight_map names {name!r}, expected a file name in {folder}")
+        if not (folder / name).is_file():
+            tensor = next(t for t, f in weight_map.items() if f == name)
+            raise ModelLoadError(f"{index}: weight_map puts {tensor!r} in {name}, which is missing from {folder}")
+        files.append(folder / name)
+    return files
+
+
+def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (dtype, shape) from a safetensors file's header; a damaged or truncated file raises."""
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            head = handle.read(8)
+            (length,) = struct.unpack("<Q", head) if len(head) == 8 else (size,)
+            if 8 + length > size:
+                raise ModelLoadError(f"{path}: truncated: {size} bytes, too short for its safetensors header")
+            header = json.loads(handle.read(length))
+    except PermissionError:
+        raise ModelLoadError(f"{path}: cannot be read by uid {os.getuid()}; check its permissions") from None
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"{path}: not a readable safetensors file ({error})") from None
+    tensors, end = {}, 0
+    try:
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            tensors[name] = (str(info["dtype"]), tuple(int(n) for n in info["shape"]))
+            end = max(end, int(info["data_offsets"][1]))
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+        raise ModelLoadError(f"{path}: damaged safetensors header ({type(error).__name__}: {error})") from None
+    if 8 + length + end > size:
+        raise ModelLoadError(f"{path}: truncated: {size} bytes, its header describes {8 + length + end}")
+    return tensors
+
+
+def inspect_weights(folder: Path, config: ModelConfig) -> WeightsSummary:
+    """Check, from the file headers alone, that a folder's weights are exactly what its config implies."""
+    files = weight_files(folder)
+    shapes = tensor_shapes(config)
+    from_hf = hf_names(config)
+    tensors: dict[str, TensorEntry] = {}
+    for path in files:
+        for stored, (dtype, shape) in read_header(path).items():
+            if stored in shapes:
+                name = stored
+            elif stored in from_hf:
+                name = from_hf[stored]
+            elif _ignored(stored, config):
+                continue
+            else:
+                raise ModelLoadError(f"{path}: unexpected tensor {stored!r} (not in the architecture of config.json)")
+            if name in tensors:
+                raise ModelLoadError(f"{path}: tensor {stored!r} is stored twice (also in {tensors[name].file.name})")
+            want = shapes[name]
+            if shape != want:
+                raise ModelLoadError(
+                    f"{path}: tensor {stored!r} has shape {list(shape)}, config.json expects {list(want)}"
+                )
+            if dtype not in WEIGHT_DTYPES:
+                raise ModelLoadError(f"{path}: tensor {stored!r} has dtype {dtype}, expected one of "
+                                     f"{', '.join(WEIGHT_DTYPES.values())}")
+            tensors[name] = TensorEntry(path, stored, dtype, shape)
+    for name, want in shapes.items():
+        if name not in tensors:
+            raise ModelLoadError(f"{Path(folder)}: tensor {hf_name(name)!r} is missing from the weights "
+                                 f"(config.json expects shape {list(want)})")
+    dtypes = tuple(sorted({WEIGHT_DTYPES[entry.dtype] for entry in tensors.values()}))
+    return WeightsSummary(tuple(files), tensors, dtypes, num_parameters(config))
+
+
+def check_window(config: ModelConfig, window_size: int, source: Path | str) -> None:
+    """Refuse training windows a Mistral-style sliding window would cut."""
+    if config.sliding_window is not None and window_size > config.sliding_window:
+        raise ModelLoadError(
+            f"{source}: sliding_window {config.sliding_window} is shorter than data.window_size {window_size}; "
+            f"train with data.window_size <= {config.sliding_window}"
+        )
+
+
+def describe(folder: Path, config: ModelConfig, weights: WeightsSummary) -> str:
+    """One line: architecture, parameter count, dtype, files."""
+    shards = f"{len(weights.files)} shards" if len(weights.files) > 1 else weights.files[0].name
+    extras = []
+    if config.n_kv_heads != config.n_heads:
+        extras.append(f"GQA {config.n_heads}/{config.n_kv_heads}")
+    if config.rope_scaling is not None:
+        extras.append(f"rope {config.rope_scaling.rope_type}")
+    if config.tie_embeddings:
+        extras.append("tied")
+    detail = f", {', '.join(extras)}" if extras else ""
+    return (f"{config.model_type} ({config.n_layers} layers, dim {config.dim}, vocab {config.vocab_size}{detail}), "
+            f"{_count(weights.num_parameters)} parameters, {'/'.join(weights.dtypes)}, {shards}")
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
