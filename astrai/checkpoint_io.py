@@ -22,6 +22,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -116,6 +117,8 @@ class CheckpointManager:
         self._host_copy = _HostCopy(pin=env.device.type == "cuda")
         self._writer: threading.Thread | None = None
         self._write_error: Exception | None = None
+        self.extra_files: tuple[Path, ...] = ()
+        """Files copied into every checkpoint as they are (the data's tokenizer files)."""
 
     def reason_for(self, step: int, max_steps: int, stopping: bool) -> str | None:
         """Why a checkpoint is due after ``step``, or None."""
@@ -216,7 +219,7 @@ class CheckpointManager:
                 **extra_meta,
             }
             files = _CheckpointFiles(
-                model_state, optimizer_state, scheduler.state_dict(), rng_state, model_config, meta
+                model_state, optimizer_state, scheduler.state_dict(), rng_state, model_config, meta, self.extra_files
             )
             self._write_error = None
             self._writer = threading.Thread(
@@ -285,6 +288,7 @@ class _CheckpointFiles:
     rng_state: dict
     model_config: ModelConfig
     meta: dict
+    extra_files: tuple[Path, ...] = ()
 
     def write(self, folder: Path) -> None:
         """Write every file into ``folder`` and flush it to disk; meta.json goes last."""
@@ -297,6 +301,8 @@ class _CheckpointFiles:
         torch.save(self.scheduler_state, folder / SCHEDULER_FILE)
         save_tensors(self.rng_state, folder / RNG_FILE)
         (folder / MODEL_CONFIG_FILE).write_text(self.model_config.to_json(), encoding="utf-8")
+        for source in self.extra_files:
+            shutil.copyfile(source, folder / source.name)
         (folder / META_FILE).write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         for entry in os.scandir(folder):
             fd = os.open(entry.path, os.O_RDONLY)

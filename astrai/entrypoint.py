@@ -44,7 +44,6 @@ from typing import Callable, Mapping
 from astrai import early_stop
 from astrai.checkpoints import latest_complete_checkpoint
 from astrai.contract import (
-    BASE_MODEL_FILES,
     CONTAINER_CHECKPOINTS,
     CONTAINER_CONFIG,
     CONTAINER_DATA,
@@ -61,6 +60,7 @@ from astrai.contract import (
     ENV_STOP_TIMEOUT_SECONDS,
     resolve_parallel_mode,
 )
+from astrai.model_folder import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 
 DATA_DIR = Path(CONTAINER_DATA)
 MODEL_DIR = Path(CONTAINER_MODEL)
@@ -232,13 +232,19 @@ def check_mounts(job_dir: Path, data_dir: Path = DATA_DIR, model_dir: Path = MOD
         ) from None
     if node != 0 or latest_complete_checkpoint(job_dir) is not None:
         return
-    for name in BASE_MODEL_FILES:
-        path = model_dir / name
-        if not path.is_file() or path.stat().st_size == 0:
+    weights = model_dir / WEIGHTS_FILE
+    if not _has_content(weights) and _has_content(model_dir / WEIGHTS_INDEX_FILE):
+        weights = model_dir / WEIGHTS_INDEX_FILE  # sharded; the trainer checks the shards themselves
+    for path in (model_dir / CONFIG_FILE, weights):
+        if not _has_content(path):
             raise EntrypointError(
                 f"no complete checkpoint in {job_dir} and the base model file {path} is missing or empty; "
                 "check runtime.paths.model (make one with `python -m astrai.model init DIR --preset tiny`)"
             )
+
+
+def _has_content(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
 
 
 def _cuda_device_count() -> int:

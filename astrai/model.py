@@ -42,7 +42,7 @@ from astrai.model_folder import (
     WEIGHTS_INDEX_FILE,
     ModelConfig,
     ModelLoadError,
-    check_window,
+    check_window as check_window,
     describe,
     hf_name,
     inspect_weights,

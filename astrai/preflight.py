@@ -19,8 +19,18 @@ from pathlib import Path
 
 from astrai import compose, engine
 from astrai.checkpoints import latest_complete_checkpoint
-from astrai.contract import BASE_MODEL_FILES, CONTAINER_DATA
+from astrai.config import DataSection
+from astrai.contract import CONTAINER_DATA
 from astrai.hostuser import host_user_ids, make_dirs
+from astrai.model_folder import (
+    CONFIG_FILE,
+    WEIGHTS_INDEX_FILE,
+    ModelConfig,
+    ModelLoadError,
+    check_window,
+    describe,
+    inspect_weights,
+)
 from astrai.runtime import Runtime, split_endpoint, trainer_value
 
 PASS, FAIL, SKIP, WARN = "✓", "✗", "-", "!"
@@ -49,7 +59,7 @@ def run_checks(runtime: Runtime, document: dict) -> list[Check]:
     checks += _docker_checks()
     checks.append(_data_dir_check(runtime))
     checks.append(_job_dir_check(runtime))
-    checks.append(_base_model_check(runtime))
+    checks.append(_base_model_check(runtime, document))
     if runtime.multi_node:
         checks += node_checks(runtime)
     if runtime.uses_gpu:
@@ -135,27 +145,33 @@ def _job_dir_check(runtime: Runtime) -> Check:
     return Check(PASS, "checkpoint dir", f"{path} is writable")
 
 
-def _base_model_check(runtime: Runtime) -> Check:
+def _base_model_check(runtime: Runtime, document: dict) -> Check:
     if runtime.node != 0:
         return Check(SKIP, "base model", f"not needed on node {runtime.node}: node 0 reads the base model or the "
                      "newest checkpoint and sends the state to every node")
     latest = latest_complete_checkpoint(runtime.job_dir)
     if latest is not None:
         return Check(PASS, "base model", f"not needed: the job resumes from {latest.path}")
-    problems = []
-    for name in BASE_MODEL_FILES:
-        path = runtime.model_dir / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
-        elif path.stat().st_size == 0:
-            problems.append(f"{name} is empty")
-        elif not _container_may(path, READ):
-            problems.append(f"{name} is not readable by uid {host_user_ids()[0]}, which the container runs as")
-    if problems:
-        return Check(FAIL, "base model", f"{runtime.model_dir}: {', '.join(problems)} and no checkpoint to resume",
-                     f"write one with `python -m astrai.model init {runtime.model_dir} --preset tiny`, or fix its "
-                     "permissions (runtime.paths.model)")
-    return Check(PASS, "base model", f"{runtime.model_dir} holds {' and '.join(BASE_MODEL_FILES)}")
+    folder = runtime.model_dir
+    init = f"write one with `python -m astrai.model init {folder} --preset tiny`, or put a Hugging Face Llama-family " \
+           "model folder there (runtime.paths.model)"
+    # The same reading and checks as the trainer's, from the file headers alone (no weights are read).
+    try:
+        config = ModelConfig.load(folder)
+        weights = inspect_weights(folder, config)
+        window = trainer_value(document, "data", "window_size", DataSection.window_size)
+        if isinstance(window, int):
+            check_window(config, window, folder / CONFIG_FILE)
+    except ModelLoadError as error:
+        return Check(FAIL, "base model", f"{error} and no checkpoint to resume", init)
+    index = folder / WEIGHTS_INDEX_FILE
+    files = [folder / CONFIG_FILE, *weights.files, *([index] if len(weights.files) > 1 else [])]
+    unreadable = [path for path in files if not _container_may(path, READ)]
+    if unreadable:
+        uid, gid = host_user_ids()
+        return Check(FAIL, "base model", f"{unreadable[0]} is not readable by uid {uid}, which the container runs as",
+                     f"sudo chown -R {uid}:{gid} {folder}  (or chmod -R a+rX {folder})")
+    return Check(PASS, "base model", f"{folder}: {describe(folder, config, weights)}")
 
 
 def node_checks(runtime: Runtime) -> list[Check]:

@@ -78,7 +78,7 @@ from astrai.distributed import (
     shutdown_distributed,
     world_from_environment,
 )
-from astrai.model import ModelLoadError, Transformer, load_base_model
+from astrai.model import ModelLoadError, Transformer, check_window, describe_folder, load_base_model
 
 
 def open_same_data(root: Path, env: DistEnv) -> TokenData:
@@ -171,13 +171,17 @@ class Trainer:
         data = open_same_data(Path(config.data.data_root_path), env)
         if loaded is not None:
             self.model_config, weights = loaded.model_config, loaded.model_state
+            model_source = loaded.checkpoint.path
         else:
+            model_source = Path(config.ckpt.param_path)
             # Only node 0 needs the base model: rank 0 reads it, the others receive it.
             self.model_config, weights = broadcast_from_master(
-                env, lambda: load_base_model(Path(config.ckpt.param_path)), errors=(ModelLoadError,)
+                env, lambda: load_base_model(model_source), errors=(ModelLoadError,)
             )
         self.global_batch = training.batch_per_device * self.grad_accum * env.world_size
-        self._check_fit(data)
+        self._check_fit(data, model_source)
+        # A checkpoint is a complete model folder: the data's tokenizer goes into each one.
+        self.checkpointer.extra_files = tuple(data.root / name for name in data.tokenizer_files)
 
         model = Transformer(self.model_config, activation_checkpointing=config.model.activation_checkpointing)
         model.load_state_dict(weights)
@@ -201,7 +205,8 @@ class Trainer:
             torch.manual_seed(training.random_seed + env.rank)
             self.progress = Progress()
             self.log(
-                f"starting from base model {config.ckpt.param_path} (world size {env.world_size}, device {env.device})"
+                f"starting from base model {config.ckpt.param_path}: {describe_folder(model_source)} "
+                f"(world size {env.world_size}, device {env.device})"
             )
 
         self.sampler = WindowBatchSampler(
@@ -240,16 +245,21 @@ class Trainer:
             sys.stdout.write(message + "\n")
             sys.stdout.flush()
 
-    def _check_fit(self, data: TokenData) -> None:
+    def _check_fit(self, data: TokenData, model_source: Path) -> None:
         cfg, model = self.config, self.model_config
         if data.vocab_size > model.vocab_size:
+            fix = (
+                f"prepare the data with this model's own tokenizer (--tokenizer {model_source})"
+                if data.tokenizer_sha256 is not None
+                else f"init a model with --vocab_size {data.vocab_size} or more"
+            )
             raise SetupError(
-                f"data vocabulary {data.vocab_size} ({data.tokenizer} tokenizer, {data.root}) "
-                f"is larger than the model's "
-                f"vocab_size {model.vocab_size}; init a model with --vocab_size {data.vocab_size} or more"
+                f"data vocabulary {data.vocab_size} ({data.tokenizer_description}, {data.root}) does not fit "
+                f"the model's vocab_size {model.vocab_size} ({model_source}); {fix}"
             )
         if self.window_size > model.max_seq_len:
             raise SetupError(f"data.window_size {self.window_size} exceeds the model's max_seq_len {model.max_seq_len}")
+        check_window(model, self.window_size, model_source / "config.json")
         windows = data.num_windows(self.window_size)
         if windows < self.global_batch:
             raise SetupError(
