@@ -207,7 +207,7 @@ def _from_hf(values: dict) -> ModelConfig:
                          "(a Llama-family model)")
     for key in ("attention_bias", "mlp_bias"):
         if values.get(key, False) is not False:
-            raise ValueError(f"{key} {values[key]!r} is not supported; expected false (no biases)")
+            raise ValueError(f"{key} {json.dumps(values[key])} is not supported; expected false (no biases)")
     if values.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {values['hidden_act']!r} is not supported; expected 'silu'")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -225,6 +225,8 @@ def _from_hf(values: dict) -> ModelConfig:
     if head_dim is None and values["hidden_size"] % heads:
         raise ValueError(f"hidden_size {values['hidden_size']} is not a multiple of num_attention_heads {heads} "
                          "and head_dim is not given")
+    if head_dim is not None and head_dim * heads == values["hidden_size"]:
+        head_dim = None  # the usual width, said explicitly (transformers 5.x always writes it)
     rope_theta, rope_scaling = _rope_from_hf(values)
     sliding_window = values.get("sliding_window") if model_type == "mistral" else None
     if sliding_window is not None:
@@ -402,7 +404,7 @@ def weight_files(folder: Path) -> list[Path]:
     if single.is_file():
         return [single]
     if not index.is_file():
-        raise ModelLoadError(f"{folder}: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE} (sharded weights) found")
+        raise ModelLoadError(f"{folder}: {WEIGHTS_FILE} is missing (and no {WEIGHTS_INDEX_FILE} lists shards)")
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         if not isinstance(weight_map, dict) or not weight_map:

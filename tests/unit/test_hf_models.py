@@ -1,0 +1,192 @@
+"""Hugging Face Llama-family folders in and out: logit parity with transformers, both config forms, clear refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hf_folders import ROPE_LLAMA3, hf_logits, make_hf_model, to_transformers_4_config
+from safetensors.torch import load_file, save_file
+
+from astrai.model import PRESETS, ModelConfig, ModelLoadError, load_pretrained, write_base_model
+from astrai.model_folder import hf_name
+
+# (batch, seq) shapes every model is compared on.
+SHAPES = [(1, 1), (2, 17), (3, 48)]
+
+MODELS = {
+    "mha-tied-fp32": dict(tie=True),
+    "gqa-llama3-headdim-sharded": dict(heads=8, kv_heads=2, head_dim=24, rope=ROPE_LLAMA3, rope_theta=500000.0,
+                                       shard_size="60KB"),
+    "mqa-linear-bf16-sharded": dict(heads=4, kv_heads=1, rope={"rope_type": "linear", "factor": 2.0},
+                                    dtype=torch.bfloat16, shard_size="40KB"),
+    "gqa-tied-fp16": dict(hidden_size=96, heads=6, kv_heads=3, tie=True, dtype=torch.float16),
+    "mistral-window": dict(model_type="mistral", heads=4, kv_heads=2, sliding_window=64),
+}
+
+
+def _tokens(batch: int, seq: int, vocab: int = 300) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(batch * 100 + seq))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_logits_match_transformers(tmp_path, name):
+    folder = make_hf_model(tmp_path / name, **MODELS[name])
+    model = load_pretrained(folder)
+    assert not model.training and all(p.dtype == torch.float32 for p in model.parameters())
+    for batch, seq in SHAPES:
+        tokens = _tokens(batch, seq)
+        with torch.no_grad():
+            ours = model(tokens)
+        assert ours.shape == (batch, seq, 300)
+        expected = hf_logits(folder, tokens)
+        # Large enough logits that a real mistake would show.
+        assert expected.abs().max() > 1.0
+        assert (ours - expected).abs().max().item() <= 1e-4, (name, batch, seq)
+
+
+@pytest.mark.parametrize("kind_key", ["rope_type", "type"])
+def test_transformers_4_config_form_gives_the_same_model(tmp_path, kind_key):
+    folder = make_hf_model(tmp_path / "m", heads=8, kv_heads=2, rope=ROPE_LLAMA3, rope_theta=500000.0)
+    tokens = _tokens(2, 40)
+    with torch.no_grad():
+        before = load_pretrained(folder)(tokens)
+    written = to_transformers_4_config(folder, kind_key)
+    assert "rope_parameters" not in written and written["rope_scaling"][kind_key] == "llama3"
+    config = ModelConfig.load(folder)
+    assert config.rope_theta == 500000.0 and config.rope_scaling.factor == 8.0
+    with torch.no_grad():
+        assert torch.equal(load_pretrained(folder)(tokens), before)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_our_folders_load_in_transformers_with_every_key_and_the_same_logits(tmp_path, tie):
+    from transformers import AutoModelForCausalLM
+
+    config = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128,
+                         tie_embeddings=tie)
+    write_base_model(tmp_path, config, seed=3)
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and info["mismatched_keys"] == set()
+    tokens = _tokens(2, 30)
+    with torch.no_grad():
+        diff = (hf.eval()(tokens).logits - load_pretrained(tmp_path)(tokens)).abs().max().item()
+    assert diff <= 1e-4
+    # The written config reads back as the same architecture.
+    assert ModelConfig.load(tmp_path) == config
+
+
+def test_folders_from_before_the_hf_format_still_load(tmp_path):
+    """Old presets wrote our own field names and tensor names; those base models and checkpoints keep working."""
+    write_base_model(tmp_path / "new", PRESETS["tiny"], seed=1)
+    old = tmp_path / "old"
+    old.mkdir()
+    names = {hf_name(name): name for name in load_pretrained(tmp_path / "new").state_dict()}
+    save_file({names[k]: v for k, v in load_file(tmp_path / "new" / "model.safetensors").items()},
+              old / "model.safetensors", metadata={"format": "pt"})
+    fields = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len",
+              "rope_theta", "norm_eps", "tie_embeddings")
+    (old / "config.json").write_text(json.dumps({f: getattr(PRESETS["tiny"], f) for f in fields}))
+    tokens = _tokens(1, 20)
+    with torch.no_grad():
+        assert torch.equal(load_pretrained(old)(tokens), load_pretrained(tmp_path / "new")(tokens))
+
+
+def test_tied_folder_that_also_stores_lm_head_and_old_rotary_buffers_loads(tmp_path):
+    folder = make_hf_model(tmp_path / "m", tie=True)
+    state = load_file(folder / "model.safetensors")
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    tokens = _tokens(2, 9)
+    with torch.no_grad():
+        assert (load_pretrained(folder)(tokens) - hf_logits(folder, tokens)).abs().max() <= 1e-4
+
+
+def _edit_config(folder, **changes):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(model_type="gpt2"), "model_type 'gpt2' is not supported; expected one of llama, mistral"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+         "rope_parameters.rope_type 'yarn' is not supported"),
+        (dict(rope_parameters=None, rope_theta=1e4, rope_scaling={"type": "dynamic", "factor": 2.0}),
+         "rope_scaling.type 'dynamic' is not supported"),
+        (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
+         "rope_parameters.low_freq_factor None: llama3 scaling needs a positive number"),
+        (dict(attention_bias=True), "attention_bias true is not supported"),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+        (dict(num_key_value_heads=3), "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ],
+)
+def test_unsupported_configs_are_refused_naming_the_key_and_value(tmp_path, changes, message):
+    folder = make_hf_model(tmp_path / "m")
+    _edit_config(folder, **changes)
+    with pytest.raises(ModelLoadError, match="config.json: " + message.replace("(", r"\(").replace(")", r"\)")):
+        load_pretrained(folder)
+
+
+def _sharded(tmp_path):
+    folder = make_hf_model(tmp_path / "m", shard_size="40KB")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return folder, index
+
+
+def test_bad_weight_files_are_refused_naming_the_file(tmp_path):
+    folder, index = _sharded(tmp_path)
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2
+
+    (folder / shards[1]).rename(tmp_path / "aside")
+    with pytest.raises(ModelLoadError, match=rf"index.json: weight_map puts '.*' in {shards[1]}, which is missing"):
+        load_pretrained(folder)
+    (tmp_path / "aside").rename(folder / shards[1])
+
+    renamed = {k: ("model-99-of-99.safetensors" if v == shards[0] else v) for k, v in index["weight_map"].items()}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": renamed}))
+    with pytest.raises(ModelLoadError, match="in model-99-of-99.safetensors, which is missing"):
+        load_pretrained(folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    data = (folder / shards[2]).read_bytes()
+    (folder / shards[2]).write_bytes(data[: len(data) - 100])
+    with pytest.raises(ModelLoadError, match=rf"{shards[2]}: truncated"):
+        load_pretrained(folder)
+
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(ModelLoadError, match="index.json: unreadable shard index"):
+        load_pretrained(folder)
+    (folder / "model.safetensors.index.json").unlink()
+    with pytest.raises(ModelLoadError, match="model.safetensors is missing"):
+        load_pretrained(folder)
+
+
+def test_tensors_that_the_config_does_not_expect_are_refused(tmp_path):
+    folder = make_hf_model(tmp_path / "m")
+    state = load_file(folder / "model.safetensors")
+    state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.q_proj\.bias'"):
+        load_pretrained(folder)
+    del state["model.layers.0.self_attn.q_proj.bias"], state["lm_head.weight"]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"tensor 'lm_head\.weight' is missing"):
+        load_pretrained(folder)
+
+
+def test_a_sequence_longer_than_the_sliding_window_is_refused(tmp_path):
+    folder = make_hf_model(tmp_path / "m", model_type="mistral", sliding_window=16)
+    with pytest.raises(ValueError, match="sliding_window 16"):
+        load_pretrained(folder)(_tokens(1, 17))
