@@ -141,10 +141,11 @@ class HFTokenizer:
         if len(found) == 1:
             return found[0]
         listed = ", ".join(sorted(self.special_tokens)) or "none"
+        why = (f"it has several end-of-text candidates ({', '.join(found)})" if found
+               else f"it has none of the usual end-of-text tokens ({', '.join(WELL_KNOWN_END_OF_TEXT)})")
         raise DataError(
-            f"{self.file}: cannot tell the end-of-text token "
-            f"({'several' if found else 'none'} of {', '.join(WELL_KNOWN_END_OF_TEXT)} present); "
-            f"pass --eos TOKEN, one of its special tokens: {listed}"
+            f"{self.file}: cannot tell which token ends a document: {why}; pass --eos TOKEN, "
+            f"one of its special tokens: {listed}"
         )
 
     def _known(self, token: str, what: str) -> str:
