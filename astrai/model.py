@@ -217,22 +217,21 @@ _FILE_MODE = 0o666 & ~_umask()
 
 
 def read_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The fp32 weights of a model folder, by our tensor names.
+    """The weights of a model folder, by our tensor names, in the dtype they are stored in.
 
     Reads either naming, one file or shards, fp32, bf16 or fp16. The file headers are checked against the
     config first (missing, unexpected, misshapen tensors), so a bad folder fails before any weight is read.
+    bf16 and fp16 weights become fp32 when ``load_state_dict`` copies them into the (fp32) model: that
+    copy happens anyway, so widening them here would only add a pass over every weight.
     """
     summary = inspect_weights(folder, config)
     state = {}
-    for path in summary.files:
+    for path, names in summary.names.items():
         try:
             loaded = load_file(path, device="cpu")
         except (OSError, SafetensorError) as error:
             raise ModelLoadError(f"{path}: {error}") from None
-        for name, entry in summary.tensors.items():
-            if entry.file == path:
-                # A no-op for fp32 files; bf16 and fp16 weights train in fp32.
-                state[name] = loaded[entry.name].to(torch.float32)
+        state.update((names[stored], tensor) for stored, tensor in loaded.items() if stored in names)
     return state
 
 
@@ -242,7 +241,7 @@ def hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def load_base_model(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and checked fp32 weights of a base model folder (ours, or a Hugging Face Llama-family one)."""
+    """Config and checked weights of a base model folder (ours, or a Hugging Face Llama-family one)."""
     folder = Path(folder)
     config = ModelConfig.load(folder)
     return config, read_weights(folder, config)

@@ -21,6 +21,7 @@ module names (``layers.0.attention.wq.weight``). Both are read; only the first i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -35,7 +36,6 @@ MODEL_TYPES = ("llama", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
 # Floating point dtypes a base model may be stored in, as safetensors names them.
 WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
 
 
 class ModelLoadError(Exception):
@@ -376,22 +376,12 @@ def _ignored(hf: str, config: ModelConfig) -> bool:
 # Weight files
 
 @dataclass(frozen=True)
-class TensorEntry:
-    file: Path
-    name: str
-    """The name in the file."""
-    dtype: str
-    """safetensors' dtype name (F32, BF16, F16)."""
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class WeightsSummary:
     """What a folder's weight files hold, checked against its config."""
 
     files: tuple[Path, ...]
-    tensors: dict[str, TensorEntry]
-    """Our tensor name -> where it is stored (tensors the loader skips are not listed)."""
+    names: dict[Path, dict[str, str]]
+    """For each file: name in the file -> our tensor name (tensors the loader skips are not listed)."""
     dtypes: tuple[str, ...]
     """torch dtype names found, e.g. ('bfloat16',)."""
     num_parameters: int
@@ -453,36 +443,41 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 def inspect_weights(folder: Path, config: ModelConfig) -> WeightsSummary:
     """Check, from the file headers alone, that a folder's weights are exactly what its config implies."""
     files = weight_files(folder)
-    shapes = tensor_shapes(config)
-    from_hf = hf_names(config)
-    tensors: dict[str, TensorEntry] = {}
+    shapes, from_hf = _expected(config)
+    names: dict[Path, dict[str, str]] = {}
+    found: dict[str, Path] = {}
+    dtypes = set()
     for path in files:
+        names[path] = in_file = {}
         for stored, (dtype, shape) in read_header(path).items():
-            if stored in shapes:
-                name = stored
-            elif stored in from_hf:
-                name = from_hf[stored]
-            elif _ignored(stored, config):
-                continue
-            else:
+            name = stored if stored in shapes else from_hf.get(stored)
+            if name is None:
+                if _ignored(stored, config):
+                    continue
                 raise ModelLoadError(f"{path}: unexpected tensor {stored!r} (not in the architecture of config.json)")
-            if name in tensors:
-                raise ModelLoadError(f"{path}: tensor {stored!r} is stored twice (also in {tensors[name].file.name})")
-            want = shapes[name]
-            if shape != want:
+            if name in found:
+                raise ModelLoadError(f"{path}: tensor {stored!r} is stored twice (also in {found[name].name})")
+            if shape != shapes[name]:
                 raise ModelLoadError(
-                    f"{path}: tensor {stored!r} has shape {list(shape)}, config.json expects {list(want)}"
+                    f"{path}: tensor {stored!r} has shape {list(shape)}, config.json expects {list(shapes[name])}"
                 )
             if dtype not in WEIGHT_DTYPES:
                 raise ModelLoadError(f"{path}: tensor {stored!r} has dtype {dtype}, expected one of "
                                      f"{', '.join(WEIGHT_DTYPES.values())}")
-            tensors[name] = TensorEntry(path, stored, dtype, shape)
-    for name, want in shapes.items():
-        if name not in tensors:
-            raise ModelLoadError(f"{Path(folder)}: tensor {hf_name(name)!r} is missing from the weights "
-                                 f"(config.json expects shape {list(want)})")
-    dtypes = tuple(sorted({WEIGHT_DTYPES[entry.dtype] for entry in tensors.values()}))
-    return WeightsSummary(tuple(files), tensors, dtypes, num_parameters(config))
+            in_file[stored] = name
+            found[name] = path
+            dtypes.add(WEIGHT_DTYPES[dtype])
+    if len(found) < len(shapes):
+        name = next(name for name in shapes if name not in found)
+        raise ModelLoadError(f"{Path(folder)}: tensor {hf_name(name)!r} is missing from the weights "
+                             f"(config.json expects shape {list(shapes[name])})")
+    return WeightsSummary(tuple(files), names, tuple(sorted(dtypes)), num_parameters(config))
+
+
+@functools.lru_cache(maxsize=8)
+def _expected(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    # Computed once per architecture: the loader looks every stored tensor up in these.
+    return tensor_shapes(config), hf_names(config)
 
 
 def check_window(config: ModelConfig, window_size: int, source: Path | str) -> None:

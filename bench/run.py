@@ -20,7 +20,7 @@ import subprocess
 import time
 
 from astrai import baseimage
-from bench import checkpoint_cost, faults, host_commands, image_build, stop_latency, trainer_speed, two_nodes
+from bench import checkpoint_cost, faults, hf_io, host_commands, image_build, stop_latency, trainer_speed, two_nodes
 from bench.common import REPO
 
 RESULTS = REPO / "bench" / "results.json"
@@ -49,6 +49,10 @@ TARGETS = {
     "kill_exact": ("of the killed runs, bitwise equal to an uninterrupted run", "==", "kill_runs"),
     "term_trials": ("SIGTERM stops", ">=", 10),
     "term_ok": ("stops that left an emergency checkpoint and resumed from it", "==", "term_trials"),
+    "prepare_vs_tokenizers": ("`prepare --tokenizer` tokens/s over a plain `Tokenizer.encode_batch`", ">=", 0.9),
+    "prepare_tokens_per_s": ("`prepare --tokenizer` tokens/s (BPE, 2000 tokens)", None, None),
+    "load_vs_safetensors": ("loading a sharded fp32 base model over `load_file` of its shards", "<=", 1.2),
+    "load_bf16_vs_safetensors": ("the same, bf16 shards", "<=", 1.2),
 }
 
 
@@ -106,6 +110,7 @@ def run(quick: bool, readme: bool, base_image: str) -> dict:
         ("stop latency", lambda: stop_latency.run(quick, base_image)),
         ("fault injection", lambda: faults.run(quick)),
         ("two nodes", lambda: two_nodes.run(quick, base_image)),
+        ("own model and tokenizer", lambda: hf_io.run(quick)),
     ]
     for name, step in steps:
         print(f"== {name}", flush=True)

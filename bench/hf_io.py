@@ -1,0 +1,126 @@
+"""Bringing your own model and tokenizer: what our wrappers cost over the libraries they wrap.
+
+- ``prepare_vs_tokenizers``: tokens/s of ``python -m astrai.data prepare --tokenizer`` (reading, batched
+  encoding, writing shards and the manifest) over a plain ``Tokenizer.encode_batch`` of the same files'
+  text (already read, nothing written). Above 1 means our batching beats the plain call.
+- ``load_vs_safetensors``: loading a sharded fp32 base model for training (``load_base_model``: config,
+  header checks against it, reading, renaming) over ``safetensors.torch.load_file`` of the same shards.
+- ``load_bf16_vs_safetensors``: the same for bf16 shards, as most Hugging Face models ship (the widening
+  to fp32 happens in the copy into the model that every load does, on either side of this comparison).
+
+Both sides run in turns, from the page cache, and the medians are compared.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from astrai.data import HFTokenizer, prepare
+from astrai.model import PRESETS, hf_state_dict, load_base_model, write_base_model
+from bench.common import REPO
+
+CORPUS = sorted((REPO / "examples" / "corpus").glob("*.txt"))
+
+
+def _timed(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def _corpus(folder: Path, megabytes: int) -> list[Path]:
+    """Four text files of about ``megabytes`` MB in all, made of the demo corpus."""
+    text = "\n".join(path.read_text() for path in CORPUS)
+    copies = max(1, megabytes * 2**20 // (4 * len(text)))
+    files = []
+    for i in range(4):
+        path = folder / f"text_{i}.txt"
+        path.write_text((text + "\n") * copies)
+        files.append(path)
+    return files
+
+
+def _tokenizer(folder: Path) -> Path:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([path.read_text() for path in CORPUS], trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+def prepare_vs_tokenizers(folder: Path, quick: bool) -> dict:
+    files = _corpus(folder, 8 if quick else 32)
+    tokenizer_path = _tokenizer(folder)
+    plain = Tokenizer.from_file(str(tokenizer_path))
+    ours = HFTokenizer(tokenizer_path)
+    texts = [path.read_text() for path in files]
+    counted = []
+
+    def baseline():
+        counted.append(sum(len(encoding.ids) for encoding in plain.encode_batch(texts, add_special_tokens=False)))
+
+    written = []
+
+    def ours_run():
+        written.append(prepare(folder / "data", files, tokenizer=ours)["num_tokens"])
+
+    ratios, tokens_per_s = [], []
+    for _ in range(3 if quick else 7):
+        base_s, ours_s = _timed(baseline), _timed(ours_run)
+        # Ours also counts one end-of-text token per file.
+        ratios.append((written[-1] / ours_s) / (counted[-1] / base_s))
+        tokens_per_s.append(written[-1] / ours_s)
+    return {"prepare_vs_tokenizers": statistics.median(ratios),
+            "prepare_tokens_per_s": statistics.median(tokens_per_s)}
+
+
+def _shard(folder: Path, dtype: torch.dtype, shards: int = 3) -> list[Path]:
+    """Rewrite ``folder``'s model.safetensors as ``shards`` shard files plus an index, in ``dtype``."""
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(state)
+    weight_map, files = {}, []
+    for i in range(shards):
+        part = names[i::shards]
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: state[k].to(dtype) for k in part}, folder / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+        files.append(folder / name)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return files
+
+
+def load_vs_safetensors(folder: Path, quick: bool) -> dict:
+    results = {}
+    for key, dtype in (("load_vs_safetensors", torch.float32), ("load_bf16_vs_safetensors", torch.bfloat16)):
+        model = folder / f"model-{key}"
+        write_base_model(model, PRESETS["small"], seed=0)
+        files = _shard(model, dtype)
+        if set(hf_state_dict(load_base_model(model)[1])) != {k for f in files for k in load_file(f)}:
+            raise RuntimeError("the two loads read different tensors")
+        ratios = []
+        for _ in range(5 if quick else 11):
+            plain = _timed(lambda: [load_file(f) for f in files])
+            ours = _timed(lambda: load_base_model(model))
+            ratios.append(ours / plain)
+        results[key] = statistics.median(ratios)
+    return results
+
+
+def run(quick: bool) -> dict:
+    with tempfile.TemporaryDirectory(prefix="astrai-bench-hf-") as folder:
+        return {**prepare_vs_tokenizers(Path(folder), quick), **load_vs_safetensors(Path(folder), quick)}
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(quick=True), indent=2))
