@@ -309,7 +309,7 @@ class TokenData:
     def tokenizer_description(self) -> str:
         if self.tokenizer_sha256 is None:
             return f"{self.tokenizer} tokenizer"
-        return f"{self.tokenizer} tokenizer {TOKENIZER_FILE} sha256 {self.tokenizer_sha256[:12]}"
+        return f"{TOKENIZER_FILE} sha256 {self.tokenizer_sha256[:12]}"
 
     @classmethod
     def open(cls, root: Path) -> TokenData:

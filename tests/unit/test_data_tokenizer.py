@@ -132,6 +132,6 @@ def test_the_trainer_refuses_data_whose_vocabulary_does_not_fit_the_model(tmp_pa
     config = train_yaml(tmp_path / "train.yaml", data_root_path=str(tmp_path / "data"), ckpt_dir=str(tmp_path / "c"))
     assert main(["--config", str(config)]) == 1
     err = capsys.readouterr().err
-    assert "data vocabulary 70000 (tokenizers tokenizer tokenizer.json sha256" in err
+    assert "data vocabulary 70000 (tokenizer.json sha256" in err
     assert "does not fit the model's vocab_size 320" in err and "Traceback" not in err
     assert not list((tmp_path / "c").glob("epoch_*"))
