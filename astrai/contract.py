@@ -49,10 +49,16 @@ LABEL_NODE = "ai.astrai.node"
 LABEL_CONFIG = "ai.astrai.config"
 
 # --- Model folders (base model and checkpoint alike) ---------------------------------------------
+# They are Hugging Face's names: a checkpoint folder is a model folder transformers loads (DESIGN §10).
 MODEL_CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-BASE_MODEL_FILES = (MODEL_CONFIG_FILE, WEIGHTS_FILE)
-"""What a base model folder must hold."""
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+"""Sharded weights instead of one WEIGHTS_FILE: which shard file holds each tensor."""
+TOKENIZER_FILE = "tokenizer.json"
+"""A Hugging Face ``tokenizers`` tokenizer (``prepare --tokenizer``)."""
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json")
+"""A model folder's tokenizer files, which the data folder and every checkpoint carry along."""
 
 # --- Checkpoint folders (DESIGN §7) ---------------------------------------------------------------
 META_FILE = "meta.json"

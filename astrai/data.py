@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from astrai.contract import DATA_MANIFEST_FILE
+from astrai.contract import DATA_MANIFEST_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_FILES
 
 SHARD_PATTERN = "shard_{:05d}.bin"
 FORMAT = "astrai-tokens"
@@ -51,10 +51,6 @@ _TEXT_BATCH = 16
 # Token id width by shard dtype.
 DTYPES = {"uint16": 2, "uint32": 4}
 _UINT32 = next(code for code in "IL" if array(code).itemsize == 4)
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-# A model folder's tokenizer files that a data folder (and so every checkpoint) carries along.
-TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json")
 # End-of-text tokens in common use, tried when neither tokenizer_config.json nor --eos names one.
 WELL_KNOWN_END_OF_TEXT = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 

@@ -58,9 +58,11 @@ from astrai.contract import (
     ENV_RDZV_BACKEND,
     ENV_RDZV_ENDPOINT,
     ENV_STOP_TIMEOUT_SECONDS,
+    MODEL_CONFIG_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
     resolve_parallel_mode,
 )
-from astrai.model_folder import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 
 DATA_DIR = Path(CONTAINER_DATA)
 MODEL_DIR = Path(CONTAINER_MODEL)
@@ -235,7 +237,7 @@ def check_mounts(job_dir: Path, data_dir: Path = DATA_DIR, model_dir: Path = MOD
     weights = model_dir / WEIGHTS_FILE
     if not _has_content(weights) and _has_content(model_dir / WEIGHTS_INDEX_FILE):
         weights = model_dir / WEIGHTS_INDEX_FILE  # sharded; the trainer checks the shards themselves
-    for path in (model_dir / CONFIG_FILE, weights):
+    for path in (model_dir / MODEL_CONFIG_FILE, weights):
         if not _has_content(path):
             raise EntrypointError(
                 f"no complete checkpoint in {job_dir} and the base model file {path} is missing or empty; "

@@ -36,17 +36,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from astrai.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE
 from astrai.model_folder import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    WEIGHTS_INDEX_FILE,
     ModelConfig,
     ModelLoadError,
     check_window as check_window,
     describe,
     hf_name,
     inspect_weights,
-    tensor_shapes,
 )
 from astrai.model_folder import num_parameters as num_parameters
 
@@ -272,11 +269,11 @@ def write_base_model(folder: Path, config: ModelConfig, seed: int = 0) -> int:
     state = hf_state_dict(model.state_dict())
     # Write under temporary names and rename, so an interrupted init never leaves a half-written model.
     weights_tmp = folder / f".{WEIGHTS_FILE}.tmp"
-    config_tmp = folder / f".{CONFIG_FILE}.tmp"
+    config_tmp = folder / f".{MODEL_CONFIG_FILE}.tmp"
     save_tensors(state, weights_tmp, metadata={"format": "pt"})
     config_tmp.write_text(config.to_json(), encoding="utf-8")
     os.replace(weights_tmp, folder / WEIGHTS_FILE)
-    os.replace(config_tmp, folder / CONFIG_FILE)
+    os.replace(config_tmp, folder / MODEL_CONFIG_FILE)
     return sum(t.numel() for t in state.values())
 
 
@@ -312,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if not args.force and ((args.dir / WEIGHTS_FILE).exists() or (args.dir / CONFIG_FILE).exists()):
+    if not args.force and ((args.dir / WEIGHTS_FILE).exists() or (args.dir / MODEL_CONFIG_FILE).exists()):
         print(f"error: {args.dir} already holds a model; pass --force to overwrite it", file=sys.stderr)
         return 1
     count = write_base_model(args.dir, config, seed=args.seed)

@@ -29,9 +29,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+from astrai.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
+
 MODEL_TYPES = ("llama", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
 # Floating point dtypes a base model may be stored in, as safetensors names them.
@@ -173,7 +172,7 @@ class ModelConfig:
     @classmethod
     def load(cls, folder: Path) -> ModelConfig:
         """Read ``folder/config.json``; any problem raises ModelLoadError naming the file."""
-        path = Path(folder) / CONFIG_FILE
+        path = Path(folder) / MODEL_CONFIG_FILE
         try:
             with open(path, encoding="utf-8") as handle:
                 return cls.from_dict(json.load(handle))

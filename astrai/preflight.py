@@ -20,11 +20,9 @@ from pathlib import Path
 from astrai import compose, engine
 from astrai.checkpoints import latest_complete_checkpoint
 from astrai.config import DataSection
-from astrai.contract import CONTAINER_DATA
+from astrai.contract import CONTAINER_DATA, MODEL_CONFIG_FILE, WEIGHTS_INDEX_FILE
 from astrai.hostuser import host_user_ids, make_dirs
 from astrai.model_folder import (
-    CONFIG_FILE,
-    WEIGHTS_INDEX_FILE,
     ModelConfig,
     ModelLoadError,
     check_window,
@@ -161,11 +159,11 @@ def _base_model_check(runtime: Runtime, document: dict) -> Check:
         weights = inspect_weights(folder, config)
         window = trainer_value(document, "data", "window_size", DataSection.window_size)
         if isinstance(window, int):
-            check_window(config, window, folder / CONFIG_FILE)
+            check_window(config, window, folder / MODEL_CONFIG_FILE)
     except ModelLoadError as error:
         return Check(FAIL, "base model", f"{error} and no checkpoint to resume", init)
     index = folder / WEIGHTS_INDEX_FILE
-    files = [folder / CONFIG_FILE, *weights.files, *([index] if len(weights.files) > 1 else [])]
+    files = [folder / MODEL_CONFIG_FILE, *weights.files, *([index] if len(weights.files) > 1 else [])]
     unreadable = [path for path in files if not _container_may(path, READ)]
     if unreadable:
         uid, gid = host_user_ids()

@@ -60,6 +60,7 @@ from astrai.contract import (
     METRIC_TIME,
     METRIC_TOKENS_PER_S,
     METRICS_FILE,
+    MODEL_CONFIG_FILE,
     REASON_EMERGENCY,
     REASON_FINAL,
     REASON_PERIODIC,
@@ -259,7 +260,7 @@ class Trainer:
             )
         if self.window_size > model.max_seq_len:
             raise SetupError(f"data.window_size {self.window_size} exceeds the model's max_seq_len {model.max_seq_len}")
-        check_window(model, self.window_size, model_source / "config.json")
+        check_window(model, self.window_size, model_source / MODEL_CONFIG_FILE)
         windows = data.num_windows(self.window_size)
         if windows < self.global_batch:
             raise SetupError(
