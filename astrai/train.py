@@ -205,10 +205,11 @@ class Trainer:
         else:
             torch.manual_seed(training.random_seed + env.rank)
             self.progress = Progress()
-            self.log(
-                f"starting from base model {config.ckpt.param_path}: {describe_folder(model_source)} "
-                f"(world size {env.world_size}, device {env.device})"
-            )
+            if env.master_process:
+                self.log(
+                    f"starting from base model {config.ckpt.param_path}: {describe_folder(model_source)} "
+                    f"(world size {env.world_size}, device {env.device})"
+                )
 
         self.sampler = WindowBatchSampler(
             data.num_windows(self.window_size),
