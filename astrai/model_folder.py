@@ -227,7 +227,8 @@ def _from_hf(values: dict) -> ModelConfig:
     if head_dim is not None and head_dim * heads == values["hidden_size"]:
         head_dim = None  # the usual width, said explicitly (transformers 5.x always writes it)
     rope_theta, rope_scaling = _rope_from_hf(values)
-    sliding_window = values.get("sliding_window") if model_type == "mistral" else None
+    # transformers' MistralConfig attends within 4096 tokens unless the config says otherwise.
+    sliding_window = values.get("sliding_window", 4096) if model_type == "mistral" else None
     if sliding_window is not None:
         _check_hf_int("sliding_window", sliding_window)
     eps = values.get("rms_norm_eps", 1e-6)

@@ -60,15 +60,15 @@ def test_transformers_4_config_form_gives_the_same_model(tmp_path, kind_key):
         assert torch.equal(load_pretrained(folder)(tokens), before)
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_our_folders_load_in_transformers_with_every_key_and_the_same_logits(tmp_path, tie):
+@pytest.mark.parametrize(("tie", "sliding_window"), [(True, None), (False, None), (False, 64)])
+def test_our_folders_load_in_transformers_with_every_key_and_the_same_logits(tmp_path, tie, sliding_window):
     from transformers import AutoModelForCausalLM
 
     config = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128,
-                         tie_embeddings=tie)
+                         tie_embeddings=tie, sliding_window=sliding_window)
     write_base_model(tmp_path, config, seed=3)
     hf, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
-    assert type(hf).__name__ == "LlamaForCausalLM"
+    assert type(hf).__name__ == ("MistralForCausalLM" if sliding_window else "LlamaForCausalLM")
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and info["mismatched_keys"] == set()
     tokens = _tokens(2, 30)
     with torch.no_grad():
@@ -190,3 +190,6 @@ def test_a_sequence_longer_than_the_sliding_window_is_refused(tmp_path):
     folder = make_hf_model(tmp_path / "m", model_type="mistral", sliding_window=16)
     with pytest.raises(ValueError, match="sliding_window 16"):
         load_pretrained(folder)(_tokens(1, 17))
+    # Without the key, transformers' Mistral default applies.
+    _edit_config(folder, sliding_window=None)
+    assert ModelConfig.load(folder).sliding_window == 4096
