@@ -59,7 +59,7 @@ def _tokenizer(folder: Path) -> Path:
 
 
 def prepare_vs_tokenizers(folder: Path, quick: bool) -> dict:
-    files = _corpus(folder, 8 if quick else 32)
+    files = _corpus(folder, 4 if quick else 8)
     tokenizer_path = _tokenizer(folder)
     plain = Tokenizer.from_file(str(tokenizer_path))
     ours = HFTokenizer(tokenizer_path)
@@ -75,7 +75,7 @@ def prepare_vs_tokenizers(folder: Path, quick: bool) -> dict:
         written.append(prepare(folder / "data", files, tokenizer=ours)["num_tokens"])
 
     ratios, tokens_per_s = [], []
-    for _ in range(3 if quick else 7):
+    for _ in range(3 if quick else 5):
         base_s, ours_s = _timed(baseline), _timed(ours_run)
         # Ours also counts one end-of-text token per file.
         ratios.append((written[-1] / ours_s) / (counted[-1] / base_s))
