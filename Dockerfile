@@ -3,36 +3,64 @@
 #
 # Layers go from slow-changing to fast-changing, so a code-only change rebuilds
 # only the last COPY (seconds). A base image that already holds Python 3.10+,
-# torch, safetensors, PyYAML and NumPy builds with no network at all.
+# torch 2.13.0, safetensors, PyYAML and NumPy builds with no network at all.
 
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
+# Declared again to be seen after FROM (the error messages name it).
+ARG BASE_IMAGE
 ARG CUDA_TAG=cpu
+# One torch in every image: the version the tests run (astrai/contract.py TORCH_VERSION).
+ARG TORCH_VERSION=2.13.0
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_BREAK_SYSTEM_PACKAGES=1
 
-# Install only what the base lacks. torch comes from the PyTorch index of the
-# requested CUDA build (cu128, cpu, ...); the small pure packages from PyPI.
+# Install only what the base lacks. A CUDA runtime base has no Python: python3
+# comes from the distribution. torch comes pinned from the PyTorch index of the
+# requested build (cu128, cpu, ...); a base that already holds a different torch
+# fails here rather than train on a version nobody tested. The small pure
+# packages come from PyPI.
 RUN set -eu; \
     if ! command -v python3 >/dev/null 2>&1; then \
-        echo "error: the base image has no python3; set runtime.container.base_image to an image with Python 3.10+" >&2; \
-        exit 1; \
+        if ! command -v apt-get >/dev/null 2>&1; then \
+            echo "error: the base image has no python3 and no apt-get;" \
+                 "set runtime.container.base_image to an image with Python 3.10+" >&2; \
+            exit 1; \
+        fi; \
+        echo "installing python3 from the distribution"; \
+        apt-get update -qq; \
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3 python3-pip >/dev/null; \
+        rm -rf /var/lib/apt/lists/*; \
     fi; \
     python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { \
         echo "error: the base image's python3 is older than 3.10" >&2; exit 1; }; \
-    if ! python3 -c 'import torch' >/dev/null 2>&1; then \
-        echo "installing torch for ${CUDA_TAG}"; \
-        python3 -m pip install --index-url "https://download.pytorch.org/whl/${CUDA_TAG}" torch; \
+    found=$(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null || true); \
+    if [ -z "${found}" ]; then \
+        echo "installing torch ${TORCH_VERSION} for ${CUDA_TAG}"; \
+        python3 -m pip install --index-url "https://download.pytorch.org/whl/${CUDA_TAG}" "torch==${TORCH_VERSION}"; \
+    elif [ "${found%%+*}" != "${TORCH_VERSION}" ]; then \
+        echo "error: the base image ${BASE_IMAGE} holds torch ${found}, but astrai runs torch ${TORCH_VERSION} only;" \
+             "use a base image without torch (the build installs ${TORCH_VERSION})" \
+             "or with torch ${TORCH_VERSION}" >&2; \
+        exit 1; \
+    elif [ "${found#*+}" != "${found}" ] && [ "${found#*+}" != "${CUDA_TAG}" ]; then \
+        echo "error: the base image ${BASE_IMAGE} holds torch ${found}, a build for ${found#*+}, but" \
+             "runtime.container.cuda_tag is ${CUDA_TAG}; use a base image without torch" \
+             "or with torch ${TORCH_VERSION}+${CUDA_TAG}" >&2; \
+        exit 1; \
     fi; \
     for module in safetensors:safetensors yaml:pyyaml numpy:numpy; do \
         if ! python3 -c "import ${module%%:*}" >/dev/null 2>&1; then \
             python3 -m pip install "${module#*:}"; \
         fi; \
     done
+# What `invoke status` and `invoke preflight` report (label names: astrai/contract.py).
+LABEL ai.astrai.torch="${TORCH_VERSION}" \
+      ai.astrai.cuda_tag="${CUDA_TAG}"
 
 # A user with the host's UID/GID, so files written under /checkpoints belong to
 # the host user. With a root host user (UID 0) the container simply runs as root.
@@ -46,6 +74,7 @@ RUN set -eu; \
     fi; \
     mkdir -p /home/astrai; \
     chown "${UID}:${GID}" /home/astrai
+# CONTAINER_HOME in astrai/contract.py; at run time a scratch tmpfs (the root file system is read-only).
 ENV HOME=/home/astrai
 
 WORKDIR /app

@@ -10,7 +10,7 @@ Arguments after ``--`` on `start`, `restart` and `render` go to the trainer:
 from __future__ import annotations
 
 import contextlib
-import shlex
+import sys
 
 from invoke import Collection, Exit, task
 
@@ -48,7 +48,15 @@ def _load(config: str, node: int = 0):
 
 
 def _trainer_args(c) -> list[str]:
-    return shlex.split(c.remainder)
+    """The words after ``--`` exactly as the shell passed them.
+
+    Invoke only keeps them joined into one string (``c.remainder``), which loses
+    the quoting of ``-- --x "a b"``; it splits its argv at the first ``--``, so
+    the same words are the ones after the first ``--`` of ``sys.argv``.
+    """
+    if not c.remainder:
+        return []
+    return sys.argv[sys.argv.index("--") + 1:]
 
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})

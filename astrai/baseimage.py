@@ -31,10 +31,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from astrai.contract import TORCH_VERSION
+
 DEFAULT_SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
-DEFAULT_TORCH = "torch==2.13.0"
-DEFAULT_TAG = "astrai-base:bookworm-torch2.13.0-cpu"
+DEFAULT_TORCH = f"torch=={TORCH_VERSION}"
+DEFAULT_TAG = f"astrai-base:bookworm-torch{TORCH_VERSION}-cpu"
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 _DEBIAN_PACKAGES = ("python3", "python3-pip", "ca-certificates")
 

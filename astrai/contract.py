@@ -17,6 +17,8 @@ CONTAINER_CHECKPOINTS = "/checkpoints"
 """Checkpoints root, mounted read-write from ``runtime.paths.checkpoints``; the job dir is ``<root>/<job_name>``."""
 CONTAINER_CONFIG = "/run/astrai/train.yaml"
 """The job's YAML file, mounted read-only."""
+CONTAINER_HOME = "/home/astrai"
+"""HOME of the trainer user (set by the Dockerfile); a scratch tmpfs, since the root file system is read-only."""
 
 
 def container_job_dir(job_name: str) -> str:
@@ -47,6 +49,16 @@ LABEL_JOB = "ai.astrai.job"
 LABEL_NODE = "ai.astrai.node"
 """The node index (``--node``) of a container: 0 for a one-host job."""
 LABEL_CONFIG = "ai.astrai.config"
+LABEL_TORCH = "ai.astrai.torch"
+"""Image label: the torch version the Dockerfile installed or verified (the Dockerfile writes it out)."""
+LABEL_CUDA_TAG = "ai.astrai.cuda_tag"
+"""Image label: the torch build (cpu, cuNNN) the image was built for."""
+
+# --- The trainer image's torch (one version, the tested one) ------------------------------------
+TORCH_VERSION = "2.13.0"
+"""The torch every image the product builds holds, and the one the tests run."""
+TORCH_CUDA_TAGS = ("cpu", "cu126", "cu128", "cu130")
+"""The builds of TORCH_VERSION on https://download.pytorch.org/whl/<tag>; runtime.container.cuda_tag takes one."""
 
 # --- Model folders (base model and checkpoint alike) ---------------------------------------------
 # They are Hugging Face's names: a checkpoint folder is a model folder transformers loads (DESIGN §10).

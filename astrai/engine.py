@@ -124,6 +124,14 @@ def crash_exit_codes(container: Container) -> list[int]:
     return codes
 
 
+def image_labels(image: str) -> dict[str, str] | None:
+    """The labels of a local image, or None when there is no image of that name."""
+    result = docker("image", "inspect", "--format", "{{json .Config.Labels}}", image)
+    if result.returncode != 0:
+        return None
+    return json.loads(result.stdout or "null") or {}
+
+
 def _parse_time(text: str) -> datetime | None:
     """Docker's RFC 3339 times carry nanoseconds; Python takes microseconds."""
     if not text or text.startswith("0001-"):

@@ -6,6 +6,8 @@ with a message that says what to do, and the task turns it into an exit code.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
@@ -36,6 +38,10 @@ from astrai.contract import (
 )
 from astrai.hostuser import make_dirs
 from astrai.runtime import Runtime
+
+
+START_LOCK_NAME = "start.node{node}.lock"
+"""In the job's state folder: held by the one `invoke start` of that node running at a time."""
 
 
 class JobError(Exception):
@@ -83,6 +89,39 @@ def build_image(runtime: Runtime) -> None:
 
 def start_job(runtime: Runtime, document: dict, trainer_args: list[str], *, foreground: bool) -> int:
     """Preflight, build, then start (or resume) the job; returns the exit code for the task."""
+    with start_lock(runtime):
+        container = _start_container(runtime, document, trainer_args)
+    if not foreground:
+        config = runtime.config_path
+        _say(f"follow it: invoke logs --config {config}    stop it: invoke stop --config {config}")
+        return 0
+    return _follow_until_exit(runtime, container)
+
+
+@contextlib.contextmanager
+def start_lock(runtime: Runtime):
+    """Hold the start lock of this job and node while a start runs; a second start refuses at once.
+
+    An flock on a file in the job's state folder: the kernel drops it when the
+    holder exits, however it exits, so a crashed start never blocks the next one.
+    """
+    path = compose.state_dir(runtime) / START_LOCK_NAME.format(node=runtime.node)
+    try:
+        make_dirs(path.parent)
+        handle = open(path, "a")
+    except OSError as error:
+        raise JobError(f"cannot create the start lock {path}: {error.strerror}; check runtime.paths.checkpoints "
+                       f"in {runtime.config_path}") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise JobError(f"another `invoke start` of job {runtime.job_name} is in progress (it holds {path}); "
+                           f"wait for it, then see `invoke status --config {runtime.config_path}`") from None
+        yield
+
+
+def _start_container(runtime: Runtime, document: dict, trainer_args: list[str]) -> engine.Container:
     running = job_container(runtime) if _daemon_up() else None
     if running is not None and running.running:
         raise JobError(
@@ -90,6 +129,9 @@ def start_job(runtime: Runtime, document: dict, trainer_args: list[str], *, fore
             f"follow it with `invoke logs --config {runtime.config_path}` or stop it with `invoke stop`"
         )
     run_preflight(runtime, document)
+    for name in passthrough_unset(runtime):
+        _say(f"note: runtime.environment.{name} is passed through from your shell, but {name} is not set here; "
+             "the container will not have it")
     compose.write_override(runtime, trainer_args)
     _say("building the trainer image (`invoke build` shows the build output)")
     _run_compose(runtime, "build", compose.SERVICE, what="building the trainer image", quiet=True)
@@ -113,11 +155,12 @@ def start_job(runtime: Runtime, document: dict, trainer_args: list[str], *, fore
             stop_timeout_seconds=runtime.stop_timeout_seconds, job_name=runtime.job_name,
         )
         _say(f"max duration {runtime.max_duration_hours} h: a timer stops it gracefully at {_clock(state.deadline)}")
-    if not foreground:
-        config = runtime.config_path
-        _say(f"follow it: invoke logs --config {config}    stop it: invoke stop --config {config}")
-        return 0
-    return _follow_until_exit(runtime, container)
+    return container
+
+
+def passthrough_unset(runtime: Runtime) -> list[str]:
+    """Variables ``runtime.environment`` passes through (value null) that the invoking shell does not set."""
+    return [name for name, value in runtime.environment.items() if value is None and name not in os.environ]
 
 
 def _follow_until_exit(runtime: Runtime, container: engine.Container) -> int:
@@ -236,6 +279,7 @@ def status_lines(runtime: Runtime) -> list[str]:
     except engine.EngineError as error:
         state = f"unknown: {error}"
     lines.append(f"container   {state}")
+    lines.append(f"image       {preflight.image_torch(runtime)[1]}")
     if runtime.max_restarts or (container is not None and container.restart_count):
         lines.append(f"restarts    {_restarts(container, runtime.max_restarts)}")
     lines.append(f"progress    {_progress(runtime.job_dir, running)}")

@@ -20,7 +20,14 @@ from pathlib import Path
 from astrai import compose, engine
 from astrai.checkpoints import latest_complete_checkpoint
 from astrai.config import DataSection
-from astrai.contract import CONTAINER_DATA, MODEL_CONFIG_FILE, WEIGHTS_INDEX_FILE
+from astrai.contract import (
+    CONTAINER_DATA,
+    LABEL_CUDA_TAG,
+    LABEL_TORCH,
+    MODEL_CONFIG_FILE,
+    TORCH_VERSION,
+    WEIGHTS_INDEX_FILE,
+)
 from astrai.hostuser import host_user_ids, make_dirs
 from astrai.model_folder import (
     ModelConfig,
@@ -65,6 +72,7 @@ def run_checks(runtime: Runtime, document: dict) -> list[Check]:
         checks.append(_gpu_indices_check(runtime))
     checks.append(_data_root_path_check(document))
     checks.append(_compose_config_check(runtime))
+    checks.append(_image_torch_check(runtime))
     return checks
 
 
@@ -294,3 +302,26 @@ def _compose_config_check(runtime: Runtime) -> Check:
         return Check(FAIL, "compose config", f"{' '.join(program)} rejected the rendered files: "
                      f"{result.stderr.strip()}", "see `invoke render` for the override")
     return Check(PASS, "compose config", "the rendered override is accepted")
+
+
+def image_torch(runtime: Runtime) -> tuple[bool, str]:
+    """(matches, text): the torch of the job's built image, from the labels the Dockerfile sets."""
+    image = compose.image_name(runtime)
+    try:
+        labels = engine.image_labels(image)
+    except engine.EngineError as error:
+        return False, f"unknown ({error})"
+    if labels is None:
+        return False, f"image {image} is not built yet; `invoke start` builds it with torch {TORCH_VERSION}"
+    torch, cuda_tag = labels.get(LABEL_TORCH), labels.get(LABEL_CUDA_TAG)
+    if torch is None:
+        return False, f"image {image} has no torch label (built by an older astrai); `invoke build` rebuilds it"
+    matches = torch == TORCH_VERSION and cuda_tag == runtime.cuda_tag
+    note = "" if matches else f"; `invoke start` rebuilds it for torch {TORCH_VERSION} ({runtime.cuda_tag})"
+    return matches, f"torch {torch} ({cuda_tag}) in image {image}{note}"
+
+
+def _image_torch_check(runtime: Runtime) -> Check:
+    """Informational: `start` always builds, so a missing or stale image is no failure."""
+    matches, text = image_torch(runtime)
+    return Check(PASS if matches else SKIP, "image torch", text)

@@ -31,7 +31,7 @@ from pathlib import Path
 import jsonschema
 
 from astrai.configfile import ConfigError, load_yaml
-from astrai.contract import ENV_JOB_NAME, RESERVED_ENV_PREFIX, resolve_parallel_mode
+from astrai.contract import ENV_JOB_NAME, RESERVED_ENV_PREFIX, TORCH_CUDA_TAGS, TORCH_VERSION, resolve_parallel_mode
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schema" / "runtime.schema.json"
 SECTIONS = ("runtime", "model", "data", "parallel", "training", "ckpt", "log")
@@ -47,12 +47,12 @@ _EXPECTED = {
     "job_name": "a job name of at most 63 letters, digits, '.', '_' or '-', starting with a letter or digit",
     "paths.*": "a non-empty path",
     "gpu.devices": '"all", "none" or a non-empty list of distinct GPU indices (0, 1, ...)',
-    "container.cuda_tag": "cuNNN such as cu118, cu121 or cu128, or cpu",
+    "container.cuda_tag": f"a build of torch {TORCH_VERSION}: {', '.join(TORCH_CUDA_TAGS)}",
     "container.base_image": "an image reference without spaces such as python:3.11-slim, or null",
     "container.ipc": "host, private, shareable, container:NAME or service:NAME",
     "container.stop_grace_period": "a duration like 90s, 10m or 1h30m",
     "container.max_duration_hours": "a number of hours greater than 0, or null for no timer",
-    "environment.*": "a string, number or boolean",
+    "environment.*": "a string, number or boolean, or null to pass the variable through from the invoking shell",
     "nodes.rendezvous": "host:port of node 0, such as 10.0.0.1:29500 or node0.example:29500",
     "nodes.network_interface": "a network interface name such as eth0 or ib0, or null",
 }
@@ -86,7 +86,8 @@ class Runtime:
     stop_timeout_seconds: int
     checkpoint_keep_last: int
     max_duration_hours: float | None
-    environment: dict[str, str]
+    environment: dict[str, str | None]
+    """Values are literal strings; None passes the variable through from the invoking shell."""
     max_restarts: int = 0
     nodes: int = 1
     """Hosts in the job (runtime.nodes.count)."""
@@ -359,7 +360,9 @@ def _cuda_visible_devices(devices) -> str | None:
     return "" if devices == "none" else ",".join(str(index) for index in devices)
 
 
-def _environment_text(value) -> str:
+def _environment_text(value) -> str | None:
+    if value is None:
+        return None
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)

@@ -138,10 +138,12 @@ def make_job(tmp_path, base_image, assets, request):
     """Factory: make_job(runtime={...}, trainer={...}) -> Job with its own name, data, model and YAML."""
     made: list[Job] = []
 
-    def factory(runtime: dict | None = None, trainer: dict | None = None, env: dict | None = None) -> Job:
+    def factory(runtime: dict | None = None, trainer: dict | None = None, env: dict | None = None,
+                parent: str = "") -> Job:
+        """``parent``: a folder name the job folder goes into (to test awkward paths)."""
         name = f"t-{request.node.name[:24].strip('_-').replace('[', '-').replace(']', '')}-{secrets.token_hex(3)}"
-        folder = tmp_path / name
-        folder.mkdir()
+        folder = tmp_path / parent / name
+        folder.mkdir(parents=True)
         shutil.copytree(assets / "params", folder / "params")
         shutil.copytree(assets / "data", folder / "data")
         block = {

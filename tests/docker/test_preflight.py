@@ -61,10 +61,13 @@ def test_listed_gpus_render_one_reservation_and_the_entrypoint_picks_ddp(make_jo
     ]
     assert service["environment"]["CUDA_VISIBLE_DEVICES"] == "0,1"
 
-    job.invoke("build")
+    # The test base holds the CPU build of torch, which a cu128 build refuses; the entrypoint's decision
+    # depends only on the environment, so a CPU job's image (same Dockerfile, same entrypoint) shows it.
+    cpu_job = make_job()
+    cpu_job.invoke("build")
     plan = subprocess.run(
         ["docker", "run", "--rm", *[f"--env={k}={v}" for k, v in service["environment"].items()],
-         f"{job.project}-trainer", "--print-plan"],
+         f"{cpu_job.project}-trainer", "--print-plan"],
         capture_output=True, text=True, check=True,
     )
     decision = json.loads(plan.stdout)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+import stat
 from pathlib import Path
 
 import pytest
 import yaml
 
 from astrai import compose
+from astrai.contract import LABEL_TORCH, TORCH_CUDA_TAGS, TORCH_VERSION
 from astrai.runtime import resolve_runtime
 
 BASE = "astrai-base:test"
@@ -39,7 +42,9 @@ def _runtime(tmp_path: Path, gpu: dict, environment: dict | None = None, nodes: 
 
 def _expected(tmp_path: Path, environment: dict, cuda_tag: str, gpu: bool) -> dict:
     service = {
-        "build": {"args": {"BASE_IMAGE": BASE, "CUDA_TAG": cuda_tag, "GID": "1001", "UID": "1000"}},
+        "build": {"args": {"BASE_IMAGE": BASE, "CUDA_TAG": cuda_tag, "GID": "1001", "TORCH_VERSION": "2.13.0",
+                           "UID": "1000"}},
+        "cap_drop": ["ALL"],
         "environment": {
             "ASTRAI_CONFIG": "/run/astrai/train.yaml",
             "ASTRAI_STOP_TIMEOUT_SECONDS": "600",
@@ -49,8 +54,11 @@ def _expected(tmp_path: Path, environment: dict, cuda_tag: str, gpu: bool) -> di
         "ipc": "host",
         "labels": {"ai.astrai.config": str(tmp_path / "train.yaml"), "ai.astrai.job": "demo.Job",
                    "ai.astrai.node": "0"},
+        "read_only": True,
         "security_opt": ["no-new-privileges:true"],
         "stop_grace_period": "10m",
+        "tmpfs": ["/tmp:exec,mode=1777", "/home/astrai:exec,mode=1777"],
+        "ulimits": {"stack": 67108864, **({"memlock": -1} if gpu else {})},
         "user": "1000:1001",
         "volumes": [
             {"read_only": True, "source": str(tmp_path / "data"), "target": "/data", "type": "bind"},
@@ -140,11 +148,22 @@ def test_base_image_derives_from_cuda_tag_when_not_set(tmp_path):
     config = tmp_path / "train.yaml"
     config.write_text("runtime:\n  container:\n    cuda_tag: cpu\n  gpu:\n    devices: none\n")
     assert compose.base_image(resolve_runtime(config)) == compose.CPU_BASE_IMAGE
-    config.write_text("runtime:\n  container:\n    cuda_tag: cu128\n")
-    assert compose.base_image(resolve_runtime(config)).startswith("pytorch/pytorch:")
-    config.write_text("runtime:\n  container:\n    cuda_tag: cu999\n")
-    with pytest.raises(compose.ComposeError, match="runtime.container.base_image"):
-        compose.base_image(resolve_runtime(config))
+    for cuda_tag in TORCH_CUDA_TAGS[1:]:
+        config.write_text(f"runtime:\n  container:\n    cuda_tag: {cuda_tag}\n")
+        # A CUDA runtime image without torch: the Dockerfile installs the tested torch, and only that one.
+        assert compose.base_image(resolve_runtime(config)).startswith("nvidia/cuda:")
+    assert set(compose.CUDA_BASE_IMAGES) == set(TORCH_CUDA_TAGS) - {"cpu"}
+
+
+def test_the_image_is_built_for_the_tested_torch_only(tmp_path):
+    runtime = _runtime(tmp_path, {"devices": [0]})
+    args = compose.render_override(runtime, uid=1, gid=1)["services"]["trainer"]["build"]["args"]
+    assert args["TORCH_VERSION"] == TORCH_VERSION == "2.13.0"
+    dockerfile = (compose.PROJECT_ROOT / "Dockerfile").read_text()
+    assert f"ARG TORCH_VERSION={TORCH_VERSION}" in dockerfile
+    assert '"torch==${TORCH_VERSION}"' in dockerfile and f'{LABEL_TORCH}="${{TORCH_VERSION}}"' in dockerfile
+    setup = (compose.PROJECT_ROOT / "setup.cfg").read_text()
+    assert setup.count(f"torch=={TORCH_VERSION}") == setup.count("torch==") >= 1
 
 
 def test_compose_command_names_project_and_both_files(tmp_path, monkeypatch):
@@ -248,3 +267,94 @@ def test_max_restarts_becomes_a_restart_on_failure_policy(tmp_path):
     assert compose.render_override(runtime, uid=1000, gid=1001)["services"]["trainer"]["restart"] == "on-failure:2"
     plain = _runtime(tmp_path, {"devices": "none"})
     assert "restart" not in compose.render_override(plain, uid=1000, gid=1001)["services"]["trainer"]
+
+
+# Strings Compose or a YAML 1.2 reader would change if they were written raw.
+AWKWARD = ["a$b ${HOME} $$c", "${X:-default}", "$", "it's", 'say "hi"', "two  spaces", "é ü 東京", "1e-3", "yes",
+           "no", "on", "0123", "0x1F", "null", "~", "true", "12:30", "-", "#hash", "a: b", "", "line\nbreak"]
+
+
+def _compose_reads(text: str) -> dict:
+    """What Compose's YAML reader sees (YAML 1.2 core scalars), with its `$$` unescaped back to `$`."""
+
+    class Yaml12(yaml.SafeLoader):
+        pass
+
+    resolvers = yaml.SafeLoader.yaml_implicit_resolvers
+    Yaml12.yaml_implicit_resolvers = {key: list(rules) for key, rules in resolvers.items()}
+    float_12 = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$")
+    Yaml12.add_implicit_resolver("tag:yaml.org,2002:float", float_12, list("-+0123456789."))
+    Yaml12.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^(0o[0-7]+|0x[0-9a-fA-F]+)$"), ["0"])
+
+    def unescape(value):
+        if isinstance(value, str):
+            return value.replace("$$", "$")
+        if isinstance(value, dict):
+            return {key: unescape(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [unescape(item) for item in value]
+        return value
+
+    return unescape(yaml.load(text, Loader=Yaml12))
+
+
+def test_every_user_string_reaches_compose_literally(tmp_path):
+    folder = tmp_path / "dol$ar ${HOME} it's é"
+    folder.mkdir()
+    environment = {f"V{index}": value for index, value in enumerate(AWKWARD)}
+    runtime = _runtime(folder, {"devices": "none"}, environment)
+    document = compose.render_override(runtime, AWKWARD, uid=1000, gid=1001)
+    text = compose.dump_override(runtime, document)
+    service = _compose_reads(text)["services"]["trainer"]
+    assert service["command"] == AWKWARD
+    for name, value in environment.items():
+        assert service["environment"][name] == value, name
+    assert service["volumes"][0]["source"] == str(folder / "data")
+    assert service["labels"]["ai.astrai.config"] == str(folder / "train.yaml")
+    assert "$HOME" not in text.replace("$$", "")
+
+
+def test_dollars_are_doubled_in_every_string_of_the_document(tmp_path):
+    runtime = _runtime(tmp_path, {"devices": "none"}, {"A": "x$y", "B": "$$"})
+    document = compose.render_override(runtime, ["--a", "${HOME}"], uid=1, gid=1)
+    service = document["services"]["trainer"]
+    assert service["environment"]["A"] == "x$$y" and service["environment"]["B"] == "$$$$"
+    assert service["command"] == ["--a", "$${HOME}"]
+
+
+def test_every_string_scalar_is_quoted_in_the_text(tmp_path):
+    runtime = _runtime(tmp_path, {"devices": "none"}, {"LR": "1e-3", "FLAG": "yes", "CODE": "0123", "N": "null"})
+    text = compose.dump_override(runtime, compose.render_override(runtime, ["--max_lr", "1e-3"], uid=1, gid=1))
+    for value in ("1e-3", "yes", "0123", "null"):
+        assert f'"{value}"' in text
+    assert "- \"1e-3\"" in text
+
+
+def test_a_null_environment_value_is_passed_through_and_never_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    runtime = _runtime(tmp_path, {"devices": "none"}, {"HF_TOKEN": None, "OTHER": "kept"})
+    path = compose.write_override(runtime)
+    text = path.read_text()
+    assert "hf_secret_value" not in text
+    environment = yaml.safe_load(text)["services"]["trainer"]["environment"]
+    assert "HF_TOKEN" in environment and environment["HF_TOKEN"] is None
+    assert environment["OTHER"] == "kept"
+
+
+def test_the_rendered_file_is_readable_by_its_owner_only(tmp_path):
+    runtime = _runtime(tmp_path, {"devices": "none"})
+    path = compose.write_override(runtime)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    path.chmod(0o644)
+    assert stat.S_IMODE(compose.write_override(runtime).stat().st_mode) == 0o600
+
+
+def test_the_container_is_hardened_and_gets_scratch_space(tmp_path):
+    cpu = compose.render_override(_runtime(tmp_path, {"devices": "none"}), uid=1, gid=1)["services"]["trainer"]
+    assert cpu["cap_drop"] == ["ALL"] and cpu["read_only"] is True
+    assert "no-new-privileges:true" in cpu["security_opt"]
+    assert [entry.split(":")[0] for entry in cpu["tmpfs"]] == ["/tmp", "/home/astrai"]
+    assert all("exec" in entry.split(":")[1].split(",") for entry in cpu["tmpfs"]), "compiled kernels load from there"
+    assert cpu["ulimits"] == {"stack": 67108864}
+    gpu = compose.render_override(_runtime(tmp_path, {"devices": [0]}), uid=1, gid=1)["services"]["trainer"]
+    assert gpu["ulimits"] == {"memlock": -1, "stack": 67108864}

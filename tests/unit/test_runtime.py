@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from astrai import runtime as rt
 from astrai.configfile import ConfigError, load_yaml
+from astrai.contract import TORCH_CUDA_TAGS
 from astrai.runtime import SchemaError, load_job_config, parse_duration, resolve_runtime
 from runtime_cases import MALFORMED, SEED, SEED_YAML, mutated
 
@@ -202,6 +203,17 @@ def test_environment_values_become_strings(tmp_path):
     text = "runtime:\n  environment: {A: '1', B: 1, C: 2.5, D: true, E: false, F: text, G: ''}\n"
     runtime = resolve_runtime(_write(tmp_path, text))
     assert runtime.environment == {"A": "1", "B": "1", "C": "2.5", "D": "true", "E": "false", "F": "text", "G": ""}
+
+
+def test_a_null_environment_value_means_pass_through_from_the_shell(tmp_path):
+    runtime = resolve_runtime(_write(tmp_path, "runtime:\n  environment:\n    HF_TOKEN: null\n    B: ~\n"))
+    assert runtime.environment == {"HF_TOKEN": None, "B": None}
+
+
+def test_schema_cuda_tags_are_the_builds_of_the_tested_torch():
+    schema = json.loads(rt.SCHEMA_PATH.read_text())
+    cuda_tag = schema["properties"]["container"]["properties"]["cuda_tag"]
+    assert tuple(cuda_tag["enum"]) == TORCH_CUDA_TAGS and cuda_tag["default"] in TORCH_CUDA_TAGS
 
 
 def test_schema_is_valid_and_documents_every_property():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -163,3 +164,64 @@ def test_clean_rejects_a_keep_below_one(job, keep):
     result = invoke("clean", "--config", str(config), "--keep", keep, "--force")
     assert result.returncode == 2 and "--keep" in result.stderr
     assert (job_dir / "epoch_0_step_1").exists()
+
+
+def test_words_after_the_double_dash_reach_the_trainer_as_the_shell_passed_them(job):
+    config, _ = job
+    words = ["--x", "a b", "--y", "it's", "--max_lr", "1e-3", "--z", 'a$b ${HOME} "q" é', "--", "--w"]
+    result = invoke("render", "--config", str(config), "--", *words)
+    assert result.returncode == 0, result.stderr
+    command = yaml.safe_load(result.stdout)["services"]["trainer"]["command"]
+    assert [word.replace("$$", "$") for word in command] == words
+
+
+def test_the_shipped_train_yaml_sets_no_host_workaround_and_its_example_renders(tmp_path):
+    config = tmp_path / "train.yaml"
+    config.write_text((REPO / "train.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    assert yaml.safe_load(config.read_text())["runtime"]["environment"] == {}
+    assert "# NCCL_P2P_DISABLE" in config.read_text(), "kept as a commented-out example"
+    assert "invoke start -- --max_lr 1e-3" in config.read_text()
+    result = invoke("render", "--config", str(config), "--", "--max_lr", "1e-3")
+    assert result.returncode == 0, result.stderr
+    assert '- "--max_lr"\n    - "1e-3"\n' in result.stdout, result.stdout
+    assert "NCCL_P2P_DISABLE" not in result.stdout
+
+
+def test_a_second_start_of_a_job_refuses_while_the_first_holds_the_lock(job):
+    from astrai.jobs import JobError, start_lock
+    from astrai.runtime import resolve_runtime
+
+    config, job_dir = job
+    runtime = resolve_runtime(config)
+    with start_lock(runtime):
+        with pytest.raises(JobError, match="another `invoke start` of job j is in progress"):
+            with start_lock(runtime):
+                pass
+        result = invoke("start", "--config", str(config))
+        assert result.returncode == 1 and "another `invoke start` of job j is in progress" in result.stderr
+        assert "Traceback" not in result.stderr
+        with start_lock(dataclasses.replace(runtime, node=1)):
+            pass  # another node's start is not this one
+    with start_lock(runtime):
+        pass  # released when the first start ends
+    assert (job_dir / ".astrai" / "start.node0.lock").is_file()
+
+
+def test_the_start_lock_dies_with_its_holder(job):
+    config, _ = job
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom astrai.jobs import start_lock\nfrom astrai.runtime import "
+         "resolve_runtime\nwith start_lock(resolve_runtime(sys.argv[1])):\n    print('held', flush=True)\n"
+         "    time.sleep(600)\n", str(config)],
+        cwd=REPO, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+    finally:
+        holder.kill()
+        holder.wait()
+    from astrai.jobs import start_lock
+    from astrai.runtime import resolve_runtime
+
+    with start_lock(resolve_runtime(config)):
+        pass
