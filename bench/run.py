@@ -132,16 +132,19 @@ def run(quick: bool, readme: bool, base_image: str) -> dict:
         ("two nodes", lambda: two_nodes.run(quick, base_image)),
         ("own model and tokenizer", lambda: hf_io.run(quick)),
     ]
+    sections = results["section_seconds"] = {}
     for name, step in steps:
         print(f"== {name}", flush=True)
         started = time.perf_counter()
         results.update(step())
-        print(f"   done in {time.perf_counter() - started:.0f} s", flush=True)
+        sections[name] = round(time.perf_counter() - started, 1)
+        print(f"   done in {sections[name]:.0f} s", flush=True)
+    results["total_seconds"] = round(sum(sections.values()), 1)
     RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     info = results["machine"]
     summary = (f"Measured {info['date']} with `invoke bench{' --quick' if quick else ''}` on {info['cores']} cores "
                f"({info['cpu']}), Python {info['python']}, torch {info['torch']} ({TORCH_THREADS} thread in-process), "
-               f"Docker {info['docker']}.\n\n"
+               f"Docker {info['docker']}; the whole run took {results['total_seconds'] / 60:.1f} minutes.\n\n"
                + table(results))
     print("\n" + summary)
     if readme:
