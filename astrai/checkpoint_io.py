@@ -362,11 +362,12 @@ _SAFETENSORS_DTYPES = {
 
 
 def _write_safetensors(tensors: dict[str, torch.Tensor], out: io.RawIOBase, metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` in the safetensors format, each straight from its own memory.
+    """Write ``tensors`` in the safetensors format into ``out``, each straight from its own memory.
 
-    ``safetensors.torch.save_file`` first turns every tensor into a Python bytes object, a second copy
-    of the whole model in memory; this writes the same file (readable by ``safetensors.safe_open``,
-    Hugging Face included) from the tensors themselves. Layout: an 8-byte little-endian header length,
+    ``safetensors.torch.save_file`` opens the file itself; written into a :class:`_WritebackFile`
+    instead, the start of the model is on its way to the disk while the rest is still being written.
+    The file is the same format (readable by ``safetensors.safe_open``, Hugging Face included).
+    Layout: an 8-byte little-endian header length,
     the JSON header (names, dtypes, shapes, byte ranges; padded with spaces to a multiple of 8), then
     the raw little-endian data. Wider dtypes come first, so every tensor starts aligned to its itemsize.
     """

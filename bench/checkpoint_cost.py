@@ -265,7 +265,7 @@ def _peak_memory(folder: Path, params: Path, data: Path, preset: str) -> dict[st
 
 def _measure(preset: str, folder: Path, env, quick: bool) -> dict:
     window, batch = SETUPS[preset]
-    repeats = {("small", True): 5, ("small", False): 11, ("base", True): 2, ("base", False): 5}[(preset, quick)]
+    repeats = {("small", True): 5, ("small", False): 9, ("base", True): 2, ("base", False): 4}[(preset, quick)]
     params, data = make_assets(folder, preset)
     results: dict = {}
     trainer = Trainer(trainer_config(params, data, folder / f"job-{preset}", window, batch, 10**6), env)
@@ -274,7 +274,7 @@ def _measure(preset: str, folder: Path, env, quick: bool) -> dict:
         times = _save_times(trainer, folder, repeats)
         loads = _load_times(trainer, folder, repeats)
         if preset == "small":
-            results["ckpt_contention_vs_sync"] = _contention(folder, params, data, env, trainer, 2 if quick else 4) \
+            results["ckpt_contention_vs_sync"] = _contention(folder, params, data, env, trainer, 2 if quick else 3) \
                 / statistics.median(times["save"])
             _clear(trainer.job_dir)
             trainer.save_checkpoint("final")

@@ -139,6 +139,8 @@ def run(quick: bool, readme: bool, base_image: str) -> dict:
         results.update(step())
         sections[name] = round(time.perf_counter() - started, 1)
         print(f"   done in {sections[name]:.0f} s", flush=True)
+        # Written after every section, so that an interrupted run keeps what it measured.
+        RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     results["total_seconds"] = round(sum(sections.values()), 1)
     RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     info = results["machine"]

@@ -36,7 +36,7 @@ from astrai.train import Trainer
 from bench.common import REPO, fix_threads, ratio_with_spread
 
 # preset: (window_size, batch_per_device, steps per turn)
-SETUPS = {"tiny": (128, 16, 10), "small": (128, 4, 2)}
+SETUPS = {"tiny": (128, 16, 4), "small": (128, 4, 1)}
 
 
 def make_assets(folder: Path, preset: str) -> tuple[Path, Path]:
@@ -125,7 +125,7 @@ def run(quick: bool) -> dict:
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="astrai-bench-speed-") as work:
         for preset in SETUPS:
-            results.update(measure(preset, 10 if quick else 24, Path(work)))
+            results.update(measure(preset, 9 if quick else 21, Path(work)))
     for key in ("trainer_vs_bare", "trainer_vs_bare_wall"):
         worst = min(SETUPS, key=lambda preset: results[f"{preset}_{key}"])
         results[key], results[f"{key}_spread"] = results[f"{worst}_{key}"], results[f"{worst}_{key}_spread"]
