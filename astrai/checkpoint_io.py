@@ -361,15 +361,17 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _write_safetensors(tensors: dict[str, torch.Tensor], out: io.RawIOBase, metadata: dict[str, str] | None = None) -> None:
+def _write_safetensors(
+    tensors: dict[str, torch.Tensor], out: io.RawIOBase, metadata: dict[str, str] | None = None
+) -> None:
     """Write ``tensors`` in the safetensors format into ``out``, each straight from its own memory.
 
     ``safetensors.torch.save_file`` opens the file itself; written into a :class:`_WritebackFile`
     instead, the start of the model is on its way to the disk while the rest is still being written.
     The file is the same format (readable by ``safetensors.safe_open``, Hugging Face included).
-    Layout: an 8-byte little-endian header length,
-    the JSON header (names, dtypes, shapes, byte ranges; padded with spaces to a multiple of 8), then
-    the raw little-endian data. Wider dtypes come first, so every tensor starts aligned to its itemsize.
+    Layout: an 8-byte little-endian header length, the JSON header (names, dtypes, shapes, byte
+    ranges; padded with spaces to a multiple of 8), then the raw little-endian data. Wider dtypes come
+    first, so every tensor starts aligned to its itemsize.
     """
     ordered = sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0]))
     header: dict = {"__metadata__": metadata} if metadata else {}
@@ -411,9 +413,8 @@ class _WritebackFile(io.FileIO):
         self._submitted = 0
 
     def write(self, data) -> int:
-        # A raw write may stop short (Linux caps one write near 2 GiB) and torch.save ignores the count,
-        # so write until everything is out.
-        # A large buffer goes out in CHUNK-sized writes, so its start is on its way to the disk while the
+        # A raw write may stop short and torch.save ignores the count, so write until everything is out;
+        # a large buffer goes out in CHUNK-sized writes, so its start is on its way to the disk while the
         # rest is still being copied into the page cache.
         view = memoryview(data).cast("B")
         count = 0
