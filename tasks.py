@@ -211,7 +211,7 @@ def demo(c, workdir="demo", fresh=False, job_name="astrai-demo"):
         run_demo(Path(workdir), fresh=fresh, job_name=job_name)
 
 
-@task(help={"quick": "fewer repetitions (a few minutes instead of about half an hour)",
+@task(help={"quick": "fewer repetitions (under 6 minutes instead of under 20)",
             "readme": "also write the result table into README.md"})
 def bench(c, quick=False, readme=False):
     """Measure speed and robustness side by side; writes bench/results.json."""

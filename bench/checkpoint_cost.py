@@ -1,47 +1,93 @@
-"""Checkpoint cost, on the `small` preset (26M parameters, ~300 MB with the optimizer state).
+"""Checkpoint cost, against raw writes and against torch.distributed.checkpoint (DCP), on `small` and `base`.
 
-- ``ckpt_save_vs_raw``: a synchronous trainer checkpoint (staging folder, every
-  file, meta, RNG states, fsync, rename) over ``safetensors.save_file`` of the
-  model plus ``torch.save`` of the optimizer and scheduler state, same state.
-  ``ckpt_save_vs_raw_fsync`` compares with the same raw writes followed by an
-  fsync of each file, which is what makes a checkpoint survive a power cut.
-  ``ckpt_raw_fsync_vs_raw`` is that durable baseline over the raw one: what the
-  disk alone adds, a floor for any writer that flushes.
-- ``ckpt_stall_vs_sync``: how long a periodic checkpoint pauses the training
-  loop (the state is copied, then written by a background thread) over the
-  time of one synchronous save.
-- ``ckpt_contention_vs_sync``: the extra wall time per periodic save of a run
-  with saves over the same run without, over one synchronous save. On a CPU
-  host every core trains, so the background writer's work still costs time.
-- ``resume_s``: building a trainer that resumes from a `small` checkpoint.
+`small` has 26M parameters (~300 MB of state with AdamW), `base` 124M (~1.5 GB);
+keys without a prefix are `small`'s, `base_...` keys the same measure on `base`.
+Every save below writes the same state (model, AdamW moments, scheduler, RNG),
+each way in turn within one repetition (the order rotates), and every ratio is
+the median of the per-repetition ratios:
 
-Every timed save starts after ``os.sync()``, so no writer inherits the other's
-dirty pages.
+- ``ckpt_save_vs_dcp``: a synchronous trainer checkpoint (staging folder, every
+  file, fsync, rename) over ``torch.distributed.checkpoint.save`` of the same
+  state with its defaults (which fsync its files too).
+- ``ckpt_save_vs_raw_fsync``: the same over ``safetensors.save_file`` of the model
+  plus ``torch.save`` of the optimizer and scheduler state, each file fsynced;
+  ``ckpt_save_vs_raw`` over those raw writes without the fsync, which stop at the
+  page cache (``ckpt_raw_fsync_vs_raw`` is what the flush alone adds).
+- ``ckpt_stall_vs_dcp_async``: how long a periodic checkpoint pauses the training
+  loop (the state is copied, a background thread writes it) over how long
+  ``torch.distributed.checkpoint.async_save`` takes to return; ``ckpt_stall_vs_sync``
+  the same pause over one synchronous save.
+- ``resume_vs_dcp``: loading a checkpoint into a live model, optimizer and
+  scheduler the way the trainer resumes (pick the newest, read and check every
+  file, load) over ``torch.distributed.checkpoint.load`` into the same objects;
+  each load starts with the checkpoint's files dropped from the page cache.
+- ``ckpt_peak_host_mem_vs_state``: a fresh trainer process's peak resident memory
+  during its first periodic save, above what it used just before, over the bytes of
+  state saved (model and optimizer tensors); ``ckpt_sync_peak_host_mem_vs_state``
+  the same for a final save.
+- ``ckpt_contention_vs_sync`` (`small`): the extra wall time per periodic save of
+  a run with saves over the same run without, over one synchronous save, with as
+  many torch threads as cores. On a CPU host every core trains, so the background
+  writer's work still costs time.
+- ``resume_s`` (`small`): building a trainer that resumes from a checkpoint.
+
+Every timed save starts after ``os.sync()``, so no writer inherits another's
+dirty pages. torch uses ``bench.common.TORCH_THREADS`` threads unless said otherwise.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from astrai.checkpoints import list_complete_checkpoints
 from astrai.distributed import init_distributed
 from astrai.train import Trainer
+from bench.common import REPO, fix_threads, ratio_with_spread
 from bench.trainer_speed import make_assets, trainer_config
 
-PRESET, WINDOW, BATCH = "small", 128, 4
+# preset: (window_size, batch_per_device). The state is made by one training step, then saved over and
+# over: what a save costs does not depend on the values in it, and a `base` step takes longer on this
+# machine than all the saves of a repetition.
+SETUPS = {"small": (128, 4), "base": (32, 1)}
 
 
 def _clear(job_dir: Path) -> None:
     for checkpoint in list_complete_checkpoints(job_dir):
         shutil.rmtree(checkpoint.path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _drop_from_page_cache(folder: Path) -> None:
+    """Evict a (flushed) folder's files from the page cache, so that reading them goes to the disk."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def _raw_save(trainer: Trainer, target: Path, durable: bool) -> None:
@@ -51,31 +97,90 @@ def _raw_save(trainer: Trainer, target: Path, durable: bool) -> None:
     torch.save(trainer.scheduler.state_dict(), target / "scheduler.pt")
     if durable:
         for name in ("model.safetensors", "optimizer.pt", "scheduler.pt"):
-            fd = os.open(target / name, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+            _fsync(target / name)
 
 
-def _save_costs(trainer: Trainer, folder: Path, repeats: int) -> dict:
-    """Median seconds of each way to save, each measured right after a training step, in turns."""
+def _dcp_state(trainer: Trainer) -> dict:
+    """The trainer's state as DCP takes it: model and optimizer state dicts keyed by parameter name."""
+    model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+    return {"model": model_state, "optimizer": optimizer_state, "scheduler": trainer.scheduler.state_dict(),
+            "rng": torch.get_rng_state()}
+
+
+def _dcp_save(trainer: Trainer, target: Path) -> None:
+    dcp.save(_dcp_state(trainer), checkpoint_id=target, no_dist=True)
+
+
+def _dcp_async_save(trainer: Trainer, target: Path):
+    return dcp.async_save(_dcp_state(trainer), checkpoint_id=target, no_dist=True)
+
+
+def _dcp_load(trainer: Trainer, source: Path) -> None:
+    state = _dcp_state(trainer)
+    dcp.load(state, checkpoint_id=source, no_dist=True)
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+
+
+def _our_load(trainer: Trainer) -> None:
+    loaded = trainer.checkpointer.load_latest()
+    trainer.model.load_state_dict(loaded.model_state)
+    trainer.checkpointer.restore(loaded, trainer.model, trainer.optimizer, trainer.scheduler)
+
+
+def _save_times(trainer: Trainer, folder: Path, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each way to save, per repetition; the order of the ways rotates from one repetition to the next."""
+    pending = []
+
+    def periodic():
+        trainer.save_checkpoint("periodic")
+
+    def dcp_async():
+        pending.append(_dcp_async_save(trainer, folder / "dcp"))
+
     ways = {
         "save": lambda: trainer.save_checkpoint("final"),
         "raw": lambda: _raw_save(trainer, folder / "raw", durable=False),
         "durable": lambda: _raw_save(trainer, folder / "raw", durable=True),
-        "pause": lambda: trainer.save_checkpoint("periodic"),
+        "dcp": lambda: _dcp_save(trainer, folder / "dcp"),
+        "pause": periodic,
+        "dcp_pause": dcp_async,
     }
+    names = list(ways)
     times: dict[str, list[float]] = {name: [] for name in ways}
-    for _ in range(repeats):
-        for name, save in ways.items():
-            trainer.train(steps=1)
+    for repeat in range(repeats):
+        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
             os.sync()
             start = time.perf_counter()
-            save()
+            ways[name]()
             times[name].append(time.perf_counter() - start)
             trainer.checkpointer.wait()
+            while pending:
+                pending.pop().result()
             _clear(trainer.job_dir)
             shutil.rmtree(folder / "raw", ignore_errors=True)
-    return {name: statistics.median(values) for name, values in times.items()}
+            shutil.rmtree(folder / "dcp", ignore_errors=True)
+    return times
+
+
+def _load_times(trainer: Trainer, folder: Path, repeats: int) -> dict[str, list[float]]:
+    trainer.save_checkpoint("final")
+    _dcp_save(trainer, folder / "dcp-resume")
+    ours, theirs = [], []
+    for repeat in range(repeats):
+        for name in (("ours", "dcp") if repeat % 2 == 0 else ("dcp", "ours")):
+            _drop_from_page_cache(trainer.job_dir)
+            _drop_from_page_cache(folder / "dcp-resume")
+            start = time.perf_counter()
+            if name == "ours":
+                _our_load(trainer)
+            else:
+                _dcp_load(trainer, folder / "dcp-resume")
+            (ours if name == "ours" else theirs).append(time.perf_counter() - start)
+    shutil.rmtree(folder / "dcp-resume")
+    return {"ours": ours, "dcp": theirs}
 
 
 def _loop_seconds(trainer: Trainer, steps: int) -> float:
@@ -85,48 +190,136 @@ def _loop_seconds(trainer: Trainer, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def run(quick: bool) -> dict:
-    repeats = 5 if quick else 9
-    interval, saves = 4, 4
-    with tempfile.TemporaryDirectory(prefix="astrai-bench-ckpt-") as work:
-        folder = Path(work)
-        params, data = make_assets(folder, PRESET)
-        env = init_distributed("none", "cpu")
-
-        plain = Trainer(trainer_config(params, data, folder / "plain", WINDOW, BATCH, 10**6), env)
-        periodic = Trainer(trainer_config(params, data, folder / "periodic", WINDOW, BATCH, 10**6,
-                                          ckpt_interval=interval), env)
-        try:
-            costs = _save_costs(plain, folder, repeats)
-            plain.train(steps=2)
-            periodic.train(steps=interval - 2)  # the next periodic save falls inside the measured runs
-            periodic.checkpointer.wait()
-            extra = []
-            for _ in range(3 if quick else 5):
-                without = _loop_seconds(plain, interval * saves)
-                with_saves = _loop_seconds(periodic, interval * saves)
-                extra.append((with_saves - without) / saves)
-                _clear(periodic.job_dir)
-            plain.save_checkpoint("final")
-        finally:
-            plain.close()
-            periodic.close()
-
-        resume = []
+def _contention(folder: Path, params: Path, data: Path, env, plain: Trainer, repeats: int) -> float:
+    interval, saves = 3, 3
+    window, batch = SETUPS["small"]
+    periodic = Trainer(trainer_config(params, data, folder / "periodic", window, batch, 10**6,
+                                      ckpt_interval=interval), env)
+    torch.set_num_threads(os.cpu_count())  # every core trains, as in a real CPU run
+    try:
+        plain.train(steps=2)
+        periodic.train(steps=interval - 2)  # the next periodic save falls inside the measured runs
+        periodic.checkpointer.wait()
+        extra = []
         for _ in range(repeats):
-            start = time.perf_counter()
-            resumed = Trainer(trainer_config(params, data, folder / "plain", WINDOW, BATCH, 10**6), env)
-            resume.append(time.perf_counter() - start)
-            resumed.close()
-    contention = max(statistics.median(extra), 0.0)
-    return {
-        "ckpt_save_s": costs["save"],
-        "ckpt_raw_save_s": costs["raw"],
-        "ckpt_save_vs_raw": costs["save"] / costs["raw"],
-        "ckpt_save_vs_raw_fsync": costs["save"] / costs["durable"],
-        "ckpt_raw_fsync_vs_raw": costs["durable"] / costs["raw"],
-        "ckpt_stall_s": costs["pause"],
-        "ckpt_stall_vs_sync": costs["pause"] / costs["save"],
-        "ckpt_contention_vs_sync": contention / costs["save"],
-        "resume_s": statistics.median(resume),
+            without = _loop_seconds(plain, interval * saves)
+            with_saves = _loop_seconds(periodic, interval * saves)
+            extra.append((with_saves - without) / saves)
+            _clear(periodic.job_dir)
+    finally:
+        fix_threads()
+        periodic.close()
+    return max(statistics.median(extra), 0.0)
+
+
+def _memory_child(params: str, data: str, job_dir: str, preset: str) -> None:
+    """In a fresh process: train one step, then save once synchronously and once periodically.
+
+    Prints, for each, the peak resident bytes above those in use just before, and the bytes of state.
+    Freed memory is handed back to the system before each save, so that the peak counts new memory only.
+    """
+    fix_threads()
+    window, batch = SETUPS[preset]
+    trainer = Trainer(trainer_config(Path(params), Path(data), Path(job_dir), window, batch, 10**6),
+                      init_distributed("none", "cpu"))
+    trainer.train(steps=1)
+    libc = ctypes.CDLL(None)
+    extra = {}
+    for reason in ("final", "periodic"):
+        gc.collect()
+        libc.malloc_trim(0)
+        before = _status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+            handle.write("5")  # resets the peak (VmHWM) to the current resident size
+        trainer.save_checkpoint(reason)
+        trainer.checkpointer.wait()
+        extra[reason] = (_status_kib("VmHWM") - before) * 1024
+        _clear(trainer.job_dir)
+    _, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+    tensors = [*trainer.model.state_dict().values(),
+               *(t for state in optimizer_state["state"].values() for t in state.values()
+                 if isinstance(t, torch.Tensor))]
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    trainer.close()
+    print(json.dumps({"extra_bytes": extra, "state_bytes": state_bytes}))
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _peak_memory(folder: Path, params: Path, data: Path, preset: str) -> dict[str, float]:
+    """Peak extra host memory of a final and of a periodic save, over the state's size (fresh process)."""
+    job_dir = folder / f"memory-{preset}"
+    code = "import sys; from bench.checkpoint_cost import _memory_child; _memory_child(*sys.argv[1:])"
+    result = subprocess.run([sys.executable, "-c", code, str(params), str(data), str(job_dir), preset],
+                            capture_output=True, text=True, cwd=REPO, check=True)
+    shutil.rmtree(job_dir)
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    return {reason: extra / measured["state_bytes"] for reason, extra in measured["extra_bytes"].items()}
+
+
+def _measure(preset: str, folder: Path, env, quick: bool) -> dict:
+    window, batch = SETUPS[preset]
+    repeats = {("small", True): 5, ("small", False): 9, ("base", True): 2, ("base", False): 4}[(preset, quick)]
+    params, data = make_assets(folder, preset)
+    results: dict = {}
+    trainer = Trainer(trainer_config(params, data, folder / f"job-{preset}", window, batch, 10**6), env)
+    try:
+        trainer.train(steps=1)  # the optimizer state exists from the first step on
+        times = _save_times(trainer, folder, repeats)
+        loads = _load_times(trainer, folder, repeats)
+        if preset == "small":
+            results["ckpt_contention_vs_sync"] = _contention(folder, params, data, env, trainer, 2 if quick else 3) \
+                / statistics.median(times["save"])
+            _clear(trainer.job_dir)
+            trainer.save_checkpoint("final")
+            resume = []
+            for _ in range(repeats // 2):
+                start = time.perf_counter()
+                resumed = Trainer(trainer_config(params, data, trainer.job_dir, window, batch, 10**6), env)
+                resume.append(time.perf_counter() - start)
+                resumed.close()
+            results["resume_s"] = statistics.median(resume)
+    finally:
+        trainer.close()
+    results.update({
+        "ckpt_save_s": statistics.median(times["save"]),
+        "ckpt_dcp_save_s": statistics.median(times["dcp"]),
+        "ckpt_raw_save_s": statistics.median(times["raw"]),
+        "ckpt_stall_s": statistics.median(times["pause"]),
+        "ckpt_dcp_async_stall_s": statistics.median(times["dcp_pause"]),
+        "resume_load_s": statistics.median(loads["ours"]),
+        "resume_dcp_load_s": statistics.median(loads["dcp"]),
+    })
+    pairs = {
+        "ckpt_save_vs_dcp": ("save", "dcp"),
+        "ckpt_save_vs_raw_fsync": ("save", "durable"),
+        "ckpt_save_vs_raw": ("save", "raw"),
+        "ckpt_raw_fsync_vs_raw": ("durable", "raw"),
+        "ckpt_stall_vs_dcp_async": ("pause", "dcp_pause"),
+        "ckpt_stall_vs_sync": ("pause", "save"),
     }
+    for key, (ours, theirs) in pairs.items():
+        results[key], results[f"{key}_spread"] = ratio_with_spread(times[ours], times[theirs])
+    results["resume_vs_dcp"], results["resume_vs_dcp_spread"] = ratio_with_spread(loads["ours"], loads["dcp"])
+    memory = _peak_memory(folder, params, data, preset)
+    results["ckpt_peak_host_mem_vs_state"] = memory["periodic"]
+    results["ckpt_sync_peak_host_mem_vs_state"] = memory["final"]
+    if preset == "small":
+        return results
+    return {f"{preset}_{key}": value for key, value in results.items()}
+
+
+def run(quick: bool) -> dict:
+    fix_threads()
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="astrai-bench-ckpt-") as work:
+        env = init_distributed("none", "cpu")
+        for preset in SETUPS:
+            results.update(_measure(preset, Path(work), env, quick))
+    return results

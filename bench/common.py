@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import subprocess
@@ -22,6 +23,31 @@ def median_time(run, repeats: int) -> float:
         run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+# Threads every in-process benchmark gives torch. On a shared 2-core machine, two OpenMP threads stall
+# whenever another process takes one core, which spreads timings far more than one thread does.
+TORCH_THREADS = 1
+
+
+def fix_threads() -> None:
+    import torch
+
+    torch.set_num_threads(TORCH_THREADS)
+
+
+def ratio_with_spread(numerators: list[float], denominators: list[float]) -> tuple[float, float]:
+    """Median of the paired ratios a_i / b_i (measured back to back), and the spread of that median.
+
+    The spread is half the width of a distribution-free ~95% confidence interval of the median
+    (order statistics n/2 ± sqrt(n)), relative to the median: two runs should agree within about it.
+    """
+    ratios = sorted(a / b for a, b in zip(numerators, denominators, strict=True))
+    n = len(ratios)
+    half = math.ceil(math.sqrt(n))
+    low, high = ratios[max(n // 2 - half, 0)], ratios[min((n - 1) // 2 + half, n - 1)]
+    middle = statistics.median(ratios)
+    return middle, (high - low) / 2 / middle
 
 
 def invoke(*args: str, env: dict | None = None, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:

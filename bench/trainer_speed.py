@@ -2,11 +2,20 @@
 
 Both train the same model (same weights), on the same token windows, with the
 same batch, AdamW settings, clipping and learning rate, in this one process on
-the CPU. The bare loop is the smallest honest training loop: batches already in
-memory, forward, cross-entropy, backward, clip, step. The trainer adds what a
-user relies on: its DataLoader, schedule, loss bookkeeping, progress lines and
-metrics file. The two are measured in turns, several times, and the medians
-compared.
+the CPU with ``bench.common.TORCH_THREADS`` threads. The bare loop is the
+smallest honest training loop: batches already in memory, forward,
+cross-entropy, backward, clip, step. The trainer adds what a user relies on: its
+DataLoader, schedule, loss bookkeeping, progress lines and metrics file.
+
+The two run in short turns, back to back, the order swapped every turn, and
+each turn's ratio compares two neighbouring measurements.
+``<preset>_trainer_vs_bare`` is the median of those ratios on the CPU time of
+this process: with one torch thread and no DataLoader workers, all of either
+loop's work is on that clock, and it does not run while another process holds
+the core (this machine is shared; wall-clock turns swing by tens of percent).
+``<preset>_trainer_vs_bare_wall`` is the same on wall time, as a cross-check.
+Each comes with ``..._spread``, the relative half-width of the median's ~95%
+confidence interval (``bench.common.ratio_with_spread``).
 """
 
 from __future__ import annotations
@@ -24,10 +33,10 @@ from astrai.data import TokenData, WindowDataset, epoch_permutation, prepare
 from astrai.distributed import init_distributed
 from astrai.model import PRESETS, Transformer, load_base_model, write_base_model
 from astrai.train import Trainer
-from bench.common import REPO
+from bench.common import REPO, fix_threads, ratio_with_spread
 
-# (preset, window_size, batch_per_device, steps per measurement)
-SETUPS = {"tiny": (128, 16, 40), "small": (128, 4, 8)}
+# preset: (window_size, batch_per_device, steps per turn)
+SETUPS = {"tiny": (128, 16, 4), "small": (128, 4, 1)}
 
 
 def make_assets(folder: Path, preset: str) -> tuple[Path, Path]:
@@ -63,10 +72,9 @@ class BareLoop:
         self.batches = torch.stack(windows).view(-1, batch, window + 1)
         self.vocab_size, self.max_grad_norm, self.cursor = config.vocab_size, max_grad_norm, 0
 
-    def train(self, steps: int) -> float:
-        """Train ``steps`` steps; return tokens/s."""
+    def train(self, steps: int) -> None:
+        """Train ``steps`` steps."""
         self.model.train()
-        start = time.perf_counter()
         for _ in range(steps):
             batch = self.batches[self.cursor % len(self.batches)]
             self.cursor += 1
@@ -76,8 +84,13 @@ class BareLoop:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - start
-        return steps * self.batches.shape[1] * (self.batches.shape[2] - 1) / seconds
+
+
+def _timed(run) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of ``run()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    run()
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def measure(preset: str, repeats: int, folder: Path) -> dict:
@@ -87,24 +100,33 @@ def measure(preset: str, repeats: int, folder: Path) -> dict:
     config = trainer_config(params, data, folder / f"job-{preset}", window, batch, max_steps=10**6)
     trainer = Trainer(config, env)
     bare = BareLoop(params, data, window, batch, config.training.max_lr, config.training.max_grad_norm)
+    sides = {"trainer": lambda: trainer.train(steps=steps), "bare": lambda: bare.train(steps)}
     try:
         trainer.train(steps=3)  # warm up both: allocator, kernels, first batches
         bare.train(3)
-        trainer_rates, bare_rates = [], []
-        for _ in range(repeats):
-            trainer_rates.append(trainer.train(steps=steps).tokens_per_s)
-            bare_rates.append(bare.train(steps))
+        times: dict[str, list[tuple[float, float]]] = {"trainer": [], "bare": []}
+        for turn in range(repeats):
+            for side in (("trainer", "bare") if turn % 2 == 0 else ("bare", "trainer")):
+                times[side].append(_timed(sides[side]))
     finally:
         trainer.close()
-    trainer_rate, bare_rate = statistics.median(trainer_rates), statistics.median(bare_rates)
-    return {f"{preset}_trainer_tokens_per_s": trainer_rate, f"{preset}_bare_tokens_per_s": bare_rate,
-            f"{preset}_trainer_vs_bare": trainer_rate / bare_rate}
+    tokens = steps * batch * window
+    # Both sides train the same tokens per turn, so the ratio of rates is the inverse ratio of times.
+    cpu, cpu_spread = ratio_with_spread([cpu for _, cpu in times["bare"]], [cpu for _, cpu in times["trainer"]])
+    wall, wall_spread = ratio_with_spread([wall for wall, _ in times["bare"]], [wall for wall, _ in times["trainer"]])
+    return {f"{preset}_trainer_tokens_per_s": tokens / statistics.median(wall for wall, _ in times["trainer"]),
+            f"{preset}_bare_tokens_per_s": tokens / statistics.median(wall for wall, _ in times["bare"]),
+            f"{preset}_trainer_vs_bare": cpu, f"{preset}_trainer_vs_bare_spread": cpu_spread,
+            f"{preset}_trainer_vs_bare_wall": wall, f"{preset}_trainer_vs_bare_wall_spread": wall_spread}
 
 
 def run(quick: bool) -> dict:
+    fix_threads()
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="astrai-bench-speed-") as work:
         for preset in SETUPS:
-            results.update(measure(preset, 3 if quick else 7, Path(work)))
-    results["trainer_vs_bare"] = min(results[f"{preset}_trainer_vs_bare"] for preset in SETUPS)
+            results.update(measure(preset, 9 if quick else 21, Path(work)))
+    for key in ("trainer_vs_bare", "trainer_vs_bare_wall"):
+        worst = min(SETUPS, key=lambda preset: results[f"{preset}_{key}"])
+        results[key], results[f"{key}_spread"] = results[f"{worst}_{key}"], results[f"{worst}_{key}_spread"]
     return results

@@ -167,6 +167,32 @@ def test_optimizer_file_streamed_to_disk_holds_every_byte_even_after_short_write
     assert loaded["param_groups"] == state["param_groups"]
 
 
+def test_tensors_streamed_as_safetensors_read_back_exactly_with_safetensors_itself(tmp_path):
+    from safetensors import safe_open
+
+    weight = torch.nn.Parameter(torch.randn(33, 7))  # a live parameter: requires grad
+    tensors = {
+        "weight": weight,
+        "transposed": torch.randn(6, 10).t(),  # not contiguous
+        "half": torch.randn(5, 3).to(torch.bfloat16),
+        "odd_bytes": torch.arange(7, dtype=torch.uint8),  # would misalign whatever came after it
+        "flags": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 4),
+        "steps": torch.arange(4, dtype=torch.int64),
+    }
+    with checkpoint_io._WritebackFile(tmp_path / "t.safetensors") as out:
+        checkpoint_io._write_safetensors(tensors, out, {"format": "pt"})
+    loaded = load_file(tmp_path / "t.safetensors")
+    assert set(loaded) == set(tensors)
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor.detach()), name
+    with safe_open(tmp_path / "t.safetensors", framework="pt") as handle:
+        assert handle.metadata() == {"format": "pt"}
+    with checkpoint_io._WritebackFile(tmp_path / "bad.safetensors") as out, pytest.raises(ValueError, match="complex"):
+        checkpoint_io._write_safetensors({"z": torch.zeros(2, dtype=torch.complex64)}, out)
+
+
 def test_background_save_keeps_a_snapshot_of_the_moment(tmp_path, training_state):
     model = training_state[0]
     before = model.tok_embeddings.weight.detach().clone()
