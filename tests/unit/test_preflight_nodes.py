@@ -63,7 +63,7 @@ def test_an_unknown_host_or_interface_fails(tmp_path):
 
 
 def test_other_nodes_need_no_base_model(tmp_path):
-    check = preflight._base_model_check(_runtime(tmp_path, 1, "127.0.0.1:29500"))
+    check = preflight._base_model_check(_runtime(tmp_path, 1, "127.0.0.1:29500"), {})
     assert check.mark == preflight.SKIP and "not needed on node 1" in check.detail
 
 
