@@ -17,6 +17,11 @@ ENV PYTHONUNBUFFERED=1 \
 
 # Install only what the base lacks. torch comes from the PyTorch index of the
 # requested CUDA build (cu128, cpu, ...); the small pure packages from PyPI.
+# TensorBoard (event files) is optional: it is added only when something required
+# was missing, i.e. when this build goes to the network anyway. A base image that
+# holds everything required but TensorBoard still builds offline; the trainer
+# then says once that event files are off.
+ARG TENSORBOARD_VERSION=2.20.0
 RUN set -eu; \
     if ! command -v python3 >/dev/null 2>&1; then \
         echo "error: the base image has no python3; set runtime.container.base_image to an image with Python 3.10+" >&2; \
@@ -24,15 +29,26 @@ RUN set -eu; \
     fi; \
     python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { \
         echo "error: the base image's python3 is older than 3.10" >&2; exit 1; }; \
+    online=no; \
     if ! python3 -c 'import torch' >/dev/null 2>&1; then \
         echo "installing torch for ${CUDA_TAG}"; \
         python3 -m pip install --index-url "https://download.pytorch.org/whl/${CUDA_TAG}" torch; \
+        online=yes; \
     fi; \
     for module in safetensors:safetensors yaml:pyyaml numpy:numpy; do \
         if ! python3 -c "import ${module%%:*}" >/dev/null 2>&1; then \
             python3 -m pip install "${module#*:}"; \
+            online=yes; \
         fi; \
-    done
+    done; \
+    if ! python3 -c 'import tensorboard' >/dev/null 2>&1; then \
+        if [ "${online}" = yes ]; then \
+            python3 -m pip install "tensorboard==${TENSORBOARD_VERSION}"; \
+        else \
+            echo "note: the base image has no tensorboard and this build needs no network, so none is added:" \
+                 "TensorBoard event files will be off"; \
+        fi; \
+    fi
 
 # A user with the host's UID/GID, so files written under /checkpoints belong to
 # the host user. With a root host user (UID 0) the container simply runs as root.
