@@ -21,7 +21,7 @@ ENV PYTHONUNBUFFERED=1 \
 # was missing, i.e. when this build goes to the network anyway. A base image that
 # holds everything required but TensorBoard still builds offline; the trainer
 # then says once that event files are off.
-ARG TENSORBOARD_VERSION=2.20.0
+ARG TENSORBOARD_VERSION=2.21.0
 RUN set -eu; \
     if ! command -v python3 >/dev/null 2>&1; then \
         echo "error: the base image has no python3; set runtime.container.base_image to an image with Python 3.10+" >&2; \

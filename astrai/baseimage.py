@@ -17,7 +17,7 @@ The image is cached by tag: an existing tag is reused, never rebuilt.
 
 Run it by hand::
 
-    sudo python -m astrai.baseimage --tag astrai-base:bookworm-torch2.13.0-tb2.20.0-cpu
+    sudo python -m astrai.baseimage --tag astrai-base:bookworm-torch2.13.0-tb2.21.0-cpu
 
 Needs root (debootstrap, chroot), ``debootstrap`` and a reachable Docker daemon.
 """
@@ -35,10 +35,10 @@ from pathlib import Path
 DEFAULT_SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 DEFAULT_TORCH = "torch==2.13.0"
-TENSORBOARD_REQUIREMENT = "tensorboard==2.20.0"
+TENSORBOARD_REQUIREMENT = "tensorboard==2.21.0"
 """Pinned alike here, in the Dockerfile and in setup.cfg (a unit test keeps them equal)."""
 # The tag names what the image holds, so an image cached before TensorBoard was added is not mistaken for this one.
-DEFAULT_TAG = "astrai-base:bookworm-torch2.13.0-tb2.20.0-cpu"
+DEFAULT_TAG = "astrai-base:bookworm-torch2.13.0-tb2.21.0-cpu"
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 _DEBIAN_PACKAGES = ("python3", "python3-pip", "ca-certificates")
 

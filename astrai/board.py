@@ -50,8 +50,8 @@ def board_command(runtime: Runtime, all_jobs: bool, host: str, port: int) -> lis
     if all_jobs:
         source = ["--logdir", str(runtime.checkpoints_dir)]
     else:
-        # Named after the job, so its curves are labelled with it rather than with a folder name.
-        source = ["--logdir_spec", f"{runtime.job_name}:{runtime.job_dir / TENSORBOARD_DIR}"]
+        # Named after the job, so its run reads <job>/tensorboard as it does with --all.
+        source = ["--logdir_spec", f"{runtime.job_name}:{runtime.job_dir}"]
     return [sys.executable, "-m", _MODULE, *source, "--host", host, "--port", str(port), "--reload_interval", "5"]
 
 
