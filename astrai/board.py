@@ -62,7 +62,7 @@ def board_url(host: str, port: int) -> str:
 
 def check_can_serve(runtime: Runtime, all_jobs: bool, host: str, port: int) -> list[str]:
     """Raise BoardError when TensorBoard is missing or the port is taken; return notes for the user."""
-    if importlib.util.find_spec("tensorboard") is None:
+    if importlib.util.find_spec(_MODULE.partition(".")[0]) is None:
         raise BoardError(
             "tensorboard is not installed on this host; install it with: python3 -m pip install -e '.[dev]' "
             "(or pip install tensorboard)"

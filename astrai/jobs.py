@@ -409,7 +409,7 @@ def _loss_summary(records: list[dict]) -> str | None:
         return None
     losses = [loss for _, loss in points]
     text = f"{losses[-1]:.4f} {sparkline(losses)} (steps {points[0][0]}-{points[-1][0]}, min {min(losses):.4f})"
-    validated = [(record[METRIC_STEP], record[METRIC_VAL_LOSS]) for record in records if _number(record, METRIC_VAL_LOSS)]
+    validated = [(r[METRIC_STEP], r[METRIC_VAL_LOSS]) for r in records if _number(r, METRIC_VAL_LOSS)]
     if validated:
         text += f"; val_loss {validated[-1][1]:.4f} at step {validated[-1][0]}"
     return text

@@ -8,10 +8,11 @@ nor TensorBoard at the top: the event writer loads them when it is created.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from astrai.contract import METRIC_STEP, TAG_CHECKPOINT
 
@@ -216,7 +217,7 @@ def sparkline(values: list[float], width: int = 40) -> str:
 
     More values than characters are averaged in equal buckets, so the line keeps the curve's shape.
     """
-    values = [value for value in values if isinstance(value, (int, float)) and value == value]
+    values = [value for value in values if isinstance(value, (int, float)) and math.isfinite(value)]
     if not values:
         return ""
     if len(values) > width:

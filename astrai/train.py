@@ -28,6 +28,7 @@ if __name__ == "__main__":
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import sys
@@ -391,7 +392,7 @@ class Trainer:
                 self._report(lr, grad_norm, val_loss)
             reason = self.checkpointer.reason_for(progress.step, self.max_steps, stopping)
             if reason is not None:
-                self._paused(lambda: self.save_checkpoint(reason))
+                self._paused(functools.partial(self.save_checkpoint, reason))
         self._synchronize()
         steps_done = self.progress.step - first_step
         return TrainStats(steps_done, steps_done * tokens_per_step, time.perf_counter() - started, stopped=stopping)

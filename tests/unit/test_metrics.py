@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -150,7 +151,7 @@ def test_tokens_per_s_leaves_checkpoint_pauses_out(tmp_path, train_yaml, one_thr
         trainer.close()
     records = metrics.read_records(tmp_path / "ckpt" / METRICS_FILE)
     assert [r["step"] for r in records] == [10, 20, 30]
-    for before, after in zip(records, records[1:]):
+    for before, after in itertools.pairwise(records):
         # Each interval holds ten 0.5 s pauses; the wall-clock rate counts them, the reported one must not.
         wall_clock_rate = 10 * 4 * 32 / (after["time"] - before["time"])
         assert after["tokens_per_s"] > 2 * wall_clock_rate, records
@@ -170,3 +171,21 @@ def test_without_tensorboard_training_goes_on_and_says_so_once(tmp_path, train_y
     assert not (tmp_path / "ckpt" / TENSORBOARD_DIR).exists()
     assert [r["step"] for r in metrics.read_records(tmp_path / "ckpt" / METRICS_FILE)] == [10, 20]
     assert math.isfinite(metrics.read_records(tmp_path / "ckpt" / METRICS_FILE)[-1]["loss"])
+
+
+def test_tensorboard_is_pinned_alike_in_the_base_image_the_dockerfile_and_the_extras():
+    import configparser
+    import re
+    from pathlib import Path
+
+    from astrai.baseimage import DEFAULT_TAG, TENSORBOARD_REQUIREMENT
+
+    repo = Path(__file__).resolve().parents[2]
+    version = TENSORBOARD_REQUIREMENT.split("==")[1]
+    dockerfile = (repo / "Dockerfile").read_text(encoding="utf-8")
+    assert re.findall(r"^ARG TENSORBOARD_VERSION=(\S+)$", dockerfile, re.MULTILINE) == [version]
+    setup = configparser.ConfigParser()
+    setup.read(repo / "setup.cfg")
+    for extra in ("train", "dev"):
+        assert TENSORBOARD_REQUIREMENT in setup["options.extras_require"][extra].split()
+    assert f"tb{version}" in DEFAULT_TAG  # a cached image from before a version change is not reused

@@ -37,7 +37,7 @@ def test_killed_twice_and_stopped_logs_each_step_once_with_the_uninterrupted_val
     for kill_after in (50, 80):
         run = Run([*TRAINER, "--config", config], trainer_env, tmp_path / "run.log")
         try:
-            _wait_for(lambda: _logged_step(job) >= kill_after, run)
+            _wait_for(lambda after=kill_after: _logged_step(job) >= after, run)
         finally:
             run.kill()
         assert latest_complete_checkpoint(job).step < _logged_step(job)
