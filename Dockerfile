@@ -24,7 +24,13 @@ ENV PYTHONUNBUFFERED=1 \
 # requested build (cu128, cpu, ...); a base that already holds a different torch
 # fails here rather than train on a version nobody tested. The small pure
 # packages come from PyPI.
+# TensorBoard (event files) is optional: it is added only when something required
+# was missing, i.e. when this build goes to the network anyway. A base image that
+# holds everything required but TensorBoard still builds offline; the trainer
+# then says once that event files are off.
+ARG TENSORBOARD_VERSION=2.21.0
 RUN set -eu; \
+    online=no; \
     if ! command -v python3 >/dev/null 2>&1; then \
         if ! command -v apt-get >/dev/null 2>&1; then \
             echo "error: the base image has no python3 and no apt-get;" \
@@ -35,6 +41,7 @@ RUN set -eu; \
         apt-get update -qq; \
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3 python3-pip >/dev/null; \
         rm -rf /var/lib/apt/lists/*; \
+        online=yes; \
     fi; \
     python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { \
         echo "error: the base image's python3 is older than 3.10" >&2; exit 1; }; \
@@ -42,6 +49,7 @@ RUN set -eu; \
     if [ -z "${found}" ]; then \
         echo "installing torch ${TORCH_VERSION} for ${CUDA_TAG}"; \
         python3 -m pip install --index-url "https://download.pytorch.org/whl/${CUDA_TAG}" "torch==${TORCH_VERSION}"; \
+        online=yes; \
     elif [ "${found%%+*}" != "${TORCH_VERSION}" ]; then \
         echo "error: the base image ${BASE_IMAGE} holds torch ${found}, but astrai runs torch ${TORCH_VERSION} only;" \
              "use a base image without torch (the build installs ${TORCH_VERSION})" \
@@ -56,8 +64,17 @@ RUN set -eu; \
     for module in safetensors:safetensors yaml:pyyaml numpy:numpy; do \
         if ! python3 -c "import ${module%%:*}" >/dev/null 2>&1; then \
             python3 -m pip install "${module#*:}"; \
+            online=yes; \
         fi; \
-    done
+    done; \
+    if ! python3 -c 'import tensorboard' >/dev/null 2>&1; then \
+        if [ "${online}" = yes ]; then \
+            python3 -m pip install "tensorboard==${TENSORBOARD_VERSION}"; \
+        else \
+            echo "note: the base image has no tensorboard and this build needs no network, so none is added:" \
+                 "TensorBoard event files will be off"; \
+        fi; \
+    fi
 # What `invoke status` and `invoke preflight` report (label names: astrai/contract.py).
 LABEL ai.astrai.torch="${TORCH_VERSION}" \
       ai.astrai.cuda_tag="${CUDA_TAG}"

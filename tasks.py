@@ -23,6 +23,7 @@ DEFAULT_CONFIG = "train.yaml"
 def _user_errors():
     """Expected failures end as a message on stderr and a non-zero exit, not a traceback."""
     from astrai.baseimage import BaseImageError
+    from astrai.board import BoardError
     from astrai.compose import ComposeError
     from astrai.engine import EngineError
     from astrai.jobs import JobError
@@ -37,7 +38,7 @@ def _user_errors():
         raise Exit(f"error: {error}", code=error.code) from None
     except SchemaError as error:
         raise Exit(f"internal error: {error}", code=3) from None
-    except (ComposeError, EngineError, BaseImageError) as error:
+    except (ComposeError, EngineError, BaseImageError, BoardError) as error:
         raise Exit(f"error: {error}", code=1) from None
 
 
@@ -161,6 +162,36 @@ def status(c, config=DEFAULT_CONFIG, node=0):
         print("\n".join(status_lines(runtime)))
 
 
+@task(help={"config": CONFIG_HELP, "node": NODE_HELP,
+            "all": "serve every job under runtime.paths.checkpoints, not just this one",
+            "host": "address to listen on (default 127.0.0.1: this machine only)",
+            "port": "port to listen on (default 6006)",
+            "background": "detach; `invoke board --stop` ends it",
+            "stop": "end the board started with --background"})
+def board(c, config=DEFAULT_CONFIG, node=0, all=False, host="127.0.0.1", port=6006, background=False, stop=False):
+    """Serve TensorBoard for the job (Ctrl-C ends it), or --background / --stop a detached one."""
+    from astrai import board as tb
+
+    with _user_errors():
+        _, runtime = _load(config, node)
+        if stop:
+            state = tb.stop_background(runtime)
+            print(f"stopped the board at {state.url}" if state else f"no board is running for job {runtime.job_name}")
+            return
+        command = tb.board_command(runtime, all, host, port)
+        for note in tb.check_can_serve(runtime, all, host, port):
+            print(f"note: {note}")
+        url = tb.board_url(host, port)
+        if background:
+            tb.start_background(runtime, command, url)
+            print(f"TensorBoard at {url} (in the background; `invoke board --stop` ends it)")
+            return
+        print(f"TensorBoard at {url} (Ctrl-C ends it)", flush=True)
+        code = tb.serve_foreground(command)
+    if code:
+        raise Exit(code=code)
+
+
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
 def latest(c, config=DEFAULT_CONFIG, node=0):
     """Print the path of the newest complete checkpoint."""
@@ -224,5 +255,5 @@ def bench(c, quick=False, readme=False):
 
 
 namespace = Collection(
-    init, preflight, render, build, start, stop, restart, logs, status, latest, list_, clean, demo, bench,
+    init, preflight, render, build, start, stop, restart, logs, status, board, latest, list_, clean, demo, bench,
 )

@@ -2,7 +2,8 @@
 
 Some GPU hosts (and every CI machine of this project) reach package mirrors but
 no image registry. This module makes an image that holds Python, torch,
-safetensors, PyYAML and NumPy without pulling anything:
+safetensors, PyYAML, NumPy and TensorBoard (for the trainer's event files)
+without pulling anything:
 
 1. ``debootstrap --variant=minbase`` a Debian root file system with python3 and pip;
 2. ``pip download`` the wheels on the host (so a local wheel cache or the
@@ -16,7 +17,7 @@ The image is cached by tag: an existing tag is reused, never rebuilt.
 
 Run it by hand::
 
-    sudo python -m astrai.baseimage --tag astrai-base:bookworm-torch2.13.0-cpu
+    sudo python -m astrai.baseimage --tag astrai-base:bookworm-torch2.13.0-tb2.21.0-cpu
 
 Needs root (debootstrap, chroot), ``debootstrap`` and a reachable Docker daemon.
 """
@@ -36,7 +37,10 @@ from astrai.contract import TORCH_VERSION
 DEFAULT_SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 DEFAULT_TORCH = f"torch=={TORCH_VERSION}"
-DEFAULT_TAG = f"astrai-base:bookworm-torch{TORCH_VERSION}-cpu"
+TENSORBOARD_REQUIREMENT = "tensorboard==2.21.0"
+"""Pinned alike here, in the Dockerfile and in setup.cfg (a unit test keeps them equal)."""
+# The tag names what the image holds, so an image cached before TensorBoard was added is not mistaken for this one.
+DEFAULT_TAG = f"astrai-base:bookworm-torch{TORCH_VERSION}-tb2.21.0-cpu"
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 _DEBIAN_PACKAGES = ("python3", "python3-pip", "ca-certificates")
 
@@ -73,7 +77,7 @@ def ensure_base_image(
             "debootstrap",
         )
         python_version = _chroot_python_version(rootfs)
-        requirements = [torch_requirement, "safetensors", "pyyaml", "numpy"]
+        requirements = [torch_requirement, "safetensors", "pyyaml", "numpy", TENSORBOARD_REQUIREMENT]
         log(f"pip download {' '.join(requirements)} for Python {python_version}")
         _run(
             [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",

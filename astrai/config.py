@@ -41,10 +41,13 @@ class DataSection:
     """Tokens per training sequence; at most the model's max_seq_len."""
     num_workers: int = 1
     """DataLoader worker processes; one keeps reading off the training thread, 0 reads in the main process."""
+    val_fraction: float = 0.0
+    """Share of the windows held out for validation and never trained on (the last of every round(1/f)); 0 = none."""
 
     def __post_init__(self) -> None:
         _check(self.window_size >= 1, "data.window_size", self.window_size, "an integer >= 1")
         _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "an integer >= 0")
+        _check(0 <= self.val_fraction <= 0.5, "data.val_fraction", self.val_fraction, "a number in [0, 0.5]")
 
 
 
@@ -165,9 +168,23 @@ class CkptSection:
 class LogSection:
     log_interval: int = 10
     """Optimizer steps between progress lines (and metrics.jsonl records)."""
+    eval_interval: int = 200
+    """Optimizer steps between validation losses (when data.val_fraction holds windows out)."""
+    eval_max_windows: int = 256
+    """Validate on at most this many held-out windows, evenly spread, the same ones every time."""
+    peak_tflops: float | None = None
+    """Peak bf16 TFLOP/s of one device, for MFU; null looks the GPU up in a table (CPU and unknown GPUs: n/a)."""
 
     def __post_init__(self) -> None:
         _check(self.log_interval >= 1, "log.log_interval", self.log_interval, "an integer >= 1")
+        _check(self.eval_interval >= 1, "log.eval_interval", self.eval_interval, "an integer >= 1")
+        _check(self.eval_max_windows >= 1, "log.eval_max_windows", self.eval_max_windows, "an integer >= 1")
+        _check(
+            self.peak_tflops is None or self.peak_tflops > 0,
+            "log.peak_tflops",
+            self.peak_tflops,
+            "a number > 0, or null to look the GPU up",
+        )
 
 
 @dataclass(frozen=True)

@@ -358,22 +358,68 @@ class TokenData:
         return sum(max(count - 1, 0) // window_size for count in self.shard_tokens)
 
 
-class WindowDataset(Dataset):
-    """Window ``i`` of the corpus as an int64 tensor of ``window_size + 1`` tokens."""
+@dataclass(frozen=True)
+class WindowSplit:
+    """Which windows train and which are held out for validation.
 
-    def __init__(self, data: TokenData, window_size: int):
+    With a ``period`` of k, the last window of every k consecutive ones is held out (none with 0):
+    a fixed set, spread over the whole corpus, that depends on nothing but the window count and
+    ``data.val_fraction``. A held-out window's targets are never a training window's targets
+    (neighbouring windows share only one token, an input on one side).
+    """
+
+    num_windows: int
+    period: int = 0
+
+    @classmethod
+    def from_fraction(cls, num_windows: int, val_fraction: float) -> WindowSplit:
+        return cls(num_windows, 0 if val_fraction <= 0 else max(2, round(1 / val_fraction)))
+
+    @property
+    def num_val(self) -> int:
+        return self.num_windows // self.period if self.period else 0
+
+    @property
+    def num_train(self) -> int:
+        return self.num_windows - self.num_val
+
+    def train_window(self, index: int) -> int:
+        """The corpus window of training window ``index`` (0 <= index < num_train)."""
+        if not self.period:
+            return index
+        per_block = self.period - 1
+        return index // per_block * self.period + index % per_block
+
+    def val_window(self, index: int) -> int:
+        """The corpus window of held-out window ``index`` (0 <= index < num_val)."""
+        return index * self.period + self.period - 1
+
+    def eval_windows(self, limit: int) -> list[int]:
+        """At most ``limit`` held-out corpus windows, evenly spread: the fixed validation set."""
+        count = min(self.num_val, limit)
+        return [self.val_window(i * self.num_val // count) for i in range(count)]
+
+
+class WindowDataset(Dataset):
+    """Training window ``i`` as an int64 tensor of ``window_size + 1`` tokens (all windows without a split)."""
+
+    def __init__(self, data: TokenData, window_size: int, split: WindowSplit | None = None):
         self.data = data
         self.window_size = window_size
         counts = [max(count - 1, 0) // window_size for count in data.shard_tokens]
         self.first_window = [sum(counts[:i]) for i in range(len(counts))]
-        self.total = sum(counts)
+        self.split = split or WindowSplit(sum(counts))
         # Mapped on first use in each process: DataLoader workers then map the files themselves.
         self._shards: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
-        return self.total
+        return self.split.num_train
 
     def __getitem__(self, index: int) -> torch.Tensor:
+        return self.window(self.split.train_window(index))
+
+    def window(self, index: int) -> torch.Tensor:
+        """Corpus window ``index``, training or held out."""
         if self._shards is None:
             # shared=False maps the file copy-on-write: read-only files work and pages load on demand.
             dtype = torch.uint16 if self.data.dtype == "uint16" else torch.uint32

@@ -29,14 +29,18 @@ from astrai.checkpoints import (
 from astrai.contract import (
     METRIC_ETA_S,
     METRIC_LOSS,
+    METRIC_MAX_ALLOCATED_GIB,
     METRIC_MAX_STEPS,
+    METRIC_MFU,
     METRIC_STEP,
     METRIC_TIME,
     METRIC_TOKENS_PER_S,
+    METRIC_VAL_LOSS,
     METRICS_FILE,
     REASON_EMERGENCY,
 )
 from astrai.hostuser import make_dirs
+from astrai.metrics import read_records, sparkline
 from astrai.runtime import Runtime
 
 
@@ -282,7 +286,11 @@ def status_lines(runtime: Runtime) -> list[str]:
     lines.append(f"image       {preflight.image_torch(runtime)[1]}")
     if runtime.max_restarts or (container is not None and container.restart_count):
         lines.append(f"restarts    {_restarts(container, runtime.max_restarts)}")
-    lines.append(f"progress    {_progress(runtime.job_dir, running)}")
+    records = read_records(runtime.job_dir / METRICS_FILE)
+    lines.append(f"progress    {_progress(records, running)}")
+    loss = _loss_summary(records)
+    if loss:
+        lines.append(f"loss        {loss}")
     complete = list_complete_checkpoints(runtime.job_dir)
     if complete:
         lines.append(f"latest      {complete[-1].path} ({_reason(complete[-1])}; {len(complete)} complete)")
@@ -414,21 +422,41 @@ def last_progress(job_dir: Path) -> dict | None:
     return entry if isinstance(entry, dict) and METRIC_STEP in entry and METRIC_MAX_STEPS in entry else None
 
 
-def _progress(job_dir: Path, running: bool) -> str:
-    entry = last_progress(job_dir)
-    if entry is None:
+def _number(record: dict, key: str) -> bool:
+    return isinstance(record.get(key), (int, float)) and not isinstance(record.get(key), bool)
+
+
+def _progress(records: list[dict], running: bool) -> str:
+    entry = records[-1] if records else None
+    if entry is None or not isinstance(entry.get(METRIC_MAX_STEPS), int):
         return "no progress reported yet"
     step, max_steps = entry[METRIC_STEP], entry[METRIC_MAX_STEPS]
     parts = [f"step {step}/{max_steps} ({100.0 * step / max(max_steps, 1):.0f}%)"]
-    if isinstance(entry.get(METRIC_LOSS), (int, float)):
+    if _number(entry, METRIC_LOSS):
         parts.append(f"loss {entry[METRIC_LOSS]:.4f}")
-    if isinstance(entry.get(METRIC_TOKENS_PER_S), (int, float)) and running:
+    if _number(entry, METRIC_TOKENS_PER_S) and running:
         parts.append(f"{entry[METRIC_TOKENS_PER_S]:.0f} tok/s")
+        parts.append(f"mfu {entry[METRIC_MFU]:.1%}" if _number(entry, METRIC_MFU) else "mfu n/a")
+    if _number(entry, METRIC_MAX_ALLOCATED_GIB):
+        parts.append(f"peak mem {entry[METRIC_MAX_ALLOCATED_GIB]:.2f} GiB")
     if isinstance(entry.get(METRIC_ETA_S), (int, float)) and running and step < max_steps:
         parts.append(f"eta {_duration(entry[METRIC_ETA_S])}")
-    if isinstance(entry.get(METRIC_TIME), (int, float)):
+    if _number(entry, METRIC_TIME):
         parts.append(f"reported {_duration(time.time() - entry[METRIC_TIME])} ago")
     return ", ".join(parts)
+
+
+def _loss_summary(records: list[dict]) -> str | None:
+    """The latest loss, the curve so far as a sparkline, and the latest validation loss."""
+    points = [(record[METRIC_STEP], record[METRIC_LOSS]) for record in records if _number(record, METRIC_LOSS)]
+    if not points:
+        return None
+    losses = [loss for _, loss in points]
+    text = f"{losses[-1]:.4f} {sparkline(losses)} (steps {points[0][0]}-{points[-1][0]}, min {min(losses):.4f})"
+    validated = [(r[METRIC_STEP], r[METRIC_VAL_LOSS]) for r in records if _number(r, METRIC_VAL_LOSS)]
+    if validated:
+        text += f"; val_loss {validated[-1][1]:.4f} at step {validated[-1][0]}"
+    return text
 
 
 def _last_line(path: Path, chunk: int = 8192) -> str | None:

@@ -28,6 +28,7 @@ if __name__ == "__main__":
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import sys
@@ -54,18 +55,31 @@ from astrai.config import (
 from astrai.configfile import ConfigError
 from astrai.contract import (
     METRIC_ETA_S,
+    METRIC_GRAD_NORM,
     METRIC_LOSS,
+    METRIC_LR,
+    METRIC_MAX_ALLOCATED_GIB,
     METRIC_MAX_STEPS,
+    METRIC_MFU,
     METRIC_STEP,
     METRIC_TIME,
     METRIC_TOKENS_PER_S,
+    METRIC_VAL_LOSS,
     METRICS_FILE,
     MODEL_CONFIG_FILE,
     REASON_EMERGENCY,
     REASON_FINAL,
     REASON_PERIODIC,
+    TAG_MAX_ALLOCATED_GIB,
+    TAG_MFU,
+    TAG_TOKENS_PER_S,
+    TAG_TRAIN_GRAD_NORM,
+    TAG_TRAIN_LOSS,
+    TAG_TRAIN_LR,
+    TAG_VAL_LOSS,
+    TENSORBOARD_DIR,
 )
-from astrai.data import DataError, TokenData, WindowBatchSampler, WindowDataset, ignore_stop_signals
+from astrai.data import DataError, TokenData, WindowBatchSampler, WindowDataset, WindowSplit, ignore_stop_signals
 from astrai.distributed import (
     DistEnv,
     GracefulStop,
@@ -79,6 +93,7 @@ from astrai.distributed import (
     shutdown_distributed,
     world_from_environment,
 )
+from astrai.metrics import EventWriter, StepClock, eta_seconds, flops_per_token, mfu, peak_tflops
 from astrai.model import ModelLoadError, Transformer, check_window, describe_folder, load_base_model
 
 
@@ -156,6 +171,7 @@ class Trainer:
             self.job_dir, config.ckpt.ckpt_interval, config.ckpt.keep_last, env, self.log
         )
         self._batches = None
+        self.events: EventWriter | None = None
 
         if env.master_process:
             self.job_dir.mkdir(parents=True, exist_ok=True)
@@ -180,6 +196,7 @@ class Trainer:
                 env, lambda: load_base_model(model_source), errors=(ModelLoadError,)
             )
         self.global_batch = training.batch_per_device * self.grad_accum * env.world_size
+        self.split = WindowSplit.from_fraction(data.num_windows(self.window_size), config.data.val_fraction)
         self._check_fit(data, model_source)
         # A checkpoint is a complete model folder: the data's tokenizer goes into each one.
         self.checkpointer.extra_files = tuple(data.root / name for name in data.tokenizer_files)
@@ -212,7 +229,7 @@ class Trainer:
                 )
 
         self.sampler = WindowBatchSampler(
-            data.num_windows(self.window_size),
+            self.split.num_train,
             training.batch_per_device,
             self.grad_accum,
             env.rank,
@@ -220,8 +237,10 @@ class Trainer:
             training.random_seed,
         )
         workers = config.data.num_workers
+        self.dataset = WindowDataset(data, self.window_size, self.split)
+        self.eval_windows = self.split.eval_windows(config.log.eval_max_windows)
         self.loader = DataLoader(
-            WindowDataset(data, self.window_size),
+            self.dataset,
             batch_sampler=self.sampler,
             num_workers=workers,
             pin_memory=env.device.type == "cuda",
@@ -238,6 +257,13 @@ class Trainer:
             torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else contextlib.nullcontext()
         )
         self._loss_sum = torch.zeros((), device=env.device)
+        self.flops_per_token = flops_per_token(self.model_config, self.window_size)
+        device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None
+        self.peak_tflops = peak_tflops(device_name, config.log.peak_tflops)
+        self._warmed_up = False
+        self._eval_seconds = 0.0
+        if env.master_process:
+            self.events = EventWriter(self.job_dir / TENSORBOARD_DIR, self.progress.step, self.log)
 
     # Setup helpers
 
@@ -262,11 +288,17 @@ class Trainer:
         if self.window_size > model.max_seq_len:
             raise SetupError(f"data.window_size {self.window_size} exceeds the model's max_seq_len {model.max_seq_len}")
         check_window(model, self.window_size, model_source / MODEL_CONFIG_FILE)
-        windows = data.num_windows(self.window_size)
+        windows = self.split.num_train
+        held_out = f" ({self.split.num_val} held out for validation)" if self.split.num_val else ""
+        if cfg.data.val_fraction > 0 and not self.split.num_val:
+            raise SetupError(
+                f"data.val_fraction {cfg.data.val_fraction} holds out no window: {data.root} has only "
+                f"{self.split.num_windows} windows of {self.window_size}+1 (lower window_size or add data)"
+            )
         if windows < self.global_batch:
             raise SetupError(
-                f"{data.root} holds {data.num_tokens} tokens = {windows} windows of {self.window_size}+1, "
-                f"fewer than one "
+                f"{data.root} holds {data.num_tokens} tokens = {windows} training windows of {self.window_size}+1"
+                f"{held_out}, fewer than one "
                 f"global batch of batch_per_device({cfg.training.batch_per_device}) * grad_accum_steps"
                 f"({self.grad_accum}) * world_size({self.env.world_size}) = {self.global_batch}"
             )
@@ -324,7 +356,8 @@ class Trainer:
         first_step = self.progress.step
         self.model.train()
         # Progress reports average over the steps of this call.
-        started = self._log_time = time.perf_counter()
+        started = time.perf_counter()
+        self.clock = StepClock(started)
         self._log_step = first_step
         self._loss_sum.zero_()
         stopping = False
@@ -346,6 +379,12 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
 
+            if not self._warmed_up:
+                # The first step allocates, picks kernels and compiles (model.compile): a pause, not the pace.
+                self._synchronize()
+                self.clock.pause(time.perf_counter() - started, steps=1)
+                self._warmed_up = True
+
             progress = self.progress
             progress.step += 1
             progress.tokens_seen += tokens_per_step
@@ -357,18 +396,70 @@ class Trainer:
             if stopping:
                 who = self.stop.signal_name or "on another rank"
                 self.log(f"stop requested ({who}): stopping after step {progress.step}")
-            if progress.step % self.config.log.log_interval == 0 or progress.step == self.max_steps or stopping:
-                self._report(lr, grad_norm)
+            val_loss = None
+            if self.eval_windows and progress.step % self.config.log.eval_interval == 0:
+                val_loss, self._eval_seconds = self._paused(self.validate)
+            logged = progress.step % self.config.log.log_interval == 0 or progress.step == self.max_steps
+            if logged or stopping or val_loss is not None:
+                self._report(lr, grad_norm, val_loss)
             reason = self.checkpointer.reason_for(progress.step, self.max_steps, stopping)
             if reason is not None:
-                self.save_checkpoint(reason)
-        if self.env.device.type == "cuda":
-            torch.cuda.synchronize(self.env.device)
+                self._paused(functools.partial(self.save_checkpoint, reason))
+        self._synchronize()
         steps_done = self.progress.step - first_step
         return TrainStats(steps_done, steps_done * tokens_per_step, time.perf_counter() - started, stopped=stopping)
 
-    def _report(self, lr: float, grad_norm: torch.Tensor | None) -> None:
-        """Progress line and metrics.jsonl record (the only place the loop waits for the device)."""
+    def _synchronize(self) -> None:
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
+
+    def _paused(self, work) -> tuple[object, float]:
+        """Run ``work`` (a save, a validation) as a pause the step timing leaves out: (its result, seconds)."""
+        # Training kernels still queued belong to the steps, not to the pause.
+        self._synchronize()
+        began = time.perf_counter()
+        result = work()
+        self._synchronize()
+        seconds = time.perf_counter() - began
+        self.clock.pause(seconds)
+        return result, seconds
+
+    def validate(self) -> float:
+        """Mean loss per token over the fixed held-out windows; ranks share them, and all get the result."""
+        windows, ranks = self.eval_windows, self.env.world_size
+        mine = windows[self.env.rank :: ranks]
+        batch = self.config.training.batch_per_device
+        batches = math.ceil(math.ceil(len(windows) / ranks) / batch)
+        vocab_size = self.model_config.vocab_size
+        totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)
+        self.model.eval()
+        with torch.no_grad():
+            for index in range(batches):
+                chunk = mine[index * batch : (index + 1) * batch]
+                # Every rank runs the same number of forward passes (FSDP gathers weights in each one);
+                # a rank out of windows computes one stand-in window and does not count it.
+                tokens = torch.stack([self.dataset.window(w) for w in chunk or windows[:1]]).to(self.env.device)
+                with self.autocast:
+                    logits = self.model(tokens[:, :-1])
+                loss = F.cross_entropy(
+                    logits.float().view(-1, vocab_size), tokens[:, 1:].reshape(-1), reduction="sum"
+                )
+                if chunk:
+                    totals[0] += loss.double()
+                    totals[1] += tokens[:, 1:].numel()
+        self.model.train()
+        if self.env.distributed:
+            dist.all_reduce(totals)
+        return (totals[0] / totals[1]).item()
+
+    def _evals_left(self) -> int:
+        if not self.eval_windows:
+            return 0
+        interval = self.config.log.eval_interval
+        return self.max_steps // interval - self.progress.step // interval
+
+    def _report(self, lr: float, grad_norm: torch.Tensor | None, val_loss: float | None) -> None:
+        """Progress line, metrics.jsonl record and event files (the only place the loop waits for the device)."""
         steps = self.progress.step - self._log_step
         loss = self._loss_sum / (steps * self.grad_accum)
         if self.env.distributed:
@@ -377,36 +468,64 @@ class Trainer:
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         loss_value = loss.item()
-        now = time.perf_counter()
-        elapsed = now - self._log_time
-        tokens_per_s = steps * self.global_batch * self.window_size / elapsed if elapsed > 0 else 0.0
-        eta_s = (self.max_steps - self.progress.step) * elapsed / steps
+        seconds, counted = self.clock.lap(time.perf_counter(), steps)
         self._loss_sum.zero_()
-        self._log_time, self._log_step = now, self.progress.step
+        self._log_step = self.progress.step
         if not self.env.master_process:
             return
+        tokens_per_s = counted * self.global_batch * self.window_size / seconds if seconds > 0 else 0.0
+        utilization = mfu(tokens_per_s / self.env.world_size, self.flops_per_token, self.peak_tflops)
+        pace = self.clock.seconds_per_step()
+        eta_s = eta_seconds(self.max_steps - self.progress.step, pace, self._evals_left(), self._eval_seconds)
+        memory_gib = (
+            torch.cuda.max_memory_allocated(self.env.device) / 2**30 if self.env.device.type == "cuda" else None
+        )
+        grad_norm_value = grad_norm.item() if grad_norm is not None else None
         record = {
             METRIC_STEP: self.progress.step,
             METRIC_MAX_STEPS: self.max_steps,
             "epoch": self.progress.epoch,
             METRIC_LOSS: loss_value,
-            "lr": lr,
+            METRIC_LR: lr,
             METRIC_TOKENS_PER_S: tokens_per_s,
-            METRIC_ETA_S: eta_s,
             "tokens_seen": self.progress.tokens_seen,
             METRIC_TIME: time.time(),
         }
+        optional = {
+            METRIC_GRAD_NORM: grad_norm_value,
+            METRIC_VAL_LOSS: val_loss,
+            METRIC_MFU: utilization,
+            METRIC_MAX_ALLOCATED_GIB: memory_gib,
+            METRIC_ETA_S: eta_s if pace is not None else None,
+        }
+        record.update({key: value for key, value in optional.items() if value is not None})
         line = (
             f"step {self.progress.step}/{self.max_steps} | epoch {self.progress.epoch} "
             f"| loss {loss_value:.4f} | lr {lr:.3e}"
         )
-        if grad_norm is not None:
-            record["grad_norm"] = grad_norm.item()
-            line += f" | grad_norm {record['grad_norm']:.3f}"
-        line += f" | {tokens_per_s:,.0f} tokens/s | eta {_duration(eta_s)}"
+        if grad_norm_value is not None:
+            line += f" | grad_norm {grad_norm_value:.3f}"
+        if val_loss is not None:
+            line += f" | val_loss {val_loss:.4f}"
+        line += f" | {tokens_per_s:,.0f} tokens/s | mfu {'n/a' if utilization is None else f'{utilization:.1%}'}"
+        if memory_gib is not None:
+            line += f" | mem {memory_gib:.2f} GiB"
+        line += f" | eta {_duration(eta_s) if pace is not None else 'n/a'}"
         self.log(line)
         with open(self.job_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record, sort_keys=True) + "\n")
+        self.events.scalars(
+            self.progress.step,
+            {
+                TAG_TRAIN_LOSS: loss_value,
+                TAG_TRAIN_LR: lr,
+                TAG_TRAIN_GRAD_NORM: grad_norm_value,
+                TAG_VAL_LOSS: val_loss,
+                TAG_TOKENS_PER_S: tokens_per_s,
+                TAG_MFU: utilization,
+                TAG_MAX_ALLOCATED_GIB: memory_gib,
+            },
+        )
 
     def save_checkpoint(self, reason: str) -> Path:
         """Checkpoint now (all ranks call this). Periodic saves finish in the background; the others wait."""
@@ -426,6 +545,8 @@ class Trainer:
             extra,
             wait=reason != REASON_PERIODIC,
         )
+        if self.events is not None:
+            self.events.checkpoint(self.progress.step, path.name, reason)
         if reason == REASON_FINAL:
             self.log(f"final checkpoint {path}")
         elif reason == REASON_EMERGENCY:
@@ -439,6 +560,9 @@ class Trainer:
         self._batches = None
         self.loader = None
         self.checkpointer.wait()
+        if self.events is not None:
+            # After an emergency stop too: the steps logged since the last flush reach the disk.
+            self.events.close()
 
 
 def _duration(seconds: float) -> str:

@@ -19,9 +19,9 @@ from astrai.runtime import resolve_runtime
 from astrai.train import main as train_main
 
 REPO = Path(__file__).resolve().parents[2]
-HOST_MODULES = ("astrai.baseimage", "astrai.checkpoints", "astrai.compose", "astrai.configfile", "astrai.contract",
-                "astrai.demo", "astrai.engine", "astrai.entrypoint", "astrai.hostuser", "astrai.jobs",
-                "astrai.preflight", "astrai.runtime", "astrai.timer", "tasks")
+HOST_MODULES = ("astrai.baseimage", "astrai.board", "astrai.checkpoints", "astrai.compose", "astrai.configfile",
+                "astrai.contract", "astrai.demo", "astrai.engine", "astrai.entrypoint", "astrai.hostuser", "astrai.jobs",
+                "astrai.metrics", "astrai.preflight", "astrai.runtime", "astrai.timer", "tasks")
 
 
 @pytest.mark.parametrize("module", HOST_MODULES)

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMPLETE_FILES = REQUIRED_FILES
 # Every task that reads a config must reject a bad one before it does anything.
 COMMANDS = [["init"], ["preflight"], ["start"], ["render"], ["clean", "--force"], ["stop"], ["build"],
-            ["status"], ["latest"], ["list"], ["restart"], ["logs", "--no-follow"]]
+            ["status"], ["latest"], ["list"], ["restart"], ["logs", "--no-follow"], ["board", "--stop"]]
 
 
 def invoke(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -75,7 +75,7 @@ def test_every_verb_is_listed_with_help():
     result = invoke("--list")
     assert result.returncode == 0
     for verb in ("init", "preflight", "build", "start", "stop", "restart", "logs", "status", "latest", "list",
-                 "clean", "render", "demo", "bench"):
+                 "clean", "render", "demo", "bench", "board"):
         assert f"  {verb} " in result.stdout, verb
 
 
