@@ -31,6 +31,12 @@ from astrai.contract import META_FILE, METRICS_FILE, REQUIRED_FILES
 STAGING_PREFIX = ".staging-"
 TRASH_PREFIX = ".trash-"
 
+# A checkpoint holds the weights in fp32 and AdamW's two fp32 moments per weight, plus small files
+# (config, meta, scheduler, RNG states, serialization overhead) that this allows for.
+FP32_BYTES = 4
+ADAMW_MOMENTS = 2
+SMALL_FILES_BYTES = 1 << 20
+
 _NAME = re.compile(r"epoch_(0|[1-9][0-9]*)_step_(0|[1-9][0-9]*)")
 
 
@@ -199,3 +205,14 @@ def remove_job_entry(job_dir: Path, path: Path, rename_first: bool = False) -> N
 def _remove_tree(path: Path) -> None:
     # rmtree removes symlinks found inside the tree without following them.
     shutil.rmtree(path)
+
+
+def estimate_checkpoint_bytes(num_parameters: int) -> int:
+    """About how large one checkpoint of a model with ``num_parameters`` weights is."""
+    return num_parameters * FP32_BYTES * (1 + ADAMW_MOMENTS) + SMALL_FILES_BYTES
+
+
+def folder_bytes(path: Path) -> int:
+    """Total size of the regular files directly inside ``path``."""
+    return sum(entry.stat(follow_symlinks=False).st_size for entry in os.scandir(path)
+               if entry.is_file(follow_symlinks=False))

@@ -39,9 +39,10 @@ from astrai.contract import (
     METRICS_FILE,
     REASON_EMERGENCY,
 )
+from astrai.configfile import ConfigError
 from astrai.hostuser import make_dirs
 from astrai.metrics import read_records, sparkline
-from astrai.runtime import Runtime
+from astrai.runtime import PATH_KEYS, Runtime, path_problems
 
 
 START_LOCK_NAME = "start.node{node}.lock"
@@ -63,12 +64,22 @@ def _say(message: str = "") -> None:
 # --- init, preflight, build ---------------------------------------------------------------
 
 
+def check_paths(runtime: Runtime, keys=PATH_KEYS, *, need: str = "read") -> None:
+    """Refuse broken ``runtime.paths`` (a file where a folder belongs, a dangling symlink, no permission).
+
+    Every command runs this before it touches a path, so a broken one ends in a message naming its key,
+    not a traceback, and with nothing changed on disk.
+    """
+    problems = path_problems(runtime, keys, need=need)
+    if problems:
+        raise ConfigError(problems)
+
+
 def init_job(runtime: Runtime) -> list[Path]:
     """Create the declared runtime folders and the job dir; return the ones that were new."""
+    check_paths(runtime, need="create")
     created = []
     for path in (runtime.data_dir, runtime.model_dir, runtime.checkpoints_dir, runtime.job_dir):
-        if path.exists() and not path.is_dir():
-            raise JobError(f"{path} exists but is not a folder; fix runtime.paths in {runtime.config_path}")
         try:
             created += make_dirs(path)
         except OSError as error:
@@ -93,6 +104,7 @@ def build_image(runtime: Runtime) -> None:
 
 def start_job(runtime: Runtime, document: dict, trainer_args: list[str], *, foreground: bool) -> int:
     """Preflight, build, then start (or resume) the job; returns the exit code for the task."""
+    check_paths(runtime, ("checkpoints",), need="create")
     with start_lock(runtime):
         container = _start_container(runtime, document, trainer_args)
     if not foreground:
@@ -255,6 +267,7 @@ def wait_for_exit(container_id: str, timeout: float | None = None) -> engine.Con
 
 
 def show_logs(runtime: Runtime, tail: str, follow: bool) -> None:
+    check_paths(runtime, ("checkpoints",))
     if job_container(runtime) is None:
         raise JobError(f"job {runtime.job_name} has no container yet; start it with `invoke start`")
     if not compose.override_path(runtime).exists():
@@ -268,6 +281,7 @@ def show_logs(runtime: Runtime, tail: str, follow: bool) -> None:
 
 def status_lines(runtime: Runtime) -> list[str]:
     """What `invoke status` prints: container state, progress, latest checkpoint, timer."""
+    check_paths(runtime, ("checkpoints",))
     lines = [f"job         {runtime.job_name}  ({runtime.config_path})", f"node        {_placement(runtime)}"]
     running = False
     container = None
@@ -327,6 +341,7 @@ def _restarts(container: engine.Container | None, allowed: int) -> str:
 
 
 def latest_path(runtime: Runtime) -> Path:
+    check_paths(runtime, ("checkpoints",))
     complete = list_complete_checkpoints(runtime.job_dir)
     if not complete:
         raise JobError(f"no complete checkpoint in {runtime.job_dir}")
@@ -334,6 +349,7 @@ def latest_path(runtime: Runtime) -> Path:
 
 
 def list_paths(runtime: Runtime) -> list[Path]:
+    check_paths(runtime, ("checkpoints",))
     return [checkpoint.path for checkpoint in list_complete_checkpoints(runtime.job_dir)]
 
 
@@ -345,6 +361,7 @@ def clean_job(runtime: Runtime, keep: int | None, force: bool) -> None:
     keep = runtime.checkpoint_keep_last if keep is None else keep
     if keep < 1:
         raise JobError(f"--keep must be at least 1 (the newest checkpoint is never removed), got {keep}", code=2)
+    check_paths(runtime, ("checkpoints",), need="write" if force else "read")
     scan = scan_job_dir(runtime.job_dir)
     kept, removed = plan_retention(scan.complete, keep)
     verb = "removing" if force else "would remove"

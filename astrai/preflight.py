@@ -2,7 +2,9 @@
 
 Each check says what it found; a failed one also says what to do. The schema
 check comes first (``resolve_runtime`` raises before any of this runs); the
-rest run even after a failure, so one pass shows every problem.
+rest run even after a failure, so one pass shows every problem. Preflight only
+looks: it creates, writes and deletes nothing (the job dir is made by `invoke
+init` or `start`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai import compose, engine
-from astrai.checkpoints import latest_complete_checkpoint
+from astrai.checkpoints import estimate_checkpoint_bytes, folder_bytes, latest_complete_checkpoint
 from astrai.config import DataSection
 from astrai.contract import (
     CONTAINER_DATA,
@@ -28,15 +30,16 @@ from astrai.contract import (
     TORCH_VERSION,
     WEIGHTS_INDEX_FILE,
 )
-from astrai.hostuser import host_user_ids, make_dirs
+from astrai.hostuser import host_user_ids
 from astrai.model_folder import (
     ModelConfig,
     ModelLoadError,
     check_window,
     describe,
     inspect_weights,
+    num_parameters,
 )
-from astrai.runtime import Runtime, split_endpoint, trainer_value
+from astrai.runtime import Runtime, folder_problem, nearest_existing, split_endpoint, trainer_value
 
 PASS, FAIL, SKIP, WARN = "✓", "✗", "-", "!"
 NET_CLASS_DIR = Path("/sys/class/net")
@@ -59,12 +62,13 @@ class Check:
 
 
 def run_checks(runtime: Runtime, document: dict) -> list[Check]:
-    """Run every check for a validated runtime; creates the job dir if it is missing."""
+    """Run every check for a validated runtime; reads only, changes nothing on disk."""
     checks = [Check(PASS, "schema", f"{runtime.config_path}: runtime block is valid (job {runtime.job_name})")]
     checks += _docker_checks()
     checks.append(_data_dir_check(runtime))
     checks.append(_job_dir_check(runtime))
     checks.append(_base_model_check(runtime, document))
+    checks.append(_disk_space_check(runtime))
     if runtime.multi_node:
         checks += node_checks(runtime)
     if runtime.uses_gpu:
@@ -123,6 +127,10 @@ def _compose_check() -> Check:
 
 def _data_dir_check(runtime: Runtime) -> Check:
     path = runtime.data_dir
+    problem = folder_problem(path)
+    if problem is not None:
+        return Check(FAIL, "data dir", f"runtime.paths.data: {problem}",
+                     f"fix runtime.paths.data in {runtime.config_path}")
     if not path.is_dir():
         return Check(FAIL, "data dir", f"{path} does not exist",
                      "create it with `invoke init`, then prepare data with `python -m astrai.data prepare --out "
@@ -136,29 +144,36 @@ def _data_dir_check(runtime: Runtime) -> Check:
 
 
 def _job_dir_check(runtime: Runtime) -> Check:
+    """The job dir, or the folder it will be created in, is writable by the container's user."""
     path = runtime.job_dir
-    try:
-        make_dirs(path)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".preflight-"):
-            pass
-    except OSError as error:
-        return Check(FAIL, "checkpoint dir", f"{path} is not writable ({error.strerror})",
-                     "fix ownership or permissions of runtime.paths.checkpoints, or run `invoke init`")
-    if not _container_may(path, WRITE):
-        uid, gid = host_user_ids()
-        return Check(FAIL, "checkpoint dir", f"{path} is not writable by uid {uid}, which the container runs as",
-                     f"sudo chown -R {uid}:{gid} {path}")
-    return Check(PASS, "checkpoint dir", f"{path} is writable")
+    existing = nearest_existing(path)
+    fix = f"fix runtime.paths.checkpoints in {runtime.config_path}"
+    if isinstance(existing, str):
+        return Check(FAIL, "checkpoint dir", f"runtime.paths.checkpoints: {existing}", fix)
+    uid, gid = host_user_ids()
+    where = path if existing == path else f"{existing} (where {path} will be created)"
+    # os.access also catches a read-only filesystem, which the mode bits do not show.
+    if not os.access(existing, os.W_OK | os.X_OK) or not _container_may(existing, WRITE):
+        return Check(FAIL, "checkpoint dir", f"runtime.paths.checkpoints: {where} is not writable by uid {uid}, "
+                     "which the container runs as", f"sudo chown {uid}:{gid} {existing}, or {fix}")
+    if existing != path:
+        return Check(PASS, "checkpoint dir", f"{path} does not exist yet: `invoke init` or `start` creates it "
+                     f"in {existing}, which uid {uid} may write")
+    return Check(PASS, "checkpoint dir", f"{path} is writable by uid {uid}")
 
 
 def _base_model_check(runtime: Runtime, document: dict) -> Check:
     if runtime.node != 0:
         return Check(SKIP, "base model", f"not needed on node {runtime.node}: node 0 reads the base model or the "
                      "newest checkpoint and sends the state to every node")
-    latest = latest_complete_checkpoint(runtime.job_dir)
+    latest = _latest_checkpoint(runtime)
     if latest is not None:
         return Check(PASS, "base model", f"not needed: the job resumes from {latest.path}")
     folder = runtime.model_dir
+    problem = folder_problem(folder)
+    if problem is not None:
+        return Check(FAIL, "base model", f"runtime.paths.model: {problem}",
+                     f"fix runtime.paths.model in {runtime.config_path}")
     init = f"write one with `python -m astrai.model init {folder} --preset tiny`, or put a Hugging Face Llama-family " \
            "model folder there (runtime.paths.model)"
     # The same reading and checks as the trainer's, from the file headers alone (no weights are read).
@@ -178,6 +193,41 @@ def _base_model_check(runtime: Runtime, document: dict) -> Check:
         return Check(FAIL, "base model", f"{unreadable[0]} is not readable by uid {uid}, which the container runs as",
                      f"sudo chown -R {uid}:{gid} {folder}  (or chmod -R a+rX {folder})")
     return Check(PASS, "base model", f"{folder}: {describe(folder, config, weights)}")
+
+
+def _disk_space_check(runtime: Runtime) -> Check:
+    """Room for two checkpoints: a save writes the new one in full before retention removes an old one."""
+    if runtime.node != 0:
+        return Check(SKIP, "checkpoint space", f"not needed on node {runtime.node}: only node 0 writes checkpoints")
+    existing = nearest_existing(runtime.job_dir)
+    if isinstance(existing, str):
+        return Check(SKIP, "checkpoint space", "not checked: the checkpoint dir is broken (see above)")
+    latest = _latest_checkpoint(runtime)
+    try:
+        size = folder_bytes(latest.path) if latest else estimate_checkpoint_bytes(
+            num_parameters(ModelConfig.load(runtime.model_dir)))
+    except (OSError, ModelLoadError):
+        return Check(SKIP, "checkpoint space", "not checked: no readable checkpoint or base model to size")
+    free = shutil.disk_usage(existing).free
+    found = f"{_size(free)} free in {existing}, a checkpoint takes about {_size(size)}"
+    if free < 2 * size:
+        return Check(WARN, "checkpoint space", f"{found}: room for fewer than two",
+                     "free space or point runtime.paths.checkpoints at a larger disk; a save that does not fit "
+                     "stops the trainer")
+    return Check(PASS, "checkpoint space", f"{found} (room for {free // size})")
+
+
+def _latest_checkpoint(runtime: Runtime):
+    """The job's newest complete checkpoint, or None (also when the job dir is missing or broken)."""
+    return latest_complete_checkpoint(runtime.job_dir) if nearest_existing(runtime.job_dir) == runtime.job_dir else None
+
+
+def _size(count: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
 
 
 def node_checks(runtime: Runtime) -> list[Check]:

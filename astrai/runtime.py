@@ -23,8 +23,10 @@ import fnmatch
 import functools
 import json
 import math
+import errno
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,6 +137,82 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     """``("10.0.0.1", 29500)`` from ``"10.0.0.1:29500"``; brackets of an IPv6 address are removed."""
     host, _, port = endpoint.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+PATH_KEYS = ("data", "model", "checkpoints")
+
+
+def path_folder(runtime: Runtime, key: str) -> Path:
+    """The folder a ``runtime.paths`` key leads to; for checkpoints that is the job dir inside it."""
+    return {"data": runtime.data_dir, "model": runtime.model_dir, "checkpoints": runtime.job_dir}[key]
+
+
+def path_problems(runtime: Runtime, keys=PATH_KEYS, *, need: str = "read") -> list[str]:
+    """Broken ``runtime.paths`` folders as ``FILE: runtime.paths.KEY: problem`` lines; reads the disk, writes nothing.
+
+    ``need`` is what the command does with an existing folder: "read" it, "write" into it, or only "create"
+    it when missing. A folder that does not exist yet is fine unless it must be created and cannot be.
+    """
+    problems = []
+    for key in keys:
+        problem = folder_problem(path_folder(runtime, key), need=need)
+        if problem is not None:
+            problems.append(f"{runtime.config_path}: runtime.paths.{key}: {problem}")
+    return problems
+
+
+def folder_problem(path: Path, *, need: str = "read") -> str | None:
+    """Why this process cannot use ``path`` as a folder for ``need`` (see path_problems), else None."""
+    existing = nearest_existing(path)
+    if isinstance(existing, str):
+        return existing
+    uid = os.geteuid()
+    if existing != path:
+        if need != "read" and not os.access(existing, os.W_OK | os.X_OK):
+            return f"cannot create {path}: uid {uid} may not write in {existing}"
+        return None
+    if need == "write" and not os.access(path, os.W_OK | os.X_OK):
+        return f"permission denied: uid {uid} may not write in {path}"
+    if need == "read" and not os.access(path, os.R_OK | os.X_OK):
+        return f"permission denied: uid {uid} may not read {path}"
+    return None
+
+
+def nearest_existing(path: Path) -> Path | str:
+    """``path`` itself when it is a folder, else its nearest existing ancestor folder; a problem text if broken.
+
+    Broken means: it or an ancestor is a file, a symlink whose target is missing, a symlink loop, or a folder
+    on the way that this process may not enter.
+    """
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return f"{path} is a symlink to {os.readlink(path)}, which does not exist"
+        if path.parent == path:
+            return f"{path} does not exist"
+        return nearest_existing(path.parent)
+    except NotADirectoryError:
+        return next((problem for problem in map(_not_a_folder, path.parents) if problem), f"{path} is not a folder")
+    except PermissionError:
+        blocked = next((parent for parent in reversed(path.parents) if not os.access(parent, os.X_OK)), path.parent)
+        return f"permission denied: uid {os.geteuid()} may not enter {blocked} (on the way to {path})"
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return f"a symlink on the way to {path} points round in a loop"
+        return f"cannot inspect {path}: {error.strerror}"
+    return _not_a_folder(path, info) or path
+
+
+def _not_a_folder(path: Path, info: os.stat_result | None = None) -> str | None:
+    """A problem text when ``path`` exists and is not a folder (None when it is one, or does not exist)."""
+    try:
+        info = info or os.stat(path)
+    except OSError:
+        return None
+    if stat.S_ISDIR(info.st_mode):
+        return None
+    return f"{path} is a file, not a folder" if stat.S_ISREG(info.st_mode) else f"{path} is not a folder"
 
 
 def trainer_value(doc: dict, section: str, key: str, default=None):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -225,3 +226,117 @@ def test_the_start_lock_dies_with_its_holder(job):
 
     with start_lock(resolve_runtime(config)):
         pass
+
+
+# --- broken runtime.paths (issue 9, item 3) -----------------------------------------------------------
+
+PATH_COMMANDS = [["preflight"], ["init"], ["start"], ["status"], ["list"], ["latest"], ["clean"],
+                 ["clean", "--force"], ["logs", "--no-follow"]]
+# Without these capabilities root meets permission bits as any user does (tests run as root).
+NO_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
+
+
+def _tree(folder: Path) -> list[tuple[str, int, int]]:
+    """Every entry under ``folder`` (symlinks not followed) with its mode and mtime: any change shows."""
+    entries = []
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            info = os.lstat(os.path.join(root, name))
+            entries.append((os.path.relpath(os.path.join(root, name), folder), info.st_mode, info.st_mtime_ns))
+    return sorted(entries)
+
+
+def _break_checkpoints(folder: Path, how: str) -> str:
+    """Break ``folder/checkpoints`` in one way; return what the message must say about it."""
+    target = folder / "checkpoints"
+    if how == "file":
+        target.write_text("not a folder")
+        return f"runtime.paths.checkpoints: {target} is a file, not a folder"
+    if how == "dangling-symlink":
+        target.symlink_to(folder / "gone")
+        return f"runtime.paths.checkpoints: {target} is a symlink to {folder / 'gone'}, which does not exist"
+    (target / "j").mkdir(parents=True)
+    target.chmod(0o000)
+    return "runtime.paths.checkpoints: permission denied"
+
+
+@pytest.mark.parametrize("how", ["file", "dangling-symlink", "no-permission"])
+@pytest.mark.parametrize("command", PATH_COMMANDS, ids=" ".join)
+def test_a_broken_checkpoints_path_names_the_key_without_a_traceback_and_changes_nothing(job, command, how):
+    config, _ = job
+    prefix = []
+    if how == "no-permission" and os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("setpriv (util-linux) is needed to take root's permission override away")
+        prefix = NO_OVERRIDE
+    expected = _break_checkpoints(config.parent, how)
+    before = _tree(config.parent)
+    result = subprocess.run([*prefix, sys.executable, "-m", "invoke", "--search-root", str(REPO), *command,
+                             "--config", str(config)], capture_output=True, text=True)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert expected in output, output
+    assert "Traceback" not in output
+    assert _tree(config.parent) == before
+
+
+@pytest.mark.parametrize("key", ["data", "model"])
+def test_init_creates_nothing_when_one_path_is_broken(tmp_path, key):
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump({"runtime": {"job_name": "j", "gpu": {"devices": "none"},
+                                                  "container": {"cuda_tag": "cpu"},
+                                                  "paths": {key: "./broken/inside"}}}))
+    (tmp_path / "broken").write_text("a file where a folder belongs")
+    before = _tree(tmp_path)
+    result = invoke("init", "--config", str(config))
+    assert result.returncode != 0
+    assert f"{config}: runtime.paths.{key}: {tmp_path / 'broken'} is a file, not a folder" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert _tree(tmp_path) == before
+
+
+def test_preflight_names_a_broken_data_and_model_path(tmp_path):
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump({"runtime": {"job_name": "j", "gpu": {"devices": "none"},
+                                                  "container": {"cuda_tag": "cpu"},
+                                                  "paths": {"data": "./data", "model": "./params"}}}))
+    (tmp_path / "data").write_text("not a folder")
+    (tmp_path / "params").symlink_to(tmp_path / "gone")
+    before = _tree(tmp_path)
+    result = invoke("preflight", "--config", str(config))
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    data = next(line for line in lines if line.startswith("✗ data dir"))
+    assert f"runtime.paths.data: {tmp_path / 'data'} is a file, not a folder" in data
+    model = next(line for line in lines if line.startswith("✗ base model"))
+    assert f"runtime.paths.model: {tmp_path / 'params'} is a symlink to {tmp_path / 'gone'}, which does not" in model
+    assert "Traceback" not in result.stdout + result.stderr
+    assert _tree(tmp_path) == before
+
+
+# --- preflight is read-only (issue 9, item 4) ----------------------------------------------------------
+
+def test_preflight_creates_no_job_dir_and_says_who_will(job):
+    config, job_dir = job
+    (config.parent / "checkpoints").mkdir()
+    before = _tree(config.parent)
+    result = invoke("preflight", "--config", str(config))
+    assert "Traceback" not in result.stdout + result.stderr
+    line = next(line for line in result.stdout.splitlines() if "checkpoint dir" in line)
+    assert line.startswith("✓") and f"{job_dir} does not exist yet: `invoke init` or `start` creates it" in line
+    assert _tree(config.parent) == before
+    assert not job_dir.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="stands in for another user through SUDO_UID, which needs root")
+def test_preflight_fails_when_the_container_user_may_not_create_the_job_dir(job):
+    config, job_dir = job
+    (config.parent / "checkpoints").mkdir(mode=0o755)
+    before = _tree(config.parent)
+    # Under sudo the container runs as the invoking user: here uid 65534, who may not write a root-owned 755 folder.
+    result = invoke("preflight", "--config", str(config), env={"SUDO_UID": "65534", "SUDO_GID": "65534"})
+    assert result.returncode == 1
+    line = next(line for line in result.stdout.splitlines() if "checkpoint dir" in line)
+    assert line.startswith("✗") and "not writable by uid 65534, which the container runs as" in line
+    assert f"(where {job_dir} will be created)" in line
+    assert _tree(config.parent) == before
