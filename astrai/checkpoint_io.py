@@ -18,6 +18,7 @@ so a checkpoint folder can never run code.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -41,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from astrai.checkpoints import (
+    SMALL_FILES_BYTES,
     Checkpoint,
     checkpoint_name,
     fsync_dir,
@@ -75,6 +77,10 @@ _DAMAGED = (OSError, ValueError, RuntimeError, EOFError, KeyError, TypeError, pi
 
 class CheckpointError(Exception):
     """A checkpoint could not be written, or the one every rank agreed on could not be read."""
+
+
+class NonFiniteWeights(CheckpointError):
+    """The weights to save hold NaN or infinity: the run diverged, and such a checkpoint is never written."""
 
 
 @dataclass
@@ -205,6 +211,11 @@ class CheckpointManager:
         )
         rng_state = self._gather_rng_state()
         if self.env.master_process:
+            # The full weights are here on rank 0 after every collective of the save, so the check costs no
+            # extra collective; on failure nothing is written.
+            bad = next((name for name, tensor in model_state.items() if not torch.isfinite(tensor).all()), None)
+            if bad is not None:
+                raise NonFiniteWeights(f"{bad} holds NaN or infinity")
             # Live tensors must be copied when training goes on during the write, or when they sit on a GPU.
             if not fsdp and (not wait or self.env.device.type != "cpu"):
                 model_state, optimizer_state = self._host_copy.copy((model_state, optimizer_state))
@@ -241,7 +252,12 @@ class CheckpointManager:
             self._writer = None
         if self._write_error is not None:
             error, self._write_error = self._write_error, None
-            raise CheckpointError(f"writing a checkpoint failed: {error}") from error
+            raise error
+
+    def raise_if_failed(self) -> None:
+        """Raise a background save's error as soon as it happened; never waits for a save that is running."""
+        if self._write_error is not None:
+            self.wait()
 
     def _gather_rng_state(self) -> dict[str, torch.Tensor]:
         local = {"cpu": torch.get_rng_state()}
@@ -268,9 +284,11 @@ class CheckpointManager:
             if reason == REASON_PERIODIC:
                 self.log(f"saved periodic checkpoint {final}")
         except Exception as error:  # any failure: wait() hands it to the main thread
-            self._write_error = error
-            if staging is not None and staging.exists():
-                remove_job_entry(self.job_dir, staging)
+            try:
+                if staging is not None and staging.exists():
+                    remove_job_entry(self.job_dir, staging)
+            finally:
+                self._write_error = _write_failure(error, final, files.nbytes())
 
     def _apply_retention(self, newest: Checkpoint) -> None:
         # Only checkpoints up to the one just written count: a newer leftover (one that failed to load)
@@ -290,6 +308,10 @@ class _CheckpointFiles:
     model_config: ModelConfig
     meta: dict
     extra_files: tuple[Path, ...] = ()
+
+    def nbytes(self) -> int:
+        """About how much disk the checkpoint takes: its tensors plus the small files."""
+        return _tree_bytes((self.model_state, self.optimizer_state, self.rng_state)) + SMALL_FILES_BYTES
 
     def write(self, folder: Path) -> None:
         """Write every file into ``folder`` and flush it to disk; meta.json goes last.
@@ -322,6 +344,47 @@ class _CheckpointFiles:
             _fsync(folder / name)
         _write_file(folder / META_FILE, json.dumps(self.meta, indent=2, sort_keys=True) + "\n", _write_text)
         fsync_dir(folder)
+
+
+def _tree_bytes(tree) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tree_bytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tree_bytes(value) for value in tree)
+    return 0
+
+
+def _write_failure(error: Exception, final: Path, needed: int) -> CheckpointError:
+    """The error a failed write ends the run with; a full disk says so, where, and how much is missing."""
+    try:
+        free = shutil.disk_usage(final.parent).free
+    except OSError:
+        free = None
+    if _is_disk_full(error) or (free is not None and free < needed):
+        room = f"{_mib(free)} free there" if free is not None else "free space unknown"
+        return CheckpointError(
+            f"the disk is full: checkpoint {final.name} does not fit in {final.parent} ({room}, a checkpoint needs "
+            f"about {_mib(needed)}); the earlier checkpoints are intact. Free space, or lower ckpt.keep_last, or "
+            "point runtime.paths.checkpoints at a larger disk, then start again to resume"
+        )
+    return CheckpointError(f"writing checkpoint {final} failed: {type(error).__name__}: {error}")
+
+
+def _is_disk_full(error: BaseException | None) -> bool:
+    """Whether ENOSPC or EDQUOT caused ``error``; torch's writers turn it into a RuntimeError that names it."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if os.strerror(errno.ENOSPC) in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _mib(count: int) -> str:
+    return f"{count / (1 << 20):.1f} MiB"
 
 
 def _write_file(path: Path, content, write, *args, durable: bool = True) -> None:

@@ -14,7 +14,9 @@ It reads the model/data/parallel/training/ckpt/log sections of the YAML
 (``runtime`` is the host's), and ``--KEY VALUE`` overrides any key. It resumes
 from the newest checkpoint in ckpt_dir that loads, else starts from the base
 model in param_path. SIGTERM or SIGINT finishes the current optimizer step,
-writes an emergency checkpoint and exits 0.
+writes an emergency checkpoint and exits 0. A loss or gradient norm that turns
+non-finite, or a checkpoint that cannot be written (a full disk), stops it with
+exit code 1; no checkpoint of non-finite state is ever written.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from astrai.checkpoint_io import CheckpointError, CheckpointManager, LoadedCheckpoint, Progress
+from astrai.checkpoint_io import CheckpointError, CheckpointManager, LoadedCheckpoint, NonFiniteWeights, Progress
 from astrai.checkpoints import latest_complete_checkpoint, read_meta
 from astrai.config import (
     KEY_SECTION,
@@ -120,6 +122,10 @@ def open_same_data(root: Path, env: DistEnv) -> TokenData:
 
 class SetupError(Exception):
     """Inputs that do not fit together (data vs model vs batch); the message shows the numbers."""
+
+
+class TrainingError(Exception):
+    """Training cannot go on: it diverged, or the job dir cannot be written."""
 
 
 @dataclass(frozen=True)
@@ -264,6 +270,12 @@ class Trainer:
         self._eval_seconds = 0.0
         if env.master_process:
             self.events = EventWriter(self.job_dir / TENSORBOARD_DIR, self.progress.step, self.log)
+        # Health record: each step's summed micro-batch losses and gradient norm, left on the device and read
+        # only at points that wait for the device anyway (logged steps, saves), so no step waits for it.
+        self._step_loss = torch.zeros((), device=env.device)
+        self._recent = torch.zeros((config.log.log_interval, 2), device=env.device)
+        self._checked_step = self.progress.step
+        self._last_finite: tuple[int, float] | None = None
 
     # Setup helpers
 
@@ -371,10 +383,16 @@ class Trainer:
                     logits = self.model(inputs)
                 loss = F.cross_entropy(logits.float().view(-1, vocab_size), targets.reshape(-1))
                 (loss / accum).backward()
-                self._loss_sum += loss.detach()
+                self._step_loss += loss.detach()
+            self._loss_sum += self._step_loss
+            row = self._recent[self.progress.step - self._checked_step]
+            row[0].copy_(self._step_loss)
+            self._step_loss.zero_()
             grad_norm = None
             if training.max_grad_norm > 0:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), training.max_grad_norm)
+                # Under FSDP the local part is enough: a non-finite part makes the whole norm non-finite.
+                row[1].copy_(grad_norm.to_local() if isinstance(grad_norm, DTensor) else grad_norm)
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -396,6 +414,8 @@ class Trainer:
             if stopping:
                 who = self.stop.signal_name or "on another rank"
                 self.log(f"stop requested ({who}): stopping after step {progress.step}")
+            # A failed background save stops the run now, not at the next save (no device sync: a Python flag).
+            self.checkpointer.raise_if_failed()
             val_loss = None
             if self.eval_windows and progress.step % self.config.log.eval_interval == 0:
                 val_loss, self._eval_seconds = self._paused(self.validate)
@@ -408,6 +428,40 @@ class Trainer:
         self._synchronize()
         steps_done = self.progress.step - first_step
         return TrainStats(steps_done, steps_done * tokens_per_step, time.perf_counter() - started, stopped=stopping)
+
+    def _check_finite(self, loss: torch.Tensor | None = None) -> float | None:
+        """Raise TrainingError when a loss or gradient norm since the last check was not finite.
+
+        Reads the health record of the steps since the last check, with ``loss`` (the report's) in the same
+        all-reduce: one small copy at a point where the loop waits for the device anyway. Returns the loss.
+        """
+        count = self.progress.step - self._checked_step
+        if count == 0 and loss is None:
+            return None
+        head = loss.view(1) if loss is not None else self._recent.new_zeros(1)
+        packed = torch.cat([head, self._recent[:count].view(-1)])
+        if self.env.distributed:
+            dist.all_reduce(packed)
+            packed /= self.env.world_size
+        values = packed.tolist()
+        first = self._checked_step + 1
+        self._checked_step = self.progress.step
+        for offset in range(count):
+            step, loss_sum, grad_norm = first + offset, values[1 + 2 * offset], values[2 + 2 * offset]
+            step_loss = loss_sum / self.grad_accum
+            if math.isfinite(step_loss) and math.isfinite(grad_norm):
+                self._last_finite = (step, step_loss)
+                continue
+            what = f"the loss is {step_loss}" if not math.isfinite(step_loss) else f"the gradient norm is {grad_norm}"
+            raise TrainingError(self._diverged(f"{what} at step {step}"))
+        return values[0]
+
+    def _diverged(self, what: str) -> str:
+        last = (f"last finite loss {self._last_finite[1]:.4f} at step {self._last_finite[0]}"
+                if self._last_finite else "no finite loss seen in this run")
+        return (f"training diverged: {what} ({last}). Nothing of this state was saved: every checkpoint in "
+                f"{self.job_dir} is from before it. Lower training.max_lr or set training.max_grad_norm, then start "
+                "again to resume from there.")
 
     def _synchronize(self) -> None:
         if self.env.device.type == "cuda":
@@ -459,15 +513,13 @@ class Trainer:
         return self.max_steps // interval - self.progress.step // interval
 
     def _report(self, lr: float, grad_norm: torch.Tensor | None, val_loss: float | None) -> None:
-        """Progress line, metrics.jsonl record and event files (the only place the loop waits for the device)."""
+        """Progress line, metrics.jsonl record and event files (with _check_finite, the only place the loop waits
+        for the device)."""
         steps = self.progress.step - self._log_step
-        loss = self._loss_sum / (steps * self.grad_accum)
-        if self.env.distributed:
-            dist.all_reduce(loss)
-            loss = loss / self.env.world_size
+        # Checked before anything is printed or written: a diverged step never reaches metrics.jsonl.
+        loss_value = self._check_finite(self._loss_sum / (steps * self.grad_accum))
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
-        loss_value = loss.item()
         seconds, counted = self.clock.lap(time.perf_counter(), steps)
         self._loss_sum.zero_()
         self._log_step = self.progress.step
@@ -512,8 +564,13 @@ class Trainer:
             line += f" | mem {memory_gib:.2f} GiB"
         line += f" | eta {_duration(eta_s) if pace is not None else 'n/a'}"
         self.log(line)
-        with open(self.job_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record, sort_keys=True) + "\n")
+        try:
+            with open(self.job_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record, sort_keys=True) + "\n")
+        except OSError as error:
+            # On a full disk the checkpoint being written has usually failed too, and its error says more.
+            self.checkpointer.wait()
+            raise TrainingError(f"cannot append to {self.job_dir / METRICS_FILE}: {error.strerror}") from None
         self.events.scalars(
             self.progress.step,
             {
@@ -528,23 +585,32 @@ class Trainer:
         )
 
     def save_checkpoint(self, reason: str) -> Path:
-        """Checkpoint now (all ranks call this). Periodic saves finish in the background; the others wait."""
+        """Checkpoint now (all ranks call this). Periodic saves finish in the background; the others wait.
+
+        Refuses (TrainingError) when the run diverged since the last check: no checkpoint, emergency ones
+        included, ever holds non-finite state, so retention never pushes out the last good one.
+        """
+        self._check_finite()
         extra = {
             "config_hash": self.config.config_hash(),
             "max_steps": self.max_steps,
             "window_size": self.window_size,
             "global_batch": self.global_batch,
         }
-        path = self.checkpointer.save(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.model_config,
-            self.progress,
-            reason,
-            extra,
-            wait=reason != REASON_PERIODIC,
-        )
+        try:
+            path = self.checkpointer.save(
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.model_config,
+                self.progress,
+                reason,
+                extra,
+                wait=reason != REASON_PERIODIC,
+            )
+        except NonFiniteWeights as error:
+            raise TrainingError(self._diverged(f"the weights after step {self.progress.step} are not finite "
+                                               f"({error})")) from None
         if self.events is not None:
             self.events.checkpoint(self.progress.step, path.name, reason)
         if reason == REASON_FINAL:
@@ -649,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         _train(config, env, stop)
-    except (ConfigError, DataError, ModelLoadError, SetupError, CheckpointError) as error:
+    except (ConfigError, DataError, ModelLoadError, SetupError, CheckpointError, TrainingError) as error:
         print(f"error: {error}", file=sys.stderr)
         if env.watch is not None:
             env.watch.finish()

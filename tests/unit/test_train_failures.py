@@ -1,0 +1,131 @@
+"""The trainer when things go wrong at night: a diverging loss, a full disk (issue 9, items 7 and 12)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from astrai.checkpoints import STAGING_PREFIX, list_complete_checkpoints
+from astrai.config import load_trainer_config
+from astrai.contract import REASON_EMERGENCY
+from astrai.distributed import init_distributed
+from astrai import train as train_module
+from astrai.train import Trainer, TrainingError
+
+
+def _trainer(config_path, **overrides) -> Trainer:
+    config = load_trainer_config(config_path, [(key, str(value)) for key, value in overrides.items()])
+    return Trainer(config, init_distributed("none", "cpu"))
+
+
+def _poison(trainer: Trainer) -> None:
+    """A NaN in one weight: from the next step on, the loss and every gradient are NaN."""
+    with torch.no_grad():
+        next(trainer.model.parameters()).view(-1)[0] = float("nan")
+
+
+def _steps(job_dir) -> list[int]:
+    return [checkpoint.step for checkpoint in list_complete_checkpoints(job_dir)]
+
+
+def _all_finite(job_dir) -> bool:
+    return all(torch.isfinite(tensor).all() for checkpoint in list_complete_checkpoints(job_dir)
+               for tensor in load_file(checkpoint.path / "model.safetensors").values())
+
+
+@pytest.fixture
+def diverging(tmp_path, train_yaml, one_thread):
+    """A trainer that trained 40 good steps (checkpoints at 30 and 40, keep_last 2), then got a NaN weight."""
+    path = train_yaml(tmp_path / "train.yaml", max_steps=100, ckpt_interval=10, keep_last=2, log_interval=5,
+                      ckpt_dir=str(tmp_path / "ckpt"))
+    trainer = _trainer(path)
+    trainer.train(steps=40)
+    trainer.checkpointer.wait()
+    assert _steps(tmp_path / "ckpt") == [30, 40]
+    _poison(trainer)
+    yield trainer, tmp_path / "ckpt"
+    trainer.close()
+
+
+def test_divergence_stops_with_the_step_and_last_finite_loss_and_keeps_the_good_checkpoints(diverging):
+    trainer, job_dir = diverging
+    with pytest.raises(TrainingError) as raised:
+        trainer.train()
+    message = str(raised.value)
+    assert "training diverged: the loss is nan at step 41" in message
+    assert re_last_finite(message) == 40
+    # Stopped at the first check (step 45), before the periodic save at 50 could write NaN weights and
+    # push out the checkpoint of step 30.
+    assert trainer.progress.step == 45
+    assert _steps(job_dir) == [30, 40] and _all_finite(job_dir)
+    records = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(record["loss"]) for record in records) and records[-1]["step"] == 40
+
+
+def re_last_finite(message: str) -> int:
+    marker = "at step "
+    tail = message.split("last finite loss ", 1)[1]
+    return int(tail.split(marker, 1)[1].split(")", 1)[0])
+
+
+def test_a_stop_after_divergence_writes_no_emergency_checkpoint(diverging):
+    trainer, job_dir = diverging
+    trainer.stop.signal_name = "SIGTERM"
+    with pytest.raises(TrainingError, match="the loss is nan at step 41"):
+        trainer.train()
+    assert _steps(job_dir) == [30, 40] and _all_finite(job_dir)
+
+
+def test_no_save_of_non_finite_weights_even_between_checks(diverging):
+    trainer, job_dir = diverging
+    with pytest.raises(TrainingError, match="the weights after step 40 are not finite"):
+        trainer.save_checkpoint(REASON_EMERGENCY)
+    assert _steps(job_dir) == [30, 40]
+    assert not [entry for entry in os.listdir(job_dir) if entry.startswith(STAGING_PREFIX)]
+
+
+def test_the_health_check_reads_the_device_only_on_logged_steps(tmp_path, train_yaml, one_thread, monkeypatch):
+    """No per-step host sync: the trainer reads values off the device only where it reports or saves.
+
+    Counts reads made by astrai/train.py itself (torch reads CPU scalars internally, which on a GPU are not
+    device values).
+    """
+    path = train_yaml(tmp_path / "train.yaml", max_steps=1000, ckpt_interval=1000, log_interval=20,
+                      max_grad_norm=1.0, ckpt_dir=str(tmp_path / "ckpt"))
+    trainer = _trainer(path)
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name):
+            if sys._getframe(1).f_code.co_filename == train_module.__file__:
+                reads.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    try:
+        trainer.train(steps=19)
+        assert reads == []
+        trainer.train(steps=1)
+    finally:
+        monkeypatch.undo()
+        trainer.close()
+    assert 0 < len(reads) <= 4, reads
+
+
+def test_an_absurd_learning_rate_ends_the_trainer_with_exit_1_and_no_traceback(tmp_path, train_yaml, trainer_env):
+    path = train_yaml(tmp_path / "train.yaml", max_steps=50, ckpt_interval=1, log_interval=10, max_lr=1e30,
+                      warmup_ratio=0.0, ckpt_dir=str(tmp_path / "ckpt"))
+    result = subprocess.run([sys.executable, "-m", "astrai.train", "--config", str(path)], capture_output=True,
+                            text=True, env=trainer_env, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "error: training diverged:" in result.stderr and "Lower training.max_lr" in result.stderr
+    assert _all_finite(tmp_path / "ckpt")
