@@ -340,3 +340,30 @@ def test_preflight_fails_when_the_container_user_may_not_create_the_job_dir(job)
     assert line.startswith("✗") and "not writable by uid 65534, which the container runs as" in line
     assert f"(where {job_dir} will be created)" in line
     assert _tree(config.parent) == before
+
+
+# --- checkpoint space (issue 9, item 7) ----------------------------------------------------------------
+
+def _space_line(tmp_path, tiny_model, checkpoints: Path) -> str:
+    config = tmp_path / "train.yaml"
+    paths = {"model": str(tiny_model), "checkpoints": str(checkpoints)}
+    config.write_text(yaml.safe_dump({"runtime": {"job_name": "j", "gpu": {"devices": "none"},
+                                                  "container": {"cuda_tag": "cpu"}, "paths": paths}}))
+    result = invoke("preflight", "--config", str(config))
+    assert "Traceback" not in result.stdout + result.stderr
+    return next(line for line in result.stdout.splitlines() if "checkpoint space" in line)
+
+
+def test_preflight_warns_when_the_checkpoint_disk_holds_fewer_than_two_checkpoints(tmp_path, tiny_model, small_disk):
+    before = _tree(small_disk)
+    line = _space_line(tmp_path, tiny_model, small_disk)
+    # The tiny model has 894,080 weights: 4 bytes each, twice more for AdamW's moments, plus 1 MiB of small files.
+    assert line.startswith("! checkpoint space")
+    assert "a checkpoint takes about 11.2 MiB: room for fewer than two" in line
+    assert f"16.0 MiB free in {small_disk}" in line
+    assert _tree(small_disk) == before
+
+
+def test_preflight_counts_the_checkpoints_a_large_disk_holds(tmp_path, tiny_model):
+    line = _space_line(tmp_path, tiny_model, tmp_path / "checkpoints")
+    assert line.startswith("✓ checkpoint space") and f"free in {tmp_path}, a checkpoint takes about 11.2 MiB" in line

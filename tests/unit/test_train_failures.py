@@ -129,3 +129,21 @@ def test_an_absurd_learning_rate_ends_the_trainer_with_exit_1_and_no_traceback(t
     assert "Traceback" not in result.stderr
     assert "error: training diverged:" in result.stderr and "Lower training.max_lr" in result.stderr
     assert _all_finite(tmp_path / "ckpt")
+
+
+def test_a_full_disk_stops_the_trainer_at_the_failed_save_and_says_so(small_disk, train_yaml, trainer_env, tmp_path):
+    job_dir = small_disk / "j"
+    path = train_yaml(tmp_path / "train.yaml", max_steps=200, ckpt_interval=20, log_interval=1,
+                      ckpt_dir=str(job_dir))
+    result = subprocess.run([sys.executable, "-m", "astrai.train", "--config", str(path)], capture_output=True,
+                            text=True, env=trainer_env, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    message = result.stderr
+    assert f"error: the disk is full: checkpoint epoch_0_step_40 does not fit in {job_dir} (" in message, message
+    assert " MiB free there, a checkpoint needs about " in message
+    # The save at step 40 runs in the background; the trainer stops as soon as it fails, not at the save of 60.
+    last = json.loads((job_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert 40 <= last < 50, last
+    assert _steps(job_dir) == [20]
+    assert not [entry for entry in os.listdir(job_dir) if entry.startswith(STAGING_PREFIX)]
