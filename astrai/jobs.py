@@ -95,6 +95,7 @@ def run_preflight(runtime: Runtime, document: dict) -> None:
 
 
 def build_image(runtime: Runtime) -> None:
+    check_paths(runtime, ("checkpoints",), need="create")
     compose.write_override(runtime)
     _run_compose(runtime, "build", compose.SERVICE, what="building the trainer image")
 
@@ -194,6 +195,7 @@ def _follow_until_exit(runtime: Runtime, container: engine.Container) -> int:
 
 def stop_job(runtime: Runtime) -> None:
     """Graceful stop: SIGTERM, `stop_timeout_seconds` of grace, then report the emergency checkpoint."""
+    check_paths(runtime, ("checkpoints",))
     cancelled = timer.cancel(compose.state_dir(runtime))
     container = job_container(runtime)
     if container is None or not container.running:

@@ -231,7 +231,7 @@ def test_the_start_lock_dies_with_its_holder(job):
 # --- broken runtime.paths (issue 9, item 3) -----------------------------------------------------------
 
 PATH_COMMANDS = [["preflight"], ["init"], ["start"], ["status"], ["list"], ["latest"], ["clean"],
-                 ["clean", "--force"], ["logs", "--no-follow"]]
+                 ["clean", "--force"], ["logs", "--no-follow"], ["build"], ["stop"], ["restart"]]
 # Without these capabilities root meets permission bits as any user does (tests run as root).
 NO_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
 
