@@ -287,7 +287,10 @@ def _container_may(path: Path, access: int) -> bool:
     uid, gid = host_user_ids()
     if uid == 0:
         return True
-    info = path.stat()
+    try:
+        info = path.stat()
+    except OSError:  # a symlink to nothing, say: nobody can read it
+        return False
     shift = 6 if info.st_uid == uid else 3 if info.st_gid == gid else 0
     needed = access | (EXECUTE if path.is_dir() else 0)
     return (info.st_mode >> shift) & needed == needed

@@ -367,3 +367,15 @@ def test_preflight_warns_when_the_checkpoint_disk_holds_fewer_than_two_checkpoin
 def test_preflight_counts_the_checkpoints_a_large_disk_holds(tmp_path, tiny_model):
     line = _space_line(tmp_path, tiny_model, tmp_path / "checkpoints")
     assert line.startswith("✓ checkpoint space") and f"free in {tmp_path}, a checkpoint takes about 11.2 MiB" in line
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="stands in for another user through SUDO_UID, which needs root")
+def test_preflight_names_a_dangling_symlink_inside_the_data_dir(job):
+    config, _ = job
+    data = config.parent / "data"
+    data.mkdir(mode=0o755)
+    (data / "shard-0.bin").symlink_to(config.parent / "gone")
+    result = invoke("preflight", "--config", str(config), env={"SUDO_UID": "65534", "SUDO_GID": "65534"})
+    assert "Traceback" not in result.stdout + result.stderr
+    line = next(line for line in result.stdout.splitlines() if "data dir" in line)
+    assert line.startswith("✗") and f"{data / 'shard-0.bin'} is not readable by uid 65534" in line
