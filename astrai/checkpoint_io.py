@@ -366,8 +366,8 @@ def _write_failure(error: Exception, final: Path, needed: int) -> CheckpointErro
         room = f"{_mib(free)} free there" if free is not None else "free space unknown"
         return CheckpointError(
             f"the disk is full: checkpoint {final.name} does not fit in {final.parent} ({room}, a checkpoint needs "
-            f"about {_mib(needed)}); the earlier checkpoints are intact. Free space, or lower ckpt.keep_last, or "
-            "point runtime.paths.checkpoints at a larger disk, then start again to resume"
+            f"about {_mib(needed)}; {error}); the earlier checkpoints are untouched. Free space, or lower "
+            "ckpt.keep_last, or point runtime.paths.checkpoints at a larger disk, then start again to resume"
         )
     return CheckpointError(f"writing checkpoint {final} failed: {type(error).__name__}: {error}")
 
