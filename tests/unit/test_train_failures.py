@@ -147,3 +147,15 @@ def test_a_full_disk_stops_the_trainer_at_the_failed_save_and_says_so(small_disk
     assert 40 <= last < 50, last
     assert _steps(job_dir) == [20]
     assert not [entry for entry in os.listdir(job_dir) if entry.startswith(STAGING_PREFIX)]
+
+
+def test_a_metrics_file_that_cannot_be_written_stops_with_a_clear_error(tmp_path, train_yaml, one_thread):
+    path = train_yaml(tmp_path / "train.yaml", max_steps=20, ckpt_dir=str(tmp_path / "ckpt"))
+    (tmp_path / "ckpt" / "metrics.jsonl").mkdir(parents=True)
+    trainer = _trainer(path)
+    try:
+        with pytest.raises(TrainingError, match=r"cannot append to .*metrics\.jsonl: Is a directory"):
+            trainer.train()
+    finally:
+        trainer.close()
+    assert trainer.progress.step == 10
