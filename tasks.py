@@ -25,9 +25,9 @@ def _user_errors():
     from astrai.baseimage import BaseImageError
     from astrai.board import BoardError
     from astrai.compose import ComposeError
+    from astrai.configfile import ConfigError
     from astrai.engine import EngineError
     from astrai.jobs import JobError
-    from astrai.configfile import ConfigError
     from astrai.runtime import SchemaError
 
     try:
@@ -57,7 +57,7 @@ def _trainer_args(c) -> list[str]:
     """
     if not c.remainder:
         return []
-    return sys.argv[sys.argv.index("--") + 1:]
+    return sys.argv[sys.argv.index("--") + 1 :]
 
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
@@ -103,8 +103,13 @@ def build(c, config=DEFAULT_CONFIG, node=0):
         build_image(runtime)
 
 
-@task(help={"config": CONFIG_HELP, "node": NODE_HELP,
-            "foreground": "stay attached to the logs; Ctrl-C stops the job gracefully"})
+@task(
+    help={
+        "config": CONFIG_HELP,
+        "node": NODE_HELP,
+        "foreground": "stay attached to the logs; Ctrl-C stops the job gracefully",
+    }
+)
 def start(c, config=DEFAULT_CONFIG, node=0, foreground=False):
     """Preflight, build, then start or resume the job (-- ARGS override trainer settings)."""
     from astrai.jobs import start_job
@@ -139,8 +144,14 @@ def restart(c, config=DEFAULT_CONFIG, node=0, foreground=False):
         raise Exit(code=code)
 
 
-@task(help={"config": CONFIG_HELP, "node": NODE_HELP, "tail": "lines of history to show first (a number or 'all')",
-            "follow": "keep following new lines (default on; --no-follow prints and exits)"})
+@task(
+    help={
+        "config": CONFIG_HELP,
+        "node": NODE_HELP,
+        "tail": "lines of history to show first (a number or 'all')",
+        "follow": "keep following new lines (default on; --no-follow prints and exits)",
+    }
+)
 def logs(c, config=DEFAULT_CONFIG, node=0, tail="100", follow=True):
     """Follow the trainer's logs (progress lines name the step)."""
     from astrai.jobs import show_logs
@@ -162,12 +173,17 @@ def status(c, config=DEFAULT_CONFIG, node=0):
         print("\n".join(status_lines(runtime)))
 
 
-@task(help={"config": CONFIG_HELP, "node": NODE_HELP,
-            "all": "serve every job under runtime.paths.checkpoints, not just this one",
-            "host": "address to listen on (default 127.0.0.1: this machine only)",
-            "port": "port to listen on (default 6006)",
-            "background": "detach; `invoke board --stop` ends it",
-            "stop": "end the board started with --background"})
+@task(
+    help={
+        "config": CONFIG_HELP,
+        "node": NODE_HELP,
+        "all": "serve every job under runtime.paths.checkpoints, not just this one",
+        "host": "address to listen on (default 127.0.0.1: this machine only)",
+        "port": "port to listen on (default 6006)",
+        "background": "detach; `invoke board --stop` ends it",
+        "stop": "end the board started with --background",
+    }
+)
 def board(c, config=DEFAULT_CONFIG, node=0, all=False, host="127.0.0.1", port=6006, background=False, stop=False):
     """Serve TensorBoard for the job (Ctrl-C ends it), or --background / --stop a detached one."""
     from astrai import board as tb
@@ -213,9 +229,14 @@ def list_(c, config=DEFAULT_CONFIG, node=0):
             print(path)
 
 
-@task(help={"config": CONFIG_HELP, "node": NODE_HELP,
-            "keep": "how many newest complete checkpoints to keep (default: runtime.container.checkpoint_keep_last)",
-            "force": "really delete; without it, only show what would go"})
+@task(
+    help={
+        "config": CONFIG_HELP,
+        "node": NODE_HELP,
+        "keep": "how many newest complete checkpoints to keep (default: runtime.container.checkpoint_keep_last)",
+        "force": "really delete; without it, only show what would go",
+    }
+)
 def clean(c, config=DEFAULT_CONFIG, node=0, keep=None, force=False):
     """Preview removal of old complete checkpoints; delete only with --force."""
     from astrai.jobs import clean_job
@@ -229,9 +250,13 @@ def clean(c, config=DEFAULT_CONFIG, node=0, keep=None, force=False):
         clean_job(runtime, keep, force)
 
 
-@task(help={"workdir": "where the demo writes its model, data, config and checkpoints (default: ./demo)",
-            "fresh": "delete the demo job dir of an earlier run first",
-            "job_name": "the demo job's name (default: astrai-demo)"})
+@task(
+    help={
+        "workdir": "where the demo writes its model, data, config and checkpoints (default: ./demo)",
+        "fresh": "delete the demo job dir of an earlier run first",
+        "job_name": "the demo job's name (default: astrai-demo)",
+    }
+)
 def demo(c, workdir="demo", fresh=False, job_name="astrai-demo"):
     """Run a tiny CPU job end to end: init, preflight, start, stop, resume, finish."""
     from pathlib import Path
@@ -242,18 +267,35 @@ def demo(c, workdir="demo", fresh=False, job_name="astrai-demo"):
         run_demo(Path(workdir), fresh=fresh, job_name=job_name)
 
 
-@task(help={"quick": "fewer repetitions (under 6 minutes instead of under 20)",
-            "readme": "also write the result table into README.md"})
+@task(
+    help={
+        "quick": "fewer repetitions (under 6 minutes instead of under 20)",
+        "readme": "also write the result table into README.md",
+    }
+)
 def bench(c, quick=False, readme=False):
     """Measure speed and robustness side by side; writes bench/results.json."""
-    from bench.run import run
-
     from astrai.baseimage import DEFAULT_TAG
+    from bench.run import run
 
     with _user_errors():
         run(quick, readme, DEFAULT_TAG)
 
 
 namespace = Collection(
-    init, preflight, render, build, start, stop, restart, logs, status, board, latest, list_, clean, demo, bench,
+    init,
+    preflight,
+    render,
+    build,
+    start,
+    stop,
+    restart,
+    logs,
+    status,
+    board,
+    latest,
+    list_,
+    clean,
+    demo,
+    bench,
 )

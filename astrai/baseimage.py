@@ -80,8 +80,19 @@ def ensure_base_image(
         requirements = [torch_requirement, "safetensors", "pyyaml", "numpy", TENSORBOARD_REQUIREMENT]
         log(f"pip download {' '.join(requirements)} for Python {python_version}")
         _run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
-             "--python-version", python_version, "--dest", str(wheels), *requirements],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--only-binary=:all:",
+                "--python-version",
+                python_version,
+                "--dest",
+                str(wheels),
+                *requirements,
+            ],
             "pip download",
         )
         _install_wheels(rootfs, wheels, requirements)
@@ -111,7 +122,8 @@ def _run(command: list[str], step: str) -> None:
 def _chroot_python_version(rootfs: Path) -> str:
     result = subprocess.run(
         ["chroot", str(rootfs), "python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     if result.returncode != 0:
         raise BaseImageError(f"python3 does not run inside the new root file system: {result.stderr.strip()}")
@@ -123,8 +135,21 @@ def _install_wheels(rootfs: Path, wheels: Path, requirements: list[str]) -> None
     shutil.copytree(wheels, inside)
     try:
         _run(
-            ["chroot", str(rootfs), "python3", "-m", "pip", "install", "--quiet", "--no-index",
-             "--no-cache-dir", "--break-system-packages", "--find-links", "/tmp/astrai-wheels", *requirements],
+            [
+                "chroot",
+                str(rootfs),
+                "python3",
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-index",
+                "--no-cache-dir",
+                "--break-system-packages",
+                "--find-links",
+                "/tmp/astrai-wheels",
+                *requirements,
+            ],
             "pip install inside the root file system",
         )
     finally:
@@ -151,12 +176,21 @@ def _trim(rootfs: Path) -> None:
 def _docker_import(rootfs: Path, tag: str) -> None:
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "--numeric-owner", "-c", "."], stdout=subprocess.PIPE)
     importer = subprocess.run(
-        ["docker", "import",
-         "--change", "ENV LANG=C.UTF-8",
-         "--change", "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-         "--change", 'CMD ["python3"]',
-         "-", tag],
-        stdin=tar.stdout, capture_output=True, text=True,
+        [
+            "docker",
+            "import",
+            "--change",
+            "ENV LANG=C.UTF-8",
+            "--change",
+            "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "--change",
+            'CMD ["python3"]',
+            "-",
+            tag,
+        ],
+        stdin=tar.stdout,
+        capture_output=True,
+        text=True,
     )
     tar.stdout.close()
     tar_status = tar.wait()

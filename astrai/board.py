@@ -103,12 +103,17 @@ def start_background(runtime: Runtime, command: list[str], url: str) -> BoardSta
     state_dir = compose.state_dir(runtime)
     running = read_board(state_dir)
     if running is not None:
-        raise BoardError(f"a board for job {runtime.job_name} already runs at {running.url} (pid {running.pid}); "
-                         f"`invoke board --stop` ends it")
+        raise BoardError(
+            f"a board for job {runtime.job_name} already runs at {running.url} (pid {running.pid}); "
+            f"`invoke board --stop` ends it"
+        )
     make_dirs(state_dir)
     with open(state_dir / BOARD_LOG_NAME, "ab") as log:
         process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
             start_new_session=True,  # own session: it outlives this shell, and Ctrl-C here never reaches it
             cwd="/",
         )

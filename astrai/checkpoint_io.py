@@ -335,7 +335,10 @@ class _CheckpointFiles:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-model") as pool:
             # Hugging Face names and config.json: the folder loads in transformers as it is.
             model = pool.submit(
-                _write_file, folder / WEIGHTS_FILE, hf_state_dict(self.model_state), _write_safetensors,
+                _write_file,
+                folder / WEIGHTS_FILE,
+                hf_state_dict(self.model_state),
+                _write_safetensors,
                 {"format": "pt"},
             )
             _write_file(folder / OPTIMIZER_FILE, self.optimizer_state, torch.save)
@@ -443,8 +446,11 @@ def _write_safetensors(
         if tensor.dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"{name}: dtype {tensor.dtype} cannot be stored in safetensors")
         size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)

@@ -26,7 +26,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from astrai.contract import META_FILE, METRICS_FILE, REQUIRED_FILES
+from astrai.contract import META_FILE, REQUIRED_FILES
 
 STAGING_PREFIX = ".staging-"
 TRASH_PREFIX = ".trash-"
@@ -214,5 +214,6 @@ def estimate_checkpoint_bytes(num_parameters: int) -> int:
 
 def folder_bytes(path: Path) -> int:
     """Total size of the regular files directly inside ``path``."""
-    return sum(entry.stat(follow_symlinks=False).st_size for entry in os.scandir(path)
-               if entry.is_file(follow_symlinks=False))
+    return sum(
+        entry.stat(follow_symlinks=False).st_size for entry in os.scandir(path) if entry.is_file(follow_symlinks=False)
+    )

@@ -220,9 +220,7 @@ def render_override(
         # Reserve every GPU once; CUDA_VISIBLE_DEVICES is the only filter, so
         # device indices mean the same inside the container as on the host.
         service["deploy"] = {
-            "resources": {
-                "reservations": {"devices": [{"capabilities": ["gpu"], "count": "all", "driver": "nvidia"}]}
-            }
+            "resources": {"reservations": {"devices": [{"capabilities": ["gpu"], "count": "all", "driver": "nvidia"}]}}
         }
         service["ulimits"]["memlock"] = -1
     return _escape_dollars({"name": job_project(runtime), "services": {SERVICE: service}})
@@ -305,9 +303,12 @@ def compose_command(runtime: Runtime, *args: str, override: Path | None = None) 
     """The full `docker compose` command line for this job, with its files and project name."""
     return [
         *compose_program(),
-        "--project-name", job_project(runtime),
-        "--file", str(BASE_COMPOSE_FILE),
-        "--file", str(override_path(runtime) if override is None else override),
+        "--project-name",
+        job_project(runtime),
+        "--file",
+        str(BASE_COMPOSE_FILE),
+        "--file",
+        str(override_path(runtime) if override is None else override),
         *args,
     ]
 

@@ -50,7 +50,6 @@ class DataSection:
         _check(0 <= self.val_fraction <= 0.5, "data.val_fraction", self.val_fraction, "a number in [0, 0.5]")
 
 
-
 @dataclass(frozen=True)
 class ParallelSection:
     parallel_mode: str = "none"

@@ -41,8 +41,10 @@ def load_yaml(config_path) -> dict:
     if doc is None:
         return {}
     if not isinstance(doc, dict):
-        raise ConfigError(f"{config_path}: expected a mapping of sections (runtime:, model:, ...) at the top level, "
-                          f"got {type(doc).__name__} {doc!r}")
+        raise ConfigError(
+            f"{config_path}: expected a mapping of sections (runtime:, model:, ...) at the top level, "
+            f"got {type(doc).__name__} {doc!r}"
+        )
     return doc
 
 
@@ -56,8 +58,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 first = first_seen.setdefault(key_node.value, key_node)
                 if first is not key_node:
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key '{key_node.value}' (first on line {first.start_mark.line + 1})",
-                        key_node.start_mark)
+                        None,
+                        None,
+                        f"duplicate key '{key_node.value}' (first on line {first.start_mark.line + 1})",
+                        key_node.start_mark,
+                    )
         return super().construct_mapping(node, deep=deep)
 
 

@@ -137,8 +137,11 @@ class HFTokenizer:
         if len(found) == 1:
             return found[0]
         listed = ", ".join(sorted(self.special_tokens)) or "none"
-        why = (f"it has several end-of-text candidates ({', '.join(found)})" if found
-               else f"it has none of the usual end-of-text tokens ({', '.join(WELL_KNOWN_END_OF_TEXT)})")
+        why = (
+            f"it has several end-of-text candidates ({', '.join(found)})"
+            if found
+            else f"it has none of the usual end-of-text tokens ({', '.join(WELL_KNOWN_END_OF_TEXT)})"
+        )
         raise DataError(
             f"{self.file}: cannot tell which token ends a document: {why}; pass --eos TOKEN, "
             f"one of its special tokens: {listed}"

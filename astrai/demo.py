@@ -37,8 +37,14 @@ TRAINER_SETTINGS = {
     "data": {"data_root_path": CONTAINER_DATA, "window_size": 64, "num_workers": 1},
     "parallel": {"parallel_mode": "none"},
     "training": {
-        "max_steps": 600, "batch_per_device": 16, "grad_accum_steps": 1, "max_lr": 3e-3, "warmup_ratio": 0.05,
-        "weight_decay": 0.1, "max_grad_norm": 1.0, "random_seed": 1234,
+        "max_steps": 600,
+        "batch_per_device": 16,
+        "grad_accum_steps": 1,
+        "max_lr": 3e-3,
+        "warmup_ratio": 0.05,
+        "weight_decay": 0.1,
+        "max_grad_norm": 1.0,
+        "random_seed": 1234,
     },
     "ckpt": {"ckpt_interval": 100, "param_path": CONTAINER_MODEL},
     "log": {"log_interval": 25},
@@ -56,8 +62,10 @@ def run_demo(workdir: Path, *, fresh: bool = False, job_name: str = JOB_NAME) ->
     job_dir = workdir / "checkpoints" / job_name
     if list_complete_checkpoints(job_dir):
         if not fresh:
-            raise DemoError(f"{job_dir} holds checkpoints of an earlier demo run; rerun with `invoke demo --fresh` "
-                            "to delete that job dir and start over")
+            raise DemoError(
+                f"{job_dir} holds checkpoints of an earlier demo run; rerun with `invoke demo --fresh` "
+                "to delete that job dir and start over"
+            )
         shutil.rmtree(job_dir)
         _say(f"removed the earlier demo job dir {job_dir}")
 
@@ -97,8 +105,10 @@ def run_demo(workdir: Path, *, fresh: bool = False, job_name: str = JOB_NAME) ->
         meta = read_meta(checkpoint)
         _say(f"{checkpoint.path}  ({meta.get('reason')})")
     _say("\n".join(jobs.status_lines(runtime)))
-    _say(f"\ndone. Everything lives in {workdir}; try `invoke status --config {config}` or "
-         f"`invoke clean --config {config}`.")
+    _say(
+        f"\ndone. Everything lives in {workdir}; try `invoke status --config {config}` or "
+        f"`invoke clean --config {config}`."
+    )
 
 
 def _choose_base_image() -> str:
@@ -111,15 +121,18 @@ def _choose_base_image() -> str:
         return compose.CPU_BASE_IMAGE
     _say(f"pulling {compose.CPU_BASE_IMAGE} ...")
     try:
-        pulled = subprocess.run(["docker", "pull", compose.CPU_BASE_IMAGE], capture_output=True, text=True,
-                                timeout=PULL_TIMEOUT_SECONDS)
+        pulled = subprocess.run(
+            ["docker", "pull", compose.CPU_BASE_IMAGE], capture_output=True, text=True, timeout=PULL_TIMEOUT_SECONDS
+        )
         reason = (pulled.stderr.strip().splitlines() or ["unknown error"])[-1]
         if pulled.returncode == 0:
             return compose.CPU_BASE_IMAGE
     except subprocess.TimeoutExpired:
         reason = f"no answer within {PULL_TIMEOUT_SECONDS} s"
-    _say(f"cannot pull {compose.CPU_BASE_IMAGE} ({reason});\nbuilding {baseimage.DEFAULT_TAG} from Debian packages "
-         "instead (debootstrap + pip wheels; a few minutes, once)")
+    _say(
+        f"cannot pull {compose.CPU_BASE_IMAGE} ({reason});\nbuilding {baseimage.DEFAULT_TAG} from Debian packages "
+        "instead (debootstrap + pip wheels; a few minutes, once)"
+    )
     baseimage.ensure_base_image(baseimage.DEFAULT_TAG, log=_say)
     return baseimage.DEFAULT_TAG
 
@@ -148,8 +161,12 @@ def _write_config(workdir: Path, image: str, job_name: str) -> Path:
             "paths": {"data": "./data", "model": "./params", "checkpoints": "./checkpoints"},
             "gpu": {"devices": "none", "processes": 1, "parallel_mode": "auto"},
             "container": {
-                "cuda_tag": "cpu", "base_image": image, "ipc": "host", "stop_grace_period": "2m",
-                "stop_timeout_seconds": 120, "checkpoint_keep_last": 3,
+                "cuda_tag": "cpu",
+                "base_image": image,
+                "ipc": "host",
+                "stop_grace_period": "2m",
+                "stop_timeout_seconds": 120,
+                "checkpoint_keep_last": 3,
             },
         },
         **TRAINER_SETTINGS,

@@ -74,7 +74,9 @@ def world_from_environment() -> tuple[int, int, int]:
     rendezvous backend ran; every node runs the same number of processes, so the ranks stay a permutation.
     """
     rank, local_rank, world_size = (
-        int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
     )
     node, local_world_size = _node_placement()
     if node is not None and local_world_size * (world_size // local_world_size) == world_size:
@@ -93,8 +95,11 @@ def check_parallel_mode(parallel_mode: str, world_size: int) -> None:
     try:
         resolve_parallel_mode(parallel_mode, world_size)
     except ValueError as error:
-        hint = "use ddp or fsdp under torchrun" if parallel_mode == "none" else \
-            "run under torchrun --nproc-per-node N, or use none"
+        hint = (
+            "use ddp or fsdp under torchrun"
+            if parallel_mode == "none"
+            else "run under torchrun --nproc-per-node N, or use none"
+        )
         raise ConfigError(f"parallel.parallel_mode: {error} (WORLD_SIZE is {world_size}); {hint}") from None
 
 
@@ -264,8 +269,9 @@ def _strip_tensors(tree, tensors: list[torch.Tensor]):
     if isinstance(tree, (list, tuple)):
         return type(tree)(_strip_tensors(value, tensors) for value in tree)
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        return dataclasses.replace(tree, **{f.name: _strip_tensors(getattr(tree, f.name), tensors)
-                                            for f in dataclasses.fields(tree) if f.init})
+        return dataclasses.replace(
+            tree, **{f.name: _strip_tensors(getattr(tree, f.name), tensors) for f in dataclasses.fields(tree) if f.init}
+        )
     return tree
 
 
@@ -297,8 +303,9 @@ def _fill_tensors(tree, tensors: list[torch.Tensor]):
     if isinstance(tree, (list, tuple)):
         return type(tree)(_fill_tensors(value, tensors) for value in tree)
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        return dataclasses.replace(tree, **{f.name: _fill_tensors(getattr(tree, f.name), tensors)
-                                            for f in dataclasses.fields(tree) if f.init})
+        return dataclasses.replace(
+            tree, **{f.name: _fill_tensors(getattr(tree, f.name), tensors) for f in dataclasses.fields(tree) if f.init}
+        )
     return tree
 
 
@@ -385,8 +392,11 @@ class NodeWatch:
             except RuntimeError:
                 values = None
             if now - answered > self.limit:
-                self._lost(0, f"the rendezvous store on node 0 ({os.environ['MASTER_ADDR']}:"
-                              f"{os.environ['MASTER_PORT']}) has not answered for {now - answered:.0f} s")
+                self._lost(
+                    0,
+                    f"the rendezvous store on node 0 ({os.environ['MASTER_ADDR']}:"
+                    f"{os.environ['MASTER_PORT']}) has not answered for {now - answered:.0f} s",
+                )
             if values is None:
                 continue
             for rank, raw in zip(list(seen), values, strict=True):
@@ -397,8 +407,9 @@ class NodeWatch:
                     seen[rank], changed[rank] = value, now
             for rank in seen:
                 if now - changed[rank] > self.limit:
-                    self._lost(self.env.node_of(rank), f"rank {rank} has sent no heartbeat for "
-                                                       f"{now - changed[rank]:.0f} s")
+                    self._lost(
+                        self.env.node_of(rank), f"rank {rank} has sent no heartbeat for {now - changed[rank]:.0f} s"
+                    )
 
     def _lost(self, node: int, detail: str) -> None:
         sys.stderr.write(

@@ -50,7 +50,9 @@ class Container:
 def docker(*args: str, timeout: float | None = PROBE_TIMEOUT_SECONDS) -> subprocess.CompletedProcess:
     """Run one docker CLI command and capture its output (never raises on a non-zero exit)."""
     if shutil.which("docker") is None:
-        raise EngineError("the docker CLI was not found on PATH; install Docker Engine (package docker.io or docker-ce)")
+        raise EngineError(
+            "the docker CLI was not found on PATH; install Docker Engine (package docker.io or docker-ce)"
+        )
     try:
         return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -70,9 +72,14 @@ def daemon_version() -> str:
 def find_container(project: str) -> Container | None:
     """The newest trainer container of a Compose project, running or not."""
     listing = docker(
-        "ps", "--all", "--quiet", "--no-trunc",
-        "--filter", f"label=com.docker.compose.project={project}",
-        "--filter", f"label=com.docker.compose.service={SERVICE}",
+        "ps",
+        "--all",
+        "--quiet",
+        "--no-trunc",
+        "--filter",
+        f"label=com.docker.compose.project={project}",
+        "--filter",
+        f"label=com.docker.compose.service={SERVICE}",
     )
     if listing.returncode != 0:
         raise EngineError(f"cannot list containers: {listing.stderr.strip()}")
@@ -108,8 +115,17 @@ def crash_exit_codes(container: Container) -> list[int]:
     Docker keeps only the newest exit code in the container's state, and a restart resets it to 0.
     """
     result = docker(
-        "events", "--since", container.created_at or "0", "--until", datetime.now(timezone.utc).isoformat(),
-        "--filter", f"container={container.id}", "--filter", "event=die", "--format", "{{json .}}",
+        "events",
+        "--since",
+        container.created_at or "0",
+        "--until",
+        datetime.now(timezone.utc).isoformat(),
+        "--filter",
+        f"container={container.id}",
+        "--filter",
+        "event=die",
+        "--format",
+        "{{json .}}",
     )
     if result.returncode != 0:
         raise EngineError(f"cannot read the engine's events: {result.stderr.strip()}")
@@ -140,7 +156,7 @@ def _parse_time(text: str) -> datetime | None:
     zone = "+00:00"
     if rest:
         digits = "".join(ch for ch in rest if ch.isdigit())
-        zone = rest[len(digits):] or zone
+        zone = rest[len(digits) :] or zone
         head = f"{head}.{digits[:6]}"
     zone = "+00:00" if zone == "Z" else zone
     try:

@@ -37,9 +37,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Mapping
 
 from astrai import early_stop
 from astrai.checkpoints import latest_complete_checkpoint
@@ -150,31 +150,45 @@ def plan_launch(
         ) from None
     job_dir = CHECKPOINTS_DIR / job_name
     trainer = [
-        "-m", "astrai.train",
-        "--config", env.get(ENV_CONFIG, CONTAINER_CONFIG),
-        "--ckpt_dir", str(job_dir),
-        "--param_path", str(MODEL_DIR),
-        "--parallel_mode", mode,
+        "-m",
+        "astrai.train",
+        "--config",
+        env.get(ENV_CONFIG, CONTAINER_CONFIG),
+        "--ckpt_dir",
+        str(job_dir),
+        "--param_path",
+        str(MODEL_DIR),
+        "--parallel_mode",
+        mode,
         *trainer_args,
     ]
     stop_timeout = str(max(int(env.get(ENV_STOP_TIMEOUT_SECONDS, "600")), MIN_SHUTDOWN_TIMEOUT_SECONDS))
     if nodes > 1:
         command = [
-            python, "-m", "torch.distributed.run",
+            python,
+            "-m",
+            "torch.distributed.run",
             *_rendezvous_args(env, job_name, nodes, node),
-            "--nproc-per-node", str(processes),
-            "--max-restarts", "0",
-            "--shutdown-timeout", stop_timeout,
+            "--nproc-per-node",
+            str(processes),
+            "--max-restarts",
+            "0",
+            "--shutdown-timeout",
+            stop_timeout,
             *trainer,
         ]
     elif processes == 1:
         command = [python, *trainer]
     else:
         command = [
-            python, "-m", "torch.distributed.run",
+            python,
+            "-m",
+            "torch.distributed.run",
             "--standalone",
-            "--nproc-per-node", str(processes),
-            "--shutdown-timeout", stop_timeout,
+            "--nproc-per-node",
+            str(processes),
+            "--shutdown-timeout",
+            stop_timeout,
             *trainer,
         ]
     return LaunchPlan(processes, mode, str(job_dir), command, nodes, node)
@@ -192,8 +206,16 @@ def _rendezvous_args(env: Mapping[str, str], job_name: str, nodes: int, node: in
             f"{ENV_RDZV_ENDPOINT} is not set for a job on {nodes} nodes; set runtime.nodes.rendezvous"
         )
     backend = env.get(ENV_RDZV_BACKEND, "static")
-    args = ["--nnodes", str(nodes), "--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
-            "--rdzv-id", rendezvous_id(job_name)]
+    args = [
+        "--nnodes",
+        str(nodes),
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        rendezvous_id(job_name),
+    ]
     if backend == "static":
         return [*args, "--node-rank", str(node)]
     if backend == "c10d":

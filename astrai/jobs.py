@@ -26,6 +26,7 @@ from astrai.checkpoints import (
     remove_job_entry,
     scan_job_dir,
 )
+from astrai.configfile import ConfigError
 from astrai.contract import (
     METRIC_ETA_S,
     METRIC_LOSS,
@@ -39,11 +40,9 @@ from astrai.contract import (
     METRICS_FILE,
     REASON_EMERGENCY,
 )
-from astrai.configfile import ConfigError
 from astrai.hostuser import make_dirs
 from astrai.metrics import read_records, sparkline
 from astrai.runtime import PATH_KEYS, Runtime, path_problems
-
 
 START_LOCK_NAME = "start.node{node}.lock"
 """In the job's state folder: held by the one `invoke start` of that node running at a time."""
@@ -127,14 +126,18 @@ def start_lock(runtime: Runtime):
         make_dirs(path.parent)
         handle = open(path, "a")
     except OSError as error:
-        raise JobError(f"cannot create the start lock {path}: {error.strerror}; check runtime.paths.checkpoints "
-                       f"in {runtime.config_path}") from None
+        raise JobError(
+            f"cannot create the start lock {path}: {error.strerror}; check runtime.paths.checkpoints "
+            f"in {runtime.config_path}"
+        ) from None
     with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise JobError(f"another `invoke start` of job {runtime.job_name} is in progress (it holds {path}); "
-                           f"wait for it, then see `invoke status --config {runtime.config_path}`") from None
+            raise JobError(
+                f"another `invoke start` of job {runtime.job_name} is in progress (it holds {path}); "
+                f"wait for it, then see `invoke status --config {runtime.config_path}`"
+            ) from None
         yield
 
 
@@ -147,15 +150,25 @@ def _start_container(runtime: Runtime, document: dict, trainer_args: list[str]) 
         )
     run_preflight(runtime, document)
     for name in passthrough_unset(runtime):
-        _say(f"note: runtime.environment.{name} is passed through from your shell, but {name} is not set here; "
-             "the container will not have it")
+        _say(
+            f"note: runtime.environment.{name} is passed through from your shell, but {name} is not set here; "
+            "the container will not have it"
+        )
     compose.write_override(runtime, trainer_args)
     _say("building the trainer image (`invoke build` shows the build output)")
     _run_compose(runtime, "build", compose.SERVICE, what="building the trainer image", quiet=True)
     timer.cancel(compose.state_dir(runtime))
     # A fresh container per run: its id and start time tell this run apart from later ones.
-    _run_compose(runtime, "up", "--detach", "--no-build", "--force-recreate", compose.SERVICE,
-                 what="starting the container", quiet=True)
+    _run_compose(
+        runtime,
+        "up",
+        "--detach",
+        "--no-build",
+        "--force-recreate",
+        compose.SERVICE,
+        what="starting the container",
+        quiet=True,
+    )
     container = job_container(runtime)
     if container is None:
         raise JobError(f"the container of job {runtime.job_name} did not appear; see `invoke logs`")
@@ -168,8 +181,11 @@ def _start_container(runtime: Runtime, document: dict, trainer_args: list[str]) 
     _say(f"started job {runtime.job_name} (container {container.name}), {origin}")
     if runtime.max_duration_hours:
         state = timer.schedule(
-            compose.state_dir(runtime), hours=runtime.max_duration_hours, container=container,
-            stop_timeout_seconds=runtime.stop_timeout_seconds, job_name=runtime.job_name,
+            compose.state_dir(runtime),
+            hours=runtime.max_duration_hours,
+            container=container,
+            stop_timeout_seconds=runtime.stop_timeout_seconds,
+            job_name=runtime.job_name,
         )
         _say(f"max duration {runtime.max_duration_hours} h: a timer stops it gracefully at {_clock(state.deadline)}")
     return container
@@ -202,7 +218,9 @@ def stop_job(runtime: Runtime) -> None:
         extra = " (its max-duration timer was cancelled)" if cancelled else ""
         _say(f"job {runtime.job_name} is not running; nothing to stop{extra}")
         return
-    _say(f"stopping job {runtime.job_name}: SIGTERM, up to {runtime.stop_timeout_seconds} s for the emergency checkpoint")
+    _say(
+        f"stopping job {runtime.job_name}: SIGTERM, up to {runtime.stop_timeout_seconds} s for the emergency checkpoint"
+    )
     started = time.monotonic()
     result = timer.stop_container(container.id, runtime.stop_timeout_seconds)
     if result.returncode != 0:
@@ -216,20 +234,28 @@ def stop_job(runtime: Runtime) -> None:
     latest = list_complete_checkpoints(runtime.job_dir)
     where = latest[-1].path if latest else "none"
     if final.exit_code == 0 and runtime.node != 0:
-        _say(f"stopped in {seconds:.1f} s; every node stops at the same step and node 0 writes the emergency "
-             "checkpoint of the whole job")
+        _say(
+            f"stopped in {seconds:.1f} s; every node stops at the same step and node 0 writes the emergency "
+            "checkpoint of the whole job"
+        )
         return
     if final.exit_code == 0:
         _say(f"stopped in {seconds:.1f} s (the trainer had no step to save); newest checkpoint: {where}")
         return
     if final.exit_code == 128 + 15 and not _progress_since(runtime, container):
         # SIGTERM arrived in the first instant of the container, before the entrypoint could hold it.
-        _say(f"stopped in {seconds:.1f} s while the trainer was still starting (no step taken, nothing lost); "
-             f"newest checkpoint: {where}")
+        _say(
+            f"stopped in {seconds:.1f} s while the trainer was still starting (no step taken, nothing lost); "
+            f"newest checkpoint: {where}"
+        )
         return
-    killed = " (killed: it did not finish within runtime.container.stop_timeout_seconds)" if final.exit_code == 137 else ""
-    raise JobError(f"the trainer exited with code {final.exit_code} after {seconds:.1f} s{killed}; "
-                   f"newest complete checkpoint: {where}")
+    killed = (
+        " (killed: it did not finish within runtime.container.stop_timeout_seconds)" if final.exit_code == 137 else ""
+    )
+    raise JobError(
+        f"the trainer exited with code {final.exit_code} after {seconds:.1f} s{killed}; "
+        f"newest complete checkpoint: {where}"
+    )
 
 
 def _emergency_checkpoint_since(runtime: Runtime, container: engine.Container) -> Checkpoint | None:

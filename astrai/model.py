@@ -40,10 +40,12 @@ from astrai.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE
 from astrai.model_folder import (
     ModelConfig,
     ModelLoadError,
-    check_window as check_window,
     describe,
     hf_name,
     inspect_weights,
+)
+from astrai.model_folder import (
+    check_window as check_window,
 )
 from astrai.model_folder import num_parameters as num_parameters
 
@@ -78,7 +80,9 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rotary_tables(config: ModelConfig, seq_len: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    config: ModelConfig, seq_len: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables of shape (seq_len, head_size // 2)."""
     inv_freq = inverse_frequencies(config).to(device)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)

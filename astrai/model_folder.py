@@ -191,8 +191,18 @@ def _check_positive_int(name: str, value) -> None:
 
 def _from_preset_fields(values: dict) -> ModelConfig:
     # The fields our presets wrote before config.json took the Hugging Face form.
-    known = {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len",
-             "rope_theta", "norm_eps", "tie_embeddings"}
+    known = {
+        "vocab_size",
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "ffn_hidden_dim",
+        "max_seq_len",
+        "rope_theta",
+        "norm_eps",
+        "tie_embeddings",
+    }
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -202,8 +212,10 @@ def _from_preset_fields(values: dict) -> ModelConfig:
 def _from_hf(values: dict) -> ModelConfig:
     model_type = values["model_type"]
     if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported; expected one of {', '.join(MODEL_TYPES)} "
-                         "(a Llama-family model)")
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; expected one of {', '.join(MODEL_TYPES)} "
+            "(a Llama-family model)"
+        )
     for key in ("attention_bias", "mlp_bias"):
         if values.get(key, False) is not False:
             raise ValueError(f"{key} {json.dumps(values[key])} is not supported; expected false (no biases)")
@@ -222,8 +234,10 @@ def _from_hf(values: dict) -> ModelConfig:
         raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     head_dim = values.get("head_dim")
     if head_dim is None and values["hidden_size"] % heads:
-        raise ValueError(f"hidden_size {values['hidden_size']} is not a multiple of num_attention_heads {heads} "
-                         "and head_dim is not given")
+        raise ValueError(
+            f"hidden_size {values['hidden_size']} is not a multiple of num_attention_heads {heads} "
+            "and head_dim is not given"
+        )
     if head_dim is not None and head_dim * heads == values["hidden_size"]:
         head_dim = None  # the usual width, said explicitly (transformers 5.x always writes it)
     rope_theta, rope_scaling = _rope_from_hf(values)
@@ -299,18 +313,23 @@ def _rope_from_hf(values: dict) -> tuple[float, RopeScaling | None]:
     found = {}
     for name, kind_of in fields.items():
         value = params.get(name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
-            kind_of is int and not isinstance(value, int)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or value <= 0
+            or (kind_of is int and not isinstance(value, int))
         ):
             raise ValueError(f"{key}.{name} {value!r}: {kind} scaling needs a positive number here")
         found[name] = kind_of(value)
     if kind == "llama3" and found["high_freq_factor"] <= found["low_freq_factor"]:
-        raise ValueError(f"{key}.high_freq_factor {found['high_freq_factor']} must exceed "
-                         f"low_freq_factor {found['low_freq_factor']}")
+        raise ValueError(
+            f"{key}.high_freq_factor {found['high_freq_factor']} must exceed low_freq_factor {found['low_freq_factor']}"
+        )
     return theta, RopeScaling(kind, **found)
 
 
 # Tensor names
+
 
 def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the architecture holds, by our module name, with its shape."""
@@ -318,17 +337,19 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"tok_embeddings.weight": (config.vocab_size, d)}
     for i in range(config.n_layers):
         prefix = f"layers.{i}."
-        shapes.update({
-            prefix + "attention_norm.weight": (d,),
-            prefix + "attention.wq.weight": (config.n_heads * hd, d),
-            prefix + "attention.wk.weight": (config.n_kv_heads * hd, d),
-            prefix + "attention.wv.weight": (config.n_kv_heads * hd, d),
-            prefix + "attention.wo.weight": (d, config.n_heads * hd),
-            prefix + "ffn_norm.weight": (d,),
-            prefix + "feed_forward.w1.weight": (f, d),
-            prefix + "feed_forward.w3.weight": (f, d),
-            prefix + "feed_forward.w2.weight": (d, f),
-        })
+        shapes.update(
+            {
+                prefix + "attention_norm.weight": (d,),
+                prefix + "attention.wq.weight": (config.n_heads * hd, d),
+                prefix + "attention.wk.weight": (config.n_kv_heads * hd, d),
+                prefix + "attention.wv.weight": (config.n_kv_heads * hd, d),
+                prefix + "attention.wo.weight": (d, config.n_heads * hd),
+                prefix + "ffn_norm.weight": (d,),
+                prefix + "feed_forward.w1.weight": (f, d),
+                prefix + "feed_forward.w3.weight": (f, d),
+                prefix + "feed_forward.w2.weight": (d, f),
+            }
+        )
     shapes["norm.weight"] = (d,)
     if not config.tie_embeddings:
         shapes["output.weight"] = (config.vocab_size, d)
@@ -354,7 +375,10 @@ _TOP_PARTS = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "out
 
 
 def hf_name(name: str) -> str:
-    """Hugging Face's name for one of our tensor names (``layers.0.attention.wq.weight`` -> ``model.layers.0.self_attn.q_proj.weight``)."""
+    """Hugging Face's name for one of our tensor names.
+
+    ``layers.0.attention.wq.weight`` -> ``model.layers.0.self_attn.q_proj.weight``
+    """
     module, _, leaf = name.rpartition(".")
     if module in _TOP_PARTS:
         return f"{_TOP_PARTS[module]}.{leaf}"
@@ -374,6 +398,7 @@ def _ignored(hf: str, config: ModelConfig) -> bool:
 
 
 # Weight files
+
 
 @dataclass(frozen=True)
 class WeightsSummary:
@@ -462,15 +487,18 @@ def inspect_weights(folder: Path, config: ModelConfig) -> WeightsSummary:
                     f"{path}: tensor {stored!r} has shape {list(shape)}, config.json expects {list(shapes[name])}"
                 )
             if dtype not in WEIGHT_DTYPES:
-                raise ModelLoadError(f"{path}: tensor {stored!r} has dtype {dtype}, expected one of "
-                                     f"{', '.join(WEIGHT_DTYPES.values())}")
+                raise ModelLoadError(
+                    f"{path}: tensor {stored!r} has dtype {dtype}, expected one of {', '.join(WEIGHT_DTYPES.values())}"
+                )
             in_file[stored] = name
             found[name] = path
             dtypes.add(WEIGHT_DTYPES[dtype])
     if len(found) < len(shapes):
         name = next(name for name in shapes if name not in found)
-        raise ModelLoadError(f"{Path(folder)}: tensor {hf_name(name)!r} is missing from the weights "
-                             f"(config.json expects shape {list(shapes[name])})")
+        raise ModelLoadError(
+            f"{Path(folder)}: tensor {hf_name(name)!r} is missing from the weights "
+            f"(config.json expects shape {list(shapes[name])})"
+        )
     return WeightsSummary(tuple(files), names, tuple(sorted(dtypes)), num_parameters(config))
 
 
@@ -500,8 +528,10 @@ def describe(folder: Path, config: ModelConfig, weights: WeightsSummary) -> str:
     if config.tie_embeddings:
         extras.append("tied")
     detail = f", {', '.join(extras)}" if extras else ""
-    return (f"{config.model_type} ({config.n_layers} layers, dim {config.dim}, vocab {config.vocab_size}{detail}), "
-            f"{_count(weights.num_parameters)} parameters, {'/'.join(weights.dtypes)}, {shards}")
+    return (
+        f"{config.model_type} ({config.n_layers} layers, dim {config.dim}, vocab {config.vocab_size}{detail}), "
+        f"{_count(weights.num_parameters)} parameters, {'/'.join(weights.dtypes)}, {shards}"
+    )
 
 
 def _count(n: int) -> str:

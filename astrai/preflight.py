@@ -108,7 +108,9 @@ def _docker_checks() -> list[Check]:
         where = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
         checks.append(
             Check(
-                FAIL, "docker daemon", f"{error} (DOCKER_HOST={where})",
+                FAIL,
+                "docker daemon",
+                f"{error} (DOCKER_HOST={where})",
                 "start it (`sudo systemctl start docker`, or `sudo dockerd &`), or point DOCKER_HOST at a "
                 "running engine; your user needs access to its socket (the docker group)",
             )
@@ -129,17 +131,26 @@ def _data_dir_check(runtime: Runtime) -> Check:
     path = runtime.data_dir
     problem = folder_problem(path)
     if problem is not None:
-        return Check(FAIL, "data dir", f"runtime.paths.data: {problem}",
-                     f"fix runtime.paths.data in {runtime.config_path}")
+        return Check(
+            FAIL, "data dir", f"runtime.paths.data: {problem}", f"fix runtime.paths.data in {runtime.config_path}"
+        )
     if not path.is_dir():
-        return Check(FAIL, "data dir", f"{path} does not exist",
-                     "create it with `invoke init`, then prepare data with `python -m astrai.data prepare --out "
-                     f"{path} FILE...` (runtime.paths.data)")
+        return Check(
+            FAIL,
+            "data dir",
+            f"{path} does not exist",
+            "create it with `invoke init`, then prepare data with `python -m astrai.data prepare --out "
+            f"{path} FILE...` (runtime.paths.data)",
+        )
     unreadable = [p for p in [path, *path.iterdir()] if not _container_may(p, READ)]
     if unreadable:
         uid, gid = host_user_ids()
-        return Check(FAIL, "data dir", f"{unreadable[0]} is not readable by uid {uid}, which the container runs as",
-                     f"sudo chown -R {uid}:{gid} {path}  (or chmod -R a+rX {path})")
+        return Check(
+            FAIL,
+            "data dir",
+            f"{unreadable[0]} is not readable by uid {uid}, which the container runs as",
+            f"sudo chown -R {uid}:{gid} {path}  (or chmod -R a+rX {path})",
+        )
     return Check(PASS, "data dir", f"{path} is readable")
 
 
@@ -154,28 +165,42 @@ def _job_dir_check(runtime: Runtime) -> Check:
     where = path if existing == path else f"{existing} (where {path} will be created)"
     # os.access also catches a read-only filesystem, which the mode bits do not show.
     if not os.access(existing, os.W_OK | os.X_OK) or not _container_may(existing, WRITE):
-        return Check(FAIL, "checkpoint dir", f"runtime.paths.checkpoints: {where} is not writable by uid {uid}, "
-                     "which the container runs as", f"sudo chown {uid}:{gid} {existing}, or {fix}")
+        return Check(
+            FAIL,
+            "checkpoint dir",
+            f"runtime.paths.checkpoints: {where} is not writable by uid {uid}, which the container runs as",
+            f"sudo chown {uid}:{gid} {existing}, or {fix}",
+        )
     if existing != path:
-        return Check(PASS, "checkpoint dir", f"{path} does not exist yet: `invoke init` or `start` creates it "
-                     f"in {existing}, which uid {uid} may write")
+        return Check(
+            PASS,
+            "checkpoint dir",
+            f"{path} does not exist yet: `invoke init` or `start` creates it in {existing}, which uid {uid} may write",
+        )
     return Check(PASS, "checkpoint dir", f"{path} is writable by uid {uid}")
 
 
 def _base_model_check(runtime: Runtime, document: dict) -> Check:
     if runtime.node != 0:
-        return Check(SKIP, "base model", f"not needed on node {runtime.node}: node 0 reads the base model or the "
-                     "newest checkpoint and sends the state to every node")
+        return Check(
+            SKIP,
+            "base model",
+            f"not needed on node {runtime.node}: node 0 reads the base model or the "
+            "newest checkpoint and sends the state to every node",
+        )
     latest = _latest_checkpoint(runtime)
     if latest is not None:
         return Check(PASS, "base model", f"not needed: the job resumes from {latest.path}")
     folder = runtime.model_dir
     problem = folder_problem(folder)
     if problem is not None:
-        return Check(FAIL, "base model", f"runtime.paths.model: {problem}",
-                     f"fix runtime.paths.model in {runtime.config_path}")
-    init = f"write one with `python -m astrai.model init {folder} --preset tiny`, or put a Hugging Face Llama-family " \
-           "model folder there (runtime.paths.model)"
+        return Check(
+            FAIL, "base model", f"runtime.paths.model: {problem}", f"fix runtime.paths.model in {runtime.config_path}"
+        )
+    init = (
+        f"write one with `python -m astrai.model init {folder} --preset tiny`, or put a Hugging Face Llama-family "
+        "model folder there (runtime.paths.model)"
+    )
     # The same reading and checks as the trainer's, from the file headers alone (no weights are read).
     try:
         config = ModelConfig.load(folder)
@@ -190,8 +215,12 @@ def _base_model_check(runtime: Runtime, document: dict) -> Check:
     unreadable = [path for path in files if not _container_may(path, READ)]
     if unreadable:
         uid, gid = host_user_ids()
-        return Check(FAIL, "base model", f"{unreadable[0]} is not readable by uid {uid}, which the container runs as",
-                     f"sudo chown -R {uid}:{gid} {folder}  (or chmod -R a+rX {folder})")
+        return Check(
+            FAIL,
+            "base model",
+            f"{unreadable[0]} is not readable by uid {uid}, which the container runs as",
+            f"sudo chown -R {uid}:{gid} {folder}  (or chmod -R a+rX {folder})",
+        )
     return Check(PASS, "base model", f"{folder}: {describe(folder, config, weights)}")
 
 
@@ -204,16 +233,23 @@ def _disk_space_check(runtime: Runtime) -> Check:
         return Check(SKIP, "checkpoint space", "not checked: the checkpoint dir is broken (see above)")
     latest = _latest_checkpoint(runtime)
     try:
-        size = folder_bytes(latest.path) if latest else estimate_checkpoint_bytes(
-            num_parameters(ModelConfig.load(runtime.model_dir)))
+        size = (
+            folder_bytes(latest.path)
+            if latest
+            else estimate_checkpoint_bytes(num_parameters(ModelConfig.load(runtime.model_dir)))
+        )
     except (OSError, ModelLoadError):
         return Check(SKIP, "checkpoint space", "not checked: no readable checkpoint or base model to size")
     free = shutil.disk_usage(existing).free
     found = f"{_size(free)} free in {existing}, a checkpoint takes about {_size(size)}"
     if free < 2 * size:
-        return Check(WARN, "checkpoint space", f"{found}: room for fewer than two",
-                     "free space or point runtime.paths.checkpoints at a larger disk; a save that does not fit "
-                     "stops the trainer")
+        return Check(
+            WARN,
+            "checkpoint space",
+            f"{found}: room for fewer than two",
+            "free space or point runtime.paths.checkpoints at a larger disk; a save that does not fit "
+            "stops the trainer",
+        )
     return Check(PASS, "checkpoint space", f"{found} (room for {free // size})")
 
 
@@ -237,8 +273,14 @@ def node_checks(runtime: Runtime) -> list[Check]:
         addresses = sorted({info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})
         checks = [Check(PASS, "rendezvous", f"{runtime.rendezvous} resolves to {', '.join(addresses)}")]
     except OSError as error:
-        return [Check(FAIL, "rendezvous", f"{host} does not resolve ({error})",
-                      "set runtime.nodes.rendezvous to node 0's address or a name every node resolves")]
+        return [
+            Check(
+                FAIL,
+                "rendezvous",
+                f"{host} does not resolve ({error})",
+                "set runtime.nodes.rendezvous to node 0's address or a name every node resolves",
+            )
+        ]
     if runtime.network_interface is not None:
         checks.append(_interface_check(runtime.network_interface))
     checks.append(_port_free_check(port) if runtime.node == 0 else _reachable_check(host, port, runtime.rendezvous))
@@ -249,8 +291,12 @@ def _interface_check(name: str) -> Check:
     if (NET_CLASS_DIR / name).exists():
         return Check(PASS, "network interface", f"{name} exists on this host")
     present = sorted(entry.name for entry in NET_CLASS_DIR.iterdir()) if NET_CLASS_DIR.is_dir() else []
-    return Check(FAIL, "network interface", f"{name} does not exist on this host (found: {', '.join(present)})",
-                 "set runtime.nodes.network_interface to the interface the nodes reach each other over (`ip -br addr`)")
+    return Check(
+        FAIL,
+        "network interface",
+        f"{name} does not exist on this host (found: {', '.join(present)})",
+        "set runtime.nodes.network_interface to the interface the nodes reach each other over (`ip -br addr`)",
+    )
 
 
 def _port_free_check(port: int) -> Check:
@@ -261,9 +307,12 @@ def _port_free_check(port: int) -> Check:
             probe.bind(("", port))
         except OSError as error:
             busy = error.errno == errno.EADDRINUSE
-            return Check(FAIL, "rendezvous port", f"port {port} is {'in use' if busy else 'not usable'} on node 0 "
-                         f"({error.strerror})", "stop what listens there (`ss -ltnp`), or pick another port in "
-                         "runtime.nodes.rendezvous")
+            return Check(
+                FAIL,
+                "rendezvous port",
+                f"port {port} is {'in use' if busy else 'not usable'} on node 0 ({error.strerror})",
+                "stop what listens there (`ss -ltnp`), or pick another port in runtime.nodes.rendezvous",
+            )
     return Check(PASS, "rendezvous port", f"port {port} is free to listen on (this is node 0)")
 
 
@@ -272,9 +321,13 @@ def _reachable_check(host: str, port: int, endpoint: str) -> Check:
         with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_SECONDS):
             pass
     except OSError as error:
-        return Check(WARN, "rendezvous", f"{endpoint} does not answer yet ({error.strerror or error})",
-                     "fine when node 0 is not started yet (nodes may start in any order); otherwise check the "
-                     "address and the firewall between the nodes")
+        return Check(
+            WARN,
+            "rendezvous",
+            f"{endpoint} does not answer yet ({error.strerror or error})",
+            "fine when node 0 is not started yet (nodes may start in any order); otherwise check the "
+            "address and the firewall between the nodes",
+        )
     return Check(PASS, "rendezvous", f"{endpoint} answers (node 0 is up)")
 
 
@@ -308,9 +361,13 @@ def _gpu_runtime_check() -> Check:
     specs = [p for d in CDI_SPEC_DIRS if d.is_dir() for p in d.iterdir() if "nvidia" in p.name]
     if specs:
         return Check(PASS, "gpu runtime", f"NVIDIA CDI spec {specs[0]}")
-    return Check(FAIL, "gpu runtime", "Docker has no NVIDIA runtime or CDI device",
-                 "install the NVIDIA Container Toolkit and run `sudo nvidia-ctk runtime configure --runtime=docker`, "
-                 "or train on CPU with runtime.gpu.devices: none")
+    return Check(
+        FAIL,
+        "gpu runtime",
+        "Docker has no NVIDIA runtime or CDI device",
+        "install the NVIDIA Container Toolkit and run `sudo nvidia-ctk runtime configure --runtime=docker`, "
+        "or train on CPU with runtime.gpu.devices: none",
+    )
 
 
 def _gpu_indices_check(runtime: Runtime) -> Check:
@@ -320,22 +377,34 @@ def _gpu_indices_check(runtime: Runtime) -> Check:
     result = subprocess.run([smi, "-L"], capture_output=True, text=True)
     found = [int(m) for m in re.findall(r"^GPU (\d+):", result.stdout, flags=re.MULTILINE)]
     if result.returncode != 0 or not found:
-        return Check(FAIL, "gpu devices", f"`nvidia-smi -L` lists no GPU ({result.stderr.strip() or 'no output'})",
-                     "check the NVIDIA driver, or set runtime.gpu.devices: none")
+        return Check(
+            FAIL,
+            "gpu devices",
+            f"`nvidia-smi -L` lists no GPU ({result.stderr.strip() or 'no output'})",
+            "check the NVIDIA driver, or set runtime.gpu.devices: none",
+        )
     if runtime.devices == "all":
         return Check(PASS, "gpu devices", f"all {len(found)} GPU(s): {', '.join(map(str, found))}")
     missing = [index for index in runtime.devices if index not in found]
     if missing:
-        return Check(FAIL, "gpu devices", f"runtime.gpu.devices lists {missing} but the host has GPU(s) {found}",
-                     "use indices from `nvidia-smi -L`")
+        return Check(
+            FAIL,
+            "gpu devices",
+            f"runtime.gpu.devices lists {missing} but the host has GPU(s) {found}",
+            "use indices from `nvidia-smi -L`",
+        )
     return Check(PASS, "gpu devices", f"GPU(s) {list(runtime.devices)} present (host has {len(found)})")
 
 
 def _data_root_path_check(document: dict) -> Check:
     value = trainer_value(document, "data", "data_root_path", CONTAINER_DATA)
     if value != CONTAINER_DATA:
-        return Check(FAIL, "trainer data path", f"data.data_root_path is {value!r}",
-                     f"set data.data_root_path: {CONTAINER_DATA} (runtime.paths.data is mounted there)")
+        return Check(
+            FAIL,
+            "trainer data path",
+            f"data.data_root_path is {value!r}",
+            f"set data.data_root_path: {CONTAINER_DATA} (runtime.paths.data is mounted there)",
+        )
     return Check(PASS, "trainer data path", f"data.data_root_path is {CONTAINER_DATA}")
 
 
@@ -352,8 +421,12 @@ def _compose_config_check(runtime: Runtime) -> Check:
         command = compose.compose_command(runtime, "config", "--quiet", override=override)
         result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
-        return Check(FAIL, "compose config", f"{' '.join(program)} rejected the rendered files: "
-                     f"{result.stderr.strip()}", "see `invoke render` for the override")
+        return Check(
+            FAIL,
+            "compose config",
+            f"{' '.join(program)} rejected the rendered files: {result.stderr.strip()}",
+            "see `invoke render` for the override",
+        )
     return Check(PASS, "compose config", "the rendered override is accepted")
 
 

@@ -19,11 +19,11 @@ import copy
 import dataclasses
 import datetime
 import difflib
+import errno
 import fnmatch
 import functools
 import json
 import math
-import errno
 import os
 import re
 import stat
@@ -58,8 +58,15 @@ _EXPECTED = {
     "nodes.rendezvous": "host:port of node 0, such as 10.0.0.1:29500 or node0.example:29500",
     "nodes.network_interface": "a network interface name such as eth0 or ib0, or null",
 }
-_TYPE_WORDS = {"object": "a mapping", "array": "a list", "string": "a string", "integer": "an integer",
-               "number": "a number", "boolean": "true or false", "null": "null"}
+_TYPE_WORDS = {
+    "object": "a mapping",
+    "array": "a list",
+    "string": "a string",
+    "integer": "an integer",
+    "number": "a number",
+    "boolean": "true or false",
+    "null": "null",
+}
 
 
 class SchemaError(RuntimeError):
@@ -261,11 +268,19 @@ def _schema_problems(runtime: dict) -> list[tuple[str, str]]:
         where = ["runtime", *error.absolute_path]
         if error.validator == "additionalProperties" and error.validator_value is False:
             allowed = list(error.schema.get("properties", {}))
-            problems += [(_dotted(*where, key), _unknown("unknown key", key, allowed))
-                         for key in error.instance if key not in allowed]
+            problems += [
+                (_dotted(*where, key), _unknown("unknown key", key, allowed))
+                for key in error.instance
+                if key not in allowed
+            ]
         elif "propertyNames" in error.relative_schema_path:
-            problems.append((_dotted(*where, error.instance), "expected an environment variable name: letters, "
-                             f"digits and '_', not starting with a digit, got {_show(error.instance)}"))
+            problems.append(
+                (
+                    _dotted(*where, error.instance),
+                    "expected an environment variable name: letters, "
+                    f"digits and '_', not starting with a digit, got {_show(error.instance)}",
+                )
+            )
         else:
             problems.append((_dotted(*where), _schema_message(error, _dotted(*where[1:]))))
     return problems
@@ -305,11 +320,19 @@ def _rule_problems(raw: dict, broken: set[str]) -> list[tuple[str, str]]:
     if usable("gpu.devices", "gpu.processes", "gpu.parallel_mode"):
         nodes = runtime["nodes"]["count"] if usable("nodes.count") else 1
         problems += _gpu_problems(runtime["gpu"], processes_given="processes" in raw.get("gpu", {}), nodes=nodes)
-    if usable("gpu.devices", "container.cuda_tag") and runtime["container"]["cuda_tag"] == "cpu" \
-            and runtime["gpu"]["devices"] != "none":
-        problems.append(("runtime.container.cuda_tag", "the cpu image has no CUDA and cannot use GPUs, but "
-                         f"runtime.gpu.devices is {_show(runtime['gpu']['devices'])}; "
-                         "use a cuNNN tag such as cu128, or set runtime.gpu.devices: none"))
+    if (
+        usable("gpu.devices", "container.cuda_tag")
+        and runtime["container"]["cuda_tag"] == "cpu"
+        and runtime["gpu"]["devices"] != "none"
+    ):
+        problems.append(
+            (
+                "runtime.container.cuda_tag",
+                "the cpu image has no CUDA and cannot use GPUs, but "
+                f"runtime.gpu.devices is {_show(runtime['gpu']['devices'])}; "
+                "use a cuNNN tag such as cu128, or set runtime.gpu.devices: none",
+            )
+        )
     if usable("container.stop_grace_period"):
         timeout = runtime["container"]["stop_timeout_seconds"] if usable("container.stop_timeout_seconds") else None
         problems += _stop_problems(runtime["container"]["stop_grace_period"], timeout)
@@ -318,13 +341,22 @@ def _rule_problems(raw: dict, broken: set[str]) -> list[tuple[str, str]]:
         problems.append(("runtime.container.max_duration_hours", f"expected a finite number of hours, got {hours}"))
     if usable("nodes.count", "nodes.rendezvous"):
         problems += _node_problems(runtime["nodes"])
-    if usable("nodes.network_interface") and runtime["nodes"]["network_interface"] is not None \
-            and isinstance(runtime["environment"], dict):
-        problems += [(f"runtime.environment.{name}", "set from runtime.nodes.network_interface; give the interface "
-                      "there only") for name in INTERFACE_VARIABLES if name in runtime["environment"]]
+    if (
+        usable("nodes.network_interface")
+        and runtime["nodes"]["network_interface"] is not None
+        and isinstance(runtime["environment"], dict)
+    ):
+        problems += [
+            (f"runtime.environment.{name}", "set from runtime.nodes.network_interface; give the interface there only")
+            for name in INTERFACE_VARIABLES
+            if name in runtime["environment"]
+        ]
     if isinstance(runtime["environment"], dict):
-        problems += [(f"runtime.environment.{name}", _reserved_reason(name))
-                     for name in runtime["environment"] if usable(f"environment.{name}") and _reserved_reason(name)]
+        problems += [
+            (f"runtime.environment.{name}", _reserved_reason(name))
+            for name in runtime["environment"]
+            if usable(f"environment.{name}") and _reserved_reason(name)
+        ]
     return problems
 
 
@@ -332,12 +364,21 @@ def _gpu_problems(gpu: dict, processes_given: bool, nodes: int = 1) -> list[tupl
     devices, mode = gpu["devices"], gpu["parallel_mode"]
     problems = []
     if devices != "none" and processes_given:
-        problems.append(("runtime.gpu.processes", "only applies with runtime.gpu.devices: none (CPU); with devices "
-                         f"{_show(devices)} there is one process per GPU, so remove it"))
+        problems.append(
+            (
+                "runtime.gpu.processes",
+                "only applies with runtime.gpu.devices: none (CPU); with devices "
+                f"{_show(devices)} there is one process per GPU, so remove it",
+            )
+        )
     count = _process_count(devices, gpu["processes"])
     if nodes > 1 and mode == "none":
-        return problems + [("runtime.gpu.parallel_mode", f"none needs exactly 1 process, but runtime.nodes.count is "
-                            f"{nodes}; auto picks the right mode")]
+        return problems + [
+            (
+                "runtime.gpu.parallel_mode",
+                f"none needs exactly 1 process, but runtime.nodes.count is {nodes}; auto picks the right mode",
+            )
+        ]
     if count is None or count < 1:
         return problems
     try:
@@ -359,11 +400,20 @@ def _node_problems(nodes: dict) -> list[tuple[str, str]]:
     if endpoint is not None:
         port = split_endpoint(endpoint)[1]
         if not 1 <= port <= 65535:
-            return [("runtime.nodes.rendezvous", f"port {port} is out of range; use a port from 1 to 65535, "
-                     f"such as 29500, in {_show(endpoint)}")]
+            return [
+                (
+                    "runtime.nodes.rendezvous",
+                    f"port {port} is out of range; use a port from 1 to 65535, such as 29500, in {_show(endpoint)}",
+                )
+            ]
     elif nodes["count"] > 1:
-        return [("runtime.nodes.rendezvous", f"missing: runtime.nodes.count is {nodes['count']}, so the nodes need "
-                 "a meeting point: host:port of node 0 that every node can reach, such as 10.0.0.1:29500")]
+        return [
+            (
+                "runtime.nodes.rendezvous",
+                f"missing: runtime.nodes.count is {nodes['count']}, so the nodes need "
+                "a meeting point: host:port of node 0 that every node can reach, such as 10.0.0.1:29500",
+            )
+        ]
     return []
 
 
@@ -375,9 +425,14 @@ def _stop_problems(grace: str, timeout: int | None) -> list[tuple[str, str]]:
         return [("runtime.container.stop_grace_period", str(exc))]
     if timeout is None or grace_seconds >= timeout:
         return []
-    return [("runtime.container.stop_grace_period", f"{grace} ({grace_seconds} seconds) is shorter than "
-             f"runtime.container.stop_timeout_seconds ({timeout} seconds): Docker would kill the trainer before "
-             f"its emergency checkpoint is written; make it at least {timeout}s")]
+    return [
+        (
+            "runtime.container.stop_grace_period",
+            f"{grace} ({grace_seconds} seconds) is shorter than "
+            f"runtime.container.stop_timeout_seconds ({timeout} seconds): Docker would kill the trainer before "
+            f"its emergency checkpoint is written; make it at least {timeout}s",
+        )
+    ]
 
 
 def _reserved_reason(name: str) -> str | None:
@@ -404,7 +459,8 @@ def _build_runtime(raw: dict, config_path: Path) -> Runtime:
         job_dir=checkpoints_dir / runtime["job_name"],
         devices=devices,
         processes=count,
-        parallel_mode=gpu["parallel_mode"] if count is None
+        parallel_mode=gpu["parallel_mode"]
+        if count is None
         else resolve_parallel_mode(gpu["parallel_mode"], count * int(nodes["count"])),
         cuda_visible_devices=_cuda_visible_devices(devices),
         cuda_tag=container["cuda_tag"],
@@ -453,6 +509,7 @@ def _absolute_path(text: str, base: Path) -> Path:
 
 def _with_defaults(raw: dict) -> dict:
     """A copy of ``raw`` with the schema's defaults filled in wherever the enclosing value is a mapping."""
+
     def fill(schema: dict, value: dict) -> dict:
         for name, rule in schema.get("properties", {}).items():
             if name not in value and "default" in rule:
@@ -460,6 +517,7 @@ def _with_defaults(raw: dict) -> dict:
             if isinstance(value.get(name), dict):
                 fill(rule, value[name])
         return value
+
     return fill(_validator().schema, copy.deepcopy(raw))
 
 
@@ -467,7 +525,7 @@ def _validator() -> jsonschema.Draft202012Validator:
     return _load_validator(SCHEMA_PATH)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load_validator(schema_path: Path) -> jsonschema.Draft202012Validator:
     try:
         schema = json.loads(schema_path.read_text(encoding="utf-8"))

@@ -71,7 +71,9 @@ def schedule(
     with open(state_dir / TIMER_LOG_NAME, "ab") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "astrai.timer", "--state", str(path)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
             start_new_session=True,  # own session: the shell's hangup or Ctrl-C never reaches it
             cwd="/",
         )
@@ -138,8 +140,10 @@ def _wait_and_stop(path: Path) -> int:
     if state.pid != os.getpid():
         _log("the state file belongs to another timer; exiting")
         return 0
-    _log(f"job {state.job_name}: stopping container {state.container_id[:12]} at "
-         f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(state.deadline))}")
+    _log(
+        f"job {state.job_name}: stopping container {state.container_id[:12]} at "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(state.deadline))}"
+    )
     try:
         while True:
             container = engine.inspect_container(state.container_id)

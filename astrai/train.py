@@ -457,11 +457,16 @@ class Trainer:
         return values[0]
 
     def _diverged(self, what: str) -> str:
-        last = (f"last finite loss {self._last_finite[1]:.4f} at step {self._last_finite[0]}"
-                if self._last_finite else "no finite loss seen in this run")
-        return (f"training diverged: {what} ({last}). Nothing of this state was saved: every checkpoint in "
-                f"{self.job_dir} is from before it. Lower training.max_lr or set training.max_grad_norm, then start "
-                "again to resume from there.")
+        last = (
+            f"last finite loss {self._last_finite[1]:.4f} at step {self._last_finite[0]}"
+            if self._last_finite
+            else "no finite loss seen in this run"
+        )
+        return (
+            f"training diverged: {what} ({last}). Nothing of this state was saved: every checkpoint in "
+            f"{self.job_dir} is from before it. Lower training.max_lr or set training.max_grad_norm, then start "
+            "again to resume from there."
+        )
 
     def _synchronize(self) -> None:
         if self.env.device.type == "cuda":
@@ -495,9 +500,7 @@ class Trainer:
                 tokens = torch.stack([self.dataset.window(w) for w in chunk or windows[:1]]).to(self.env.device)
                 with self.autocast:
                     logits = self.model(tokens[:, :-1])
-                loss = F.cross_entropy(
-                    logits.float().view(-1, vocab_size), tokens[:, 1:].reshape(-1), reduction="sum"
-                )
+                loss = F.cross_entropy(logits.float().view(-1, vocab_size), tokens[:, 1:].reshape(-1), reduction="sum")
                 if chunk:
                     totals[0] += loss.double()
                     totals[1] += tokens[:, 1:].numel()
@@ -609,8 +612,9 @@ class Trainer:
                 wait=reason != REASON_PERIODIC,
             )
         except NonFiniteWeights as error:
-            raise TrainingError(self._diverged(f"the weights after step {self.progress.step} are not finite "
-                                               f"({error})")) from None
+            raise TrainingError(
+                self._diverged(f"the weights after step {self.progress.step} are not finite ({error})")
+            ) from None
         if self.events is not None:
             self.events.checkpoint(self.progress.step, path.name, reason)
         if reason == REASON_FINAL:

@@ -103,8 +103,12 @@ def _raw_save(trainer: Trainer, target: Path, durable: bool) -> None:
 def _dcp_state(trainer: Trainer) -> dict:
     """The trainer's state as DCP takes it: model and optimizer state dicts keyed by parameter name."""
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-    return {"model": model_state, "optimizer": optimizer_state, "scheduler": trainer.scheduler.state_dict(),
-            "rng": torch.get_rng_state()}
+    return {
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "scheduler": trainer.scheduler.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
 
 
 def _dcp_save(trainer: Trainer, target: Path) -> None:
@@ -118,8 +122,9 @@ def _dcp_async_save(trainer: Trainer, target: Path):
 def _dcp_load(trainer: Trainer, source: Path) -> None:
     state = _dcp_state(trainer)
     dcp.load(state, checkpoint_id=source, no_dist=True)
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+    set_state_dict(
+        trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
     trainer.scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
 
@@ -151,7 +156,7 @@ def _save_times(trainer: Trainer, folder: Path, repeats: int) -> dict[str, list[
     names = list(ways)
     times: dict[str, list[float]] = {name: [] for name in ways}
     for repeat in range(repeats):
-        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
             os.sync()
             start = time.perf_counter()
             ways[name]()
@@ -170,7 +175,7 @@ def _load_times(trainer: Trainer, folder: Path, repeats: int) -> dict[str, list[
     _dcp_save(trainer, folder / "dcp-resume")
     ours, theirs = [], []
     for repeat in range(repeats):
-        for name in (("ours", "dcp") if repeat % 2 == 0 else ("dcp", "ours")):
+        for name in ("ours", "dcp") if repeat % 2 == 0 else ("dcp", "ours"):
             _drop_from_page_cache(trainer.job_dir)
             _drop_from_page_cache(folder / "dcp-resume")
             start = time.perf_counter()
@@ -193,8 +198,9 @@ def _loop_seconds(trainer: Trainer, steps: int) -> float:
 def _contention(folder: Path, params: Path, data: Path, env, plain: Trainer, repeats: int) -> float:
     interval, saves = 3, 3
     window, batch = SETUPS["small"]
-    periodic = Trainer(trainer_config(params, data, folder / "periodic", window, batch, 10**6,
-                                      ckpt_interval=interval), env)
+    periodic = Trainer(
+        trainer_config(params, data, folder / "periodic", window, batch, 10**6, ckpt_interval=interval), env
+    )
     torch.set_num_threads(os.cpu_count())  # every core trains, as in a real CPU run
     try:
         plain.train(steps=2)
@@ -220,8 +226,9 @@ def _memory_child(params: str, data: str, job_dir: str, preset: str) -> None:
     """
     fix_threads()
     window, batch = SETUPS[preset]
-    trainer = Trainer(trainer_config(Path(params), Path(data), Path(job_dir), window, batch, 10**6),
-                      init_distributed("none", "cpu"))
+    trainer = Trainer(
+        trainer_config(Path(params), Path(data), Path(job_dir), window, batch, 10**6), init_distributed("none", "cpu")
+    )
     trainer.train(steps=1)
     libc = ctypes.CDLL(None)
     extra = {}
@@ -236,9 +243,10 @@ def _memory_child(params: str, data: str, job_dir: str, preset: str) -> None:
         extra[reason] = (_status_kib("VmHWM") - before) * 1024
         _clear(trainer.job_dir)
     _, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-    tensors = [*trainer.model.state_dict().values(),
-               *(t for state in optimizer_state["state"].values() for t in state.values()
-                 if isinstance(t, torch.Tensor))]
+    tensors = [
+        *trainer.model.state_dict().values(),
+        *(t for state in optimizer_state["state"].values() for t in state.values() if isinstance(t, torch.Tensor)),
+    ]
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     trainer.close()
     print(json.dumps({"extra_bytes": extra, "state_bytes": state_bytes}))
@@ -256,8 +264,13 @@ def _peak_memory(folder: Path, params: Path, data: Path, preset: str) -> dict[st
     """Peak extra host memory of a final and of a periodic save, over the state's size (fresh process)."""
     job_dir = folder / f"memory-{preset}"
     code = "import sys; from bench.checkpoint_cost import _memory_child; _memory_child(*sys.argv[1:])"
-    result = subprocess.run([sys.executable, "-c", code, str(params), str(data), str(job_dir), preset],
-                            capture_output=True, text=True, cwd=REPO, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(params), str(data), str(job_dir), preset],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    )
     shutil.rmtree(job_dir)
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     return {reason: extra / measured["state_bytes"] for reason, extra in measured["extra_bytes"].items()}
@@ -274,8 +287,9 @@ def _measure(preset: str, folder: Path, env, quick: bool) -> dict:
         times = _save_times(trainer, folder, repeats)
         loads = _load_times(trainer, folder, repeats)
         if preset == "small":
-            results["ckpt_contention_vs_sync"] = _contention(folder, params, data, env, trainer, 2 if quick else 3) \
-                / statistics.median(times["save"])
+            results["ckpt_contention_vs_sync"] = _contention(
+                folder, params, data, env, trainer, 2 if quick else 3
+            ) / statistics.median(times["save"])
             _clear(trainer.job_dir)
             trainer.save_checkpoint("final")
             resume = []
@@ -287,15 +301,17 @@ def _measure(preset: str, folder: Path, env, quick: bool) -> dict:
             results["resume_s"] = statistics.median(resume)
     finally:
         trainer.close()
-    results.update({
-        "ckpt_save_s": statistics.median(times["save"]),
-        "ckpt_dcp_save_s": statistics.median(times["dcp"]),
-        "ckpt_raw_save_s": statistics.median(times["raw"]),
-        "ckpt_stall_s": statistics.median(times["pause"]),
-        "ckpt_dcp_async_stall_s": statistics.median(times["dcp_pause"]),
-        "resume_load_s": statistics.median(loads["ours"]),
-        "resume_dcp_load_s": statistics.median(loads["dcp"]),
-    })
+    results.update(
+        {
+            "ckpt_save_s": statistics.median(times["save"]),
+            "ckpt_dcp_save_s": statistics.median(times["dcp"]),
+            "ckpt_raw_save_s": statistics.median(times["raw"]),
+            "ckpt_stall_s": statistics.median(times["pause"]),
+            "ckpt_dcp_async_stall_s": statistics.median(times["dcp_pause"]),
+            "resume_load_s": statistics.median(loads["ours"]),
+            "resume_dcp_load_s": statistics.median(loads["dcp"]),
+        }
+    )
     pairs = {
         "ckpt_save_vs_dcp": ("save", "dcp"),
         "ckpt_save_vs_raw_fsync": ("save", "durable"),

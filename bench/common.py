@@ -50,10 +50,17 @@ def ratio_with_spread(numerators: list[float], denominators: list[float]) -> tup
     return middle, (high - low) / 2 / middle
 
 
-def invoke(*args: str, env: dict | None = None, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
+def invoke(
+    *args: str, env: dict | None = None, check: bool = True, timeout: float = 900
+) -> subprocess.CompletedProcess:
     """Run one invoke task of this project the way a user would."""
-    result = subprocess.run([sys.executable, "-m", "invoke", "--search-root", str(REPO), *args],
-                            capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, "-m", "invoke", "--search-root", str(REPO), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
     if check and result.returncode != 0:
         raise RuntimeError(f"invoke {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result

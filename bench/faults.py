@@ -33,20 +33,35 @@ STEPS, INTERVAL = 240, 20
 
 def _config(folder: Path, params: Path, data: Path) -> Path:
     config = folder / "train.yaml"
-    config.write_text(yaml.safe_dump({
-        "data": {"data_root_path": str(data), "window_size": 32, "num_workers": 0},
-        "training": {"max_steps": STEPS, "batch_per_device": 8, "max_lr": 3e-3, "warmup_ratio": 0.05,
-                     "random_seed": 11, "device": "cpu"},
-        "ckpt": {"ckpt_interval": INTERVAL, "param_path": str(params)},
-        "log": {"log_interval": 5},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "data": {"data_root_path": str(data), "window_size": 32, "num_workers": 0},
+                "training": {
+                    "max_steps": STEPS,
+                    "batch_per_device": 8,
+                    "max_lr": 3e-3,
+                    "warmup_ratio": 0.05,
+                    "random_seed": 11,
+                    "device": "cpu",
+                },
+                "ckpt": {"ckpt_interval": INTERVAL, "param_path": str(params)},
+                "log": {"log_interval": 5},
+            }
+        )
+    )
     return config
 
 
 def _start(config: Path, job_dir: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "astrai.train", "--config", str(config), "--ckpt_dir", str(job_dir),
-                             *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "astrai.train", "--config", str(config), "--ckpt_dir", str(job_dir), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
 
 
 def _final_weights(job_dir: Path) -> bytes:
@@ -123,8 +138,12 @@ def _term_trials(folder: Path, config: Path, trials: int, rng: random.Random) ->
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=120)
         latest = latest_complete_checkpoint(job_dir)
-        left_emergency = (process.returncode == 0 and latest is not None and latest != before
-                          and read_meta(latest)["reason"] == "emergency")
+        left_emergency = (
+            process.returncode == 0
+            and latest is not None
+            and latest != before
+            and read_meta(latest)["reason"] == "emergency"
+        )
         resumed = before is None or f"resumed from {before.path}" in output
         ok += left_emergency and resumed
     return trials, ok
@@ -142,5 +161,10 @@ def run(quick: bool) -> dict:
         runs, kills_per_run = (5, 4) if quick else (8, 4)
         kill_trials, kill_exact = _kill_runs(folder, config, reference, runs, kills_per_run, rng)
         term_trials, term_ok = _term_trials(folder, config, 10 if quick else 15, rng)
-    return {"kill_trials": kill_trials, "kill_runs": runs, "kill_exact": kill_exact,
-            "term_trials": term_trials, "term_ok": term_ok}
+    return {
+        "kill_trials": kill_trials,
+        "kill_runs": runs,
+        "kill_exact": kill_exact,
+        "term_trials": term_trials,
+        "term_ok": term_ok,
+    }

@@ -51,8 +51,9 @@ def _corpus(folder: Path, megabytes: int) -> list[Path]:
 def _tokenizer(folder: Path) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=2000, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator([path.read_text() for path in CORPUS], trainer)
     tokenizer.save(str(folder / "tokenizer.json"))
     return folder / "tokenizer.json"
@@ -80,8 +81,7 @@ def prepare_vs_tokenizers(folder: Path, quick: bool) -> dict:
         # Ours also counts one end-of-text token per file.
         ratios.append((written[-1] / ours_s) / (counted[-1] / base_s))
         tokens_per_s.append(written[-1] / ours_s)
-    return {"prepare_vs_tokenizers": statistics.median(ratios),
-            "prepare_tokens_per_s": statistics.median(tokens_per_s)}
+    return {"prepare_vs_tokenizers": statistics.median(ratios), "prepare_tokens_per_s": statistics.median(tokens_per_s)}
 
 
 def _shard(folder: Path, dtype: torch.dtype, shards: int = 3) -> list[Path]:
@@ -110,8 +110,8 @@ def load_vs_safetensors(folder: Path, quick: bool) -> dict:
             raise RuntimeError("the two loads read different tensors")
         ratios = []
         for _ in range(5 if quick else 11):
-            plain = _timed(lambda: [load_file(f) for f in files])
-            ours = _timed(lambda: load_base_model(model))
+            plain = _timed(lambda files=files: [load_file(f) for f in files])
+            ours = _timed(lambda model=model: load_base_model(model))
             ratios.append(ours / plain)
         results[key] = statistics.median(ratios)
     return results

@@ -37,8 +37,9 @@ def _fill(job_dir: Path, count: int) -> None:
         folder = job_dir / f"epoch_{index // 100}_step_{(index + 1) * 10}"
         folder.mkdir(parents=True)
         for name in REQUIRED_FILES:
-            (folder / name).write_text(json.dumps({"epoch": index // 100, "step": (index + 1) * 10,
-                                                   "reason": "periodic"}))
+            (folder / name).write_text(
+                json.dumps({"epoch": index // 100, "step": (index + 1) * 10, "reason": "periodic"})
+            )
 
 
 def run(quick: bool) -> dict:
@@ -49,8 +50,14 @@ def run(quick: bool) -> dict:
         for size in sizes:
             folder = Path(work) / str(size)
             folder.mkdir()
-            config = write_config(folder, {"job_name": "bench", "gpu": {"devices": "none"},
-                                           "container": {"cuda_tag": "cpu", "checkpoint_keep_last": 3}})
+            config = write_config(
+                folder,
+                {
+                    "job_name": "bench",
+                    "gpu": {"devices": "none"},
+                    "container": {"cuda_tag": "cpu", "checkpoint_keep_last": 3},
+                },
+            )
             job_dir = folder / "checkpoints" / "bench"
             _fill(job_dir, size)
             listed = invoke("list", "--config", str(config)).stdout.split()
@@ -59,10 +66,14 @@ def run(quick: bool) -> dict:
                 raise RuntimeError(f"invoke list and the shell loop disagree for {size} folders")
             for verb, args in (("list", ()), ("latest", ()), ("status", ()), ("clean", ("--keep", "3"))):
                 results[f"{verb}_{size}_s"] = median_time(
-                    lambda verb=verb, args=args: invoke(verb, "--config", str(config), *args), repeats)
+                    lambda verb=verb, args=args, config=config: invoke(verb, "--config", str(config), *args), repeats
+                )
             results[f"shell_list_{size}_s"] = median_time(
-                lambda: subprocess.run(["sh", "-c", SHELL_LIST, "sh", str(job_dir)], capture_output=True, check=True),
-                repeats)
+                lambda job_dir=job_dir: subprocess.run(
+                    ["sh", "-c", SHELL_LIST, "sh", str(job_dir)], capture_output=True, check=True
+                ),
+                repeats,
+            )
         results["list_1000_vs_shell"] = results["list_1000_s"] / results["shell_list_1000_s"]
         importtime = invoke("list", "--config", str(config), env={"PYTHONPROFILEIMPORTTIME": "1"}).stderr
         results["host_imports_torch"] = any(line.rstrip().endswith(" torch") for line in importtime.splitlines())

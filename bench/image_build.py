@@ -39,9 +39,12 @@ def _build(project: Path, config: Path, *extra: str) -> float:
         "capture_output=True).returncode)"
     )
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code, str(config), *extra], cwd=project, check=True,
-                   env={"PYTHONPATH": str(project), "PATH": "/usr/local/bin:/usr/bin:/bin",
-                        "HOME": str(Path.home())})
+    subprocess.run(
+        [sys.executable, "-c", code, str(config), *extra],
+        cwd=project,
+        check=True,
+        env={"PYTHONPATH": str(project), "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(Path.home())},
+    )
     return time.perf_counter() - start
 
 
@@ -55,8 +58,10 @@ def run(quick: bool, base_image: str) -> dict:
         project = _copy_project(Path(work) / "project")
         jobs = Path(work) / "job"
         (jobs / "checkpoints" / JOB).mkdir(parents=True)
-        config = write_config(jobs, {"job_name": JOB, "gpu": {"devices": "none"},
-                                     "container": {"cuda_tag": "cpu", "base_image": base_image}})
+        config = write_config(
+            jobs,
+            {"job_name": JOB, "gpu": {"devices": "none"}, "container": {"cuda_tag": "cpu", "base_image": base_image}},
+        )
         image = f"{compose.project_name(JOB)}-trainer"
         built = []  # every build leaves an image; earlier ones lose their tag but still take space
         try:
@@ -71,5 +76,8 @@ def run(quick: bool, base_image: str) -> dict:
         finally:
             subprocess.run(["docker", "image", "rm", "--force", image, *filter(None, built)], capture_output=True)
     rebuilds.sort()
-    return {"full_build_s": full, "rebuild_code_change_s": rebuilds[len(rebuilds) // 2],
-            "rebuild_vs_full": rebuilds[len(rebuilds) // 2] / full}
+    return {
+        "full_build_s": full,
+        "rebuild_code_change_s": rebuilds[len(rebuilds) // 2],
+        "rebuild_vs_full": rebuilds[len(rebuilds) // 2] / full,
+    }

@@ -41,15 +41,21 @@ TARGETS = {
     "ckpt_stall_vs_dcp_async": ("loop pause of a periodic checkpoint over DCP async_save's (`small`)", "<=", 1.0),
     "ckpt_stall_vs_sync": ("loop pause of a periodic checkpoint over a synchronous save (`small`)", "<=", 0.3),
     "resume_vs_dcp": ("loading a checkpoint to resume over torch.distributed.checkpoint.load (`small`)", "<=", 1.0),
-    "ckpt_peak_host_mem_vs_state": ("peak extra host memory of a periodic save over the state saved (`small`)",
-                                    None, None),
+    "ckpt_peak_host_mem_vs_state": (
+        "peak extra host memory of a periodic save over the state saved (`small`)",
+        None,
+        None,
+    ),
     "ckpt_sync_peak_host_mem_vs_state": ("the same for a final or emergency save (`small`)", None, None),
     "base_ckpt_save_vs_dcp": ("checkpoint write over DCP save (`base`, 124M parameters)", "<=", 1.0),
     "base_ckpt_save_vs_raw_fsync": ("checkpoint write over raw writes + fsync (`base`)", "<=", 1.2),
     "base_ckpt_stall_vs_dcp_async": ("periodic checkpoint pause over DCP async_save's (`base`)", "<=", 1.0),
     "base_resume_vs_dcp": ("resume load over DCP load (`base`)", "<=", 1.0),
-    "base_ckpt_peak_host_mem_vs_state": ("peak extra host memory of a periodic save over the state (`base`)",
-                                         None, None),
+    "base_ckpt_peak_host_mem_vs_state": (
+        "peak extra host memory of a periodic save over the state (`base`)",
+        None,
+        None,
+    ),
     "base_ckpt_sync_peak_host_mem_vs_state": ("the same for a final or emergency save (`base`)", None, None),
     "base_ckpt_save_s": ("`base` checkpoint write, seconds (state 1.5 GB)", None, None),
     "ckpt_contention_vs_sync": ("extra run time per periodic save over a synchronous save (2 busy cores)", None, None),
@@ -84,8 +90,14 @@ def machine() -> dict:
                 cpu = line.split(":", 1)[1].strip()
                 break
     docker = subprocess.run(["docker", "version", "--format", "{{.Server.Version}}"], capture_output=True, text=True)
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "docker": docker.stdout.strip() or "unavailable", "date": time.strftime("%Y-%m-%d")}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "docker": docker.stdout.strip() or "unavailable",
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
 
 def verdict(key: str, results: dict) -> str:
@@ -144,10 +156,11 @@ def run(quick: bool, readme: bool, base_image: str) -> dict:
     results["total_seconds"] = round(sum(sections.values()), 1)
     RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     info = results["machine"]
-    summary = (f"Measured {info['date']} with `invoke bench{' --quick' if quick else ''}` on {info['cores']} cores "
-               f"({info['cpu']}), Python {info['python']}, torch {info['torch']} ({TORCH_THREADS} thread in-process), "
-               f"Docker {info['docker']}; the whole run took {results['total_seconds'] / 60:.1f} minutes.\n\n"
-               + table(results))
+    summary = (
+        f"Measured {info['date']} with `invoke bench{' --quick' if quick else ''}` on {info['cores']} cores "
+        f"({info['cpu']}), Python {info['python']}, torch {info['torch']} ({TORCH_THREADS} thread in-process), "
+        f"Docker {info['docker']}; the whole run took {results['total_seconds'] / 60:.1f} minutes.\n\n" + table(results)
+    )
     print("\n" + summary)
     if readme:
         update_readme(summary)
@@ -158,8 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--readme", action="store_true", help="write the table into README.md")
-    parser.add_argument("--base-image", default=os.environ.get("ASTRAI_TEST_BASE_IMAGE", baseimage.DEFAULT_TAG),
-                        help="local base image for the Docker benchmarks")
+    parser.add_argument(
+        "--base-image",
+        default=os.environ.get("ASTRAI_TEST_BASE_IMAGE", baseimage.DEFAULT_TAG),
+        help="local base image for the Docker benchmarks",
+    )
     args = parser.parse_args(argv)
     run(args.quick, args.readme, args.base_image)
     return 0

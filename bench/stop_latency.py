@@ -29,8 +29,9 @@ PRESET, WINDOW, BATCH = "small", 64, 8
 
 
 def _save_seconds(folder: Path, params: Path, data: Path) -> float:
-    trainer = Trainer(trainer_config(params, data, folder / "save-probe", WINDOW, BATCH, 10**6),
-                      init_distributed("none", "cpu"))
+    trainer = Trainer(
+        trainer_config(params, data, folder / "save-probe", WINDOW, BATCH, 10**6), init_distributed("none", "cpu")
+    )
     try:
         trainer.train(steps=2)
         times = []
@@ -56,11 +57,18 @@ def run(quick: bool, base_image: str) -> dict:
         params, data = make_assets(folder, PRESET)
         config = write_config(
             folder,
-            {"job_name": JOB, "paths": {"data": str(data), "model": str(params), "checkpoints": str(folder / "ckpt")},
-             "gpu": {"devices": "none"}, "container": {"cuda_tag": "cpu", "base_image": base_image}},
-            {"data": {"data_root_path": "/data", "window_size": WINDOW, "num_workers": 1},
-             "training": {"max_steps": 10**6, "batch_per_device": BATCH},
-             "ckpt": {"ckpt_interval": 10**5}, "log": {"log_interval": 10}},
+            {
+                "job_name": JOB,
+                "paths": {"data": str(data), "model": str(params), "checkpoints": str(folder / "ckpt")},
+                "gpu": {"devices": "none"},
+                "container": {"cuda_tag": "cpu", "base_image": base_image},
+            },
+            {
+                "data": {"data_root_path": "/data", "window_size": WINDOW, "num_workers": 1},
+                "training": {"max_steps": 10**6, "batch_per_device": BATCH},
+                "ckpt": {"ckpt_interval": 10**5},
+                "log": {"log_interval": 10},
+            },
         )
         job_dir = folder / "ckpt" / JOB
         latencies = []
@@ -69,8 +77,10 @@ def run(quick: bool, base_image: str) -> dict:
             for _ in range(2 if quick else 5):
                 invoke("start", "--config", str(config))
                 started = time.monotonic()
-                while not (job_dir / "metrics.jsonl").exists() or len(
-                        (job_dir / "metrics.jsonl").read_text().splitlines()) < 4:
+                while (
+                    not (job_dir / "metrics.jsonl").exists()
+                    or len((job_dir / "metrics.jsonl").read_text().splitlines()) < 4
+                ):
                     if time.monotonic() - started > 300:
                         raise RuntimeError("the benchmark job made no progress")
                     time.sleep(0.2)
@@ -83,9 +93,25 @@ def run(quick: bool, base_image: str) -> dict:
                 step_s = _step_seconds(job_dir)
                 (job_dir / "metrics.jsonl").unlink()
         finally:
-            subprocess.run(["docker", "compose", "--project-name", compose.project_name(JOB), "down", "--rmi",
-                            "local", "--timeout", "5"], capture_output=True)
+            subprocess.run(
+                [
+                    "docker",
+                    "compose",
+                    "--project-name",
+                    compose.project_name(JOB),
+                    "down",
+                    "--rmi",
+                    "local",
+                    "--timeout",
+                    "5",
+                ],
+                capture_output=True,
+            )
         save_s = _save_seconds(folder, params, data)
     latency = statistics.median(latencies)
-    return {"stop_latency_s": latency, "stop_step_s": step_s, "stop_save_s": save_s,
-            "stop_latency_units": latency / (step_s + save_s)}
+    return {
+        "stop_latency_s": latency,
+        "stop_step_s": step_s,
+        "stop_save_s": save_s,
+        "stop_latency_units": latency / (step_s + save_s),
+    }

@@ -49,13 +49,20 @@ def make_assets(folder: Path, preset: str) -> tuple[Path, Path]:
 
 
 def trainer_config(params: Path, data: Path, job_dir: Path, window: int, batch: int, max_steps: int, **ckpt):
-    return build_config({
-        "data": {"data_root_path": str(data), "window_size": window, "num_workers": 0},
-        "training": {"max_steps": max_steps, "batch_per_device": batch, "max_lr": 1e-3, "warmup_ratio": 0.0,
-                     "device": "cpu"},
-        "ckpt": {"ckpt_dir": str(job_dir), "param_path": str(params), "ckpt_interval": 10**9, **ckpt},
-        "log": {"log_interval": 20},
-    })
+    return build_config(
+        {
+            "data": {"data_root_path": str(data), "window_size": window, "num_workers": 0},
+            "training": {
+                "max_steps": max_steps,
+                "batch_per_device": batch,
+                "max_lr": 1e-3,
+                "warmup_ratio": 0.0,
+                "device": "cpu",
+            },
+            "ckpt": {"ckpt_dir": str(job_dir), "param_path": str(params), "ckpt_interval": 10**9, **ckpt},
+            "log": {"log_interval": 20},
+        }
+    )
 
 
 class BareLoop:
@@ -106,7 +113,7 @@ def measure(preset: str, repeats: int, folder: Path) -> dict:
         bare.train(3)
         times: dict[str, list[tuple[float, float]]] = {"trainer": [], "bare": []}
         for turn in range(repeats):
-            for side in (("trainer", "bare") if turn % 2 == 0 else ("bare", "trainer")):
+            for side in ("trainer", "bare") if turn % 2 == 0 else ("bare", "trainer"):
                 times[side].append(_timed(sides[side]))
     finally:
         trainer.close()
@@ -114,10 +121,14 @@ def measure(preset: str, repeats: int, folder: Path) -> dict:
     # Both sides train the same tokens per turn, so the ratio of rates is the inverse ratio of times.
     cpu, cpu_spread = ratio_with_spread([cpu for _, cpu in times["bare"]], [cpu for _, cpu in times["trainer"]])
     wall, wall_spread = ratio_with_spread([wall for wall, _ in times["bare"]], [wall for wall, _ in times["trainer"]])
-    return {f"{preset}_trainer_tokens_per_s": tokens / statistics.median(wall for wall, _ in times["trainer"]),
-            f"{preset}_bare_tokens_per_s": tokens / statistics.median(wall for wall, _ in times["bare"]),
-            f"{preset}_trainer_vs_bare": cpu, f"{preset}_trainer_vs_bare_spread": cpu_spread,
-            f"{preset}_trainer_vs_bare_wall": wall, f"{preset}_trainer_vs_bare_wall_spread": wall_spread}
+    return {
+        f"{preset}_trainer_tokens_per_s": tokens / statistics.median(wall for wall, _ in times["trainer"]),
+        f"{preset}_bare_tokens_per_s": tokens / statistics.median(wall for wall, _ in times["bare"]),
+        f"{preset}_trainer_vs_bare": cpu,
+        f"{preset}_trainer_vs_bare_spread": cpu_spread,
+        f"{preset}_trainer_vs_bare_wall": wall,
+        f"{preset}_trainer_vs_bare_wall_spread": wall_spread,
+    }
 
 
 def run(quick: bool) -> dict:

@@ -34,18 +34,26 @@ def _free_port() -> int:
 
 
 def _config(folder: Path, params: Path, data: Path, base_image: str, nodes: bool, steps: int) -> Path:
-    runtime = {"job_name": JOB, "paths": {"data": str(data), "model": str(params), "checkpoints": str(folder / "ckpt")},
-               "gpu": {"devices": "none", "processes": 1 if nodes else 2},
-               "container": {"cuda_tag": "cpu", "base_image": base_image},
-               # One thread per process in both layouts (torchrun sets it for 2 local processes, not for 1).
-               "environment": {"OMP_NUM_THREADS": "1"}}
+    runtime = {
+        "job_name": JOB,
+        "paths": {"data": str(data), "model": str(params), "checkpoints": str(folder / "ckpt")},
+        "gpu": {"devices": "none", "processes": 1 if nodes else 2},
+        "container": {"cuda_tag": "cpu", "base_image": base_image},
+        # One thread per process in both layouts (torchrun sets it for 2 local processes, not for 1).
+        "environment": {"OMP_NUM_THREADS": "1"},
+    }
     if nodes:
         runtime["nodes"] = {"count": 2, "rendezvous": f"127.0.0.1:{_free_port()}", "network_interface": "lo"}
-    return write_config(folder, runtime, {
-        "data": {"data_root_path": "/data", "window_size": WINDOW, "num_workers": 1},
-        "training": {"max_steps": steps, "batch_per_device": BATCH, "global_batch_size": 2 * BATCH},
-        "ckpt": {"ckpt_interval": 10**6}, "log": {"log_interval": 2},
-    })
+    return write_config(
+        folder,
+        runtime,
+        {
+            "data": {"data_root_path": "/data", "window_size": WINDOW, "num_workers": 1},
+            "training": {"max_steps": steps, "batch_per_device": BATCH, "global_batch_size": 2 * BATCH},
+            "ckpt": {"ckpt_interval": 10**6},
+            "log": {"log_interval": 2},
+        },
+    )
 
 
 def _wait_exit(project: str, timeout: float = 900) -> engine.Container:
@@ -64,7 +72,7 @@ def _projects(nodes: bool) -> list[str]:
 
 
 def _start(config: Path, nodes: bool) -> None:
-    for node in ((1, 0) if nodes else (0,)):
+    for node in (1, 0) if nodes else (0,):
         invoke("start", "--config", str(config), "--node", str(node))
 
 
@@ -94,8 +102,10 @@ def run(quick: bool, base_image: str) -> dict:
             for _ in range(1 if quick else 3):
                 _start(config, True)
                 started = time.monotonic()
-                while not (job_dir / "metrics.jsonl").exists() or len(
-                        (job_dir / "metrics.jsonl").read_text().splitlines()) < 3:
+                while (
+                    not (job_dir / "metrics.jsonl").exists()
+                    or len((job_dir / "metrics.jsonl").read_text().splitlines()) < 3
+                ):
                     if time.monotonic() - started > 300:
                         raise RuntimeError("the two-node benchmark job made no progress")
                     time.sleep(0.2)
@@ -110,6 +120,8 @@ def run(quick: bool, base_image: str) -> dict:
             results["stop_latency_two_nodes_s"] = statistics.median(latencies)
         finally:
             for project in _projects(False) + _projects(True):
-                subprocess.run(["docker", "compose", "--project-name", project, "down", "--rmi", "local",
-                                "--timeout", "5"], capture_output=True)
+                subprocess.run(
+                    ["docker", "compose", "--project-name", project, "down", "--rmi", "local", "--timeout", "5"],
+                    capture_output=True,
+                )
     return results

@@ -30,8 +30,16 @@ CORPUS = REPO / "examples" / "corpus"
 # A tiny job that trains in a few seconds per hundred steps on two CPU cores.
 TRAINER = {
     "data": {"data_root_path": "/data", "window_size": 32, "num_workers": 0},
-    "training": {"max_steps": 120, "batch_per_device": 8, "grad_accum_steps": 1, "max_lr": 3e-3,
-                 "warmup_ratio": 0.1, "weight_decay": 0.1, "max_grad_norm": 1.0, "random_seed": 7},
+    "training": {
+        "max_steps": 120,
+        "batch_per_device": 8,
+        "grad_accum_steps": 1,
+        "max_lr": 3e-3,
+        "warmup_ratio": 0.1,
+        "weight_decay": 0.1,
+        "max_grad_norm": 1.0,
+        "random_seed": 7,
+    },
     "ckpt": {"ckpt_interval": 40},
     "log": {"log_interval": 5},
 }
@@ -47,11 +55,17 @@ def base_image() -> str:
 def assets(tmp_path_factory) -> Path:
     """A tiny base model and token data, made once per session on the host."""
     folder = tmp_path_factory.mktemp("assets")
-    subprocess.run([sys.executable, "-m", "astrai.model", "init", str(folder / "params"), "--preset", "tiny"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "astrai.model", "init", str(folder / "params"), "--preset", "tiny"],
+        check=True,
+        capture_output=True,
+    )
     corpus = sorted(str(path) for path in CORPUS.glob("*.txt"))
-    subprocess.run([sys.executable, "-m", "astrai.data", "prepare", "--out", str(folder / "data"), *corpus],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "astrai.data", "prepare", "--out", str(folder / "data"), *corpus],
+        check=True,
+        capture_output=True,
+    )
     return folder
 
 
@@ -79,13 +93,26 @@ class Job:
         """Run `invoke TASK --config <this job> ...` the way a user would."""
         task, *rest = args
         head, sep, tail = _split_remainder(rest)
-        command = [sys.executable, "-m", "invoke", "--search-root", str(REPO), task, "--config", str(self.config),
-                   *head, *sep, *tail]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                env={**os.environ, **self.env}, cwd=self.folder)
+        command = [
+            sys.executable,
+            "-m",
+            "invoke",
+            "--search-root",
+            str(REPO),
+            task,
+            "--config",
+            str(self.config),
+            *head,
+            *sep,
+            *tail,
+        ]
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **self.env}, cwd=self.folder
+        )
         if check and result.returncode != 0:
-            raise AssertionError(f"{' '.join(args)} exited {result.returncode}\nstdout:\n{result.stdout}\n"
-                                 f"stderr:\n{result.stderr}")
+            raise AssertionError(
+                f"{' '.join(args)} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+            )
         return result
 
     def container(self) -> engine.Container | None:
@@ -129,7 +156,7 @@ class Job:
 def _split_remainder(args: list[str]) -> tuple[list[str], list[str], list[str]]:
     if "--" in args:
         index = args.index("--")
-        return args[:index], ["--"], args[index + 1:]
+        return args[:index], ["--"], args[index + 1 :]
     return args, [], []
 
 
@@ -138,8 +165,9 @@ def make_job(tmp_path, base_image, assets, request):
     """Factory: make_job(runtime={...}, trainer={...}) -> Job with its own name, data, model and YAML."""
     made: list[Job] = []
 
-    def factory(runtime: dict | None = None, trainer: dict | None = None, env: dict | None = None,
-                parent: str = "") -> Job:
+    def factory(
+        runtime: dict | None = None, trainer: dict | None = None, env: dict | None = None, parent: str = ""
+    ) -> Job:
         """``parent``: a folder name the job folder goes into (to test awkward paths)."""
         name = f"t-{request.node.name[:24].strip('_-').replace('[', '-').replace(']', '')}-{secrets.token_hex(3)}"
         folder = tmp_path / parent / name
@@ -150,8 +178,13 @@ def make_job(tmp_path, base_image, assets, request):
             "job_name": name,
             "paths": {"data": "./data", "model": "./params", "checkpoints": "./checkpoints"},
             "gpu": {"devices": "none"},
-            "container": {"cuda_tag": "cpu", "base_image": base_image, "stop_grace_period": "2m",
-                          "stop_timeout_seconds": 60, "checkpoint_keep_last": 2},
+            "container": {
+                "cuda_tag": "cpu",
+                "base_image": base_image,
+                "stop_grace_period": "2m",
+                "stop_timeout_seconds": 60,
+                "checkpoint_keep_last": 2,
+            },
         }
         for key, value in (runtime or {}).items():
             block[key] = {**block.get(key, {}), **value} if isinstance(value, dict) else value
@@ -172,10 +205,27 @@ def make_job(tmp_path, base_image, assets, request):
 
 def _tear_down(job: Job) -> None:
     timer.cancel(job.job_dir / compose.STATE_DIR_NAME)
-    subprocess.run(["docker", "compose", "--project-name", job.project, "down", "--volumes", "--remove-orphans",
-                    "--rmi", "local", "--timeout", "5"], capture_output=True)
-    leftovers = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={job.project}"],
-                               capture_output=True, text=True).stdout.split()
+    subprocess.run(
+        [
+            "docker",
+            "compose",
+            "--project-name",
+            job.project,
+            "down",
+            "--volumes",
+            "--remove-orphans",
+            "--rmi",
+            "local",
+            "--timeout",
+            "5",
+        ],
+        capture_output=True,
+    )
+    leftovers = subprocess.run(
+        ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={job.project}"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     if leftovers:
         subprocess.run(["docker", "rm", "-f", *leftovers], capture_output=True)
     subprocess.run(["docker", "image", "rm", "--force", f"{job.project}-{compose.SERVICE}"], capture_output=True)

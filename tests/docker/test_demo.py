@@ -19,9 +19,21 @@ def test_demo_runs_the_whole_lifecycle(tmp_path, base_image):
     workdir = tmp_path / "demo"
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "invoke", "--search-root", str(compose.PROJECT_ROOT), "demo",
-             "--workdir", str(workdir), "--job-name", job_name],
-            capture_output=True, text=True, timeout=900,
+            [
+                sys.executable,
+                "-m",
+                "invoke",
+                "--search-root",
+                str(compose.PROJECT_ROOT),
+                "demo",
+                "--workdir",
+                str(workdir),
+                "--job-name",
+                job_name,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr
         output = result.stdout
@@ -30,11 +42,27 @@ def test_demo_runs_the_whole_lifecycle(tmp_path, base_image):
         reasons = [read_meta(c)["reason"] for c in list_complete_checkpoints(workdir / "checkpoints" / job_name)]
         assert "emergency" in reasons and reasons[-1] == "final"
         again = subprocess.run(
-            [sys.executable, "-m", "invoke", "--search-root", str(compose.PROJECT_ROOT), "demo",
-             "--workdir", str(workdir), "--job-name", job_name], capture_output=True, text=True, timeout=60)
+            [
+                sys.executable,
+                "-m",
+                "invoke",
+                "--search-root",
+                str(compose.PROJECT_ROOT),
+                "demo",
+                "--workdir",
+                str(workdir),
+                "--job-name",
+                job_name,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert again.returncode != 0 and "--fresh" in again.stderr
     finally:
         project = compose.project_name(job_name)
-        subprocess.run(["docker", "compose", "--project-name", project, "down", "--rmi", "local", "--timeout", "5"],
-                       capture_output=True)
+        subprocess.run(
+            ["docker", "compose", "--project-name", project, "down", "--rmi", "local", "--timeout", "5"],
+            capture_output=True,
+        )
         subprocess.run(["docker", "image", "rm", "--force", f"{project}-trainer"], capture_output=True)

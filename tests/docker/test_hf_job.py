@@ -21,8 +21,15 @@ CORPUS = sorted(__import__("pathlib").Path(__file__).resolve().parents[2].joinpa
 def _hf_folder(folder, vocab_size: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder, max_shard_size="100KB")
 
@@ -32,8 +39,9 @@ def _tokenizer(folder) -> None:
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator([path.read_text() for path in CORPUS], trainer)
     folder.mkdir()
     tokenizer.save(str(folder / "tokenizer.json"))
@@ -47,10 +55,24 @@ def test_a_job_from_a_sharded_hf_folder_trains_resumes_and_loads_in_transformers
     shutil.rmtree(job.folder / "data")
     _hf_folder(job.folder / "params", 512)
     _tokenizer(job.folder / "tokenizer")
-    subprocess.run([sys.executable, "-m", "astrai.data", "prepare", "--tokenizer", str(job.folder / "tokenizer"),
-                    "--out", str(job.folder / "data"), *map(str, CORPUS)], check=True, capture_output=True)
-    shards = sorted(set(json.loads((job.folder / "params" / "model.safetensors.index.json").read_text())
-                        ["weight_map"].values()))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "astrai.data",
+            "prepare",
+            "--tokenizer",
+            str(job.folder / "tokenizer"),
+            "--out",
+            str(job.folder / "data"),
+            *map(str, CORPUS),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    shards = sorted(
+        set(json.loads((job.folder / "params" / "model.safetensors.index.json").read_text())["weight_map"].values())
+    )
     assert len(shards) > 1
 
     job.invoke("init")

@@ -94,9 +94,20 @@ def test_foreground_ctrl_c_stops_gracefully(make_job):
     job = make_job(trainer=LONG)
     job.invoke("init")
     process = subprocess.Popen(
-        [sys.executable, "-m", "invoke", "--search-root", str(compose.PROJECT_ROOT), "start", "--foreground",
-         "--config", str(job.config)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "invoke",
+            "--search-root",
+            str(compose.PROJECT_ROOT),
+            "start",
+            "--foreground",
+            "--config",
+            str(job.config),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         job.wait_for("progress", lambda: job.progress_step() >= 10, timeout=300)
@@ -175,8 +186,10 @@ def test_manual_stop_cancels_the_timer(make_job):
     assert timer.read_timer(state_dir) is None
     assert not (state_dir / timer.TIMER_FILE_NAME).exists()
     time.sleep(0.5)
-    assert not os.path.exists(f"/proc/{scheduled.pid}") or b"astrai.timer" not in open(
-        f"/proc/{scheduled.pid}/cmdline", "rb").read()
+    assert (
+        not os.path.exists(f"/proc/{scheduled.pid}")
+        or b"astrai.timer" not in open(f"/proc/{scheduled.pid}/cmdline", "rb").read()
+    )
     assert "timer       none" in job.invoke("status").stdout
 
 
@@ -187,6 +200,9 @@ def test_files_written_by_the_container_belong_to_the_host_user(make_job):
     assert job.job_dir.stat().st_uid == 4321
     job.invoke("start", "--foreground")
     assert job.checkpoints()[-1] == (20, "final")
-    owners = {(path.stat().st_uid, path.stat().st_gid) for path in job.job_dir.rglob("*")
-              if compose.STATE_DIR_NAME not in path.parts}
+    owners = {
+        (path.stat().st_uid, path.stat().st_gid)
+        for path in job.job_dir.rglob("*")
+        if compose.STATE_DIR_NAME not in path.parts
+    }
     assert owners == {(4321, 4321)}, owners

@@ -23,21 +23,27 @@ SECRET = "hf_from_the_shell_only"
 
 
 def _in_container(container_id: str, code: str) -> str:
-    return subprocess.run(["docker", "exec", container_id, "python3", "-c", code],
-                          capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        ["docker", "exec", container_id, "python3", "-c", code], capture_output=True, text=True, check=True
+    ).stdout
 
 
 def test_awkward_paths_values_and_arguments_arrive_literally_and_the_job_trains(make_job):
-    job = make_job(runtime={"environment": ENVIRONMENT}, trainer={"training": {"max_steps": 100000}},
-                   env={"HF_TOKEN": SECRET}, parent=AWKWARD_FOLDER)
+    job = make_job(
+        runtime={"environment": ENVIRONMENT},
+        trainer={"training": {"max_steps": 100000}},
+        env={"HF_TOKEN": SECRET},
+        parent=AWKWARD_FOLDER,
+    )
     assert AWKWARD_FOLDER in str(job.folder)
     job.invoke("init")
 
     # Trainer arguments as the shell passed them: spaces, a quote, $ and a number-like string.
     odd_path = "/models/it's a $x ${HOME} é"
     dry = job.invoke("start", "--foreground", "--", "--dry-run", "--param_path", odd_path, "--max_lr", "1e-3")
-    resolved = yaml.safe_load("\n".join(line for line in dry.stdout.splitlines()
-                                        if line.strip().startswith(("param_path:", "max_lr:"))))
+    resolved = yaml.safe_load(
+        "\n".join(line for line in dry.stdout.splitlines() if line.strip().startswith(("param_path:", "max_lr:")))
+    )
     assert resolved == {"param_path": odd_path, "max_lr": 0.001}, dry.stdout
 
     job.invoke("start", "--", "--max_lr", "1e-3")
@@ -50,16 +56,19 @@ def test_awkward_paths_values_and_arguments_arrive_literally_and_the_job_trains(
     assert SECRET not in override.read_text() and stat.S_IMODE(override.stat().st_mode) == 0o600
 
     # Hardened: no capabilities, read-only root, writable and executable scratch, the stack ulimit.
-    probe = _in_container(container.id, (
-        "import os, resource, subprocess, tempfile\n"
-        "caps = [l.split()[1] for l in open('/proc/self/status') if l.startswith('CapEff')]\n"
-        "try:\n    open('/app/x', 'w')\n    root = 'writable'\nexcept OSError:\n    root = 'read-only'\n"
-        "for folder in ('/tmp', os.environ['HOME']):\n"
-        "    path = os.path.join(folder, 'run.sh')\n"
-        "    open(path, 'w').write('#!/bin/sh\\necho ok\\n')\n    os.chmod(path, 0o755)\n"
-        "    assert subprocess.run([path], capture_output=True, text=True).stdout == 'ok\\n', folder\n"
-        "print(caps[0], root, resource.getrlimit(resource.RLIMIT_STACK)[0])\n"
-    ))
+    probe = _in_container(
+        container.id,
+        (
+            "import os, resource, subprocess, tempfile\n"
+            "caps = [l.split()[1] for l in open('/proc/self/status') if l.startswith('CapEff')]\n"
+            "try:\n    open('/app/x', 'w')\n    root = 'writable'\nexcept OSError:\n    root = 'read-only'\n"
+            "for folder in ('/tmp', os.environ['HOME']):\n"
+            "    path = os.path.join(folder, 'run.sh')\n"
+            "    open(path, 'w').write('#!/bin/sh\\necho ok\\n')\n    os.chmod(path, 0o755)\n"
+            "    assert subprocess.run([path], capture_output=True, text=True).stdout == 'ok\\n', folder\n"
+            "print(caps[0], root, resource.getrlimit(resource.RLIMIT_STACK)[0])\n"
+        ),
+    )
     assert probe.split() == ["0000000000000000", "read-only", "67108864"], probe
 
     status = job.invoke("status").stdout
@@ -77,19 +86,31 @@ def test_two_concurrent_starts_leave_one_container(make_job):
     job = make_job(trainer={"training": {"max_steps": 100000}})
     job.invoke("init")
     job.invoke("build")  # both starts then race on the start itself, not on a first build
-    command = [sys.executable, "-m", "invoke", "--search-root", str(compose.PROJECT_ROOT), "start",
-               "--config", str(job.config)]
-    first, second = (subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                     for _ in range(2))
+    command = [
+        sys.executable,
+        "-m",
+        "invoke",
+        "--search-root",
+        str(compose.PROJECT_ROOT),
+        "start",
+        "--config",
+        str(job.config),
+    ]
+    first, second = (
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    )
     results = [process.communicate(timeout=600) + (process.returncode,) for process in (first, second)]
     codes = sorted(code for _, _, code in results)
     assert codes[0] == 0 and codes[1] != 0, results
     refused = next(err for _, err, code in results if code != 0)
     assert "another `invoke start` of job" in refused or "is already running" in refused, refused
     assert "Traceback" not in refused
-    listing = subprocess.run(["docker", "ps", "--all", "--quiet", "--filter",
-                              f"label=com.docker.compose.project={job.project}"],
-                             capture_output=True, text=True, check=True).stdout.split()
+    listing = subprocess.run(
+        ["docker", "ps", "--all", "--quiet", "--filter", f"label=com.docker.compose.project={job.project}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert len(listing) == 1, listing
     container = job.container()
     assert container.running
@@ -98,13 +119,15 @@ def test_two_concurrent_starts_leave_one_container(make_job):
     job.invoke("stop")
 
 
-
 def test_a_base_image_with_another_torch_fails_the_build_with_the_reason(make_job, base_image):
     other = f"astrai-test-othertorch:{secrets.token_hex(4)}"
-    recipe = (f"FROM {base_image}\nRUN mkdir -p /opt/other/torch && "
-              "echo '__version__ = \"2.5.1+cu124\"' > /opt/other/torch/__init__.py\nENV PYTHONPATH=/opt/other\n")
-    subprocess.run(["docker", "build", "--quiet", "--tag", other, "-"], input=recipe, text=True, check=True,
-                   capture_output=True)
+    recipe = (
+        f"FROM {base_image}\nRUN mkdir -p /opt/other/torch && "
+        "echo '__version__ = \"2.5.1+cu124\"' > /opt/other/torch/__init__.py\nENV PYTHONPATH=/opt/other\n"
+    )
+    subprocess.run(
+        ["docker", "build", "--quiet", "--tag", other, "-"], input=recipe, text=True, check=True, capture_output=True
+    )
     try:
         job = make_job(runtime={"container": {"base_image": other}})
         result = job.invoke("build", check=False)

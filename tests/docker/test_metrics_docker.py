@@ -16,8 +16,7 @@ from astrai.metrics import SPARK_BLOCKS, read_records
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.docker
 
-SHORT = {"training": {"max_steps": 40}, "data": {"val_fraction": 0.1},
-         "log": {"log_interval": 5, "eval_interval": 20}}
+SHORT = {"training": {"max_steps": 40}, "data": {"val_fraction": 0.1}, "log": {"log_interval": 5, "eval_interval": 20}}
 
 
 def _scalars(folder, tag: str) -> list[int]:
@@ -45,29 +44,40 @@ def base_without_tensorboard(base_image):
     """The test base image with TensorBoard uninstalled (offline), removed afterwards."""
     tag = f"astrai-test-no-tensorboard:{secrets.token_hex(4)}"
     recipe = f"FROM {base_image}\nRUN python3 -m pip uninstall --yes --break-system-packages tensorboard\n"
-    built = subprocess.run(["docker", "build", "--network", "none", "--tag", tag, "-"], input=recipe,
-                           capture_output=True, text=True)
+    built = subprocess.run(
+        ["docker", "build", "--network", "none", "--tag", tag, "-"], input=recipe, capture_output=True, text=True
+    )
     assert built.returncode == 0, built.stderr
     yield tag
     subprocess.run(["docker", "image", "rm", "--force", tag], capture_output=True)
 
 
-def test_a_base_without_tensorboard_builds_offline_and_trains_without_event_files(make_job,
-                                                                                 base_without_tensorboard):
+def test_a_base_without_tensorboard_builds_offline_and_trains_without_event_files(make_job, base_without_tensorboard):
     # The Dockerfile on its own, with no network at all: it must not try to fetch TensorBoard.
     tag = f"astrai-test-offline-build:{secrets.token_hex(4)}"
     built = subprocess.run(
-        ["docker", "build", "--network", "none", "--build-arg",
-         f"BASE_IMAGE={base_without_tensorboard}", "--tag", tag, str(REPO)],
-        capture_output=True, text=True,
+        [
+            "docker",
+            "build",
+            "--network",
+            "none",
+            "--build-arg",
+            f"BASE_IMAGE={base_without_tensorboard}",
+            "--tag",
+            tag,
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
     )
     subprocess.run(["docker", "image", "rm", "--force", tag], capture_output=True)
     output = built.stdout + built.stderr  # the legacy builder and BuildKit print the steps' output apart
     assert built.returncode == 0, output[-3000:]
     assert "TensorBoard event files will be off" in output
 
-    job = make_job(runtime={"container": {"base_image": base_without_tensorboard}},
-                   trainer={"training": {"max_steps": 10}})
+    job = make_job(
+        runtime={"container": {"base_image": base_without_tensorboard}}, trainer={"training": {"max_steps": 10}}
+    )
     job.invoke("init")
     job.invoke("start", "--foreground", timeout=900)
     logs = job.logs()

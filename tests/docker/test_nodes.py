@@ -16,15 +16,17 @@ import time
 
 import pytest
 import yaml
+from conftest import REPO, _tear_down
 
 from astrai import compose, engine
 
-from conftest import REPO, _tear_down
-
 pytestmark = pytest.mark.docker
 
-GLOBAL_BATCH = {"training": {"max_steps": 30, "batch_per_device": 8, "global_batch_size": 16},
-                "ckpt": {"ckpt_interval": 10}, "log": {"log_interval": 1}}
+GLOBAL_BATCH = {
+    "training": {"max_steps": 30, "batch_per_device": 8, "global_batch_size": 16},
+    "ckpt": {"ckpt_interval": 10},
+    "log": {"log_interval": 1},
+}
 
 
 def _free_port() -> int:
@@ -38,8 +40,13 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def _nodes(backend: str = "static", timeout: int = 300) -> dict:
-    return {"count": 2, "rendezvous": f"127.0.0.1:{_free_port()}", "backend": backend, "network_interface": "lo",
-            "failure_timeout_seconds": timeout}
+    return {
+        "count": 2,
+        "rendezvous": f"127.0.0.1:{_free_port()}",
+        "backend": backend,
+        "network_interface": "lo",
+        "failure_timeout_seconds": timeout,
+    }
 
 
 @pytest.fixture
@@ -102,8 +109,9 @@ def test_two_nodes_train_stop_from_node_1_and_resume_on_one_node_with_the_same_l
     _start_both(job)
     status = job.invoke("status", "--node", "1").stdout
     assert "node        1 of 2, world size 2" in status and "running" in status, status
-    job.wait_for("step 12 and a periodic checkpoint", lambda: job.progress_step() >= 12 and job.checkpoints(),
-                 timeout=600)
+    job.wait_for(
+        "step 12 and a periodic checkpoint", lambda: job.progress_step() >= 12 and job.checkpoints(), timeout=600
+    )
 
     stopped = job.invoke("stop", "--node", "1")
     assert "emergency checkpoint" in stopped.stdout, stopped.stdout
@@ -125,13 +133,29 @@ def test_two_nodes_train_stop_from_node_1_and_resume_on_one_node_with_the_same_l
     # An uninterrupted single-node run of the same config, for reference (the trainer on the host).
     reference_dir = tmp_path / "reference"
     run = subprocess.run(
-        [sys.executable, "-m", "astrai.train", "--config", str(job.config), "--ckpt_dir", str(reference_dir),
-         "--param_path", str(job.folder / "params"), "--data_root_path", str(job.folder / "data")],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)},
+        [
+            sys.executable,
+            "-m",
+            "astrai.train",
+            "--config",
+            str(job.config),
+            "--ckpt_dir",
+            str(reference_dir),
+            "--param_path",
+            str(job.folder / "params"),
+            "--data_root_path",
+            str(job.folder / "data"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert run.returncode == 0, run.stderr
-    expected = {record["step"]: record["loss"]
-                for record in map(json.loads, (reference_dir / "metrics.jsonl").read_text().splitlines())}
+    expected = {
+        record["step"]: record["loss"]
+        for record in map(json.loads, (reference_dir / "metrics.jsonl").read_text().splitlines())
+    }
     got = _losses(job)
     assert sorted(got) == sorted(expected) == list(range(1, 31))
     for step in expected:
@@ -140,8 +164,10 @@ def test_two_nodes_train_stop_from_node_1_and_resume_on_one_node_with_the_same_l
 
 def test_a_killed_node_ends_the_other_within_the_failure_timeout_and_both_restart(node_jobs):
     timeout = 20
-    job = node_jobs(runtime={"nodes": _nodes(timeout=timeout), "environment": ONE_THREAD},
-                    trainer={"training": {"max_steps": 60}, "ckpt": {"ckpt_interval": 10}})
+    job = node_jobs(
+        runtime={"nodes": _nodes(timeout=timeout), "environment": ONE_THREAD},
+        trainer={"training": {"max_steps": 60}, "ckpt": {"ckpt_interval": 10}},
+    )
     job.invoke("init")
     _start_both(job)
     job.wait_for("step 15", lambda: job.progress_step() >= 15, timeout=600)
@@ -161,8 +187,9 @@ def test_a_killed_node_ends_the_other_within_the_failure_timeout_and_both_restar
 
 
 def test_c10d_rendezvous_trains_two_nodes_to_the_end(node_jobs):
-    job = node_jobs(runtime={"nodes": _nodes("c10d"), "environment": ONE_THREAD},
-                    trainer={"training": {"max_steps": 20}})
+    job = node_jobs(
+        runtime={"nodes": _nodes("c10d"), "environment": ONE_THREAD}, trainer={"training": {"max_steps": 20}}
+    )
     job.invoke("init")
     _start_both(job)
     finals = [_wait_exit(job, node, 600) for node in (0, 1)]
@@ -172,8 +199,10 @@ def test_c10d_rendezvous_trains_two_nodes_to_the_end(node_jobs):
 
 
 def test_a_crashed_trainer_is_restarted_and_finishes(make_job):
-    job = make_job(runtime={"container": {"max_restarts": 2}, "environment": ONE_THREAD},
-                   trainer={"training": {"max_steps": 30}, "ckpt": {"ckpt_interval": 10}})
+    job = make_job(
+        runtime={"container": {"max_restarts": 2}, "environment": ONE_THREAD},
+        trainer={"training": {"max_steps": 30}, "ckpt": {"ckpt_interval": 10}},
+    )
     job.invoke("start")
     job.wait_for("step 12 (after the checkpoint at 10)", lambda: job.progress_step() >= 12, timeout=600)
     first = job.container()
@@ -190,8 +219,9 @@ def test_a_crashed_trainer_is_restarted_and_finishes(make_job):
 
 def _trainer_pid(container_id: str) -> int:
     """Host pid of the trainer process of a container (`docker top` lists host pids)."""
-    listing = subprocess.run(["docker", "top", container_id, "-eo", "pid,args"], capture_output=True, text=True,
-                             check=True).stdout.splitlines()[1:]
+    listing = subprocess.run(
+        ["docker", "top", container_id, "-eo", "pid,args"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()[1:]
     pids = [int(line.split()[0]) for line in listing if "astrai.train" in line]
     assert pids, listing
     return pids[0]

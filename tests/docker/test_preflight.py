@@ -17,8 +17,17 @@ def test_preflight_passes_on_a_ready_host(make_job):
     job.invoke("init")
     result = job.invoke("preflight")
     lines = result.stdout.splitlines()
-    for name in ("schema", "docker CLI", "docker daemon", "compose v2", "data dir", "checkpoint dir", "base model",
-                 "trainer data path", "compose config"):
+    for name in (
+        "schema",
+        "docker CLI",
+        "docker daemon",
+        "compose v2",
+        "data dir",
+        "checkpoint dir",
+        "base model",
+        "trainer data path",
+        "compose config",
+    ):
         assert any(line.startswith(f"✓ {name}") for line in lines), (name, result.stdout)
     assert "✗" not in result.stdout
     assert lines[-1] == "preflight passed"
@@ -47,13 +56,25 @@ def test_preflight_names_a_missing_base_model_and_a_wrong_data_path(make_job):
 
 def test_listed_gpus_render_one_reservation_and_the_entrypoint_picks_ddp(make_job):
     """No GPU here: check what Compose itself makes of the override, and what the entrypoint decides."""
-    job = make_job(runtime={"gpu": {"devices": [0, 1], "parallel_mode": "auto"},
-                            "container": {"cuda_tag": "cu128"}})
+    job = make_job(runtime={"gpu": {"devices": [0, 1], "parallel_mode": "auto"}, "container": {"cuda_tag": "cu128"}})
     job.invoke("init")
     rendered = subprocess.run(
-        [*compose.compose_program(), "--project-name", job.project, "--file", str(compose.BASE_COMPOSE_FILE),
-         "--file", "-", "config", "--format", "json"],
-        input=job.invoke("render").stdout, capture_output=True, text=True, check=True,
+        [
+            *compose.compose_program(),
+            "--project-name",
+            job.project,
+            "--file",
+            str(compose.BASE_COMPOSE_FILE),
+            "--file",
+            "-",
+            "config",
+            "--format",
+            "json",
+        ],
+        input=job.invoke("render").stdout,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     service = json.loads(rendered.stdout)["services"]["trainer"]
     assert service["deploy"]["resources"]["reservations"]["devices"] == [
@@ -66,9 +87,17 @@ def test_listed_gpus_render_one_reservation_and_the_entrypoint_picks_ddp(make_jo
     cpu_job = make_job()
     cpu_job.invoke("build")
     plan = subprocess.run(
-        ["docker", "run", "--rm", *[f"--env={k}={v}" for k, v in service["environment"].items()],
-         f"{cpu_job.project}-trainer", "--print-plan"],
-        capture_output=True, text=True, check=True,
+        [
+            "docker",
+            "run",
+            "--rm",
+            *[f"--env={k}={v}" for k, v in service["environment"].items()],
+            f"{cpu_job.project}-trainer",
+            "--print-plan",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     decision = json.loads(plan.stdout)
     assert (decision["processes"], decision["parallel_mode"]) == (2, "ddp")

@@ -42,8 +42,9 @@ def make_hf_model(
     """
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    config_class, model_class = (MistralConfig, MistralForCausalLM) if model_type == "mistral" else (
-        LlamaConfig, LlamaForCausalLM)
+    config_class, model_class = (
+        (MistralConfig, MistralForCausalLM) if model_type == "mistral" else (LlamaConfig, LlamaForCausalLM)
+    )
     config = config_class(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -92,8 +93,13 @@ def to_transformers_4_config(folder: Path, kind_key: str = "rope_type") -> dict:
     return config
 
 
-def make_tokenizer(folder: Path, texts: list[str], vocab_size: int = 400, special=("<|endoftext|>", "<pad>"),
-                   eos_in_config: str | None = None) -> Path:
+def make_tokenizer(
+    folder: Path,
+    texts: list[str],
+    vocab_size: int = 400,
+    special=("<|endoftext|>", "<pad>"),
+    eos_in_config: str | None = None,
+) -> Path:
     """A byte-level BPE tokenizer trained on ``texts``, saved as ``folder/tokenizer.json``; returns the folder."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

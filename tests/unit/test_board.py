@@ -35,8 +35,13 @@ RUN = f"{JOB}/tensorboard"
 
 
 def invoke(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "invoke", "--search-root", str(REPO), *args],
-                          capture_output=True, text=True, timeout=180, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "invoke", "--search-root", str(REPO), *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        **kwargs,
+    )
 
 
 def _free_port() -> int:
@@ -83,10 +88,21 @@ def _chromium(*args: str) -> subprocess.CompletedProcess:
     assert browser, "Debian's chromium is needed for this test: run `bash .ci/setup` (or apt-get install chromium)"
     # forceSVG: TensorBoard draws its lines as SVG paths, which show in the DOM (WebGL needs a GPU).
     return subprocess.run(
-        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
-         "--window-size=1600,2000", "--virtual-time-budget=20000", "--run-all-compositor-stages-before-draw",
-         *args],
-        capture_output=True, text=True, timeout=180,
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--hide-scrollbars",
+            "--window-size=1600,2000",
+            "--virtual-time-budget=20000",
+            "--run-all-compositor-stages-before-draw",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
 
 
@@ -139,9 +155,22 @@ def test_board_in_the_foreground_serves_every_job_and_ctrl_c_ends_it(trained_job
     log = tmp_path / "board.log"
     with open(log, "wb") as output:
         process = subprocess.Popen(
-            [sys.executable, "-m", "invoke", "--search-root", str(REPO), "board", "--config", str(config),
-             "--port", str(port), "--all"],
-            stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "invoke",
+                "--search-root",
+                str(REPO),
+                "board",
+                "--config",
+                str(config),
+                "--port",
+                str(port),
+                "--all",
+            ],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     try:
         deadline = time.monotonic() + 90

@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 
 from astrai import checkpoint_io
 from astrai.checkpoint_io import CheckpointError, CheckpointManager, Progress, read_checkpoint
-from astrai.contract import REQUIRED_FILES
 from astrai.checkpoints import (
     Checkpoint,
     checkpoint_name,
@@ -27,6 +26,7 @@ from astrai.checkpoints import (
     remove_checkpoint,
     scan_job_dir,
 )
+from astrai.contract import REQUIRED_FILES
 from astrai.distributed import init_distributed
 from astrai.model import PRESETS, Transformer
 

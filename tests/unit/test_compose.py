@@ -16,8 +16,14 @@ from astrai.runtime import resolve_runtime
 BASE = "astrai-base:test"
 
 
-def _runtime(tmp_path: Path, gpu: dict, environment: dict | None = None, nodes: dict | None = None,
-             node: int = 0, container: dict | None = None):
+def _runtime(
+    tmp_path: Path,
+    gpu: dict,
+    environment: dict | None = None,
+    nodes: dict | None = None,
+    node: int = 0,
+    container: dict | None = None,
+):
     runtime = {
         "job_name": "demo.Job",
         "paths": {"data": "./data", "model": "/srv/models/base", "checkpoints": "./ckpt"},
@@ -42,8 +48,9 @@ def _runtime(tmp_path: Path, gpu: dict, environment: dict | None = None, nodes: 
 
 def _expected(tmp_path: Path, environment: dict, cuda_tag: str, gpu: bool) -> dict:
     service = {
-        "build": {"args": {"BASE_IMAGE": BASE, "CUDA_TAG": cuda_tag, "GID": "1001", "TORCH_VERSION": "2.13.0",
-                           "UID": "1000"}},
+        "build": {
+            "args": {"BASE_IMAGE": BASE, "CUDA_TAG": cuda_tag, "GID": "1001", "TORCH_VERSION": "2.13.0", "UID": "1000"}
+        },
         "cap_drop": ["ALL"],
         "environment": {
             "ASTRAI_CONFIG": "/run/astrai/train.yaml",
@@ -52,8 +59,11 @@ def _expected(tmp_path: Path, environment: dict, cuda_tag: str, gpu: bool) -> di
             **environment,
         },
         "ipc": "host",
-        "labels": {"ai.astrai.config": str(tmp_path / "train.yaml"), "ai.astrai.job": "demo.Job",
-                   "ai.astrai.node": "0"},
+        "labels": {
+            "ai.astrai.config": str(tmp_path / "train.yaml"),
+            "ai.astrai.job": "demo.Job",
+            "ai.astrai.node": "0",
+        },
         "read_only": True,
         "security_opt": ["no-new-privileges:true"],
         "stop_grace_period": "10m",
@@ -64,8 +74,12 @@ def _expected(tmp_path: Path, environment: dict, cuda_tag: str, gpu: bool) -> di
             {"read_only": True, "source": str(tmp_path / "data"), "target": "/data", "type": "bind"},
             {"read_only": True, "source": "/srv/models/base", "target": "/models/base", "type": "bind"},
             {"read_only": False, "source": str(tmp_path / "ckpt"), "target": "/checkpoints", "type": "bind"},
-            {"read_only": True, "source": str(tmp_path / "train.yaml"), "target": "/run/astrai/train.yaml",
-             "type": "bind"},
+            {
+                "read_only": True,
+                "source": str(tmp_path / "train.yaml"),
+                "target": "/run/astrai/train.yaml",
+                "type": "bind",
+            },
         ],
     }
     if gpu:
@@ -79,9 +93,14 @@ def test_cpu_override_has_no_gpu_reservation_and_hides_gpus(tmp_path):
     runtime = _runtime(tmp_path, {"devices": "none", "processes": 2})
     expected = _expected(
         tmp_path,
-        {"ASTRAI_GPU_DEVICES": "none", "ASTRAI_PARALLEL_MODE": "ddp", "ASTRAI_PROCESSES": "2",
-         "CUDA_VISIBLE_DEVICES": ""},
-        "cpu", gpu=False,
+        {
+            "ASTRAI_GPU_DEVICES": "none",
+            "ASTRAI_PARALLEL_MODE": "ddp",
+            "ASTRAI_PROCESSES": "2",
+            "CUDA_VISIBLE_DEVICES": "",
+        },
+        "cpu",
+        gpu=False,
     )
     assert compose.render_override(runtime, uid=1000, gid=1001) == expected
 
@@ -97,7 +116,8 @@ def test_listed_gpus_reserve_all_once_and_filter_with_cuda_visible_devices(tmp_p
     expected = _expected(
         tmp_path,
         {"ASTRAI_GPU_DEVICES": "0,1", "ASTRAI_PARALLEL_MODE": "ddp", "CUDA_VISIBLE_DEVICES": "0,1"},
-        "cu128", gpu=True,
+        "cu128",
+        gpu=True,
     )
     assert compose.render_override(runtime, uid=1000, gid=1001) == expected
 
@@ -170,11 +190,17 @@ def test_compose_command_names_project_and_both_files(tmp_path, monkeypatch):
     runtime = _runtime(tmp_path, {"devices": "none"})
     monkeypatch.setattr(compose, "compose_program", lambda: ("docker", "compose"))
     assert compose.compose_command(runtime, "up", "--detach", "trainer") == [
-        "docker", "compose",
-        "--project-name", compose.project_name("demo.Job"),
-        "--file", str(compose.BASE_COMPOSE_FILE),
-        "--file", str(tmp_path / "ckpt" / "demo.Job" / ".astrai" / "compose.override.yml"),
-        "up", "--detach", "trainer",
+        "docker",
+        "compose",
+        "--project-name",
+        compose.project_name("demo.Job"),
+        "--file",
+        str(compose.BASE_COMPOSE_FILE),
+        "--file",
+        str(tmp_path / "ckpt" / "demo.Job" / ".astrai" / "compose.override.yml"),
+        "up",
+        "--detach",
+        "trainer",
     ]
 
 
@@ -216,11 +242,14 @@ def test_compose_program_prefers_the_plugin_then_a_v2_standalone(tmp_path, monke
         assert program == expected
 
 
-@pytest.mark.parametrize(("plugin", "standalone", "message"), [
-    ("broken", "1.29.2", "v1 but v2 or later is needed"),
-    ("broken", None, "Compose v2 was not found"),
-    (None, None, "Compose v2 was not found"),
-])
+@pytest.mark.parametrize(
+    ("plugin", "standalone", "message"),
+    [
+        ("broken", "1.29.2", "v1 but v2 or later is needed"),
+        ("broken", None, "Compose v2 was not found"),
+        (None, None, "Compose v2 was not found"),
+    ],
+)
 def test_compose_program_explains_what_is_missing(tmp_path, monkeypatch, plugin, standalone, message):
     _fake_tools(tmp_path, monkeypatch, plugin, standalone)
     try:
@@ -238,11 +267,21 @@ def test_each_node_of_a_multi_node_job_is_its_own_project_on_the_host_network(tm
     runtime = _runtime(tmp_path, {"devices": "none"}, nodes=TWO_NODES, node=node)
     expected = _expected(
         tmp_path,
-        {"ASTRAI_GPU_DEVICES": "none", "ASTRAI_PARALLEL_MODE": "ddp", "ASTRAI_PROCESSES": "1",
-         "CUDA_VISIBLE_DEVICES": "", "ASTRAI_NODES": "2", "ASTRAI_NODE_RANK": str(node),
-         "ASTRAI_RDZV_ENDPOINT": "10.0.0.1:29500", "ASTRAI_RDZV_BACKEND": "static",
-         "ASTRAI_FAILURE_TIMEOUT_SECONDS": "60", "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"},
-        "cpu", gpu=False,
+        {
+            "ASTRAI_GPU_DEVICES": "none",
+            "ASTRAI_PARALLEL_MODE": "ddp",
+            "ASTRAI_PROCESSES": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "ASTRAI_NODES": "2",
+            "ASTRAI_NODE_RANK": str(node),
+            "ASTRAI_RDZV_ENDPOINT": "10.0.0.1:29500",
+            "ASTRAI_RDZV_BACKEND": "static",
+            "ASTRAI_FAILURE_TIMEOUT_SECONDS": "60",
+            "GLOO_SOCKET_IFNAME": "eth0",
+            "NCCL_SOCKET_IFNAME": "eth0",
+        },
+        "cpu",
+        gpu=False,
     )
     expected["name"] = f"{compose.project_name('demo.Job')}-node{node}"
     service = expected["services"]["trainer"]
@@ -253,8 +292,10 @@ def test_each_node_of_a_multi_node_job_is_its_own_project_on_the_host_network(tm
         service["volumes"] = [volume for volume in service["volumes"] if volume["target"] != "/models/base"]
     assert compose.render_override(runtime, uid=1000, gid=1001) == expected
     # The override and the timer of each node live apart, even in one shared checkpoints folder.
-    assert compose.override_path(runtime) == tmp_path / "ckpt" / "demo.Job" / ".astrai" / f"node{node}" / \
-        "compose.override.yml"
+    assert (
+        compose.override_path(runtime)
+        == tmp_path / "ckpt" / "demo.Job" / ".astrai" / f"node{node}" / "compose.override.yml"
+    )
 
 
 def test_node_projects_never_collide_with_each_other_or_a_one_host_job():
@@ -270,8 +311,30 @@ def test_max_restarts_becomes_a_restart_on_failure_policy(tmp_path):
 
 
 # Strings Compose or a YAML 1.2 reader would change if they were written raw.
-AWKWARD = ["a$b ${HOME} $$c", "${X:-default}", "$", "it's", 'say "hi"', "two  spaces", "é ü 東京", "1e-3", "yes",
-           "no", "on", "0123", "0x1F", "null", "~", "true", "12:30", "-", "#hash", "a: b", "", "line\nbreak"]
+AWKWARD = [
+    "a$b ${HOME} $$c",
+    "${X:-default}",
+    "$",
+    "it's",
+    'say "hi"',
+    "two  spaces",
+    "é ü 東京",
+    "1e-3",
+    "yes",
+    "no",
+    "on",
+    "0123",
+    "0x1F",
+    "null",
+    "~",
+    "true",
+    "12:30",
+    "-",
+    "#hash",
+    "a: b",
+    "",
+    "line\nbreak",
+]
 
 
 def _compose_reads(text: str) -> dict:
@@ -327,7 +390,7 @@ def test_every_string_scalar_is_quoted_in_the_text(tmp_path):
     text = compose.dump_override(runtime, compose.render_override(runtime, ["--max_lr", "1e-3"], uid=1, gid=1))
     for value in ("1e-3", "yes", "0123", "null"):
         assert f'"{value}"' in text
-    assert "- \"1e-3\"" in text
+    assert '- "1e-3"' in text
 
 
 def test_a_null_environment_value_is_passed_through_and_never_written(tmp_path, monkeypatch):

@@ -19,9 +19,24 @@ from astrai.runtime import resolve_runtime
 from astrai.train import main as train_main
 
 REPO = Path(__file__).resolve().parents[2]
-HOST_MODULES = ("astrai.baseimage", "astrai.board", "astrai.checkpoints", "astrai.compose", "astrai.configfile",
-                "astrai.contract", "astrai.demo", "astrai.engine", "astrai.entrypoint", "astrai.hostuser", "astrai.jobs",
-                "astrai.metrics", "astrai.preflight", "astrai.runtime", "astrai.timer", "tasks")
+HOST_MODULES = (
+    "astrai.baseimage",
+    "astrai.board",
+    "astrai.checkpoints",
+    "astrai.compose",
+    "astrai.configfile",
+    "astrai.contract",
+    "astrai.demo",
+    "astrai.engine",
+    "astrai.entrypoint",
+    "astrai.hostuser",
+    "astrai.jobs",
+    "astrai.metrics",
+    "astrai.preflight",
+    "astrai.runtime",
+    "astrai.timer",
+    "tasks",
+)
 
 
 @pytest.mark.parametrize("module", HOST_MODULES)
@@ -72,8 +87,9 @@ def test_no_module_writes_a_contract_name_out_again():
 def test_schema_allows_exactly_the_contract_parallel_modes():
     schema = json.loads((REPO / "schema" / "runtime.schema.json").read_text(encoding="utf-8"))
     text = json.dumps(schema)
-    enums = [node["enum"] for node in _walk(schema) if isinstance(node, dict) and "enum" in node
-             and "fsdp" in node["enum"]]
+    enums = [
+        node["enum"] for node in _walk(schema) if isinstance(node, dict) and "enum" in node and "fsdp" in node["enum"]
+    ]
     assert enums and all(tuple(enum) == contract.REQUESTED_PARALLEL_MODES for enum in enums), text
 
 
@@ -89,8 +105,10 @@ def _walk(node):
 
 def test_a_folder_without_rng_state_is_incomplete_for_host_and_trainer(tmp_path):
     job_dir = tmp_path / "job"
-    for step, files in ((10, contract.REQUIRED_FILES), (20, [f for f in contract.REQUIRED_FILES
-                                                             if f != contract.RNG_FILE])):
+    for step, files in (
+        (10, contract.REQUIRED_FILES),
+        (20, [f for f in contract.REQUIRED_FILES if f != contract.RNG_FILE]),
+    ):
         folder = job_dir / f"epoch_0_step_{step}"
         folder.mkdir(parents=True)
         for name in files:

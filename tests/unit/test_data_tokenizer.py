@@ -30,8 +30,21 @@ def _tokens(folder) -> list[int]:
 
 def test_prepare_with_a_tokenizer_folder_writes_its_tokens_and_records_it(tmp_path, tokenizer_dir, capsys):
     out = tmp_path / "data"
-    assert data_module.main(["prepare", "--tokenizer", str(tokenizer_dir), "--shard_tokens", "1000", "--out", str(out),
-                             *map(str, CORPUS_FILES)]) == 0
+    assert (
+        data_module.main(
+            [
+                "prepare",
+                "--tokenizer",
+                str(tokenizer_dir),
+                "--shard_tokens",
+                "1000",
+                "--out",
+                str(out),
+                *map(str, CORPUS_FILES),
+            ]
+        )
+        == 0
+    )
     assert "end of text '<|endoftext|>'" in capsys.readouterr().out
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     eos = tokenizer.token_to_id("<|endoftext|>")
@@ -71,8 +84,11 @@ def test_end_of_text_token_rules(tmp_path, tokenizer_dir):
     (folder / "tokenizer_config.json").unlink()
     assert data_module.HFTokenizer(folder, eos="<s>").end_of_text_token == "<s>"
     # ... else the one well-known end-of-text token it has; two of them are ambiguous.
-    with pytest.raises(data_module.DataError, match=r"several end-of-text candidates \(<\|endoftext\|>, </s>\); "
-                                                    r"pass --eos TOKEN, one of its special tokens: </s>, <s>, <\|endo"):
+    with pytest.raises(
+        data_module.DataError,
+        match=r"several end-of-text candidates \(<\|endoftext\|>, </s>\); "
+        r"pass --eos TOKEN, one of its special tokens: </s>, <s>, <\|endo",
+    ):
         data_module.HFTokenizer(folder)
     assert data_module.HFTokenizer(tokenizer_dir / "tokenizer.json").end_of_text_token == "<|endoftext|>"
     plain = make_tokenizer(tmp_path / "b", texts, special=("<unk>",))
@@ -87,12 +103,20 @@ def test_bad_tokenizer_paths_and_text_are_refused_clearly(tmp_path, tokenizer_di
     assert data_module.main(["prepare", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o"), corpus]) == 1
     assert "holds no tokenizer.json" in capsys.readouterr().err
     (tmp_path / "broken.json").write_text("{}")
-    assert data_module.main(["prepare", "--tokenizer", str(tmp_path / "broken.json"), "--out", str(tmp_path / "o"),
-                             corpus]) == 1
+    assert (
+        data_module.main(
+            ["prepare", "--tokenizer", str(tmp_path / "broken.json"), "--out", str(tmp_path / "o"), corpus]
+        )
+        == 1
+    )
     assert "not a tokenizers tokenizer.json" in capsys.readouterr().err
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
-    assert data_module.main(["prepare", "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "o"),
-                             str(tmp_path / "latin1.txt")]) == 1
+    assert (
+        data_module.main(
+            ["prepare", "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "o"), str(tmp_path / "latin1.txt")]
+        )
+        == 1
+    )
     assert "latin1.txt: not UTF-8 text" in capsys.readouterr().err
     assert data_module.main(["prepare", "--eos", "</s>", "--out", str(tmp_path / "o"), corpus]) == 1
     assert "--eos needs --tokenizer" in capsys.readouterr().err

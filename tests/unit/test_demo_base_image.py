@@ -17,8 +17,12 @@ def host(monkeypatch):
 
     def fake_run(command, **kwargs):
         state["pulled"].append(command[-1])
-        return subprocess.CompletedProcess(command, 0 if state["pull_ok"] else 1, "",
-                                           "" if state["pull_ok"] else "dial tcp: lookup registry: no such host")
+        return subprocess.CompletedProcess(
+            command,
+            0 if state["pull_ok"] else 1,
+            "",
+            "" if state["pull_ok"] else "dial tcp: lookup registry: no such host",
+        )
 
     monkeypatch.setattr(demo.subprocess, "run", fake_run)
     monkeypatch.setattr(baseimage, "ensure_base_image", lambda tag, log: state["built"].append(tag) or True)

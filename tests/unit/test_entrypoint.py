@@ -13,16 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from astrai.contract import REQUIRED_FILES
 from astrai import entrypoint
+from astrai.contract import REQUIRED_FILES
 from astrai.entrypoint import EntrypointError, check_mounts, plan_launch
 
 PY = "/usr/bin/python3"
 
 
 def _env(**values: str) -> dict[str, str]:
-    return {"TRAIN_JOB_NAME": "job", "ASTRAI_CONFIG": "/run/astrai/train.yaml",
-            "ASTRAI_STOP_TIMEOUT_SECONDS": "600", **values}
+    return {
+        "TRAIN_JOB_NAME": "job",
+        "ASTRAI_CONFIG": "/run/astrai/train.yaml",
+        "ASTRAI_STOP_TIMEOUT_SECONDS": "600",
+        **values,
+    }
 
 
 def _no_gpu() -> int:
@@ -30,20 +34,41 @@ def _no_gpu() -> int:
 
 
 def _trainer(mode: str, *extra: str) -> list[str]:
-    return ["-m", "astrai.train", "--config", "/run/astrai/train.yaml", "--ckpt_dir", "/checkpoints/job",
-            "--param_path", "/models/base", "--parallel_mode", mode, *extra]
+    return [
+        "-m",
+        "astrai.train",
+        "--config",
+        "/run/astrai/train.yaml",
+        "--ckpt_dir",
+        "/checkpoints/job",
+        "--param_path",
+        "/models/base",
+        "--parallel_mode",
+        mode,
+        *extra,
+    ]
 
 
 def test_two_listed_gpus_mean_ddp_with_two_processes_under_torchrun():
     plan = plan_launch(_env(ASTRAI_GPU_DEVICES="0,1", ASTRAI_PARALLEL_MODE="auto"), [], _no_gpu, python=PY)
     assert (plan.processes, plan.parallel_mode) == (2, "ddp")
-    assert plan.command == [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            "--shutdown-timeout", "600", *_trainer("ddp")]
+    assert plan.command == [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--shutdown-timeout",
+        "600",
+        *_trainer("ddp"),
+    ]
 
 
 def test_one_listed_gpu_runs_the_trainer_directly():
-    plan = plan_launch(_env(ASTRAI_GPU_DEVICES="3", ASTRAI_PARALLEL_MODE="auto"), ["--max_steps", "9"], _no_gpu,
-                       python=PY)
+    plan = plan_launch(
+        _env(ASTRAI_GPU_DEVICES="3", ASTRAI_PARALLEL_MODE="auto"), ["--max_steps", "9"], _no_gpu, python=PY
+    )
     assert (plan.processes, plan.parallel_mode) == (1, "none")
     assert plan.command == [PY, *_trainer("none", "--max_steps", "9")]
 
@@ -60,25 +85,31 @@ def test_all_gpus_with_none_visible_fails_clearly():
 
 
 def test_cpu_mode_takes_the_process_count_from_the_runtime_block():
-    plan = plan_launch(_env(ASTRAI_GPU_DEVICES="none", ASTRAI_PROCESSES="2", ASTRAI_PARALLEL_MODE="auto"), [],
-                       _no_gpu, python=PY)
+    plan = plan_launch(
+        _env(ASTRAI_GPU_DEVICES="none", ASTRAI_PROCESSES="2", ASTRAI_PARALLEL_MODE="auto"), [], _no_gpu, python=PY
+    )
     assert (plan.processes, plan.parallel_mode) == (2, "ddp")
 
 
 def test_shutdown_timeout_follows_the_stop_timeout_with_a_floor():
-    plan = plan_launch(_env(ASTRAI_GPU_DEVICES="none", ASTRAI_PROCESSES="2", ASTRAI_STOP_TIMEOUT_SECONDS="5"), [],
-                       _no_gpu)
+    plan = plan_launch(
+        _env(ASTRAI_GPU_DEVICES="none", ASTRAI_PROCESSES="2", ASTRAI_STOP_TIMEOUT_SECONDS="5"), [], _no_gpu
+    )
     assert plan.command[plan.command.index("--shutdown-timeout") + 1] == "30"
-    plan = plan_launch(_env(ASTRAI_GPU_DEVICES="none", ASTRAI_PROCESSES="2", ASTRAI_STOP_TIMEOUT_SECONDS="900"), [],
-                       _no_gpu)
+    plan = plan_launch(
+        _env(ASTRAI_GPU_DEVICES="none", ASTRAI_PROCESSES="2", ASTRAI_STOP_TIMEOUT_SECONDS="900"), [], _no_gpu
+    )
     assert plan.command[plan.command.index("--shutdown-timeout") + 1] == "900"
 
 
-@pytest.mark.parametrize(("devices", "mode", "message"), [
-    ("0", "ddp", r"ddp needs 2 or more processes, but 1 was requested"),
-    ("0,1", "none", r"none needs exactly 1 process, but 2 were requested"),
-    ("0", "fsdp", r"fsdp needs 2 or more"),
-])
+@pytest.mark.parametrize(
+    ("devices", "mode", "message"),
+    [
+        ("0", "ddp", r"ddp needs 2 or more processes, but 1 was requested"),
+        ("0,1", "none", r"none needs exactly 1 process, but 2 were requested"),
+        ("0", "fsdp", r"fsdp needs 2 or more"),
+    ],
+)
 def test_parallel_mode_rules_are_checked_in_the_container_too(devices, mode, message):
     with pytest.raises(EntrypointError, match=message):
         plan_launch(_env(ASTRAI_GPU_DEVICES=devices, ASTRAI_PARALLEL_MODE=mode), [], _no_gpu)
@@ -146,8 +177,13 @@ def test_print_plan_prints_json_without_checking_mounts(monkeypatch, capsys):
 
 def test_errors_exit_2_with_a_message_and_no_traceback():
     env = {**os.environ, **_env(ASTRAI_GPU_DEVICES="0", ASTRAI_PARALLEL_MODE="ddp")}
-    result = subprocess.run([sys.executable, "-m", "astrai.entrypoint"], env=env, capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[2])
+    result = subprocess.run(
+        [sys.executable, "-m", "astrai.entrypoint"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert result.returncode == 2
     assert "runtime.gpu.parallel_mode: ddp needs 2 or more processes" in result.stderr
     assert "Traceback" not in result.stderr
@@ -232,8 +268,14 @@ def test_a_stop_before_the_workers_can_catch_it_waits_for_them(tmp_path):
 
 
 def _node_env(node: int, backend: str) -> dict[str, str]:
-    return _env(ASTRAI_GPU_DEVICES="none", ASTRAI_PROCESSES="1", ASTRAI_NODES="2", ASTRAI_NODE_RANK=str(node),
-                ASTRAI_RDZV_ENDPOINT="10.0.0.1:29500", ASTRAI_RDZV_BACKEND=backend)
+    return _env(
+        ASTRAI_GPU_DEVICES="none",
+        ASTRAI_PROCESSES="1",
+        ASTRAI_NODES="2",
+        ASTRAI_NODE_RANK=str(node),
+        ASTRAI_RDZV_ENDPOINT="10.0.0.1:29500",
+        ASTRAI_RDZV_BACKEND=backend,
+    )
 
 
 @pytest.mark.parametrize("node", [0, 1])
@@ -241,10 +283,25 @@ def test_static_rendezvous_gives_each_node_its_rank(node):
     plan = plan_launch(_node_env(node, "static"), [], _no_gpu, python=PY)
     assert (plan.nodes, plan.node, plan.processes, plan.parallel_mode) == (2, node, 1, "ddp")
     assert plan.command == [
-        PY, "-m", "torch.distributed.run",
-        "--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "10.0.0.1:29500", "--rdzv-id", "astrai-job",
-        "--node-rank", str(node),
-        "--nproc-per-node", "1", "--max-restarts", "0", "--shutdown-timeout", "600",
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "static",
+        "--rdzv-endpoint",
+        "10.0.0.1:29500",
+        "--rdzv-id",
+        "astrai-job",
+        "--node-rank",
+        str(node),
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "0",
+        "--shutdown-timeout",
+        "600",
         *_trainer("ddp"),
     ]
 
@@ -253,10 +310,25 @@ def test_static_rendezvous_gives_each_node_its_rank(node):
 def test_c10d_rendezvous_is_hosted_by_node_0_under_an_id_from_the_job_name(node):
     plan = plan_launch(_node_env(node, "c10d"), [], _no_gpu, python=PY)
     assert plan.command == [
-        PY, "-m", "torch.distributed.run",
-        "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:29500", "--rdzv-id", "astrai-job",
-        "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}",
-        "--nproc-per-node", "1", "--max-restarts", "0", "--shutdown-timeout", "600",
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "10.0.0.1:29500",
+        "--rdzv-id",
+        "astrai-job",
+        "--rdzv-conf",
+        f"is_host={'true' if node == 0 else 'false'}",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "0",
+        "--shutdown-timeout",
+        "600",
         *_trainer("ddp"),
     ]
 

@@ -17,10 +17,12 @@ SHAPES = [(1, 1), (2, 17), (3, 48)]
 
 MODELS = {
     "mha-tied-fp32": dict(tie=True),
-    "gqa-llama3-headdim-sharded": dict(heads=8, kv_heads=2, head_dim=24, rope=ROPE_LLAMA3, rope_theta=500000.0,
-                                       shard_size="60KB"),
-    "mqa-linear-bf16-sharded": dict(heads=4, kv_heads=1, rope={"rope_type": "linear", "factor": 2.0},
-                                    dtype=torch.bfloat16, shard_size="40KB"),
+    "gqa-llama3-headdim-sharded": dict(
+        heads=8, kv_heads=2, head_dim=24, rope=ROPE_LLAMA3, rope_theta=500000.0, shard_size="60KB"
+    ),
+    "mqa-linear-bf16-sharded": dict(
+        heads=4, kv_heads=1, rope={"rope_type": "linear", "factor": 2.0}, dtype=torch.bfloat16, shard_size="40KB"
+    ),
     "gqa-tied-fp16": dict(hidden_size=96, heads=6, kv_heads=3, tie=True, dtype=torch.float16),
     "mistral-window": dict(model_type="mistral", heads=4, kv_heads=2, sliding_window=64),
 }
@@ -64,8 +66,16 @@ def test_transformers_4_config_form_gives_the_same_model(tmp_path, kind_key):
 def test_our_folders_load_in_transformers_with_every_key_and_the_same_logits(tmp_path, tie, sliding_window):
     from transformers import AutoModelForCausalLM
 
-    config = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128,
-                         tie_embeddings=tie, sliding_window=sliding_window)
+    config = ModelConfig(
+        vocab_size=300,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden_dim=128,
+        tie_embeddings=tie,
+        sliding_window=sliding_window,
+    )
     write_base_model(tmp_path, config, seed=3)
     hf, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert type(hf).__name__ == ("MistralForCausalLM" if sliding_window else "LlamaForCausalLM")
@@ -84,10 +94,23 @@ def test_folders_from_before_the_hf_format_still_load(tmp_path):
     old = tmp_path / "old"
     old.mkdir()
     names = {hf_name(name): name for name in load_pretrained(tmp_path / "new").state_dict()}
-    save_file({names[k]: v for k, v in load_file(tmp_path / "new" / "model.safetensors").items()},
-              old / "model.safetensors", metadata={"format": "pt"})
-    fields = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len",
-              "rope_theta", "norm_eps", "tie_embeddings")
+    save_file(
+        {names[k]: v for k, v in load_file(tmp_path / "new" / "model.safetensors").items()},
+        old / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    fields = (
+        "vocab_size",
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "ffn_hidden_dim",
+        "max_seq_len",
+        "rope_theta",
+        "norm_eps",
+        "tie_embeddings",
+    )
     (old / "config.json").write_text(json.dumps({f: getattr(PRESETS["tiny"], f) for f in fields}))
     tokens = _tokens(1, 20)
     with torch.no_grad():
@@ -120,12 +143,18 @@ def _edit_config(folder, **changes):
     ("changes", "message"),
     [
         (dict(model_type="gpt2"), "model_type 'gpt2' is not supported; expected one of llama, mistral"),
-        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
-         "rope_parameters.rope_type 'yarn' is not supported"),
-        (dict(rope_parameters=None, rope_theta=1e4, rope_scaling={"type": "dynamic", "factor": 2.0}),
-         "rope_scaling.type 'dynamic' is not supported"),
-        (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
-         "rope_parameters.low_freq_factor None: llama3 scaling needs a positive number"),
+        (
+            dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+            "rope_parameters.rope_type 'yarn' is not supported",
+        ),
+        (
+            dict(rope_parameters=None, rope_theta=1e4, rope_scaling={"type": "dynamic", "factor": 2.0}),
+            "rope_scaling.type 'dynamic' is not supported",
+        ),
+        (
+            dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
+            "rope_parameters.low_freq_factor None: llama3 scaling needs a positive number",
+        ),
         (dict(attention_bias=True), "attention_bias true is not supported"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
         (dict(num_key_value_heads=3), "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),

@@ -35,15 +35,28 @@ def hf_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_data")
     texts = [path.read_text() for path in CORPUS_FILES]
     tokenizer = make_tokenizer(root / "tokenizer", texts, vocab_size=VOCAB, eos_in_config="<|endoftext|>")
-    assert data_module.main(["prepare", "--tokenizer", str(tokenizer), "--out", str(root / "data"),
-                             *map(str, CORPUS_FILES)]) == 0
+    assert (
+        data_module.main(
+            ["prepare", "--tokenizer", str(tokenizer), "--out", str(root / "data"), *map(str, CORPUS_FILES)]
+        )
+        == 0
+    )
     return tokenizer, root / "data"
 
 
 def _base_model(folder: Path, sharded: bool) -> Path:
-    return make_hf_model(folder, vocab_size=VOCAB, hidden_size=64, layers=2, heads=4, kv_heads=2,
-                         rope=ROPE_LLAMA3, dtype=torch.bfloat16, tie=not sharded,
-                         shard_size="100KB" if sharded else None)
+    return make_hf_model(
+        folder,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        rope=ROPE_LLAMA3,
+        dtype=torch.bfloat16,
+        tie=not sharded,
+        shard_size="100KB" if sharded else None,
+    )
 
 
 def _write_yaml(path: Path, **keys) -> Path:
@@ -61,8 +74,13 @@ def _env(tmp_path: Path) -> dict:
 def _run(config: Path, tmp_path: Path, stop_at_step: int | None = None) -> str:
     log = tmp_path / f"run-{time.monotonic_ns()}.log"
     with open(log, "wb") as handle:
-        proc = subprocess.Popen([*TRAINER, "--config", str(config)], stdout=handle, stderr=subprocess.STDOUT,
-                                env=_env(tmp_path), start_new_session=True)
+        proc = subprocess.Popen(
+            [*TRAINER, "--config", str(config)],
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            env=_env(tmp_path),
+            start_new_session=True,
+        )
     try:
         if stop_at_step is not None:
             metrics = Path(yaml.safe_load(config.read_text())["ckpt"]["ckpt_dir"]) / "metrics.jsonl"
@@ -104,7 +122,8 @@ def test_a_run_from_a_hf_folder_stops_resumes_exactly_and_its_checkpoints_load_i
     final = latest_complete_checkpoint(tmp_path / "ckpt")
     assert final.step == 150
     assert (final.path / "model.safetensors").read_bytes() == (
-        latest_complete_checkpoint(tmp_path / "ref").path / "model.safetensors").read_bytes()
+        latest_complete_checkpoint(tmp_path / "ref").path / "model.safetensors"
+    ).read_bytes()
 
     tokenizer_json = (tokenizer_dir / "tokenizer.json").read_bytes()
     for checkpoint in list_complete_checkpoints(tmp_path / "ckpt"):
@@ -127,8 +146,9 @@ def test_the_trainer_refuses_bad_base_models_naming_the_key_or_file(tmp_path, hf
 
     _, data_dir = hf_data
     base = _base_model(tmp_path / "base", sharded=True)
-    config = _write_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), data_root_path=str(data_dir),
-                         param_path=str(base))
+    config = _write_yaml(
+        tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), data_root_path=str(data_dir), param_path=str(base)
+    )
     index = json.loads((base / "model.safetensors.index.json").read_text())
     shard = sorted(set(index["weight_map"].values()))[0]
     cases = [
@@ -153,8 +173,9 @@ def test_a_sliding_window_shorter_than_the_training_window_is_refused(tmp_path, 
 
     _, data_dir = hf_data
     base = make_hf_model(tmp_path / "base", model_type="mistral", vocab_size=VOCAB, sliding_window=16)
-    config = _write_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), data_root_path=str(data_dir),
-                         param_path=str(base))
+    config = _write_yaml(
+        tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), data_root_path=str(data_dir), param_path=str(base)
+    )
     assert main(["--config", str(config)]) == 1
     assert "sliding_window 16 is shorter than data.window_size 32" in capsys.readouterr().err
 
@@ -166,9 +187,13 @@ def _edit(path: Path, **changes) -> None:
 
 
 def _preflight_line(tmp_path: Path, model: Path) -> preflight.Check:
-    document = {"runtime": {"job_name": "pf", "gpu": {"devices": "none"},
-                            "paths": {"data": str(tmp_path / "data"), "model": str(model),
-                                      "checkpoints": str(tmp_path / "ckpts")}}}
+    document = {
+        "runtime": {
+            "job_name": "pf",
+            "gpu": {"devices": "none"},
+            "paths": {"data": str(tmp_path / "data"), "model": str(model), "checkpoints": str(tmp_path / "ckpts")},
+        }
+    }
     path = tmp_path / "train.yaml"
     path.write_text(yaml.safe_dump(document))
     return preflight._base_model_check(resolve_runtime(path), document)
@@ -180,8 +205,10 @@ def test_preflight_says_what_base_model_it_found_and_refuses_bad_ones(tmp_path):
     assert check.mark == preflight.PASS
     # 2 * 300 * 64 (embedding, output) + 2 * (2 * 64 * 64 + 2 * 16 * 64 + 3 * 64 * 160 + 2 * 64) + 64 (final norm)
     shards = sorted(set(json.loads((base / "model.safetensors.index.json").read_text())["weight_map"].values()))
-    assert f"llama (2 layers, dim 64, vocab 300, GQA 8/2), 120.64K parameters, bfloat16, {len(shards)} shards" \
+    assert (
+        f"llama (2 layers, dim 64, vocab 300, GQA 8/2), 120.64K parameters, bfloat16, {len(shards)} shards"
         in check.detail
+    )
 
     _edit(base / "config.json", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
     check = _preflight_line(tmp_path, base)

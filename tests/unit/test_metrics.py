@@ -28,8 +28,9 @@ def event_scalars(folder, tag: str, purge: bool = True) -> list[tuple[int, float
 
 
 def test_flops_per_token_matches_a_hand_count():
-    config = ModelConfig(vocab_size=10, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden_dim=16,
-                         max_seq_len=4, tie_embeddings=True)
+    config = ModelConfig(
+        vocab_size=10, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden_dim=16, max_seq_len=4, tie_embeddings=True
+    )
     # Per layer: wq 8x8 = 64, wk and wv 8x4 = 32 each, wo 8x8 = 64, SwiGLU 3 x 8x16 = 384 -> 576;
     # two layers 1152, plus the (tied) output head 10x8 = 80 -> N = 1232, and 6N = 7392.
     # Attention: 12 * layers(2) * heads(2) * head_dim(4) * seq(4) = 768.
@@ -39,18 +40,37 @@ def test_flops_per_token_matches_a_hand_count():
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_matmul_params_are_the_real_models_matrices(tied):
-    config = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden_dim=48,
-                         max_seq_len=16, tie_embeddings=tied)
+    config = ModelConfig(
+        vocab_size=64,
+        dim=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden_dim=48,
+        max_seq_len=16,
+        tie_embeddings=tied,
+    )
     matrices = sum(p.numel() for p in Transformer(config).parameters() if p.dim() >= 2)
     lookup_only = 0 if tied else config.vocab_size * config.dim  # an untied input embedding is a lookup
     assert metrics.matmul_params(config) == matrices - lookup_only
 
 
-@pytest.mark.parametrize(("name", "peak"), [
-    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0), ("NVIDIA H100 80GB HBM3", 989.0),
-    ("NVIDIA H100 PCIe", 756.0), ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0), ("NVIDIA A10", 125.0),
-    ("NVIDIA GeForce RTX 4090", 165.0), ("NVIDIA A10G", None), ("Tesla T4", None), (None, None),
-])
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA L40S", 362.0),
+        ("NVIDIA L4", 121.0),
+        ("NVIDIA A10", 125.0),
+        ("NVIDIA GeForce RTX 4090", 165.0),
+        ("NVIDIA A10G", None),
+        ("Tesla T4", None),
+        (None, None),
+    ],
+)
 def test_peak_table_matches_whole_model_names_only(name, peak):
     assert metrics.peak_tflops(name) == peak
 
@@ -65,7 +85,7 @@ def test_mfu_is_n_a_without_a_peak_and_the_override_wins():
 def test_step_clock_leaves_pauses_and_excluded_steps_out():
     clock = metrics.StepClock(now=100.0)
     clock.pause(4.0, steps=1)  # a slow first step
-    clock.pause(2.0)           # a checkpoint
+    clock.pause(2.0)  # a checkpoint
     assert clock.lap(now=110.0, steps=10) == (4.0, 9)
     assert clock.lap(now=112.0, steps=10) == (2.0, 10)
     # Moving average over both intervals, weighted by steps: 6 s over 19 steps.
@@ -83,9 +103,14 @@ def test_sparkline_draws_the_curve_in_blocks():
 
 def test_read_records_takes_the_last_record_of_a_step_and_drops_work_lost_in_a_crash(tmp_path):
     path = tmp_path / METRICS_FILE
-    lines = [{"step": 10, "loss": 5.0}, {"step": 20, "loss": 4.0}, {"step": 30, "loss": 3.5}, "not json",
-             # a crash after step 30, resumed from a checkpoint at step 10: 20 is logged again, 30 is gone
-             {"step": 20, "loss": 3.9}]
+    lines = [
+        {"step": 10, "loss": 5.0},
+        {"step": 20, "loss": 4.0},
+        {"step": 30, "loss": 3.5},
+        "not json",
+        # a crash after step 30, resumed from a checkpoint at step 10: 20 is logged again, 30 is gone
+        {"step": 20, "loss": 3.9},
+    ]
     path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
     assert [(r["step"], r["loss"]) for r in metrics.read_records(path)] == [(10, 5.0), (20, 3.9)]
     assert metrics.read_records(tmp_path / "missing.jsonl") == []
@@ -135,8 +160,9 @@ def test_validation_windows_are_never_trained_on(corpus_data):
 def test_tokens_per_s_leaves_checkpoint_pauses_out(tmp_path, train_yaml, one_thread, monkeypatch):
     import time
 
-    path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), max_steps=30, ckpt_interval=1,
-                      log_interval=10)
+    path = train_yaml(
+        tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), max_steps=30, ckpt_interval=1, log_interval=10
+    )
     trainer = _trainer(path)
     save = trainer.checkpointer.save
 
@@ -157,8 +183,7 @@ def test_tokens_per_s_leaves_checkpoint_pauses_out(tmp_path, train_yaml, one_thr
         assert after["tokens_per_s"] > 2 * wall_clock_rate, records
 
 
-def test_without_tensorboard_training_goes_on_and_says_so_once(tmp_path, train_yaml, one_thread, monkeypatch,
-                                                               capsys):
+def test_without_tensorboard_training_goes_on_and_says_so_once(tmp_path, train_yaml, one_thread, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
     path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), max_steps=20)
     trainer = _trainer(path)

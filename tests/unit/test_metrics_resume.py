@@ -24,11 +24,13 @@ def _logged_step(job) -> int:
     return records[-1]["step"] if records else 0
 
 
-def test_killed_twice_and_stopped_logs_each_step_once_with_the_uninterrupted_values(tmp_path, train_yaml,
-                                                                                     trainer_env):
+def test_killed_twice_and_stopped_logs_each_step_once_with_the_uninterrupted_values(tmp_path, train_yaml, trainer_env):
     reference_job, job = tmp_path / "reference", tmp_path / "job"
-    reference = Run([*TRAINER, "--config", str(train_yaml(tmp_path / "ref.yaml", ckpt_dir=str(reference_job), **RUN))],
-                    trainer_env, tmp_path / "reference.log")
+    reference = Run(
+        [*TRAINER, "--config", str(train_yaml(tmp_path / "ref.yaml", ckpt_dir=str(reference_job), **RUN))],
+        trainer_env,
+        tmp_path / "reference.log",
+    )
     assert reference.wait() == 0, reference.output()
 
     config = str(train_yaml(tmp_path / "train.yaml", ckpt_dir=str(job), **RUN))
@@ -62,8 +64,11 @@ def test_killed_twice_and_stopped_logs_each_step_once_with_the_uninterrupted_val
     # Exact resume: the same losses as the uninterrupted run, except at the first report after the stop, which
     # averages fewer steps (those since the stop's own report).
     after_stop = {-(-step // 10) * 10 for step in stopped_at}
-    expected = {step: value for step, value in event_scalars(reference_job / TENSORBOARD_DIR, TAG_TRAIN_LOSS)
-                if step not in after_stop}
+    expected = {
+        step: value
+        for step, value in event_scalars(reference_job / TENSORBOARD_DIR, TAG_TRAIN_LOSS)
+        if step not in after_stop
+    }
     assert {step: value for step, value in losses if step % 10 == 0 and step not in after_stop} == expected
     val = event_scalars(events, TAG_VAL_LOSS)
     assert [step for step, _ in val] == [20, 40, 60, 80, 100, 120]

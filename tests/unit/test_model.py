@@ -12,7 +12,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from astrai import model as model_module
-from astrai.model import PRESETS, ModelConfig, ModelLoadError, Transformer, load_base_model, num_parameters, write_base_model
+from astrai.model import (
+    PRESETS,
+    ModelConfig,
+    ModelLoadError,
+    Transformer,
+    load_base_model,
+    num_parameters,
+    write_base_model,
+)
 
 
 def test_presets_have_the_advertised_sizes():

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from test_train_resume import TRAINER, Run, _metrics_step, _wait_for
 
 from astrai.checkpoints import latest_complete_checkpoint, list_complete_checkpoints, read_meta
-from test_train_resume import TRAINER, Run, _metrics_step, _wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -35,16 +35,40 @@ def _records(ckpt_dir: Path) -> dict[int, dict]:
 
 
 def _node_command(node: int, port: int, backend: str = "static") -> list[str]:
-    rendezvous = ["--node-rank", str(node)] if backend == "static" else \
-        ["--rdzv-id", "test", "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}"]
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-            "--rdzv-backend", backend, "--rdzv-endpoint", f"127.0.0.1:{port}", *rendezvous,
-            "--max-restarts", "0", "-m", "astrai.train", "--parallel_mode", "ddp"]
+    rendezvous = (
+        ["--node-rank", str(node)]
+        if backend == "static"
+        else ["--rdzv-id", "test", "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}"]
+    )
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        *rendezvous,
+        "--max-restarts",
+        "0",
+        "-m",
+        "astrai.train",
+        "--parallel_mode",
+        "ddp",
+    ]
 
 
 def _node_env(trainer_env: dict, node: int, timeout: int = 10) -> dict:
-    return {**trainer_env, "ASTRAI_NODE_RANK": str(node), "ASTRAI_FAILURE_TIMEOUT_SECONDS": str(timeout),
-            "GLOO_SOCKET_IFNAME": "lo"}
+    return {
+        **trainer_env,
+        "ASTRAI_NODE_RANK": str(node),
+        "ASTRAI_FAILURE_TIMEOUT_SECONDS": str(timeout),
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
 
 
 def test_a_resume_on_another_world_size_trains_the_same_steps(tmp_path, train_yaml, trainer_env):
@@ -56,8 +80,20 @@ def test_a_resume_on_another_world_size_trains_the_same_steps(tmp_path, train_ya
 
     # Two processes (grad_accum_steps 1), stopped after a few steps, then one process (grad_accum_steps 2).
     path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(resumed_dir), **keys)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "astrai.train", "--config", str(path), "--parallel_mode", "ddp"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "astrai.train",
+        "--config",
+        str(path),
+        "--parallel_mode",
+        "ddp",
+    ]
     run = Run(command, trainer_env, tmp_path / "two.log")
     try:
         _wait_for(lambda: _metrics_step(resumed_dir) >= 10, run)
@@ -82,8 +118,22 @@ def test_a_resume_on_another_world_size_trains_the_same_steps(tmp_path, train_ya
 
 def test_without_global_batch_size_a_new_world_size_is_named_at_resume(tmp_path, train_yaml, trainer_env):
     path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), max_steps=8, ckpt_interval=4)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "astrai.train", "--config", str(path), "--parallel_mode", "ddp", "--max_steps", "4"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "astrai.train",
+        "--config",
+        str(path),
+        "--parallel_mode",
+        "ddp",
+        "--max_steps",
+        "4",
+    ]
     run = Run(command, trainer_env, tmp_path / "two.log")
     assert run.wait() == 0, run.output()
     run = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "one.log")
@@ -92,13 +142,19 @@ def test_without_global_batch_size_a_new_world_size_is_named_at_resume(tmp_path,
 
 
 def test_two_nodes_need_checkpoints_and_model_on_node_0_only_and_survive_no_lost_node(
-        tmp_path, train_yaml, trainer_env):
+    tmp_path, train_yaml, trainer_env
+):
     port = _free_port()
     ckpt_dir = tmp_path / "ckpt"
     node0 = train_yaml(tmp_path / "node0.yaml", ckpt_dir=str(ckpt_dir), max_steps=200, log_interval=5)
     # Node 1 has neither the checkpoint folder nor the base model.
-    node1 = train_yaml(tmp_path / "node1.yaml", ckpt_dir=str(tmp_path / "absent"), max_steps=200,
-                       param_path=str(tmp_path / "no-model"), log_interval=5)
+    node1 = train_yaml(
+        tmp_path / "node1.yaml",
+        ckpt_dir=str(tmp_path / "absent"),
+        max_steps=200,
+        param_path=str(tmp_path / "no-model"),
+        log_interval=5,
+    )
     runs = [Run([*_node_command(0, port), "--config", str(node0)], _node_env(trainer_env, 0), tmp_path / "n0.log")]
     runs.append(Run([*_node_command(1, port), "--config", str(node1)], _node_env(trainer_env, 1), tmp_path / "n1.log"))
     try:
@@ -120,8 +176,14 @@ def test_two_nodes_need_checkpoints_and_model_on_node_0_only_and_survive_no_lost
     # Both started again: node 0 resumes and sends the checkpoint to node 1, which still has none.
     port = _free_port()
     finish = ["--max_steps", "40"]
-    runs = [Run([*_node_command(node, port), "--config", str(config), *finish], _node_env(trainer_env, node),
-                tmp_path / f"again{node}.log") for node, config in ((0, node0), (1, node1))]
+    runs = [
+        Run(
+            [*_node_command(node, port), "--config", str(config), *finish],
+            _node_env(trainer_env, node),
+            tmp_path / f"again{node}.log",
+        )
+        for node, config in ((0, node0), (1, node1))
+    ]
     codes = [run.wait(timeout=300) for run in runs]
     assert codes == [0, 0], runs[0].output() + runs[1].output()
     assert "resumed from" in runs[0].output() and latest_complete_checkpoint(ckpt_dir).step == 40
@@ -134,8 +196,14 @@ def test_a_stop_on_node_1_stops_both_nodes_with_one_emergency_checkpoint(tmp_pat
     ckpt_dir = tmp_path / "ckpt"
     path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(ckpt_dir), max_steps=200, log_interval=5)
     # Node 1 starts first: nodes may start in any order.
-    runs = {node: Run([*_node_command(node, port, backend), "--config", str(path)], _node_env(trainer_env, node),
-                      tmp_path / f"n{node}.log") for node in (1, 0)}
+    runs = {
+        node: Run(
+            [*_node_command(node, port, backend), "--config", str(path)],
+            _node_env(trainer_env, node),
+            tmp_path / f"n{node}.log",
+        )
+        for node in (1, 0)
+    }
     try:
         _wait_for(lambda: _metrics_step(ckpt_dir) >= 20, runs[0], timeout=180)
         (worker,) = runs[1].workers().values()
@@ -156,8 +224,11 @@ def test_state_travels_as_a_skeleton_and_tensors_in_order():
     from astrai.checkpoint_io import Progress
     from astrai.distributed import _fill_tensors, _slots, _strip_tensors
 
-    state = {"progress": Progress(step=3), "weights": {"a": torch.arange(6).view(2, 3), "b": torch.ones(2)},
-             "optimizer": {"state": {"a": {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1}]}}
+    state = {
+        "progress": Progress(step=3),
+        "weights": {"a": torch.arange(6).view(2, 3), "b": torch.ones(2)},
+        "optimizer": {"state": {"a": {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1}]},
+    }
     tensors: list = []
     skeleton = _strip_tensors(state, tensors)
     assert [slot.shape for slot in _slots(skeleton)] == [(2, 3), (2,), ()]

@@ -15,8 +15,9 @@ def _runtime(tmp_path, node: int, rendezvous: str, interface: str | None = None)
     if interface is not None:
         nodes["network_interface"] = interface
     path = tmp_path / "train.yaml"
-    path.write_text(yaml.safe_dump({"runtime": {"gpu": {"devices": "none"}, "container": {"cuda_tag": "cpu"},
-                                                "nodes": nodes}}))
+    path.write_text(
+        yaml.safe_dump({"runtime": {"gpu": {"devices": "none"}, "container": {"cuda_tag": "cpu"}, "nodes": nodes}})
+    )
     return resolve_runtime(path, node)
 
 
@@ -37,7 +38,10 @@ def test_node_0_needs_its_port_free(tmp_path):
     port = _free_port()
     checks = preflight.node_checks(_runtime(tmp_path, 0, f"localhost:{port}", "lo"))
     assert [(c.mark, c.name) for c in checks] == [
-        (preflight.PASS, "rendezvous"), (preflight.PASS, "network interface"), (preflight.PASS, "rendezvous port")]
+        (preflight.PASS, "rendezvous"),
+        (preflight.PASS, "network interface"),
+        (preflight.PASS, "rendezvous port"),
+    ]
     with _listening() as server:
         busy = server.getsockname()[1]
         (*_, port_check) = preflight.node_checks(_runtime(tmp_path, 0, f"127.0.0.1:{busy}"))
@@ -70,5 +74,7 @@ def test_other_nodes_need_no_base_model(tmp_path):
 def test_status_names_the_node_and_the_world_size(tmp_path, monkeypatch):
     monkeypatch.setattr(jobs, "job_container", lambda runtime: None)
     lines = jobs.status_lines(_runtime(tmp_path, 1, "10.0.0.1:29500"))
-    assert "node        1 of 2, world size 2 (1 process(es) on each of 2 node(s)); rendezvous 10.0.0.1:29500 " \
-           "(static)" in lines
+    assert (
+        "node        1 of 2, world size 2 (1 process(es) on each of 2 node(s)); rendezvous 10.0.0.1:29500 "
+        "(static)" in lines
+    )

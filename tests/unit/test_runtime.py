@@ -15,14 +15,15 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from runtime_cases import MALFORMED, SEED, SEED_YAML, mutated
 
 from astrai import runtime as rt
 from astrai.configfile import ConfigError, load_yaml
 from astrai.contract import TORCH_CUDA_TAGS
 from astrai.runtime import SchemaError, load_job_config, parse_duration, resolve_runtime
-from runtime_cases import MALFORMED, SEED, SEED_YAML, mutated
 
 REPO = Path(__file__).resolve().parents[2]
+
 
 def _write(folder: Path, text: str, name: str = "train.yaml") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
@@ -51,23 +52,39 @@ def test_malformed_runtime_names_the_key(tmp_path, changes, key, text):
 
 
 def test_every_problem_is_reported_at_once_sorted_by_path(tmp_path):
-    doc = mutated({
-        "runtime.job_name": "-x", "runtime.gpu.devices": [0], "runtime.gpu.parallel_mode": "ddp",
-        "runtime.container.ipc": "hots", "runtime.container.stop_timout_seconds": 1,
-        "runtime.environment": {"ASTRAI_X": "1"}, "trainig": {},
-    })
+    doc = mutated(
+        {
+            "runtime.job_name": "-x",
+            "runtime.gpu.devices": [0],
+            "runtime.gpu.parallel_mode": "ddp",
+            "runtime.container.ipc": "hots",
+            "runtime.container.stop_timout_seconds": 1,
+            "runtime.environment": {"ASTRAI_X": "1"},
+            "trainig": {},
+        }
+    )
     path, messages = _rejection(tmp_path, doc)
-    keys = [line[len(f"{path}: "):].split(": ", 1)[0] for line in messages]
+    keys = [line[len(f"{path}: ") :].split(": ", 1)[0] for line in messages]
     assert keys == [
-        "runtime.container.ipc", "runtime.container.stop_timout_seconds", "runtime.environment.ASTRAI_X",
-        "runtime.gpu.parallel_mode", "runtime.job_name", "trainig",
+        "runtime.container.ipc",
+        "runtime.container.stop_timout_seconds",
+        "runtime.environment.ASTRAI_X",
+        "runtime.gpu.parallel_mode",
+        "runtime.job_name",
+        "trainig",
     ]
     assert str(ConfigError(messages)) == "\n".join(messages)
 
 
 def test_rules_skip_keys_that_failed_the_schema(tmp_path):
-    doc = mutated({"runtime.gpu.devices": "al", "runtime.gpu.parallel_mode": "ddp",
-                    "runtime.container.stop_grace_period": "soon", "runtime.container.cuda_tag": "cpu"})
+    doc = mutated(
+        {
+            "runtime.gpu.devices": "al",
+            "runtime.gpu.parallel_mode": "ddp",
+            "runtime.container.stop_grace_period": "soon",
+            "runtime.container.cuda_tag": "cpu",
+        }
+    )
     path, messages = _rejection(tmp_path, doc)
     assert [line.split(": ")[1] for line in messages] == ["runtime.container.stop_grace_period", "runtime.gpu.devices"]
 
@@ -144,11 +161,25 @@ def test_seed_block_resolves(tmp_path):
     path = _write(tmp_path, SEED_YAML)
     assert rt.validate_config(yaml.safe_load(SEED_YAML), path) == []
     assert resolve_runtime(path) == rt.Runtime(
-        config_path=path, job_name="astrai-train", data_dir=tmp_path / "data", model_dir=tmp_path / "params",
-        checkpoints_dir=tmp_path / "checkpoints", job_dir=tmp_path / "checkpoints" / "astrai-train",
-        devices="all", processes=None, parallel_mode="auto", cuda_visible_devices=None, cuda_tag="cu128",
-        base_image=None, ipc="host", stop_grace_period="10m", stop_grace_seconds=600, stop_timeout_seconds=600,
-        checkpoint_keep_last=5, max_duration_hours=12.0, environment={"NCCL_P2P_DISABLE": "1"},
+        config_path=path,
+        job_name="astrai-train",
+        data_dir=tmp_path / "data",
+        model_dir=tmp_path / "params",
+        checkpoints_dir=tmp_path / "checkpoints",
+        job_dir=tmp_path / "checkpoints" / "astrai-train",
+        devices="all",
+        processes=None,
+        parallel_mode="auto",
+        cuda_visible_devices=None,
+        cuda_tag="cu128",
+        base_image=None,
+        ipc="host",
+        stop_grace_period="10m",
+        stop_grace_seconds=600,
+        stop_timeout_seconds=600,
+        checkpoint_keep_last=5,
+        max_duration_hours=12.0,
+        environment={"NCCL_P2P_DISABLE": "1"},
     )
 
 
@@ -156,46 +187,90 @@ def test_empty_runtime_block_takes_the_seed_defaults(tmp_path):
     seed = resolve_runtime(_write(tmp_path / "a", SEED_YAML))
     empty = resolve_runtime(_write(tmp_path / "b", "runtime: {}\n"))
     assert empty.environment == {} and empty.max_duration_hours is None
-    differing = {"config_path", "data_dir", "model_dir", "checkpoints_dir", "job_dir", "environment",
-                 "max_duration_hours"}
-    assert {k: v for k, v in vars(empty).items() if k not in differing} == \
-           {k: v for k, v in vars(seed).items() if k not in differing}
+    differing = {
+        "config_path",
+        "data_dir",
+        "model_dir",
+        "checkpoints_dir",
+        "job_dir",
+        "environment",
+        "max_duration_hours",
+    }
+    assert {k: v for k, v in vars(empty).items() if k not in differing} == {
+        k: v for k, v in vars(seed).items() if k not in differing
+    }
 
 
-@pytest.mark.parametrize(("text", "seconds"), [
-    ("90s", 90), ("10m", 600), ("1h", 3600), ("1h30m", 5400), ("1h30m15s", 5415), ("2m5s", 125),
-    ("1h15s", 3615), ("90m", 5400), ("0h1s", 1),
-])
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("90s", 90),
+        ("10m", 600),
+        ("1h", 3600),
+        ("1h30m", 5400),
+        ("1h30m15s", 5415),
+        ("2m5s", 125),
+        ("1h15s", 3615),
+        ("90m", 5400),
+        ("0h1s", 1),
+    ],
+)
 def test_parse_duration_accepts(text, seconds):
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", [
-    "", "10", "m", "10 m", "1m30", "30s1m", "1d", "1.5h", "-5m", "10M", "1h 30m", " 10m", "10m\n", "０1m",
-    "0s", "0h0m0s", None, 600,
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "10",
+        "m",
+        "10 m",
+        "1m30",
+        "30s1m",
+        "1d",
+        "1.5h",
+        "-5m",
+        "10M",
+        "1h 30m",
+        " 10m",
+        "10m\n",
+        "０1m",
+        "0s",
+        "0h0m0s",
+        None,
+        600,
+    ],
+)
 def test_parse_duration_rejects(text):
     with pytest.raises(ValueError, match="duration"):
         parse_duration(text)
 
 
-@pytest.mark.parametrize(("gpu", "devices", "processes", "mode", "visible"), [
-    ({"devices": "all"}, "all", None, "auto", None),
-    ({"devices": "all", "parallel_mode": "fsdp"}, "all", None, "fsdp", None),
-    ({"devices": "all", "parallel_mode": "none"}, "all", None, "none", None),
-    ({"devices": [0]}, (0,), 1, "none", "0"),
-    ({"devices": [0, 1]}, (0, 1), 2, "ddp", "0,1"),
-    ({"devices": [3, 1], "parallel_mode": "fsdp"}, (3, 1), 2, "fsdp", "3,1"),
-    ({"devices": [2], "parallel_mode": "none"}, (2,), 1, "none", "2"),
-    ({"devices": "none"}, "none", 1, "none", ""),
-    ({"devices": "none", "processes": 4}, "none", 4, "ddp", ""),
-    ({"devices": "none", "processes": 2, "parallel_mode": "fsdp"}, "none", 2, "fsdp", ""),
-    ({"devices": "none", "processes": 1, "parallel_mode": "none"}, "none", 1, "none", ""),
-])
+@pytest.mark.parametrize(
+    ("gpu", "devices", "processes", "mode", "visible"),
+    [
+        ({"devices": "all"}, "all", None, "auto", None),
+        ({"devices": "all", "parallel_mode": "fsdp"}, "all", None, "fsdp", None),
+        ({"devices": "all", "parallel_mode": "none"}, "all", None, "none", None),
+        ({"devices": [0]}, (0,), 1, "none", "0"),
+        ({"devices": [0, 1]}, (0, 1), 2, "ddp", "0,1"),
+        ({"devices": [3, 1], "parallel_mode": "fsdp"}, (3, 1), 2, "fsdp", "3,1"),
+        ({"devices": [2], "parallel_mode": "none"}, (2,), 1, "none", "2"),
+        ({"devices": "none"}, "none", 1, "none", ""),
+        ({"devices": "none", "processes": 4}, "none", 4, "ddp", ""),
+        ({"devices": "none", "processes": 2, "parallel_mode": "fsdp"}, "none", 2, "fsdp", ""),
+        ({"devices": "none", "processes": 1, "parallel_mode": "none"}, "none", 1, "none", ""),
+    ],
+)
 def test_device_resolution(tmp_path, gpu, devices, processes, mode, visible):
     runtime = resolve_runtime(_write(tmp_path, yaml.safe_dump({"runtime": {"gpu": gpu}})))
-    assert (runtime.devices, runtime.processes, runtime.parallel_mode, runtime.cuda_visible_devices) == \
-           (devices, processes, mode, visible)
+    assert (runtime.devices, runtime.processes, runtime.parallel_mode, runtime.cuda_visible_devices) == (
+        devices,
+        processes,
+        mode,
+        visible,
+    )
     assert runtime.uses_gpu == (devices != "none")
 
 
@@ -270,16 +345,37 @@ def test_imports_without_torch_or_invoke():
 
 # Property test: a valid block with random breakage is always rejected, with a key under runtime.
 # A breakage is (section, key, value): set runtime[section][key] (runtime[key] when section is "").
-LEAVES = [("", "job_name"), ("paths", "data"), ("paths", "model"), ("paths", "checkpoints"), ("gpu", "devices"),
-          ("gpu", "parallel_mode"), ("container", "cuda_tag"), ("container", "ipc"),
-          ("container", "stop_grace_period"), ("container", "stop_timeout_seconds"),
-          ("container", "checkpoint_keep_last"), ("container", "max_duration_hours"), ("container", "base_image"),
-          ("environment", "NCCL_P2P_DISABLE")]
+LEAVES = [
+    ("", "job_name"),
+    ("paths", "data"),
+    ("paths", "model"),
+    ("paths", "checkpoints"),
+    ("gpu", "devices"),
+    ("gpu", "parallel_mode"),
+    ("container", "cuda_tag"),
+    ("container", "ipc"),
+    ("container", "stop_grace_period"),
+    ("container", "stop_timeout_seconds"),
+    ("container", "checkpoint_keep_last"),
+    ("container", "max_duration_hours"),
+    ("container", "base_image"),
+    ("environment", "NCCL_P2P_DISABLE"),
+]
 INTEGER_LEAVES = [("container", "stop_timeout_seconds"), ("container", "checkpoint_keep_last")]
-ALLOWED_KEYS = {"": ["job_name", "paths", "gpu", "container", "environment"],
-                "paths": ["data", "model", "checkpoints"], "gpu": ["devices", "processes", "parallel_mode"],
-                "container": ["cuda_tag", "base_image", "ipc", "stop_grace_period", "stop_timeout_seconds",
-                              "checkpoint_keep_last", "max_duration_hours"]}
+ALLOWED_KEYS = {
+    "": ["job_name", "paths", "gpu", "container", "environment"],
+    "paths": ["data", "model", "checkpoints"],
+    "gpu": ["devices", "processes", "parallel_mode"],
+    "container": [
+        "cuda_tag",
+        "base_image",
+        "ipc",
+        "stop_grace_period",
+        "stop_timeout_seconds",
+        "checkpoint_keep_last",
+        "max_duration_hours",
+    ],
+}
 _mappings = st.dictionaries(st.text(min_size=1), st.integers(), min_size=1)
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text())
 
@@ -302,8 +398,11 @@ def _unknown_keys(section: str):
 
 _breakage = st.one_of(
     st.sampled_from(LEAVES).flatmap(lambda leaf: st.tuples(st.just(leaf[0]), st.just(leaf[1]), _wrong_values(leaf))),
-    st.tuples(st.just(""), st.sampled_from(["paths", "gpu", "container", "environment"]),
-              st.one_of(st.text(), st.integers(), st.lists(st.integers()), st.none(), st.booleans())),
+    st.tuples(
+        st.just(""),
+        st.sampled_from(["paths", "gpu", "container", "environment"]),
+        st.one_of(st.text(), st.integers(), st.lists(st.integers()), st.none(), st.booleans()),
+    ),
     st.sampled_from(sorted(ALLOWED_KEYS)).flatmap(_unknown_keys),
 )
 
@@ -343,7 +442,8 @@ def test_node_must_be_one_of_the_jobs_nodes(tmp_path):
 
 def test_two_nodes_of_one_process_each_run_ddp(tmp_path):
     path = tmp_path / "train.yaml"
-    path.write_text(yaml.safe_dump({"runtime": {"gpu": {"devices": "none"},
-                                                "nodes": {"count": 2, "rendezvous": "node0:29500"}}}))
+    path.write_text(
+        yaml.safe_dump({"runtime": {"gpu": {"devices": "none"}, "nodes": {"count": 2, "rendezvous": "node0:29500"}}})
+    )
     runtime = resolve_runtime(path)
     assert (runtime.parallel_mode, runtime.world_size, runtime.multi_node) == ("ddp", 2, True)

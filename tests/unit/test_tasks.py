@@ -12,20 +12,38 @@ from pathlib import Path
 
 import pytest
 import yaml
+from runtime_cases import MALFORMED, mutated
 
 from astrai.contract import REQUIRED_FILES
-from runtime_cases import MALFORMED, mutated
 
 REPO = Path(__file__).resolve().parents[2]
 COMPLETE_FILES = REQUIRED_FILES
 # Every task that reads a config must reject a bad one before it does anything.
-COMMANDS = [["init"], ["preflight"], ["start"], ["render"], ["clean", "--force"], ["stop"], ["build"],
-            ["status"], ["latest"], ["list"], ["restart"], ["logs", "--no-follow"], ["board", "--stop"]]
+COMMANDS = [
+    ["init"],
+    ["preflight"],
+    ["start"],
+    ["render"],
+    ["clean", "--force"],
+    ["stop"],
+    ["build"],
+    ["status"],
+    ["latest"],
+    ["list"],
+    ["restart"],
+    ["logs", "--no-follow"],
+    ["board", "--stop"],
+]
 
 
 def invoke(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "invoke", "--search-root", str(REPO), *args],
-                          cwd=cwd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "invoke", "--search-root", str(REPO), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def _snapshot(folder: Path) -> list[tuple[str, int]]:
@@ -65,8 +83,9 @@ def test_missing_config_is_a_clear_error(tmp_path):
 
 
 def test_config_defaults_to_train_yaml_in_the_working_directory(tmp_path):
-    (tmp_path / "train.yaml").write_text("runtime:\n  job_name: here\n  gpu: {devices: none}\n"
-                                         "  container: {cuda_tag: cpu}\n")
+    (tmp_path / "train.yaml").write_text(
+        "runtime:\n  job_name: here\n  gpu: {devices: none}\n  container: {cuda_tag: cpu}\n"
+    )
     result = invoke("init", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "checkpoints" / "here").is_dir()
@@ -75,16 +94,40 @@ def test_config_defaults_to_train_yaml_in_the_working_directory(tmp_path):
 def test_every_verb_is_listed_with_help():
     result = invoke("--list")
     assert result.returncode == 0
-    for verb in ("init", "preflight", "build", "start", "stop", "restart", "logs", "status", "latest", "list",
-                 "clean", "render", "demo", "bench", "board"):
+    for verb in (
+        "init",
+        "preflight",
+        "build",
+        "start",
+        "stop",
+        "restart",
+        "logs",
+        "status",
+        "latest",
+        "list",
+        "clean",
+        "render",
+        "demo",
+        "bench",
+        "board",
+    ):
         assert f"  {verb} " in result.stdout, verb
 
 
 @pytest.fixture
 def job(tmp_path):
     config = tmp_path / "train.yaml"
-    config.write_text(yaml.safe_dump({"runtime": {"job_name": "j", "gpu": {"devices": "none"},
-                                                  "container": {"cuda_tag": "cpu", "checkpoint_keep_last": 2}}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "runtime": {
+                    "job_name": "j",
+                    "gpu": {"devices": "none"},
+                    "container": {"cuda_tag": "cpu", "checkpoint_keep_last": 2},
+                }
+            }
+        )
+    )
     return config, tmp_path / "checkpoints" / "j"
 
 
@@ -115,8 +158,10 @@ def test_latest_and_list_order_numerically_and_skip_incomplete(job):
     _checkpoint(job_dir, 9, 9999, complete=False)
     (job_dir / ".staging-epoch_9_step_10000-1-abcd").mkdir()
     listed = invoke("list", "--config", str(config))
-    assert listed.stdout.split() == [str(job_dir / name) for name in
-                                     ("epoch_0_step_100", "epoch_0_step_900", "epoch_1_step_950", "epoch_1_step_1000")]
+    assert listed.stdout.split() == [
+        str(job_dir / name)
+        for name in ("epoch_0_step_100", "epoch_0_step_900", "epoch_1_step_950", "epoch_1_step_1000")
+    ]
     latest = invoke("latest", "--config", str(config))
     assert latest.returncode == 0 and latest.stdout.strip() == str(job_dir / "epoch_1_step_1000")
 
@@ -211,10 +256,17 @@ def test_a_second_start_of_a_job_refuses_while_the_first_holds_the_lock(job):
 def test_the_start_lock_dies_with_its_holder(job):
     config, _ = job
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom astrai.jobs import start_lock\nfrom astrai.runtime import "
-         "resolve_runtime\nwith start_lock(resolve_runtime(sys.argv[1])):\n    print('held', flush=True)\n"
-         "    time.sleep(600)\n", str(config)],
-        cwd=REPO, stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom astrai.jobs import start_lock\nfrom astrai.runtime import "
+            "resolve_runtime\nwith start_lock(resolve_runtime(sys.argv[1])):\n    print('held', flush=True)\n"
+            "    time.sleep(600)\n",
+            str(config),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -230,8 +282,20 @@ def test_the_start_lock_dies_with_its_holder(job):
 
 # --- broken runtime.paths (issue 9, item 3) -----------------------------------------------------------
 
-PATH_COMMANDS = [["preflight"], ["init"], ["start"], ["status"], ["list"], ["latest"], ["clean"],
-                 ["clean", "--force"], ["logs", "--no-follow"], ["build"], ["stop"], ["restart"]]
+PATH_COMMANDS = [
+    ["preflight"],
+    ["init"],
+    ["start"],
+    ["status"],
+    ["list"],
+    ["latest"],
+    ["clean"],
+    ["clean", "--force"],
+    ["logs", "--no-follow"],
+    ["build"],
+    ["stop"],
+    ["restart"],
+]
 # Without these capabilities root meets permission bits as any user does (tests run as root).
 NO_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
 
@@ -271,8 +335,11 @@ def test_a_broken_checkpoints_path_names_the_key_without_a_traceback_and_changes
         prefix = NO_OVERRIDE
     expected = _break_checkpoints(config.parent, how)
     before = _tree(config.parent)
-    result = subprocess.run([*prefix, sys.executable, "-m", "invoke", "--search-root", str(REPO), *command,
-                             "--config", str(config)], capture_output=True, text=True)
+    result = subprocess.run(
+        [*prefix, sys.executable, "-m", "invoke", "--search-root", str(REPO), *command, "--config", str(config)],
+        capture_output=True,
+        text=True,
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert expected in output, output
@@ -283,9 +350,18 @@ def test_a_broken_checkpoints_path_names_the_key_without_a_traceback_and_changes
 @pytest.mark.parametrize("key", ["data", "model"])
 def test_init_creates_nothing_when_one_path_is_broken(tmp_path, key):
     config = tmp_path / "train.yaml"
-    config.write_text(yaml.safe_dump({"runtime": {"job_name": "j", "gpu": {"devices": "none"},
-                                                  "container": {"cuda_tag": "cpu"},
-                                                  "paths": {key: "./broken/inside"}}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "runtime": {
+                    "job_name": "j",
+                    "gpu": {"devices": "none"},
+                    "container": {"cuda_tag": "cpu"},
+                    "paths": {key: "./broken/inside"},
+                }
+            }
+        )
+    )
     (tmp_path / "broken").write_text("a file where a folder belongs")
     before = _tree(tmp_path)
     result = invoke("init", "--config", str(config))
@@ -297,9 +373,18 @@ def test_init_creates_nothing_when_one_path_is_broken(tmp_path, key):
 
 def test_preflight_names_a_broken_data_and_model_path(tmp_path):
     config = tmp_path / "train.yaml"
-    config.write_text(yaml.safe_dump({"runtime": {"job_name": "j", "gpu": {"devices": "none"},
-                                                  "container": {"cuda_tag": "cpu"},
-                                                  "paths": {"data": "./data", "model": "./params"}}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "runtime": {
+                    "job_name": "j",
+                    "gpu": {"devices": "none"},
+                    "container": {"cuda_tag": "cpu"},
+                    "paths": {"data": "./data", "model": "./params"},
+                }
+            }
+        )
+    )
     (tmp_path / "data").write_text("not a folder")
     (tmp_path / "params").symlink_to(tmp_path / "gone")
     before = _tree(tmp_path)
@@ -315,6 +400,7 @@ def test_preflight_names_a_broken_data_and_model_path(tmp_path):
 
 
 # --- preflight is read-only (issue 9, item 4) ----------------------------------------------------------
+
 
 def test_preflight_creates_no_job_dir_and_says_who_will(job):
     config, job_dir = job
@@ -344,11 +430,15 @@ def test_preflight_fails_when_the_container_user_may_not_create_the_job_dir(job)
 
 # --- checkpoint space (issue 9, item 7) ----------------------------------------------------------------
 
+
 def _space_line(tmp_path, tiny_model, checkpoints: Path) -> str:
     config = tmp_path / "train.yaml"
     paths = {"model": str(tiny_model), "checkpoints": str(checkpoints)}
-    config.write_text(yaml.safe_dump({"runtime": {"job_name": "j", "gpu": {"devices": "none"},
-                                                  "container": {"cuda_tag": "cpu"}, "paths": paths}}))
+    config.write_text(
+        yaml.safe_dump(
+            {"runtime": {"job_name": "j", "gpu": {"devices": "none"}, "container": {"cuda_tag": "cpu"}, "paths": paths}}
+        )
+    )
     result = invoke("preflight", "--config", str(config))
     assert "Traceback" not in result.stdout + result.stderr
     return next(line for line in result.stdout.splitlines() if "checkpoint space" in line)

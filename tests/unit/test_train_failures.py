@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from astrai import train as train_module
 from astrai.checkpoints import STAGING_PREFIX, list_complete_checkpoints
 from astrai.config import load_trainer_config
 from astrai.contract import REASON_EMERGENCY
 from astrai.distributed import init_distributed
-from astrai import train as train_module
 from astrai.train import Trainer, TrainingError
 
 
@@ -36,15 +36,24 @@ def _steps(job_dir) -> list[int]:
 
 
 def _all_finite(job_dir) -> bool:
-    return all(torch.isfinite(tensor).all() for checkpoint in list_complete_checkpoints(job_dir)
-               for tensor in load_file(checkpoint.path / "model.safetensors").values())
+    return all(
+        torch.isfinite(tensor).all()
+        for checkpoint in list_complete_checkpoints(job_dir)
+        for tensor in load_file(checkpoint.path / "model.safetensors").values()
+    )
 
 
 @pytest.fixture
 def diverging(tmp_path, train_yaml, one_thread):
     """A trainer that trained 40 good steps (checkpoints at 30 and 40, keep_last 2), then got a NaN weight."""
-    path = train_yaml(tmp_path / "train.yaml", max_steps=100, ckpt_interval=10, keep_last=2, log_interval=5,
-                      ckpt_dir=str(tmp_path / "ckpt"))
+    path = train_yaml(
+        tmp_path / "train.yaml",
+        max_steps=100,
+        ckpt_interval=10,
+        keep_last=2,
+        log_interval=5,
+        ckpt_dir=str(tmp_path / "ckpt"),
+    )
     trainer = _trainer(path)
     trainer.train(steps=40)
     trainer.checkpointer.wait()
@@ -97,8 +106,14 @@ def test_the_health_check_reads_the_device_only_on_logged_steps(tmp_path, train_
     Counts reads made by astrai/train.py itself (torch reads CPU scalars internally, which on a GPU are not
     device values).
     """
-    path = train_yaml(tmp_path / "train.yaml", max_steps=1000, ckpt_interval=1000, log_interval=20,
-                      max_grad_norm=1.0, ckpt_dir=str(tmp_path / "ckpt"))
+    path = train_yaml(
+        tmp_path / "train.yaml",
+        max_steps=1000,
+        ckpt_interval=1000,
+        log_interval=20,
+        max_grad_norm=1.0,
+        ckpt_dir=str(tmp_path / "ckpt"),
+    )
     trainer = _trainer(path)
     reads = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
@@ -121,10 +136,22 @@ def test_the_health_check_reads_the_device_only_on_logged_steps(tmp_path, train_
 
 
 def test_an_absurd_learning_rate_ends_the_trainer_with_exit_1_and_no_traceback(tmp_path, train_yaml, trainer_env):
-    path = train_yaml(tmp_path / "train.yaml", max_steps=50, ckpt_interval=1, log_interval=10, max_lr=1e30,
-                      warmup_ratio=0.0, ckpt_dir=str(tmp_path / "ckpt"))
-    result = subprocess.run([sys.executable, "-m", "astrai.train", "--config", str(path)], capture_output=True,
-                            text=True, env=trainer_env, timeout=300)
+    path = train_yaml(
+        tmp_path / "train.yaml",
+        max_steps=50,
+        ckpt_interval=1,
+        log_interval=10,
+        max_lr=1e30,
+        warmup_ratio=0.0,
+        ckpt_dir=str(tmp_path / "ckpt"),
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "astrai.train", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        env=trainer_env,
+        timeout=300,
+    )
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert "error: training diverged:" in result.stderr and "Lower training.max_lr" in result.stderr
@@ -133,10 +160,14 @@ def test_an_absurd_learning_rate_ends_the_trainer_with_exit_1_and_no_traceback(t
 
 def test_a_full_disk_stops_the_trainer_at_the_failed_save_and_says_so(small_disk, train_yaml, trainer_env, tmp_path):
     job_dir = small_disk / "j"
-    path = train_yaml(tmp_path / "train.yaml", max_steps=200, ckpt_interval=20, log_interval=1,
-                      ckpt_dir=str(job_dir))
-    result = subprocess.run([sys.executable, "-m", "astrai.train", "--config", str(path)], capture_output=True,
-                            text=True, env=trainer_env, timeout=300)
+    path = train_yaml(tmp_path / "train.yaml", max_steps=200, ckpt_interval=20, log_interval=1, ckpt_dir=str(job_dir))
+    result = subprocess.run(
+        [sys.executable, "-m", "astrai.train", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        env=trainer_env,
+        timeout=300,
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     message = result.stderr
