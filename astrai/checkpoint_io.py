@@ -254,6 +254,16 @@ class CheckpointManager:
             error, self._write_error = self._write_error, None
             raise error
 
+    def finish_pending(self, timeout: float) -> None:
+        """Give a background save in progress up to ``timeout`` seconds to be published (a lost node's last act).
+
+        Its state was copied before the write began, so it is complete and consistent even though the job is
+        ending; a write still running when the time is up is left as a staging folder, never published.
+        """
+        writer = self._writer
+        if writer is not None:
+            writer.join(timeout)
+
     def raise_if_failed(self) -> None:
         """Raise a background save's error as soon as it happened; never waits for a save that is running."""
         if self._write_error is not None:

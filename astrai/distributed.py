@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -345,6 +346,8 @@ class NodeWatch:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-watch", daemon=True)
         self._store = None
+        self.before_exit: Callable[[float], None] | None = None
+        """Called with the seconds left before this process must exit (the trainer finishes a save in flight)."""
 
     def start(self) -> None:
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -418,4 +421,10 @@ class NodeWatch:
             "the newest complete checkpoint\n"
         )
         sys.stderr.flush()
+        if self.before_exit is not None:
+            try:
+                # What is left of the timeout once the silence was noticed, keeping a few seconds for the exit.
+                self.before_exit(max(0.0, self.timeout - self.limit - self.interval - 2.0))
+            except Exception as error:  # the process exits either way; say why the save did not finish
+                sys.stderr.write(f"warning: the checkpoint being written could not be finished: {error}\n")
         os._exit(EXIT_LOST_NODE)

@@ -176,6 +176,9 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             self.job_dir, config.ckpt.ckpt_interval, config.ckpt.keep_last, env, self.log
         )
+        if env.watch is not None and env.master_process:
+            # A node lost while a periodic save is being written: publish it before this process exits.
+            env.watch.before_exit = self.checkpointer.finish_pending
         self._batches = None
         self.events: EventWriter | None = None
 

@@ -158,7 +158,9 @@ def test_two_nodes_need_checkpoints_and_model_on_node_0_only_and_survive_no_lost
     runs = [Run([*_node_command(0, port), "--config", str(node0)], _node_env(trainer_env, 0), tmp_path / "n0.log")]
     runs.append(Run([*_node_command(1, port), "--config", str(node1)], _node_env(trainer_env, 1), tmp_path / "n1.log"))
     try:
-        _wait_for(lambda: _metrics_step(ckpt_dir) >= 20, runs[0], timeout=180)
+        # The periodic checkpoint of step 20 is agreed by both nodes and written in the background; wait until
+        # it is published, so that the restart below has something to resume from.
+        _wait_for(lambda: latest_complete_checkpoint(ckpt_dir) is not None, runs[0], timeout=180)
         assert not (tmp_path / "absent").exists()
         # Node 1 dies at once (a host reboot): node 0 names it and exits non-zero within the timeout.
         runs[1].kill()
