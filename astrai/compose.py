@@ -213,6 +213,10 @@ def render_override(
         # The nodes reach each other at the rendezvous address and on ports torch picks: no port mapping can
         # know them in advance, so the container shares the host's network.
         service["network_mode"] = "host"
+        # torchrun's c10d rendezvous tells nodes apart by host name and process id. Nodes sharing one host (and,
+        # with host networking, its name) would each run torchrun as the same pid of a fresh PID namespace, and
+        # the rendezvous would wait forever; the host's PID namespace keeps their pids apart.
+        service["pid"] = "host"
     if runtime.max_restarts:
         # Docker restarts a non-zero exit only: a graceful stop exits 0 (and `docker stop` never restarts).
         service["restart"] = f"on-failure:{runtime.max_restarts}"

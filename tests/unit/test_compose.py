@@ -287,6 +287,7 @@ def test_each_node_of_a_multi_node_job_is_its_own_project_on_the_host_network(tm
     service = expected["services"]["trainer"]
     service["labels"]["ai.astrai.node"] = str(node)
     service["network_mode"] = "host"
+    service["pid"] = "host"
     if node == 1:
         # Only node 0 needs the base model.
         service["volumes"] = [volume for volume in service["volumes"] if volume["target"] != "/models/base"]
