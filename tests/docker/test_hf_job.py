@@ -4,6 +4,7 @@ preflight says what it found, the run stops and resumes, and the final checkpoin
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -88,7 +89,9 @@ def test_a_job_from_a_sharded_hf_folder_trains_resumes_and_loads_in_transformers
     assert reason == "emergency"
     job.invoke("start", "--", "--max_steps", str(stopped + 10))
     assert job.wait_for_exit().exit_code == 0, job.logs()
-    assert f"epoch_0_step_{stopped}" in job.logs() and job.checkpoints()[-1] == (stopped + 10, "final")
+    # The corpus is small: the stop may fall in any epoch, so match the step alone.
+    assert re.search(rf"resumed from \S+/epoch_\d+_step_{stopped}\b", job.logs()), job.logs()
+    assert job.checkpoints()[-1] == (stopped + 10, "final")
 
     final = latest_complete_checkpoint(job.job_dir).path
     assert (final / "tokenizer.json").read_bytes() == (job.folder / "tokenizer" / "tokenizer.json").read_bytes()
