@@ -685,10 +685,17 @@ def dry_run(config: TrainerConfig) -> int:
     rank, local_rank, world_size = world_from_environment()
     check_parallel_mode(config.parallel.parallel_mode, world_size)
     device = resolve_device(config.training.device, local_rank)
+    training = config.training
+    grad_accum = resolve_grad_accum_steps(training, world_size)
     if rank != 0:
         return 0
     print(describe(config))
     print(f"world size: {world_size}")
+    derived = " (derived from global_batch_size)" if training.global_batch_size is not None else ""
+    print(
+        f"global batch: batch_per_device({training.batch_per_device}) * grad_accum_steps({grad_accum}){derived}"
+        f" * world_size({world_size}) = {training.batch_per_device * grad_accum * world_size} sequences per step"
+    )
     print(f"device: {device}")
     print(f"resume decision: {_resume_decision(config)}")
     return 0

@@ -124,6 +124,17 @@ def test_parallel_mode_must_fit_the_process_count(tmp_path, monkeypatch, capsys)
     assert "fsdp needs 2 or more processes" in capsys.readouterr().err
 
 
+def test_dry_run_shows_the_derived_grad_accum_steps_or_why_the_batch_does_not_split(tmp_path, monkeypatch, capsys):
+    path = _yaml(tmp_path, "training:\n  device: cpu\n  batch_per_device: 4\n  global_batch_size: 32\n")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--config", str(path), "--dry-run", "--parallel_mode", "ddp"]) == 0
+    out = capsys.readouterr().out
+    assert "grad_accum_steps(4) (derived from global_batch_size) * world_size(2) = 32 sequences per step" in out
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert main(["--config", str(path), "--dry-run", "--parallel_mode", "ddp"]) == 2
+    assert "training.global_batch_size: 32 is not a whole multiple" in capsys.readouterr().err
+
+
 def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path, capsys):
     path = _yaml(tmp_path, "runtime:\n  job_name: x\ntraining:\n  max_steps: 10\n  device: cpu\n")
     ckpt_dir = tmp_path / "ckpt"
@@ -131,6 +142,7 @@ def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "max_steps: 10" in out and "runtime" not in out
     assert "world size: 1" in out and "device: cpu" in out
+    assert "global batch: batch_per_device(8) * grad_accum_steps(1) * world_size(1) = 8 sequences per step" in out
     assert "start from base model /models/p" in out
     assert not ckpt_dir.exists()
 
