@@ -64,6 +64,8 @@ from bench.trainer_speed import make_assets, trainer_config
 # over: what a save costs does not depend on the values in it, and a `base` step takes longer on this
 # machine than all the saves of a repetition.
 SETUPS = {"small": (128, 4), "base": (32, 1)}
+# preset: (repetitions with --quick, without)
+REPEATS = {"small": (5, 9), "base": (2, 4)}
 
 
 def _clear(job_dir: Path) -> None:
@@ -132,7 +134,9 @@ def _dcp_load(trainer: Trainer, source: Path) -> None:
 def _our_load(trainer: Trainer) -> None:
     loaded = trainer.checkpointer.load_latest()
     trainer.model.load_state_dict(loaded.model_state)
-    trainer.checkpointer.restore(loaded, trainer.model, trainer.optimizer, trainer.scheduler)
+    trainer.checkpointer.restore(
+        loaded, trainer.model, trainer.optimizer, trainer.scheduler, trainer.config.training.random_seed
+    )
 
 
 def _save_times(trainer: Trainer, folder: Path, repeats: int) -> dict[str, list[float]]:
@@ -278,7 +282,7 @@ def _peak_memory(folder: Path, params: Path, data: Path, preset: str) -> dict[st
 
 def _measure(preset: str, folder: Path, env, quick: bool) -> dict:
     window, batch = SETUPS[preset]
-    repeats = {("small", True): 5, ("small", False): 9, ("base", True): 2, ("base", False): 4}[(preset, quick)]
+    repeats = REPEATS[preset][0 if quick else 1]
     params, data = make_assets(folder, preset)
     results: dict = {}
     trainer = Trainer(trainer_config(params, data, folder / f"job-{preset}", window, batch, 10**6), env)
