@@ -189,20 +189,23 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
 
 
+# The fields our presets wrote before config.json took the Hugging Face form; such folders still load.
+LEGACY_CONFIG_FIELDS = (
+    "vocab_size",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_hidden_dim",
+    "max_seq_len",
+    "rope_theta",
+    "norm_eps",
+    "tie_embeddings",
+)
+
+
 def _from_preset_fields(values: dict) -> ModelConfig:
-    # The fields our presets wrote before config.json took the Hugging Face form.
-    known = {
-        "vocab_size",
-        "dim",
-        "n_layers",
-        "n_heads",
-        "n_kv_heads",
-        "ffn_hidden_dim",
-        "max_seq_len",
-        "rope_theta",
-        "norm_eps",
-        "tie_embeddings",
-    }
+    known = set(LEGACY_CONFIG_FIELDS)
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")

@@ -10,7 +10,7 @@ from hf_folders import ROPE_LLAMA3, hf_logits, make_hf_model, to_transformers_4_
 from safetensors.torch import load_file, save_file
 
 from astrai.model import PRESETS, ModelConfig, ModelLoadError, load_pretrained, write_base_model
-from astrai.model_folder import hf_name
+from astrai.model_folder import LEGACY_CONFIG_FIELDS, hf_name
 
 # (batch, seq) shapes every model is compared on.
 SHAPES = [(1, 1), (2, 17), (3, 48)]
@@ -99,19 +99,7 @@ def test_folders_from_before_the_hf_format_still_load(tmp_path):
         old / "model.safetensors",
         metadata={"format": "pt"},
     )
-    fields = (
-        "vocab_size",
-        "dim",
-        "n_layers",
-        "n_heads",
-        "n_kv_heads",
-        "ffn_hidden_dim",
-        "max_seq_len",
-        "rope_theta",
-        "norm_eps",
-        "tie_embeddings",
-    )
-    (old / "config.json").write_text(json.dumps({f: getattr(PRESETS["tiny"], f) for f in fields}))
+    (old / "config.json").write_text(json.dumps({f: getattr(PRESETS["tiny"], f) for f in LEGACY_CONFIG_FIELDS}))
     tokens = _tokens(1, 20)
     with torch.no_grad():
         assert torch.equal(load_pretrained(old)(tokens), load_pretrained(tmp_path / "new")(tokens))
