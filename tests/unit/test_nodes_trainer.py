@@ -71,6 +71,12 @@ def _node_env(trainer_env: dict, node: int, timeout: int = 10) -> dict:
     }
 
 
+def _two_process_ddp(config: Path) -> list[str]:
+    """The trainer under torchrun on this host: two processes, DDP."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    return [*torchrun, "-m", "astrai.train", "--config", str(config), "--parallel_mode", "ddp"]
+
+
 def test_a_resume_on_another_world_size_trains_the_same_steps(tmp_path, train_yaml, trainer_env):
     keys = {"global_batch_size": 8, "batch_per_device": 4, "max_steps": 30, "log_interval": 1, "ckpt_interval": 100}
     reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
@@ -80,20 +86,7 @@ def test_a_resume_on_another_world_size_trains_the_same_steps(tmp_path, train_ya
 
     # Two processes (grad_accum_steps 1), stopped after a few steps, then one process (grad_accum_steps 2).
     path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(resumed_dir), **keys)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "astrai.train",
-        "--config",
-        str(path),
-        "--parallel_mode",
-        "ddp",
-    ]
+    command = _two_process_ddp(path)
     run = Run(command, trainer_env, tmp_path / "two.log")
     try:
         _wait_for(lambda: _metrics_step(resumed_dir) >= 10, run)
@@ -118,22 +111,7 @@ def test_a_resume_on_another_world_size_trains_the_same_steps(tmp_path, train_ya
 
 def test_without_global_batch_size_a_new_world_size_is_named_at_resume(tmp_path, train_yaml, trainer_env):
     path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), max_steps=8, ckpt_interval=4)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "astrai.train",
-        "--config",
-        str(path),
-        "--parallel_mode",
-        "ddp",
-        "--max_steps",
-        "4",
-    ]
+    command = [*_two_process_ddp(path), "--max_steps", "4"]
     run = Run(command, trainer_env, tmp_path / "two.log")
     assert run.wait() == 0, run.output()
     run = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "one.log")
