@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from astrai import checkpoint_io
-from astrai.checkpoint_io import CheckpointError, CheckpointManager, Progress, read_checkpoint
+from astrai.checkpoint_io import CheckpointError, CheckpointManager, Progress, first_non_finite, read_checkpoint
 from astrai.checkpoints import (
     Checkpoint,
     checkpoint_name,
@@ -262,3 +262,17 @@ def test_leftover_staging_folders_are_removed_on_start(tmp_path):
     (staging / "model.safetensors").write_text("partial")
     _manager(tmp_path).remove_leftovers()
     assert os.listdir(tmp_path) == []
+
+
+def test_the_finiteness_check_finds_nan_and_infinity_and_passes_large_finite_values():
+    finite = {"a": torch.randn(5, 3), "b": torch.ones(4, dtype=torch.bfloat16), "steps": torch.arange(3)}
+    assert first_non_finite(finite) is None and first_non_finite({}) is None
+    # Large finite values whose sum overflows fp32 are not a divergence.
+    assert first_non_finite({**finite, "big": torch.full((4,), 3.0e38)}) is None
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        poisoned = torch.randn(6)
+        poisoned[4] = bad
+        assert first_non_finite({**finite, "w": poisoned, "z": torch.zeros(2)}) == "w", bad
+    half = torch.ones(3, dtype=torch.float16)
+    half[1] = float("inf")
+    assert first_non_finite({"h": half}) == "h"
