@@ -269,7 +269,7 @@ def demo(c, workdir="demo", fresh=False, job_name="astrai-demo"):
 
 @task(
     help={
-        "quick": "fewer repetitions (under 6 minutes instead of under 20)",
+        "quick": "fewer repetitions and no `base` checkpoint run (under 6 minutes instead of under 20)",
         "readme": "also write the result table into README.md",
     }
 )

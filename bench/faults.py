@@ -4,9 +4,12 @@
   moment a checkpoint is being written, when a staging folder exists) and
   restarted until it finishes. A run counts as exact when its final
   ``model.safetensors`` is bitwise equal to an uninterrupted run's.
-- SIGTERM: one long run stopped again and again: each stop must exit 0 and
-  leave a complete ``emergency`` checkpoint at the step reached, and the next
-  start must name that checkpoint as the one it resumed from.
+- SIGTERM: a few long runs, each stopped again and again: each stop must exit 0
+  and leave a complete ``emergency`` checkpoint at the step reached, and the
+  next start must name that checkpoint as the one it resumed from.
+
+Runs have their own job folders and go two at a time (one per core, one torch
+thread each).
 
 The trainer runs as a plain process here (the same code the container runs), so
 the measurement is about the trainer, not Docker's start-up time.
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -106,27 +110,22 @@ def _kill_at_random(process: subprocess.Popen, job_dir: Path, during_write: bool
     return True
 
 
-def _kill_runs(folder: Path, config: Path, reference: bytes, runs: int, kills_per_run: int, rng: random.Random):
-    trials = exact = 0
-    for run in range(runs):
-        job_dir = folder / f"killed-{run}"
-        kills = 0
-        while True:
-            process = _start(config, job_dir)
-            if kills < kills_per_run and _kill_at_random(process, job_dir, during_write=kills % 2 == 1, rng=rng):
-                kills += 1
-                continue
-            process.communicate()
-            if process.returncode != 0:
-                raise RuntimeError(f"run {run} failed after {kills} kills")
-            break
-        trials += kills
-        exact += _final_weights(job_dir) == reference
-    return trials, exact
+def _killed_run(job_dir: Path, config: Path, reference: bytes, kills_per_run: int, rng: random.Random):
+    """(kills, 1 when the run still ended bitwise equal to the uninterrupted one, else 0)."""
+    kills = 0
+    while True:
+        process = _start(config, job_dir)
+        if kills < kills_per_run and _kill_at_random(process, job_dir, during_write=kills % 2 == 1, rng=rng):
+            kills += 1
+            continue
+        process.communicate()
+        if process.returncode != 0:
+            raise RuntimeError(f"{job_dir.name} failed after {kills} kills")
+        return kills, int(_final_weights(job_dir) == reference)
 
 
-def _term_trials(folder: Path, config: Path, trials: int, rng: random.Random) -> tuple[int, int]:
-    job_dir = folder / "terminated"
+def _term_trials(job_dir: Path, config: Path, trials: int, rng: random.Random) -> tuple[int, int]:
+    """SIGTERM the same job ``trials`` times: (stops, stops that left an emergency checkpoint and resumed it)."""
     ok = 0
     for _ in range(trials):
         before = latest_complete_checkpoint(job_dir)
@@ -150,7 +149,8 @@ def _term_trials(folder: Path, config: Path, trials: int, rng: random.Random) ->
 
 
 def run(quick: bool) -> dict:
-    rng = random.Random(20261130)
+    runs, kills_per_run, term_chains, terms_per_chain = (5, 4, 2, 5) if quick else (8, 4, 3, 5)
+    seeds = random.Random(20261130)
     with tempfile.TemporaryDirectory(prefix="astrai-bench-faults-") as work:
         folder = Path(work)
         params, data = make_assets(folder, "tiny")
@@ -158,13 +158,32 @@ def run(quick: bool) -> dict:
         reference_dir = folder / "reference"
         _start(config, reference_dir).communicate()
         reference = _final_weights(reference_dir)
-        runs, kills_per_run = (5, 4) if quick else (8, 4)
-        kill_trials, kill_exact = _kill_runs(folder, config, reference, runs, kills_per_run, rng)
-        term_trials, term_ok = _term_trials(folder, config, 10 if quick else 15, rng)
+        # Every run and every chain of stops has its own job folder, so they run side by side (one torch
+        # thread each, one per core): what is measured is whether each ends right, not how fast.
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            killed = [
+                pool.submit(
+                    _killed_run,
+                    folder / f"killed-{run}",
+                    config,
+                    reference,
+                    kills_per_run,
+                    random.Random(seeds.random()),
+                )
+                for run in range(runs)
+            ]
+            stopped = [
+                pool.submit(
+                    _term_trials, folder / f"terminated-{chain}", config, terms_per_chain, random.Random(seeds.random())
+                )
+                for chain in range(term_chains)
+            ]
+            kills = [future.result() for future in killed]
+            terms = [future.result() for future in stopped]
     return {
-        "kill_trials": kill_trials,
+        "kill_trials": sum(count for count, _ in kills),
         "kill_runs": runs,
-        "kill_exact": kill_exact,
-        "term_trials": term_trials,
-        "term_ok": term_ok,
+        "kill_exact": sum(exact for _, exact in kills),
+        "term_trials": sum(count for count, _ in terms),
+        "term_ok": sum(ok for _, ok in terms),
     }

@@ -44,7 +44,7 @@ def _fill(job_dir: Path, count: int) -> None:
 
 def run(quick: bool) -> dict:
     sizes = (10, 100, 1000)
-    repeats = 3 if quick else 5
+    repeats = 2 if quick else 5
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="astrai-bench-host-") as work:
         for size in sizes:

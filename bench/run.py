@@ -1,7 +1,7 @@
 """Run every benchmark, print a table, write bench/results.json (and the README's table with --readme).
 
     invoke bench            # the full set (under 20 minutes on 2 CPU cores)
-    invoke bench --quick    # fewer repetitions, same measurements
+    invoke bench --quick    # fewer repetitions, and no `base` checkpoint run (under 6 minutes)
     python -m bench.run --quick --readme
 
 Every figure is a ratio or a count measured side by side in the same run, as a
@@ -159,7 +159,8 @@ def run(quick: bool, readme: bool, base_image: str) -> dict:
     summary = (
         f"Measured {info['date']} with `invoke bench{' --quick' if quick else ''}` on {info['cores']} cores "
         f"({info['cpu']}), Python {info['python']}, torch {info['torch']} ({TORCH_THREADS} thread in-process), "
-        f"Docker {info['docker']}; the whole run took {results['total_seconds'] / 60:.1f} minutes.\n\n" + table(results)
+        f"Docker {info['docker']}; the whole run took {results['total_seconds'] / 60:.1f} minutes"
+        f"{' (--quick leaves out the `base` checkpoint rows)' if quick else ''}.\n\n" + table(results)
     )
     print("\n" + summary)
     if readme:
@@ -169,7 +170,7 @@ def run(quick: bool, readme: bool, base_image: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, no `base` checkpoint run")
     parser.add_argument("--readme", action="store_true", help="write the table into README.md")
     parser.add_argument(
         "--base-image",

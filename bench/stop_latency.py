@@ -67,7 +67,7 @@ def run(quick: bool, base_image: str) -> dict:
                 "data": {"data_root_path": "/data", "window_size": WINDOW, "num_workers": 1},
                 "training": {"max_steps": 10**6, "batch_per_device": BATCH},
                 "ckpt": {"ckpt_interval": 10**5},
-                "log": {"log_interval": 10},
+                "log": {"log_interval": 3},
             },
         )
         job_dir = folder / "ckpt" / JOB

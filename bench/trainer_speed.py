@@ -136,7 +136,7 @@ def run(quick: bool) -> dict:
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="astrai-bench-speed-") as work:
         for preset in SETUPS:
-            results.update(measure(preset, 9 if quick else 21, Path(work)))
+            results.update(measure(preset, 7 if quick else 21, Path(work)))
     for key in ("trainer_vs_bare", "trainer_vs_bare_wall"):
         worst = min(SETUPS, key=lambda preset: results[f"{preset}_{key}"])
         results[key], results[f"{key}_spread"] = results[f"{worst}_{key}"], results[f"{worst}_{key}_spread"]
