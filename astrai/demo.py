@@ -75,40 +75,37 @@ def run_demo(workdir: Path, *, fresh: bool = False, job_name: str = JOB_NAME) ->
     config = _write_config(workdir, image, job_name)
     document, runtime = load_job_config(config)
 
-    _title(f"1. invoke init --config {config}")
+    _title(f"1. {runtime.command('init')}")
     for path in jobs.init_job(runtime):
         _say(f"created {path}")
 
-    _title(f"2. invoke preflight --config {config}")
+    _title(f"2. {runtime.command('preflight')}")
     jobs.run_preflight(runtime, document)
 
-    _title(f"3. invoke start --config {config}  (in the background; preflight and build come first)")
+    _title(f"3. {runtime.command('start')}  (in the background; preflight and build come first)")
     jobs.start_job(runtime, document, [], foreground=False)
     step = _wait_for_step(runtime, STOP_AFTER_STEP)
     _say(f"training reached step {step}")
     _say("\n".join(jobs.status_lines(runtime)))
 
-    _title(f"4. invoke stop --config {config}  (graceful: the trainer writes an emergency checkpoint)")
+    _title(f"4. {runtime.command('stop')}  (graceful: the trainer writes an emergency checkpoint)")
     jobs.stop_job(runtime)
 
-    _title(f"5. invoke start --config {config}  (again: it resumes from the emergency checkpoint)")
+    _title(f"5. {runtime.command('start')}  (again: it resumes from the emergency checkpoint)")
     jobs.start_job(runtime, document, [], foreground=False)
     final = jobs.wait_for_exit(jobs.job_container(runtime).id, timeout=WAIT_TIMEOUT_SECONDS)  # start_job found it
     resumed = [line for line in _logs(runtime) if "resumed from" in line]
     _say(resumed[0] if resumed else "warning: the log does not name a resumed checkpoint")
     if final.exit_code != 0:
-        raise DemoError(f"the trainer exited with code {final.exit_code}; see `invoke logs --config {config}`")
+        raise DemoError(f"the trainer exited with code {final.exit_code}; see `{runtime.command('logs')}`")
 
-    _title(f"6. the result: invoke list --config {config}")
+    _title(f"6. the result: {runtime.command('list')}")
     checkpoints = list_complete_checkpoints(runtime.job_dir)
     for checkpoint in checkpoints:
         meta = read_meta(checkpoint)
         _say(f"{checkpoint.path}  ({meta.get('reason')})")
     _say("\n".join(jobs.status_lines(runtime)))
-    _say(
-        f"\ndone. Everything lives in {workdir}; try `invoke status --config {config}` or "
-        f"`invoke clean --config {config}`."
-    )
+    _say(f"\ndone. Everything lives in {workdir}; try `{runtime.command('status')}` or `{runtime.command('clean')}`.")
 
 
 def _choose_base_image() -> str:
@@ -186,7 +183,7 @@ def _wait_for_step(runtime, step: int) -> int:
             return int(progress["step"])
         container = jobs.job_container(runtime)
         if container is None or not container.running:
-            raise DemoError(f"the trainer stopped early; see `invoke logs --config {runtime.config_path}`")
+            raise DemoError(f"the trainer stopped early; see `{runtime.command('logs')}`")
         time.sleep(1)
     raise DemoError(f"no progress past step {step} within {WAIT_TIMEOUT_SECONDS} s")
 

@@ -108,8 +108,7 @@ def start_job(runtime: Runtime, document: dict, trainer_args: list[str], *, fore
     with start_lock(runtime):
         container = _start_container(runtime, document, trainer_args)
     if not foreground:
-        config = runtime.config_path
-        _say(f"follow it: invoke logs --config {config}    stop it: invoke stop --config {config}")
+        _say(f"follow it: {runtime.command('logs')}    stop it: {runtime.command('stop')}")
         return 0
     return _follow_until_exit(runtime, container)
 
@@ -136,7 +135,7 @@ def start_lock(runtime: Runtime):
         except BlockingIOError:
             raise JobError(
                 f"another `invoke start` of job {runtime.job_name} is in progress (it holds {path}); "
-                f"wait for it, then see `invoke status --config {runtime.config_path}`"
+                f"wait for it, then see `{runtime.command('status')}`"
             ) from None
         yield
 
@@ -146,7 +145,7 @@ def _start_container(runtime: Runtime, document: dict, trainer_args: list[str]) 
     if running is not None and running.running:
         raise JobError(
             f"job {runtime.job_name} is already running (container {running.name}); "
-            f"follow it with `invoke logs --config {runtime.config_path}` or stop it with `invoke stop`"
+            f"follow it with `{runtime.command('logs')}` or stop it with `{runtime.command('stop')}`"
         )
     run_preflight(runtime, document)
     for name in passthrough_unset(runtime):

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import shlex
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,11 @@ class Runtime:
     @property
     def multi_node(self) -> bool:
         return self.nodes > 1
+
+    def command(self, verb: str) -> str:
+        """The invoke command line for ``verb`` on this job and node, quoted so that it can be pasted into a shell."""
+        node = f" --node {self.node}" if self.multi_node else ""
+        return f"invoke {verb} --config {shlex.quote(str(self.config_path))}{node}"
 
     @property
     def world_size(self) -> int | None:

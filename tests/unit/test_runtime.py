@@ -447,3 +447,17 @@ def test_two_nodes_of_one_process_each_run_ddp(tmp_path):
     )
     runtime = resolve_runtime(path)
     assert (runtime.parallel_mode, runtime.world_size, runtime.multi_node) == ("ddp", 2, True)
+
+
+def test_the_commands_it_suggests_can_be_pasted_into_a_shell(tmp_path):
+    folder = tmp_path / "my job's $HOME é"
+    path = _write(folder, "runtime:\n  job_name: x\n", name="train 1.yaml")
+    _, runtime = load_job_config(path)
+    command = runtime.command("logs")
+    words = subprocess.run(
+        ["sh", "-c", f"for word in {command}; do printf '%s\\n' \"$word\"; done"], capture_output=True, text=True
+    ).stdout.splitlines()
+    assert words == ["invoke", "logs", "--config", str(path)]
+    path.write_text(yaml.safe_dump({"runtime": {"nodes": {"count": 2, "rendezvous": "node0:29500"}}}))
+    _, second = load_job_config(path, node=1)
+    assert second.command("stop").endswith(" --node 1")
