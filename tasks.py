@@ -200,7 +200,7 @@ def board(c, config=DEFAULT_CONFIG, node=0, all=False, host="127.0.0.1", port=60
         url = tb.board_url(host, port)
         if background:
             tb.start_background(runtime, command, url)
-            print(f"TensorBoard at {url} (in the background; `invoke board --stop` ends it)")
+            print(f"TensorBoard at {url} (in the background; `{runtime.command('board')} --stop` ends it)")
             return
         print(f"TensorBoard at {url} (Ctrl-C ends it)", flush=True)
         code = tb.serve_foreground(command)

@@ -105,7 +105,7 @@ def start_background(runtime: Runtime, command: list[str], url: str) -> BoardSta
     if running is not None:
         raise BoardError(
             f"a board for job {runtime.job_name} already runs at {running.url} (pid {running.pid}); "
-            f"`invoke board --stop` ends it"
+            f"`{runtime.command('board')} --stop` ends it"
         )
     make_dirs(state_dir)
     with open(state_dir / BOARD_LOG_NAME, "ab") as log:

@@ -90,7 +90,7 @@ def run_preflight(runtime: Runtime, document: dict) -> None:
     checks = preflight.run_checks(runtime, document)
     _say(preflight.format_checklist(checks))
     if any(check.failed for check in checks):
-        raise JobError("fix the ✗ lines above, then run `invoke preflight` again")
+        raise JobError(f"fix the ✗ lines above, then run `{runtime.command('preflight')}` again")
 
 
 def build_image(runtime: Runtime) -> None:
@@ -170,7 +170,7 @@ def _start_container(runtime: Runtime, document: dict, trainer_args: list[str]) 
     )
     container = job_container(runtime)
     if container is None:
-        raise JobError(f"the container of job {runtime.job_name} did not appear; see `invoke logs`")
+        raise JobError(f"the container of job {runtime.job_name} did not appear; see `{runtime.command('logs')}`")
     latest = list_complete_checkpoints(runtime.job_dir)
     origin = f"resuming from {latest[-1].path}" if latest else f"starting from the base model {runtime.model_dir}"
     if runtime.node != 0:
@@ -296,7 +296,7 @@ def wait_for_exit(container_id: str, timeout: float | None = None) -> engine.Con
 def show_logs(runtime: Runtime, tail: str, follow: bool) -> None:
     check_paths(runtime, ("checkpoints",))
     if job_container(runtime) is None:
-        raise JobError(f"job {runtime.job_name} has no container yet; start it with `invoke start`")
+        raise JobError(f"job {runtime.job_name} has no container yet; start it with `{runtime.command('start')}`")
     if not compose.override_path(runtime).exists():
         compose.write_override(runtime)
     args = ["logs", "--no-log-prefix", "--tail", tail] + (["--follow"] if follow else [])

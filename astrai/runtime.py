@@ -47,7 +47,7 @@ INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 _DURATION = re.compile(r"(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?")
 # What a value must look like, for keys whose rule a bare schema message would not explain.
 _EXPECTED = {
-    "job_name": "a job name of at most 63 letters, digits, '.', '_' or '-', starting with a letter or digit",
+    "job_name": "a job name of at most 63 ASCII letters, digits, '.', '_' or '-', starting with a letter or digit",
     "paths.*": "a non-empty path",
     "gpu.devices": '"all", "none" or a non-empty list of distinct GPU indices (0, 1, ...)',
     "container.cuda_tag": f"a build of torch {TORCH_VERSION}: {', '.join(TORCH_CUDA_TAGS)}",
