@@ -42,10 +42,22 @@ def _user_errors():
         raise Exit(f"error: {error}", code=1) from None
 
 
-def _load(config: str, node: int = 0):
+def _whole(option: str, value, minimum: int, maximum: int | None = None) -> int:
+    """A whole-number option as typed: invoke would turn a bad one into a traceback, so it arrives as text."""
+    try:
+        number = int(str(value), 10)
+    except ValueError:
+        number = None
+    if number is None or number < minimum or (maximum is not None and number > maximum):
+        allowed = f"from {minimum} to {maximum}" if maximum is not None else f"of at least {minimum}"
+        raise Exit(f"error: --{option} takes a whole number {allowed}, got {value!r}", code=2)
+    return number
+
+
+def _load(config: str, node="0"):
     from astrai.runtime import load_job_config
 
-    return load_job_config(config, node)
+    return load_job_config(config, _whole("node", node, 0))
 
 
 def _trainer_args(c) -> list[str]:
@@ -61,7 +73,7 @@ def _trainer_args(c) -> list[str]:
 
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
-def init(c, config=DEFAULT_CONFIG, node=0):
+def init(c, config=DEFAULT_CONFIG, node="0"):
     """Create the runtime folders (data, model, checkpoints, job dir); never writes the YAML."""
     from astrai.jobs import init_job
 
@@ -74,7 +86,7 @@ def init(c, config=DEFAULT_CONFIG, node=0):
 
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
-def preflight(c, config=DEFAULT_CONFIG, node=0):
+def preflight(c, config=DEFAULT_CONFIG, node="0"):
     """Check the config, Docker, Compose, paths, model and GPUs; non-zero on any failure."""
     from astrai.jobs import run_preflight
 
@@ -84,7 +96,7 @@ def preflight(c, config=DEFAULT_CONFIG, node=0):
 
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
-def render(c, config=DEFAULT_CONFIG, node=0):
+def render(c, config=DEFAULT_CONFIG, node="0"):
     """Print the generated Compose override of a job (arguments after -- become the trainer's)."""
     from astrai.compose import dump_override, render_override
 
@@ -94,7 +106,7 @@ def render(c, config=DEFAULT_CONFIG, node=0):
 
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
-def build(c, config=DEFAULT_CONFIG, node=0):
+def build(c, config=DEFAULT_CONFIG, node="0"):
     """Build the trainer image of a job."""
     from astrai.jobs import build_image
 
@@ -110,7 +122,7 @@ def build(c, config=DEFAULT_CONFIG, node=0):
         "foreground": "stay attached to the logs; Ctrl-C stops the job gracefully",
     }
 )
-def start(c, config=DEFAULT_CONFIG, node=0, foreground=False):
+def start(c, config=DEFAULT_CONFIG, node="0", foreground=False):
     """Preflight, build, then start or resume the job (-- ARGS override trainer settings)."""
     from astrai.jobs import start_job
 
@@ -122,7 +134,7 @@ def start(c, config=DEFAULT_CONFIG, node=0, foreground=False):
 
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
-def stop(c, config=DEFAULT_CONFIG, node=0):
+def stop(c, config=DEFAULT_CONFIG, node="0"):
     """Stop gracefully: SIGTERM, emergency checkpoint, exit; cancels the max-duration timer."""
     from astrai.jobs import stop_job
 
@@ -132,7 +144,7 @@ def stop(c, config=DEFAULT_CONFIG, node=0):
 
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP, "foreground": "stay attached to the logs after starting"})
-def restart(c, config=DEFAULT_CONFIG, node=0, foreground=False):
+def restart(c, config=DEFAULT_CONFIG, node="0", foreground=False):
     """Stop the job gracefully, then start it again (it resumes from the emergency checkpoint)."""
     from astrai.jobs import start_job, stop_job
 
@@ -152,7 +164,7 @@ def restart(c, config=DEFAULT_CONFIG, node=0, foreground=False):
         "follow": "keep following new lines (default on; --no-follow prints and exits)",
     }
 )
-def logs(c, config=DEFAULT_CONFIG, node=0, tail="100", follow=True):
+def logs(c, config=DEFAULT_CONFIG, node="0", tail="100", follow=True):
     """Follow the trainer's logs (progress lines name the step)."""
     from astrai.jobs import show_logs
 
@@ -164,7 +176,7 @@ def logs(c, config=DEFAULT_CONFIG, node=0, tail="100", follow=True):
 
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
-def status(c, config=DEFAULT_CONFIG, node=0):
+def status(c, config=DEFAULT_CONFIG, node="0"):
     """Show the container state, progress, latest checkpoint and timer of a job."""
     from astrai.jobs import status_lines
 
@@ -184,7 +196,7 @@ def status(c, config=DEFAULT_CONFIG, node=0):
         "stop": "end the board started with --background",
     }
 )
-def board(c, config=DEFAULT_CONFIG, node=0, all=False, host="127.0.0.1", port=6006, background=False, stop=False):
+def board(c, config=DEFAULT_CONFIG, node="0", all=False, host="127.0.0.1", port="6006", background=False, stop=False):
     """Serve TensorBoard for the job (Ctrl-C ends it), or --background / --stop a detached one."""
     from astrai import board as tb
 
@@ -194,6 +206,7 @@ def board(c, config=DEFAULT_CONFIG, node=0, all=False, host="127.0.0.1", port=60
             state = tb.stop_background(runtime)
             print(f"stopped the board at {state.url}" if state else f"no board is running for job {runtime.job_name}")
             return
+        port = _whole("port", port, 1, 65535)
         command = tb.board_command(runtime, all, host, port)
         for note in tb.check_can_serve(runtime, all, host, port):
             print(f"note: {note}")
@@ -209,7 +222,7 @@ def board(c, config=DEFAULT_CONFIG, node=0, all=False, host="127.0.0.1", port=60
 
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
-def latest(c, config=DEFAULT_CONFIG, node=0):
+def latest(c, config=DEFAULT_CONFIG, node="0"):
     """Print the path of the newest complete checkpoint."""
     from astrai.jobs import latest_path
 
@@ -219,7 +232,7 @@ def latest(c, config=DEFAULT_CONFIG, node=0):
 
 
 @task(name="list", help={"config": CONFIG_HELP, "node": NODE_HELP})
-def list_(c, config=DEFAULT_CONFIG, node=0):
+def list_(c, config=DEFAULT_CONFIG, node="0"):
     """Print the path of every complete checkpoint, oldest first by (epoch, step)."""
     from astrai.jobs import list_paths
 
@@ -237,7 +250,7 @@ def list_(c, config=DEFAULT_CONFIG, node=0):
         "force": "really delete; without it, only show what would go",
     }
 )
-def clean(c, config=DEFAULT_CONFIG, node=0, keep=None, force=False):
+def clean(c, config=DEFAULT_CONFIG, node="0", keep=None, force=False):
     """Preview removal of old complete checkpoints; delete only with --force."""
     from astrai.jobs import clean_job
 

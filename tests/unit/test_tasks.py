@@ -469,3 +469,22 @@ def test_preflight_names_a_dangling_symlink_inside_the_data_dir(job):
     assert "Traceback" not in result.stdout + result.stderr
     line = next(line for line in result.stdout.splitlines() if "data dir" in line)
     assert line.startswith("✗") and f"{data / 'shard-0.bin'} is not readable by uid 65534" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["start", "--node", "1e-3"], "--node takes a whole number of at least 0, got '1e-3'"),
+        (["status", "--node", "one"], "--node takes a whole number of at least 0, got 'one'"),
+        (["board", "--port", "6e3"], "--port takes a whole number from 1 to 65535, got '6e3'"),
+        (["board", "--port", "65536"], "--port takes a whole number from 1 to 65535, got '65536'"),
+        (["clean", "--keep", "1e-3"], "--keep takes a whole number of at least 1, got '1e-3'"),
+    ],
+)
+def test_a_number_option_that_is_not_a_whole_number_is_named_without_a_traceback(job, args, message):
+    config, job_dir = job
+    before = _snapshot(job_dir.parent)
+    result = invoke(*args, "--config", str(config))
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert _snapshot(job_dir.parent) == before
