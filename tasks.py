@@ -87,12 +87,12 @@ def init(c, config=DEFAULT_CONFIG, node="0"):
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
 def preflight(c, config=DEFAULT_CONFIG, node="0"):
-    """Check the config, Docker, Compose, paths, model and GPUs; non-zero on any failure."""
+    """Check the config and the trainer arguments after --, Docker, Compose, paths, model, GPUs; non-zero on failure."""
     from astrai.jobs import run_preflight
 
     with _user_errors():
         document, runtime = _load(config, node)
-        run_preflight(runtime, document)
+        run_preflight(runtime, document, _trainer_args(c))
 
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})

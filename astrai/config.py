@@ -8,6 +8,7 @@ any other unknown section or key is an error with a close-match hint.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import hashlib
@@ -323,6 +324,47 @@ def build_config(*layers: dict) -> TrainerConfig:
 def load_trainer_config(path: Path, overrides: list[tuple[str, str]] = ()) -> TrainerConfig:
     """The resolved config: defaults, then the YAML file, then command-line overrides."""
     return build_config(trainer_sections(path), parse_overrides(list(overrides)))
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ConfigError(message)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[TrainerConfig, bool]:
+    """(resolved config, dry_run) from the trainer's command line; bad input raises ConfigError.
+
+    The host runs it too (no torch here), on the job's train.yaml and the arguments after ``--``, so that
+    `invoke preflight` and `invoke start` refuse what the trainer would refuse before any container starts.
+    """
+    parser = _ArgumentParser(
+        prog="python -m astrai.train",
+        description="Train (or resume) a model from the trainer sections of train.yaml.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", type=Path, default=Path("train.yaml"), help="YAML file (default ./train.yaml)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config, world size, device and resume decision, then exit",
+    )
+    defaults = TrainerConfig().to_dict()
+    for key, section in KEY_SECTION.items():
+        parser.add_argument(
+            f"--{key}",
+            dest=f"key_{key}",
+            metavar="VALUE",
+            default=argparse.SUPPRESS,
+            help=f"{section}.{key} (default {defaults[section][key]!r})",
+        )
+    args, unknown = parser.parse_known_args(argv)
+    for token in unknown:
+        if token.startswith("--"):
+            key = token[2:].split("=", 1)[0]
+            raise ConfigError(f"--{key}: unknown option{close_match_hint(key, [*KEY_SECTION, 'config', 'dry-run'])}")
+        raise ConfigError(f"unexpected argument {token!r}")
+    overrides = [(name[len("key_") :], value) for name, value in vars(args).items() if name.startswith("key_")]
+    return load_trainer_config(args.config, overrides), args.dry_run
 
 
 def describe(config: TrainerConfig) -> str:

@@ -86,8 +86,8 @@ def init_job(runtime: Runtime) -> list[Path]:
     return created
 
 
-def run_preflight(runtime: Runtime, document: dict) -> None:
-    checks = preflight.run_checks(runtime, document)
+def run_preflight(runtime: Runtime, document: dict, trainer_args: list[str] = ()) -> None:
+    checks = preflight.run_checks(runtime, document, list(trainer_args))
     _say(preflight.format_checklist(checks))
     if any(check.failed for check in checks):
         raise JobError(f"fix the ✗ lines above, then run `{runtime.command('preflight')}` again")
@@ -104,6 +104,9 @@ def build_image(runtime: Runtime) -> None:
 
 def start_job(runtime: Runtime, document: dict, trainer_args: list[str], *, foreground: bool) -> int:
     """Preflight, build, then start (or resume) the job; returns the exit code for the task."""
+    trainer = preflight.trainer_config_check(runtime, trainer_args)
+    if trainer.failed:  # bad input: refused before anything is created
+        raise JobError(f"{trainer.detail}\n  → {trainer.hint}", code=2)
     check_paths(runtime, ("checkpoints",), need="create")
     with start_lock(runtime):
         container = _start_container(runtime, document, trainer_args)
@@ -147,7 +150,7 @@ def _start_container(runtime: Runtime, document: dict, trainer_args: list[str]) 
             f"job {runtime.job_name} is already running (container {running.name}); "
             f"follow it with `{runtime.command('logs')}` or stop it with `{runtime.command('stop')}`"
         )
-    run_preflight(runtime, document)
+    run_preflight(runtime, document, trainer_args)
     for name in passthrough_unset(runtime):
         _say(
             f"note: runtime.environment.{name} is passed through from your shell, but {name} is not set here; "

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from astrai import compose, engine
 from astrai.checkpoints import estimate_checkpoint_bytes, folder_bytes, latest_complete_checkpoint
-from astrai.config import DataSection
+from astrai.config import DataSection, parse_args
+from astrai.configfile import ConfigError
 from astrai.contract import (
     CONTAINER_DATA,
     LABEL_CUDA_TAG,
@@ -61,9 +62,10 @@ class Check:
         return self.mark == FAIL
 
 
-def run_checks(runtime: Runtime, document: dict) -> list[Check]:
-    """Run every check for a validated runtime; reads only, changes nothing on disk."""
+def run_checks(runtime: Runtime, document: dict, trainer_args: list[str] = ()) -> list[Check]:
+    """Run every check for a validated runtime (and the trainer arguments after ``--``); changes nothing on disk."""
     checks = [Check(PASS, "schema", f"{runtime.config_path}: runtime block is valid (job {runtime.job_name})")]
+    checks.append(trainer_config_check(runtime, trainer_args))
     checks += _docker_checks()
     checks.append(_data_dir_check(runtime))
     checks.append(_job_dir_check(runtime))
@@ -394,6 +396,17 @@ def _gpu_indices_check(runtime: Runtime) -> Check:
             "use indices from `nvidia-smi -L`",
         )
     return Check(PASS, "gpu devices", f"GPU(s) {list(runtime.devices)} present (host has {len(found)})")
+
+
+def trainer_config_check(runtime: Runtime, trainer_args: list[str]) -> Check:
+    """The trainer's own reading of train.yaml and of the arguments after ``--``, so its refusals come now."""
+    given = f" with {' '.join(trainer_args)}" if trainer_args else ""
+    try:
+        parse_args(["--config", str(runtime.config_path), *trainer_args])
+    except ConfigError as error:
+        where = "the arguments after --" if trainer_args else "the trainer sections of train.yaml"
+        return Check(FAIL, "trainer config", str(error), f"fix {where}; `python -m astrai.train --help` lists the keys")
+    return Check(PASS, "trainer config", f"model/data/parallel/training/ckpt/log sections are valid{given}")
 
 
 def _data_root_path_check(document: dict) -> Check:

@@ -28,7 +28,6 @@ if __name__ == "__main__":
 
     early_stop.catch()
 
-import argparse
 import contextlib
 import functools
 import json
@@ -46,14 +45,7 @@ from torch.utils.data import DataLoader
 
 from astrai.checkpoint_io import CheckpointError, CheckpointManager, LoadedCheckpoint, NonFiniteWeights, Progress
 from astrai.checkpoints import latest_complete_checkpoint, read_meta
-from astrai.config import (
-    KEY_SECTION,
-    TrainerConfig,
-    close_match_hint,
-    describe,
-    load_trainer_config,
-    resolve_grad_accum_steps,
-)
+from astrai.config import TrainerConfig, describe, parse_args, resolve_grad_accum_steps
 from astrai.configfile import ConfigError
 from astrai.contract import (
     METRIC_ETA_S,
@@ -641,43 +633,6 @@ class Trainer:
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ConfigError(message)
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[TrainerConfig, bool]:
-    """(resolved config, dry_run) from the command line; bad input raises ConfigError."""
-    parser = _ArgumentParser(
-        prog="python -m astrai.train",
-        description="Train (or resume) a model from the trainer sections of train.yaml.",
-        allow_abbrev=False,
-    )
-    parser.add_argument("--config", type=Path, default=Path("train.yaml"), help="YAML file (default ./train.yaml)")
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print the resolved config, world size, device and resume decision, then exit",
-    )
-    defaults = TrainerConfig().to_dict()
-    for key, section in KEY_SECTION.items():
-        parser.add_argument(
-            f"--{key}",
-            dest=f"key_{key}",
-            metavar="VALUE",
-            default=argparse.SUPPRESS,
-            help=f"{section}.{key} (default {defaults[section][key]!r})",
-        )
-    args, unknown = parser.parse_known_args(argv)
-    for token in unknown:
-        if token.startswith("--"):
-            key = token[2:].split("=", 1)[0]
-            raise ConfigError(f"--{key}: unknown option{close_match_hint(key, [*KEY_SECTION, 'config', 'dry-run'])}")
-        raise ConfigError(f"unexpected argument {token!r}")
-    overrides = [(name[len("key_") :], value) for name, value in vars(args).items() if name.startswith("key_")]
-    return load_trainer_config(args.config, overrides), args.dry_run
 
 
 def dry_run(config: TrainerConfig) -> int:

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from astrai.config import KEY_SECTION, TrainerConfig, load_trainer_config
+from astrai.config import KEY_SECTION, TrainerConfig, load_trainer_config, parse_args
 from astrai.configfile import ConfigError
 from astrai.contract import REQUIRED_FILES
-from astrai.train import main, parse_args
+from astrai.train import main
 
 
 def _yaml(tmp_path, text: str):

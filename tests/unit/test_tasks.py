@@ -488,3 +488,25 @@ def test_a_number_option_that_is_not_a_whole_number_is_named_without_a_traceback
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert _snapshot(job_dir.parent) == before
+
+
+def test_preflight_and_start_refuse_what_the_trainer_would_before_any_container(job):
+    config, job_dir = job
+    document = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump({**document, "training": {"max_stepz": 5}}))
+    result = invoke("preflight", "--config", str(config))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "✗ trainer config" in result.stdout and "training.max_stepz: unknown key; did you mean 'max_steps'?" in (
+        result.stdout
+    )
+    config.write_text(yaml.safe_dump(document))
+    before = _snapshot(config.parent)
+    for task in ("preflight", "start"):
+        result = invoke(task, "--config", str(config), "--", "--max_lr", "fast")
+        assert result.returncode == (1 if task == "preflight" else 2) and "Traceback" not in result.stderr
+        output = result.stdout + result.stderr
+        assert "training.max_lr (--max_lr): expected a number, got 'fast'" in output, output
+        assert "fix the arguments after --" in output
+    assert _snapshot(config.parent) == before  # nothing created: no job folder, no override, no container
+    result = invoke("preflight", "--config", str(config), "--", "--max_lr", "1e-3", "--max_steps", "50")
+    assert "✓ trainer config" in result.stdout and "with --max_lr 1e-3 --max_steps 50" in result.stdout
