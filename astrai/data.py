@@ -31,6 +31,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,11 +175,26 @@ def prepare(
         if not Path(path).is_file():
             raise DataError(f"{path}: not a file")
     vocab_size = tokenizer.vocab_size if tokenizer is not None else TOKENIZER.vocab_size
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Everything is written to a staging folder first: a failure or an interrupt leaves an earlier data set in
+    # out_dir as it was, and a trainer reading it keeps its mapped shards (they are replaced, not rewritten).
+    staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir))
+    try:
+        manifest = _prepare_into(staging, files, shard_tokens, tokenizer, vocab_size)
+        _publish(staging, out_dir, manifest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    shutil.rmtree(staging, ignore_errors=True)
+    return manifest
+
+
+def _prepare_into(out_dir: Path, files: list[Path], shard_tokens: int, tokenizer, vocab_size: int) -> dict:
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
     width = DTYPES[dtype]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Without a manifest the folder reads as not prepared, so a crash below never leaves a half-written data set.
-    (out_dir / DATA_MANIFEST_FILE).unlink(missing_ok=True)
     shards: list[dict] = []
     writer = None
 
@@ -211,9 +227,6 @@ def prepare(
     total = sum(shard["num_tokens"] for shard in shards)
     if total == len(files):
         raise DataError("the input files are empty: nothing to train on")
-    for stale in sorted(out_dir.glob("shard_*.bin")):
-        if stale.name not in {shard["file"] for shard in shards}:
-            stale.unlink()
     copied = _copy_tokenizer_files(tokenizer, out_dir)
     manifest = {
         "format": FORMAT,
@@ -234,10 +247,28 @@ def prepare(
             tokenizer_sha256=tokenizer.sha256,
             tokenizer_files=copied,
         )
-    tmp = out_dir / f".{DATA_MANIFEST_FILE}.tmp"
+    return manifest
+
+
+def _publish(staging: Path, out_dir: Path, manifest: dict) -> None:
+    """Move a prepared data set from ``staging`` into ``out_dir``, the manifest last.
+
+    From the first shard moved until the new manifest is in place, out_dir has no manifest and reads as
+    not prepared; shards and tokenizer files of an earlier data set that the new one does not have go.
+    """
+    names = [shard["file"] for shard in manifest["shards"]] + list(manifest.get("tokenizer_files", []))
+    (out_dir / DATA_MANIFEST_FILE).unlink(missing_ok=True)
+    for name in names:
+        os.replace(staging / name, out_dir / name)
+    for stale in sorted(out_dir.glob("shard_*.bin")):
+        if stale.name not in names:
+            stale.unlink()
+    for name in TOKENIZER_FILES:
+        if name not in names:
+            (out_dir / name).unlink(missing_ok=True)
+    tmp = staging / DATA_MANIFEST_FILE
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(tmp, out_dir / DATA_MANIFEST_FILE)
-    return manifest
 
 
 def _tokenize_with(tokenizer: HFTokenizer, files: list[Path], typecode: str, write) -> None:
@@ -271,7 +302,7 @@ def _tokenize_with(tokenizer: HFTokenizer, files: list[Path], typecode: str, wri
 
 
 def _copy_tokenizer_files(tokenizer: HFTokenizer | None, out_dir: Path) -> list[str]:
-    """Put the tokenizer's files in the data folder (removing another tokenizer's); returns their names."""
+    """Put the tokenizer's files in the (staging) data folder; returns their names."""
     names = []
     if tokenizer is not None:
         for source in tokenizer.files:
@@ -283,9 +314,6 @@ def _copy_tokenizer_files(tokenizer: HFTokenizer | None, out_dir: Path) -> list[
             config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.end_of_text_token}
             (out_dir / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
             names.append(TOKENIZER_CONFIG_FILE)
-    for name in TOKENIZER_FILES:
-        if name not in names:
-            (out_dir / name).unlink(missing_ok=True)
     return sorted(names)
 
 

@@ -170,3 +170,29 @@ def test_every_world_size_trains_the_same_windows_in_every_step(resume_at):
     assert all(len(windows) == global_batch for windows in reference)
     for world_size in (2, 3, 4):
         assert steps(world_size) == reference
+
+
+def test_a_failed_prepare_leaves_the_earlier_data_set_and_a_new_one_replaces_it_whole(tmp_path):
+    out = tmp_path / "data"
+    prepare(out, [_write(tmp_path / "a.txt", "a" * 100)], shard_tokens=40)
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    assert sorted(before) == ["manifest.json", "shard_00000.bin", "shard_00001.bin", "shard_00002.bin"]
+    with pytest.raises(DataError, match="empty"):
+        prepare(out, [_write(tmp_path / "empty.txt", "")], shard_tokens=40)
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before  # no staging left either
+    with pytest.raises(DataError, match="empty"):
+        prepare(tmp_path / "new" / "data", [tmp_path / "empty.txt"])
+    assert not (tmp_path / "new" / "data").exists()
+
+    # A trainer that has the old shards mapped keeps reading them: they are replaced, not rewritten.
+    old = TokenData.open(out)
+    dataset = WindowDataset(old, 8)
+    first = dataset[0].tolist()
+    prepare(out, [_write(tmp_path / "b.txt", "b" * 50)], shard_tokens=40)
+    assert dataset[0].tolist() == first == [ord("a")] * 9
+    new = TokenData.open(out)
+    assert new.shard_tokens == (40, 11) and sorted(path.name for path in out.iterdir()) == [
+        "manifest.json",
+        "shard_00000.bin",
+        "shard_00001.bin",
+    ]
