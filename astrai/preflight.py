@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -400,12 +401,16 @@ def _gpu_indices_check(runtime: Runtime) -> Check:
 
 def trainer_config_check(runtime: Runtime, trainer_args: list[str]) -> Check:
     """The trainer's own reading of train.yaml and of the arguments after ``--``, so its refusals come now."""
-    given = f" with {' '.join(trainer_args)}" if trainer_args else ""
-    try:
-        parse_args(["--config", str(runtime.config_path), *trainer_args])
-    except ConfigError as error:
-        where = "the arguments after --" if trainer_args else "the trainer sections of train.yaml"
-        return Check(FAIL, "trainer config", str(error), f"fix {where}; `python -m astrai.train --help` lists the keys")
+    readings = [([], f"the trainer sections of {runtime.config_path.name}")]
+    if trainer_args:
+        readings.append((list(trainer_args), "the arguments after --"))
+    for args, where in readings:
+        try:
+            parse_args(["--config", str(runtime.config_path), *args])
+        except ConfigError as error:
+            hint = f"fix {where}; `python -m astrai.train --help` lists the keys"
+            return Check(FAIL, "trainer config", str(error), hint)
+    given = f" with {shlex.join(trainer_args)}" if trainer_args else ""
     return Check(PASS, "trainer config", f"model/data/parallel/training/ckpt/log sections are valid{given}")
 
 

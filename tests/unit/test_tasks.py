@@ -499,6 +499,8 @@ def test_preflight_and_start_refuse_what_the_trainer_would_before_any_container(
     assert "✗ trainer config" in result.stdout and "training.max_stepz: unknown key; did you mean 'max_steps'?" in (
         result.stdout
     )
+    result = invoke("preflight", "--config", str(config), "--", "--max_steps", "5")
+    assert "max_stepz" in result.stdout and "fix the trainer sections of train.yaml" in result.stdout
     config.write_text(yaml.safe_dump(document))
     before = _snapshot(config.parent)
     for task in ("preflight", "start"):
@@ -510,3 +512,5 @@ def test_preflight_and_start_refuse_what_the_trainer_would_before_any_container(
     assert _snapshot(config.parent) == before  # nothing created: no job folder, no override, no container
     result = invoke("preflight", "--config", str(config), "--", "--max_lr", "1e-3", "--max_steps", "50")
     assert "✓ trainer config" in result.stdout and "with --max_lr 1e-3 --max_steps 50" in result.stdout
+    result = invoke("preflight", "--config", str(config), "--", "--ckpt_dir", "/checkpoints/a b")
+    assert "with --ckpt_dir '/checkpoints/a b'" in result.stdout
