@@ -102,11 +102,16 @@ def build_image(runtime: Runtime) -> None:
 # --- start, stop, restart ---------------------------------------------------------------------
 
 
+def check_trainer_config(runtime: Runtime, trainer_args: list[str]) -> None:
+    """Refuse (exit 2) what the trainer would refuse in train.yaml or the arguments after ``--``."""
+    trainer = preflight.trainer_config_check(runtime, trainer_args)
+    if trainer.failed:
+        raise JobError(f"{trainer.detail}\n  → {trainer.hint}", code=2)
+
+
 def start_job(runtime: Runtime, document: dict, trainer_args: list[str], *, foreground: bool) -> int:
     """Preflight, build, then start (or resume) the job; returns the exit code for the task."""
-    trainer = preflight.trainer_config_check(runtime, trainer_args)
-    if trainer.failed:  # bad input: refused before anything is created
-        raise JobError(f"{trainer.detail}\n  → {trainer.hint}", code=2)
+    check_trainer_config(runtime, trainer_args)  # bad input: refused before anything is created
     check_paths(runtime, ("checkpoints",), need="create")
     with start_lock(runtime):
         container = _start_container(runtime, document, trainer_args)

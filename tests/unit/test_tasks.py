@@ -503,7 +503,7 @@ def test_preflight_and_start_refuse_what_the_trainer_would_before_any_container(
     assert "max_stepz" in result.stdout and "fix the trainer sections of train.yaml" in result.stdout
     config.write_text(yaml.safe_dump(document))
     before = _snapshot(config.parent)
-    for task in ("preflight", "start"):
+    for task in ("preflight", "start", "restart"):  # restart refuses before it stops anything
         result = invoke(task, "--config", str(config), "--", "--max_lr", "fast")
         assert result.returncode == (1 if task == "preflight" else 2) and "Traceback" not in result.stderr
         output = result.stdout + result.stderr
