@@ -255,10 +255,7 @@ def clean(c, config=DEFAULT_CONFIG, node="0", keep=None, force=False):
     """Preview removal of old complete checkpoints; delete only with --force."""
     from astrai.jobs import clean_job
 
-    try:
-        keep = None if keep is None else int(keep)
-    except ValueError:
-        raise Exit(f"error: --keep takes a whole number of at least 1, got {keep!r}", code=2) from None
+    keep = None if keep is None else _whole("keep", keep, 1)
     with _user_errors():
         _, runtime = _load(config, node)
         clean_job(runtime, keep, force)

@@ -145,16 +145,7 @@ def _data_dir_check(runtime: Runtime) -> Check:
             "create it with `invoke init`, then prepare data with `python -m astrai.data prepare --out "
             f"{path} FILE...` (runtime.paths.data)",
         )
-    unreadable = [p for p in [path, *path.iterdir()] if not _container_may(p, READ)]
-    if unreadable:
-        uid, gid = host_user_ids()
-        return Check(
-            FAIL,
-            "data dir",
-            f"{unreadable[0]} is not readable by uid {uid}, which the container runs as",
-            f"sudo chown -R {uid}:{gid} {path}  (or chmod -R a+rX {path})",
-        )
-    return Check(PASS, "data dir", f"{path} is readable")
+    return _unreadable("data dir", [path, *path.iterdir()], path) or Check(PASS, "data dir", f"{path} is readable")
 
 
 def _job_dir_check(runtime: Runtime) -> Check:
@@ -215,16 +206,23 @@ def _base_model_check(runtime: Runtime, document: dict) -> Check:
         return Check(FAIL, "base model", f"{error} and no checkpoint to resume", init)
     index = folder / WEIGHTS_INDEX_FILE
     files = [folder / MODEL_CONFIG_FILE, *weights.files, *([index] if len(weights.files) > 1 else [])]
-    unreadable = [path for path in files if not _container_may(path, READ)]
-    if unreadable:
-        uid, gid = host_user_ids()
-        return Check(
-            FAIL,
-            "base model",
-            f"{unreadable[0]} is not readable by uid {uid}, which the container runs as",
-            f"sudo chown -R {uid}:{gid} {folder}  (or chmod -R a+rX {folder})",
-        )
-    return Check(PASS, "base model", f"{folder}: {describe(folder, config, weights)}")
+    return _unreadable("base model", files, folder) or Check(
+        PASS, "base model", f"{folder}: {describe(folder, config, weights)}"
+    )
+
+
+def _unreadable(name: str, paths: list[Path], folder: Path) -> Check | None:
+    """A failed check naming the first of ``paths`` the container's user cannot read, or None."""
+    unreadable = next((path for path in paths if not _container_may(path, READ)), None)
+    if unreadable is None:
+        return None
+    uid, gid = host_user_ids()
+    return Check(
+        FAIL,
+        name,
+        f"{unreadable} is not readable by uid {uid}, which the container runs as",
+        f"sudo chown -R {uid}:{gid} {folder}  (or chmod -R a+rX {folder})",
+    )
 
 
 def _disk_space_check(runtime: Runtime) -> Check:

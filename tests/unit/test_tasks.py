@@ -116,19 +116,15 @@ def test_every_verb_is_listed_with_help():
 
 @pytest.fixture
 def job(tmp_path):
-    config = tmp_path / "train.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "runtime": {
-                    "job_name": "j",
-                    "gpu": {"devices": "none"},
-                    "container": {"cuda_tag": "cpu", "checkpoint_keep_last": 2},
-                }
-            }
-        )
-    )
-    return config, tmp_path / "checkpoints" / "j"
+    return _cpu_job(tmp_path, container={"checkpoint_keep_last": 2}), tmp_path / "checkpoints" / "j"
+
+
+def _cpu_job(folder: Path, paths: dict | None = None, container: dict | None = None) -> Path:
+    """train.yaml of a CPU job named j in ``folder``."""
+    runtime = {"job_name": "j", "gpu": {"devices": "none"}, "container": {"cuda_tag": "cpu", **(container or {})}}
+    config = folder / "train.yaml"
+    config.write_text(yaml.safe_dump({"runtime": {**runtime, **({"paths": paths} if paths else {})}}))
+    return config
 
 
 def _checkpoint(job_dir: Path, epoch: int, step: int, complete: bool = True) -> Path:
@@ -349,19 +345,7 @@ def test_a_broken_checkpoints_path_names_the_key_without_a_traceback_and_changes
 
 @pytest.mark.parametrize("key", ["data", "model"])
 def test_init_creates_nothing_when_one_path_is_broken(tmp_path, key):
-    config = tmp_path / "train.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "runtime": {
-                    "job_name": "j",
-                    "gpu": {"devices": "none"},
-                    "container": {"cuda_tag": "cpu"},
-                    "paths": {key: "./broken/inside"},
-                }
-            }
-        )
-    )
+    config = _cpu_job(tmp_path, paths={key: "./broken/inside"})
     (tmp_path / "broken").write_text("a file where a folder belongs")
     before = _tree(tmp_path)
     result = invoke("init", "--config", str(config))
@@ -372,19 +356,7 @@ def test_init_creates_nothing_when_one_path_is_broken(tmp_path, key):
 
 
 def test_preflight_names_a_broken_data_and_model_path(tmp_path):
-    config = tmp_path / "train.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "runtime": {
-                    "job_name": "j",
-                    "gpu": {"devices": "none"},
-                    "container": {"cuda_tag": "cpu"},
-                    "paths": {"data": "./data", "model": "./params"},
-                }
-            }
-        )
-    )
+    config = _cpu_job(tmp_path, paths={"data": "./data", "model": "./params"})
     (tmp_path / "data").write_text("not a folder")
     (tmp_path / "params").symlink_to(tmp_path / "gone")
     before = _tree(tmp_path)
@@ -432,13 +404,7 @@ def test_preflight_fails_when_the_container_user_may_not_create_the_job_dir(job)
 
 
 def _space_line(tmp_path, tiny_model, checkpoints: Path) -> str:
-    config = tmp_path / "train.yaml"
-    paths = {"model": str(tiny_model), "checkpoints": str(checkpoints)}
-    config.write_text(
-        yaml.safe_dump(
-            {"runtime": {"job_name": "j", "gpu": {"devices": "none"}, "container": {"cuda_tag": "cpu"}, "paths": paths}}
-        )
-    )
+    config = _cpu_job(tmp_path, paths={"model": str(tiny_model), "checkpoints": str(checkpoints)})
     result = invoke("preflight", "--config", str(config))
     assert "Traceback" not in result.stdout + result.stderr
     return next(line for line in result.stdout.splitlines() if "checkpoint space" in line)
