@@ -11,7 +11,7 @@ FROM ${BASE_IMAGE}
 # Declared again to be seen after FROM (the error messages name it).
 ARG BASE_IMAGE
 ARG CUDA_TAG=cpu
-# One torch in every image: the version the tests run (astrai/contract.py TORCH_VERSION).
+# One torch in every image: the version the tests run (astrai/common/contract.py TORCH_VERSION).
 ARG TORCH_VERSION=2.13.0
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -75,7 +75,7 @@ RUN set -eu; \
                  "TensorBoard event files will be off"; \
         fi; \
     fi
-# What `invoke status` and `invoke preflight` report (label names: astrai/contract.py).
+# What `invoke status` and `invoke preflight` report (label names: astrai/common/contract.py).
 LABEL ai.astrai.torch="${TORCH_VERSION}" \
       ai.astrai.cuda_tag="${CUDA_TAG}"
 
@@ -91,7 +91,7 @@ RUN set -eu; \
     fi; \
     mkdir -p /home/astrai; \
     chown "${UID}:${GID}" /home/astrai
-# CONTAINER_HOME in astrai/contract.py; at run time a scratch tmpfs (the root file system is read-only).
+# CONTAINER_HOME in astrai/common/contract.py; at run time a scratch tmpfs (the root file system is read-only).
 ENV HOME=/home/astrai
 
 WORKDIR /app
@@ -99,4 +99,4 @@ ENV PYTHONPATH=/app
 COPY astrai /app/astrai
 USER ${UID}:${GID}
 
-ENTRYPOINT ["python3", "-m", "astrai.entrypoint"]
+ENTRYPOINT ["python3", "-m", "astrai.trainer.entrypoint"]

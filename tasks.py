@@ -22,13 +22,13 @@ DEFAULT_CONFIG = "train.yaml"
 @contextlib.contextmanager
 def _user_errors():
     """Expected failures end as a message on stderr and a non-zero exit, not a traceback."""
-    from astrai.baseimage import BaseImageError
-    from astrai.board import BoardError
-    from astrai.compose import ComposeError
-    from astrai.configfile import ConfigError
-    from astrai.engine import EngineError
-    from astrai.jobs import JobError
-    from astrai.runtime import SchemaError
+    from astrai.common.configfile import ConfigError
+    from astrai.host.baseimage import BaseImageError
+    from astrai.host.board import BoardError
+    from astrai.host.compose import ComposeError
+    from astrai.host.engine import EngineError
+    from astrai.host.jobs import JobError
+    from astrai.host.runtime import SchemaError
 
     try:
         yield
@@ -55,7 +55,7 @@ def _whole(option: str, value, minimum: int, maximum: int | None = None) -> int:
 
 
 def _load(config: str, node="0"):
-    from astrai.runtime import load_job_config
+    from astrai.host.runtime import load_job_config
 
     return load_job_config(config, _whole("node", node, 0))
 
@@ -75,7 +75,7 @@ def _trainer_args(c) -> list[str]:
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
 def init(c, config=DEFAULT_CONFIG, node="0"):
     """Create the runtime folders (data, model, checkpoints, job dir); never writes the YAML."""
-    from astrai.jobs import init_job
+    from astrai.host.jobs import init_job
 
     with _user_errors():
         _, runtime = _load(config, node)
@@ -88,7 +88,7 @@ def init(c, config=DEFAULT_CONFIG, node="0"):
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
 def preflight(c, config=DEFAULT_CONFIG, node="0"):
     """Check the config and the trainer arguments after --, Docker, Compose, paths, model, GPUs; non-zero on failure."""
-    from astrai.jobs import run_preflight
+    from astrai.host.jobs import run_preflight
 
     with _user_errors():
         document, runtime = _load(config, node)
@@ -98,7 +98,7 @@ def preflight(c, config=DEFAULT_CONFIG, node="0"):
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
 def render(c, config=DEFAULT_CONFIG, node="0"):
     """Print the generated Compose override of a job (arguments after -- become the trainer's)."""
-    from astrai.compose import dump_override, render_override
+    from astrai.host.compose import dump_override, render_override
 
     with _user_errors():
         _, runtime = _load(config, node)
@@ -108,7 +108,7 @@ def render(c, config=DEFAULT_CONFIG, node="0"):
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
 def build(c, config=DEFAULT_CONFIG, node="0"):
     """Build the trainer image of a job."""
-    from astrai.jobs import build_image
+    from astrai.host.jobs import build_image
 
     with _user_errors():
         _, runtime = _load(config, node)
@@ -124,7 +124,7 @@ def build(c, config=DEFAULT_CONFIG, node="0"):
 )
 def start(c, config=DEFAULT_CONFIG, node="0", foreground=False):
     """Preflight, build, then start or resume the job (-- ARGS override trainer settings)."""
-    from astrai.jobs import start_job
+    from astrai.host.jobs import start_job
 
     with _user_errors():
         document, runtime = _load(config, node)
@@ -136,7 +136,7 @@ def start(c, config=DEFAULT_CONFIG, node="0", foreground=False):
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
 def stop(c, config=DEFAULT_CONFIG, node="0"):
     """Stop gracefully: SIGTERM, emergency checkpoint, exit; cancels the max-duration timer."""
-    from astrai.jobs import stop_job
+    from astrai.host.jobs import stop_job
 
     with _user_errors():
         _, runtime = _load(config, node)
@@ -146,7 +146,7 @@ def stop(c, config=DEFAULT_CONFIG, node="0"):
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP, "foreground": "stay attached to the logs after starting"})
 def restart(c, config=DEFAULT_CONFIG, node="0", foreground=False):
     """Stop the job gracefully, then start it again (it resumes from the emergency checkpoint)."""
-    from astrai.jobs import check_trainer_config, start_job, stop_job
+    from astrai.host.jobs import check_trainer_config, start_job, stop_job
 
     with _user_errors():
         document, runtime = _load(config, node)
@@ -167,7 +167,7 @@ def restart(c, config=DEFAULT_CONFIG, node="0", foreground=False):
 )
 def logs(c, config=DEFAULT_CONFIG, node="0", tail="100", follow=True):
     """Follow the trainer's logs (progress lines name the step)."""
-    from astrai.jobs import show_logs
+    from astrai.host.jobs import show_logs
 
     if tail != "all" and not tail.isdigit():
         raise Exit(f"error: --tail takes a number of lines or 'all', got {tail!r}", code=2)
@@ -179,7 +179,7 @@ def logs(c, config=DEFAULT_CONFIG, node="0", tail="100", follow=True):
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
 def status(c, config=DEFAULT_CONFIG, node="0"):
     """Show the container state, progress, latest checkpoint and timer of a job."""
-    from astrai.jobs import status_lines
+    from astrai.host.jobs import status_lines
 
     with _user_errors():
         _, runtime = _load(config, node)
@@ -199,7 +199,7 @@ def status(c, config=DEFAULT_CONFIG, node="0"):
 )
 def board(c, config=DEFAULT_CONFIG, node="0", all=False, host="127.0.0.1", port="6006", background=False, stop=False):
     """Serve TensorBoard for the job (Ctrl-C ends it), or --background / --stop a detached one."""
-    from astrai import board as tb
+    from astrai.host import board as tb
 
     with _user_errors():
         _, runtime = _load(config, node)
@@ -225,7 +225,7 @@ def board(c, config=DEFAULT_CONFIG, node="0", all=False, host="127.0.0.1", port=
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
 def latest(c, config=DEFAULT_CONFIG, node="0"):
     """Print the path of the newest complete checkpoint."""
-    from astrai.jobs import latest_path
+    from astrai.host.jobs import latest_path
 
     with _user_errors():
         _, runtime = _load(config, node)
@@ -235,7 +235,7 @@ def latest(c, config=DEFAULT_CONFIG, node="0"):
 @task(name="list", help={"config": CONFIG_HELP, "node": NODE_HELP})
 def list_(c, config=DEFAULT_CONFIG, node="0"):
     """Print the path of every complete checkpoint, oldest first by (epoch, step)."""
-    from astrai.jobs import list_paths
+    from astrai.host.jobs import list_paths
 
     with _user_errors():
         _, runtime = _load(config, node)
@@ -253,7 +253,7 @@ def list_(c, config=DEFAULT_CONFIG, node="0"):
 )
 def clean(c, config=DEFAULT_CONFIG, node="0", keep=None, force=False):
     """Preview removal of old complete checkpoints; delete only with --force."""
-    from astrai.jobs import clean_job
+    from astrai.host.jobs import clean_job
 
     keep = None if keep is None else _whole("keep", keep, 1)
     with _user_errors():
@@ -272,7 +272,7 @@ def demo(c, workdir="demo", fresh=False, job_name="astrai-demo"):
     """Run a tiny CPU job end to end: init, preflight, start, stop, resume, finish."""
     from pathlib import Path
 
-    from astrai.demo import run_demo
+    from astrai.host.demo import run_demo
 
     with _user_errors():
         run_demo(Path(workdir), fresh=fresh, job_name=job_name)
@@ -286,7 +286,7 @@ def demo(c, workdir="demo", fresh=False, job_name="astrai-demo"):
 )
 def bench(c, quick=False, readme=False):
     """Measure speed and robustness side by side; writes bench/results.json."""
-    from astrai.baseimage import DEFAULT_TAG
+    from astrai.host.baseimage import DEFAULT_TAG
     from bench.run import run
 
     with _user_errors():

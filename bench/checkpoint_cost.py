@@ -54,9 +54,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from astrai.checkpoints import list_complete_checkpoints
-from astrai.distributed import init_distributed
-from astrai.train import Trainer
+from astrai.common.checkpoints import list_complete_checkpoints
+from astrai.trainer.distributed import init_distributed
+from astrai.trainer.loop import Trainer
 from bench.common import REPO, fix_threads, ratio_with_spread
 from bench.trainer_speed import make_assets, trainer_config
 

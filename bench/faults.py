@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from astrai.checkpoints import STAGING_PREFIX, latest_complete_checkpoint, read_meta
+from astrai.common.checkpoints import STAGING_PREFIX, latest_complete_checkpoint, read_meta
 from bench.trainer_speed import make_assets
 
 STEPS, INTERVAL = 240, 20

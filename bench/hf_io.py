@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from astrai.data import HFTokenizer, prepare
-from astrai.model import PRESETS, hf_state_dict, load_base_model, write_base_model
+from astrai.data.pipeline import HFTokenizer, prepare
+from astrai.trainer.model import PRESETS, hf_state_dict, load_base_model, write_base_model
 from bench.common import REPO
 
 CORPUS = sorted((REPO / "examples" / "corpus").glob("*.txt"))

@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from astrai.contract import REQUIRED_FILES
+from astrai.common.contract import REQUIRED_FILES
 from bench.common import invoke, median_time, write_config
 
 SHELL_LIST = r"""

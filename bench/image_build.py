@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from astrai import compose
+from astrai.host import compose
 from bench.common import REPO, write_config
 
 JOB = "bench-build"
@@ -33,7 +33,7 @@ def _copy_project(target: Path) -> Path:
 def _build(project: Path, config: Path, *extra: str) -> float:
     # Run the copy's own compose files through its own `docker compose` command line.
     code = (
-        "import sys; from astrai import compose, runtime; r = runtime.resolve_runtime(sys.argv[1]); "
+        "import sys; from astrai.host import compose, runtime; r = runtime.resolve_runtime(sys.argv[1]); "
         "compose.write_override(r); import subprocess; "
         "sys.exit(subprocess.run(compose.compose_command(r, 'build', *sys.argv[2:], 'trainer'), "
         "capture_output=True).returncode)"

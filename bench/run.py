@@ -20,7 +20,7 @@ import re
 import subprocess
 import time
 
-from astrai import baseimage
+from astrai.host import baseimage
 from bench import checkpoint_cost, faults, hf_io, host_commands, image_build, stop_latency, trainer_speed, two_nodes
 from bench.common import REPO, TORCH_THREADS
 

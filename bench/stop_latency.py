@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from astrai import compose
-from astrai.checkpoints import latest_complete_checkpoint, read_meta
-from astrai.distributed import init_distributed
-from astrai.train import Trainer
+from astrai.common.checkpoints import latest_complete_checkpoint, read_meta
+from astrai.host import compose
+from astrai.trainer.distributed import init_distributed
+from astrai.trainer.loop import Trainer
 from bench.common import invoke, write_config
 from bench.trainer_speed import make_assets, trainer_config
 

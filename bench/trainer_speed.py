@@ -28,11 +28,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from astrai.config import build_config
-from astrai.data import TokenData, WindowDataset, epoch_permutation, prepare
-from astrai.distributed import init_distributed
-from astrai.model import PRESETS, Transformer, load_base_model, write_base_model
-from astrai.train import Trainer
+from astrai.common.config import build_config
+from astrai.common.data_folder import TokenData
+from astrai.data.pipeline import prepare
+from astrai.trainer.distributed import init_distributed
+from astrai.trainer.loop import Trainer
+from astrai.trainer.model import PRESETS, Transformer, load_base_model, write_base_model
+from astrai.trainer.windows import WindowDataset, epoch_permutation
 from bench.common import REPO, fix_threads, ratio_with_spread
 
 # preset: (window_size, batch_per_device, steps per turn)

@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from astrai import compose, engine
-from astrai.checkpoints import latest_complete_checkpoint, read_meta
+from astrai.common.checkpoints import latest_complete_checkpoint, read_meta
+from astrai.host import compose, engine
 from bench.common import invoke, write_config
 from bench.trainer_speed import make_assets
 

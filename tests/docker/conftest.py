@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from astrai import baseimage, compose, engine, timer
-from astrai.checkpoints import list_complete_checkpoints, read_meta
+from astrai.common.checkpoints import list_complete_checkpoints, read_meta
+from astrai.host import baseimage, compose, engine, timer
 
 REPO = Path(__file__).resolve().parents[2]
 BASE_IMAGE = os.environ.get("ASTRAI_TEST_BASE_IMAGE", baseimage.DEFAULT_TAG)

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from astrai import compose
-from astrai.checkpoints import list_complete_checkpoints, read_meta
+from astrai.common.checkpoints import list_complete_checkpoints, read_meta
+from astrai.host import compose
 
 pytestmark = pytest.mark.docker
 

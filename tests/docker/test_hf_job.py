@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from astrai.checkpoints import latest_complete_checkpoint
+from astrai.common.checkpoints import latest_complete_checkpoint
 
 pytestmark = pytest.mark.docker
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from astrai import compose, timer
+from astrai.host import compose, timer
 
 pytestmark = pytest.mark.docker
 
@@ -188,7 +188,7 @@ def test_manual_stop_cancels_the_timer(make_job):
     time.sleep(0.5)
     assert (
         not os.path.exists(f"/proc/{scheduled.pid}")
-        or b"astrai.timer" not in open(f"/proc/{scheduled.pid}/cmdline", "rb").read()
+        or b"astrai.host.timer" not in open(f"/proc/{scheduled.pid}/cmdline", "rb").read()
     )
     assert "timer       none" in job.invoke("status").stdout
 

@@ -11,9 +11,9 @@ import sys
 import pytest
 import yaml
 
-from astrai import compose
-from astrai.contract import TORCH_VERSION
-from astrai.runtime import resolve_runtime
+from astrai.common.contract import TORCH_VERSION
+from astrai.host import compose
+from astrai.host.runtime import resolve_runtime
 
 pytestmark = pytest.mark.docker
 

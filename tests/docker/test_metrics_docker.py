@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from astrai.contract import METRICS_FILE, TAG_TRAIN_LOSS, TAG_VAL_LOSS, TENSORBOARD_DIR
-from astrai.metrics import SPARK_BLOCKS, read_records
+from astrai.common.contract import METRICS_FILE, TAG_TRAIN_LOSS, TAG_VAL_LOSS, TENSORBOARD_DIR
+from astrai.common.metrics import SPARK_BLOCKS, read_records
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.docker

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from conftest import REPO, _tear_down
 
-from astrai import compose, engine
+from astrai.host import compose, engine
 
 pytestmark = pytest.mark.docker
 

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from astrai import compose
+from astrai.host import compose
 
 pytestmark = pytest.mark.docker
 

@@ -28,7 +28,7 @@ SMALL_RUN = {
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny base model folder (config.json + model.safetensors), seed 0."""
-    from astrai.model import PRESETS, write_base_model
+    from astrai.trainer.model import PRESETS, write_base_model
 
     folder = tmp_path_factory.mktemp("base_model")
     write_base_model(folder, PRESETS["tiny"], seed=0)
@@ -38,7 +38,7 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def corpus_data(tmp_path_factory) -> Path:
     """examples/corpus prepared as token data."""
-    from astrai.data import prepare
+    from astrai.data.pipeline import prepare
 
     folder = tmp_path_factory.mktemp("corpus_data")
     prepare(folder, CORPUS_FILES)
@@ -48,7 +48,7 @@ def corpus_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def train_yaml(tiny_model, corpus_data):
     """Write a train.yaml (with a runtime block the trainer must ignore) from flat keys; returns its path."""
-    from astrai.config import KEY_SECTION
+    from astrai.common.config import KEY_SECTION
 
     def write(path: Path, **keys) -> Path:
         values = {"data_root_path": str(corpus_data), "param_path": str(tiny_model), **SMALL_RUN, **keys}

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from astrai.config import load_trainer_config
-from astrai.contract import METRICS_FILE, TAG_TRAIN_LOSS
-from astrai.distributed import init_distributed
-from astrai.metrics import read_records
-from astrai.train import Trainer
+from astrai.common.config import load_trainer_config
+from astrai.common.contract import METRICS_FILE, TAG_TRAIN_LOSS
+from astrai.common.metrics import read_records
+from astrai.trainer.distributed import init_distributed
+from astrai.trainer.loop import Trainer
 
 pytestmark = pytest.mark.slow
 

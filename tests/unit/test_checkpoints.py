@@ -1,4 +1,4 @@
-"""Checkpoint folders: the shared rules (astrai.checkpoints) and the trainer's writer/reader (astrai.checkpoint_io)."""
+"""Checkpoint folders: the shared folder rules and the trainer's writer and reader."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from astrai import checkpoint_io
-from astrai.checkpoint_io import CheckpointError, CheckpointManager, Progress, first_non_finite, read_checkpoint
-from astrai.checkpoints import (
+from astrai.common.checkpoints import (
     Checkpoint,
     checkpoint_name,
     is_complete,
@@ -26,9 +24,11 @@ from astrai.checkpoints import (
     remove_checkpoint,
     scan_job_dir,
 )
-from astrai.contract import REQUIRED_FILES
-from astrai.distributed import init_distributed
-from astrai.model import PRESETS, Transformer
+from astrai.common.contract import REQUIRED_FILES
+from astrai.trainer import checkpoint as checkpoint_io
+from astrai.trainer.checkpoint import CheckpointError, CheckpointManager, Progress, first_non_finite, read_checkpoint
+from astrai.trainer.distributed import init_distributed
+from astrai.trainer.model import PRESETS, Transformer
 
 
 def _fake_checkpoint(job_dir, epoch, step, files=REQUIRED_FILES):

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from astrai import compose
-from astrai.contract import LABEL_TORCH, TORCH_CUDA_TAGS, TORCH_VERSION
-from astrai.runtime import resolve_runtime
+from astrai.common.contract import LABEL_TORCH, TORCH_CUDA_TAGS, TORCH_VERSION
+from astrai.host import compose
+from astrai.host.runtime import resolve_runtime
 
 BASE = "astrai-base:test"
 
@@ -49,7 +49,9 @@ def _runtime(
 def _expected(tmp_path: Path, environment: dict, cuda_tag: str, gpu: bool) -> dict:
     service = {
         "build": {
-            "args": {"BASE_IMAGE": BASE, "CUDA_TAG": cuda_tag, "GID": "1001", "TORCH_VERSION": "2.13.0", "UID": "1000"}
+            "args": {"BASE_IMAGE": BASE, "CUDA_TAG": cuda_tag, "GID": "1001", "TORCH_VERSION": "2.13.0", "UID": "1000"},
+            "context": str(compose.PROJECT_ROOT),
+            "dockerfile": "Dockerfile",
         },
         "cap_drop": ["ALL"],
         "environment": {
@@ -60,7 +62,7 @@ def _expected(tmp_path: Path, environment: dict, cuda_tag: str, gpu: bool) -> di
         },
         "ipc": "host",
         "labels": {
-            "ai.astrai.config": str(tmp_path / "train.yaml"),
+            "ai.astrai.common.config": str(tmp_path / "train.yaml"),
             "ai.astrai.job": "demo.Job",
             "ai.astrai.node": "0",
         },
@@ -374,7 +376,7 @@ def test_every_user_string_reaches_compose_literally(tmp_path):
     for name, value in environment.items():
         assert service["environment"][name] == value, name
     assert service["volumes"][0]["source"] == str(folder / "data")
-    assert service["labels"]["ai.astrai.config"] == str(folder / "train.yaml")
+    assert service["labels"]["ai.astrai.common.config"] == str(folder / "train.yaml")
     assert "$HOME" not in text.replace("$$", "")
 
 

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from astrai.config import KEY_SECTION, TrainerConfig, load_trainer_config, parse_args
-from astrai.configfile import ConfigError
-from astrai.contract import REQUIRED_FILES
-from astrai.train import main
+from astrai.common.config import KEY_SECTION, TrainerConfig, load_trainer_config, parse_args
+from astrai.common.configfile import ConfigError
+from astrai.common.contract import REQUIRED_FILES
+from astrai.trainer.loop import main
 
 
 def _yaml(tmp_path, text: str):
@@ -171,7 +171,7 @@ def test_command_line_error_has_no_traceback(tmp_path, trainer_env):
 
 
 def test_global_batch_size_derives_grad_accum_steps_or_names_the_world_sizes_that_fit():
-    from astrai.config import TrainingSection, resolve_grad_accum_steps
+    from astrai.common.config import TrainingSection, resolve_grad_accum_steps
 
     training = TrainingSection(batch_per_device=2, grad_accum_steps=5, global_batch_size=24)
     assert [resolve_grad_accum_steps(training, size) for size in (1, 2, 3, 4, 6, 12)] == [12, 6, 4, 3, 2, 1]

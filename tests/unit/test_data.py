@@ -10,17 +10,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from astrai import data as data_module
-from astrai.data import (
-    TOKENIZER,
-    DataError,
-    TokenData,
-    WindowBatchSampler,
-    WindowDataset,
-    epoch_permutation,
-    ignore_stop_signals,
-    prepare,
-)
+from astrai.common.data_folder import DataError, TokenData
+from astrai.data import pipeline as data_module
+from astrai.data.pipeline import TOKENIZER, prepare
+from astrai.trainer.windows import WindowBatchSampler, WindowDataset, epoch_permutation, ignore_stop_signals
 
 
 def _write(path, text: str):

@@ -12,8 +12,9 @@ from conftest import CORPUS_FILES
 from hf_folders import make_tokenizer
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from astrai import data as data_module
-from astrai.data import TokenData, WindowDataset
+from astrai.common.data_folder import TokenData
+from astrai.data import pipeline as data_module
+from astrai.trainer.windows import WindowDataset
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,7 @@ def test_a_vocabulary_beyond_uint16_gets_uint32_shards(tmp_path):
 
 
 def test_the_trainer_refuses_data_whose_vocabulary_does_not_fit_the_model(tmp_path, train_yaml, capsys):
-    from astrai.train import main
+    from astrai.trainer.loop import main
 
     tokenizer = _word_level_tokenizer(tmp_path / "words.json", 70_000)
     text = tmp_path / "doc.txt"

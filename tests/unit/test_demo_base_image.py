@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from astrai import baseimage, compose, demo
+from astrai.host import baseimage, compose, demo
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from astrai import entrypoint
-from astrai.contract import REQUIRED_FILES
-from astrai.entrypoint import EntrypointError, check_mounts, plan_launch
+from astrai.common.contract import REQUIRED_FILES
+from astrai.trainer import entrypoint
+from astrai.trainer.entrypoint import EntrypointError, check_mounts, plan_launch
 
 PY = "/usr/bin/python3"
 
@@ -178,7 +178,7 @@ def test_print_plan_prints_json_without_checking_mounts(monkeypatch, capsys):
 def test_errors_exit_2_with_a_message_and_no_traceback():
     env = {**os.environ, **_env(ASTRAI_GPU_DEVICES="0", ASTRAI_PARALLEL_MODE="ddp")}
     result = subprocess.run(
-        [sys.executable, "-m", "astrai.entrypoint"],
+        [sys.executable, "-m", "astrai.trainer.entrypoint"],
         env=env,
         capture_output=True,
         text=True,
@@ -217,9 +217,9 @@ def _supervise_and_stop(tmp_path: Path, launcher_source: str, signal_when: list[
     launcher.write_text(launcher_source)
     code = (
         "import sys, pathlib\n"
-        "from astrai import early_stop\n"
-        "from astrai.entrypoint import supervise_workers\n"
-        "early_stop.hold()\n"
+        "from astrai.trainer import signals\n"
+        "from astrai.trainer.entrypoint import supervise_workers\n"
+        "signals.hold()\n"
         f"pathlib.Path({str(tmp_path / 'held')!r}).touch()\n"
         f"sys.exit(supervise_workers([sys.executable, {str(launcher)!r}, {str(tmp_path)!r}]))\n"
     )

@@ -9,8 +9,8 @@ import torch
 from hf_folders import ROPE_LLAMA3, hf_logits, make_hf_model, to_transformers_4_config
 from safetensors.torch import load_file, save_file
 
-from astrai.model import PRESETS, ModelConfig, ModelLoadError, load_pretrained, write_base_model
-from astrai.model_folder import LEGACY_CONFIG_FIELDS, hf_name
+from astrai.common.model_folder import LEGACY_CONFIG_FIELDS, hf_name
+from astrai.trainer.model import PRESETS, ModelConfig, ModelLoadError, load_pretrained, write_base_model
 
 # (batch, seq) shapes every model is compared on.
 SHAPES = [(1, 1), (2, 17), (3, 48)]

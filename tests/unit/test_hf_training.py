@@ -18,12 +18,12 @@ import yaml
 from conftest import CORPUS_FILES, REPO, SMALL_RUN
 from hf_folders import ROPE_LLAMA3, make_hf_model, make_tokenizer
 
-from astrai import data as data_module
-from astrai import preflight
-from astrai.checkpoints import latest_complete_checkpoint, list_complete_checkpoints, read_meta
-from astrai.config import KEY_SECTION
-from astrai.model import load_pretrained
-from astrai.runtime import resolve_runtime
+from astrai.common.checkpoints import latest_complete_checkpoint, list_complete_checkpoints, read_meta
+from astrai.common.config import KEY_SECTION
+from astrai.data import pipeline as data_module
+from astrai.host import preflight
+from astrai.host.runtime import resolve_runtime
+from astrai.trainer.model import load_pretrained
 
 TRAINER = [sys.executable, "-m", "astrai.train"]
 VOCAB = 512
@@ -142,7 +142,7 @@ def test_a_run_from_a_hf_folder_stops_resumes_exactly_and_its_checkpoints_load_i
 
 
 def test_the_trainer_refuses_bad_base_models_naming_the_key_or_file(tmp_path, hf_data, capsys):
-    from astrai.train import main
+    from astrai.trainer.loop import main
 
     _, data_dir = hf_data
     base = _base_model(tmp_path / "base", sharded=True)
@@ -169,7 +169,7 @@ def test_the_trainer_refuses_bad_base_models_naming_the_key_or_file(tmp_path, hf
 
 
 def test_a_sliding_window_shorter_than_the_training_window_is_refused(tmp_path, hf_data, capsys):
-    from astrai.train import main
+    from astrai.trainer.loop import main
 
     _, data_dir = hf_data
     base = make_hf_model(tmp_path / "base", model_type="mistral", vocab_size=VOCAB, sliding_window=16)

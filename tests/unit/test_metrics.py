@@ -10,12 +10,12 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from astrai import metrics
-from astrai.config import load_trainer_config
-from astrai.contract import METRICS_FILE, TAG_TRAIN_LOSS, TAG_VAL_LOSS, TENSORBOARD_DIR
-from astrai.distributed import init_distributed
-from astrai.model import ModelConfig, Transformer
-from astrai.train import Trainer
+from astrai.common import metrics
+from astrai.common.config import load_trainer_config
+from astrai.common.contract import METRICS_FILE, TAG_TRAIN_LOSS, TAG_VAL_LOSS, TENSORBOARD_DIR
+from astrai.trainer.distributed import init_distributed
+from astrai.trainer.loop import Trainer
+from astrai.trainer.model import ModelConfig, Transformer
 
 
 def event_scalars(folder, tag: str, purge: bool = True) -> list[tuple[int, float]]:
@@ -143,7 +143,7 @@ def test_event_files_and_sparkline_agree_with_metrics_jsonl(tmp_path, train_yaml
 
 
 def test_validation_windows_are_never_trained_on(corpus_data):
-    from astrai.data import TokenData, WindowSplit
+    from astrai.common.data_folder import TokenData, WindowSplit
 
     windows = TokenData.open(corpus_data).num_windows(32)
     split = WindowSplit.from_fraction(windows, 0.1)
@@ -203,7 +203,7 @@ def test_tensorboard_is_pinned_alike_in_the_base_image_the_dockerfile_and_the_ex
     import re
     from pathlib import Path
 
-    from astrai.baseimage import DEFAULT_TAG, TENSORBOARD_REQUIREMENT
+    from astrai.host.baseimage import DEFAULT_TAG, TENSORBOARD_REQUIREMENT
 
     repo = Path(__file__).resolve().parents[2]
     version = TENSORBOARD_REQUIREMENT.split("==")[1]

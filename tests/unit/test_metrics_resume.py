@@ -10,9 +10,9 @@ import pytest
 from test_metrics import event_scalars
 from test_train_resume import TRAINER, Run, _wait_for
 
-from astrai.checkpoints import latest_complete_checkpoint
-from astrai.contract import METRICS_FILE, TAG_TRAIN_LOSS, TAG_VAL_LOSS, TENSORBOARD_DIR
-from astrai.metrics import read_records
+from astrai.common.checkpoints import latest_complete_checkpoint
+from astrai.common.contract import METRICS_FILE, TAG_TRAIN_LOSS, TAG_VAL_LOSS, TENSORBOARD_DIR
+from astrai.common.metrics import read_records
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from astrai import model as model_module
-from astrai.model import (
+from astrai.trainer import model as model_module
+from astrai.trainer.model import (
     PRESETS,
     ModelConfig,
     ModelLoadError,

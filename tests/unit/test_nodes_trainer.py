@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_train_resume import TRAINER, Run, _metrics_step, _wait_for
 
-from astrai.checkpoints import latest_complete_checkpoint, list_complete_checkpoints, read_meta
+from astrai.common.checkpoints import latest_complete_checkpoint, list_complete_checkpoints, read_meta
 
 pytestmark = pytest.mark.slow
 
@@ -201,8 +201,8 @@ def test_a_stop_on_node_1_stops_both_nodes_with_one_emergency_checkpoint(tmp_pat
 def test_state_travels_as_a_skeleton_and_tensors_in_order():
     import torch
 
-    from astrai.checkpoint_io import Progress
-    from astrai.distributed import _fill_tensors, _slots, _strip_tensors
+    from astrai.trainer.checkpoint import Progress
+    from astrai.trainer.distributed import _fill_tensors, _slots, _strip_tensors
 
     state = {
         "progress": Progress(step=3),

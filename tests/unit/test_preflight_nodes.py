@@ -6,8 +6,8 @@ import socket
 
 import yaml
 
-from astrai import jobs, preflight
-from astrai.runtime import resolve_runtime
+from astrai.host import jobs, preflight
+from astrai.host.runtime import resolve_runtime
 
 
 def _runtime(tmp_path, node: int, rendezvous: str, interface: str | None = None):

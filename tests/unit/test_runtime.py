@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from runtime_cases import MALFORMED, SEED, SEED_YAML, mutated
 
-from astrai import runtime as rt
-from astrai.configfile import ConfigError, load_yaml
-from astrai.contract import TORCH_CUDA_TAGS
-from astrai.runtime import SchemaError, load_job_config, parse_duration, resolve_runtime
+from astrai.common.configfile import ConfigError, load_yaml
+from astrai.common.contract import TORCH_CUDA_TAGS
+from astrai.host import runtime as rt
+from astrai.host.runtime import SchemaError, load_job_config, parse_duration, resolve_runtime
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -335,7 +335,7 @@ def test_imports_without_torch_or_invoke():
                 return None
 
         sys.meta_path.insert(0, Blocker())
-        import astrai.runtime
+        import astrai.host.runtime
         print(sorted(name for name in sys.modules if name.split(".")[0] in ("torch", "invoke")))
     """)
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=False)

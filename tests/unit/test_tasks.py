@@ -14,7 +14,7 @@ import pytest
 import yaml
 from runtime_cases import MALFORMED, mutated
 
-from astrai.contract import REQUIRED_FILES
+from astrai.common.contract import REQUIRED_FILES
 
 REPO = Path(__file__).resolve().parents[2]
 COMPLETE_FILES = REQUIRED_FILES
@@ -230,8 +230,8 @@ def test_the_shipped_train_yaml_sets_no_host_workaround_and_its_example_renders(
 
 
 def test_a_second_start_of_a_job_refuses_while_the_first_holds_the_lock(job):
-    from astrai.jobs import JobError, start_lock
-    from astrai.runtime import resolve_runtime
+    from astrai.host.jobs import JobError, start_lock
+    from astrai.host.runtime import resolve_runtime
 
     config, job_dir = job
     runtime = resolve_runtime(config)
@@ -255,7 +255,7 @@ def test_the_start_lock_dies_with_its_holder(job):
         [
             sys.executable,
             "-c",
-            "import sys, time\nfrom astrai.jobs import start_lock\nfrom astrai.runtime import "
+            "import sys, time\nfrom astrai.host.jobs import start_lock\nfrom astrai.host.runtime import "
             "resolve_runtime\nwith start_lock(resolve_runtime(sys.argv[1])):\n    print('held', flush=True)\n"
             "    time.sleep(600)\n",
             str(config),
@@ -269,8 +269,8 @@ def test_the_start_lock_dies_with_its_holder(job):
     finally:
         holder.kill()
         holder.wait()
-    from astrai.jobs import start_lock
-    from astrai.runtime import resolve_runtime
+    from astrai.host.jobs import start_lock
+    from astrai.host.runtime import resolve_runtime
 
     with start_lock(resolve_runtime(config)):
         pass

@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 import pytest
 
-from astrai import engine, timer
+from astrai.host import engine, timer
 
 
 def _container(started_at: str = "2026-11-30T10:00:00.123456789Z", status: str = "running") -> engine.Container:

@@ -10,13 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from astrai.checkpoints import latest_complete_checkpoint, list_complete_checkpoints
-from astrai.config import load_trainer_config
-from astrai.data import DataError, prepare
-from astrai.distributed import init_distributed
-from astrai.model import PRESETS, write_base_model
-from astrai.model_folder import hf_name
-from astrai.train import SetupError, Trainer, main
+from astrai.common.checkpoints import latest_complete_checkpoint, list_complete_checkpoints
+from astrai.common.config import load_trainer_config
+from astrai.common.data_folder import DataError
+from astrai.common.model_folder import hf_name
+from astrai.data.pipeline import prepare
+from astrai.trainer.distributed import init_distributed
+from astrai.trainer.loop import SetupError, Trainer, main
+from astrai.trainer.model import PRESETS, write_base_model
 
 
 def _trainer(config_path, **overrides) -> Trainer:

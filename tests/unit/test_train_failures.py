@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from astrai import train as train_module
-from astrai.checkpoints import STAGING_PREFIX, list_complete_checkpoints
-from astrai.config import load_trainer_config
-from astrai.contract import REASON_EMERGENCY
-from astrai.distributed import init_distributed
-from astrai.train import Trainer, TrainingError
+from astrai.common.checkpoints import STAGING_PREFIX, list_complete_checkpoints
+from astrai.common.config import load_trainer_config
+from astrai.common.contract import REASON_EMERGENCY
+from astrai.trainer import loop as train_module
+from astrai.trainer.distributed import init_distributed
+from astrai.trainer.loop import Trainer, TrainingError
 
 
 def _trainer(config_path, **overrides) -> Trainer:

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from astrai.checkpoints import STAGING_PREFIX, latest_complete_checkpoint, read_meta
-from astrai.entrypoint import child_pids
-from astrai.model import ModelConfig, read_weights
+from astrai.common.checkpoints import STAGING_PREFIX, latest_complete_checkpoint, read_meta
+from astrai.trainer.entrypoint import child_pids
+from astrai.trainer.model import ModelConfig, read_weights
 
 pytestmark = pytest.mark.slow
 
@@ -199,8 +199,8 @@ def test_a_stop_that_comes_while_the_trainer_starts_is_kept_and_honoured(tmp_pat
     path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"))
     launch = (
         "import os, signal, sys\n"
-        "from astrai import early_stop\n"
-        "early_stop.hold()\n"
+        "from astrai.trainer import signals\n"
+        "signals.hold()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         f"os.execv(sys.executable, {[*TRAINER, '--config', str(path)]!r})\n"
     )

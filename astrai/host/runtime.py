@@ -33,10 +33,17 @@ from pathlib import Path
 
 import jsonschema
 
-from astrai.configfile import ConfigError, load_yaml
-from astrai.contract import ENV_JOB_NAME, RESERVED_ENV_PREFIX, TORCH_CUDA_TAGS, TORCH_VERSION, resolve_parallel_mode
+from astrai.common.configfile import ConfigError, load_yaml
+from astrai.common.contract import (
+    ENV_JOB_NAME,
+    RESERVED_ENV_PREFIX,
+    TORCH_CUDA_TAGS,
+    TORCH_VERSION,
+    resolve_parallel_mode,
+)
 
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schema" / "runtime.schema.json"
+# Shipped inside the package (a wheel has no schema/ folder); in a checkout it is a link to schema/.
+SCHEMA_PATH = Path(__file__).parent / "runtime.schema.json"
 SECTIONS = ("runtime", "model", "data", "parallel", "training", "ckpt", "log")
 RESERVED_ENVIRONMENT = {
     "CUDA_VISIBLE_DEVICES": "the product sets it from runtime.gpu.devices (choose GPUs there)",

@@ -32,9 +32,9 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from astrai import early_stop
-from astrai.configfile import ConfigError
-from astrai.contract import ENV_FAILURE_TIMEOUT_SECONDS, ENV_NODE_RANK, EXIT_LOST_NODE, resolve_parallel_mode
+from astrai.common.configfile import ConfigError
+from astrai.common.contract import ENV_FAILURE_TIMEOUT_SECONDS, ENV_NODE_RANK, EXIT_LOST_NODE, resolve_parallel_mode
+from astrai.trainer import signals
 
 
 @dataclass
@@ -189,8 +189,8 @@ class GracefulStop:
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._request)
         signal.signal(signal.SIGINT, self._request)
-        # A signal that came while the process was starting (see astrai/early_stop.py) counts too.
-        early = early_stop.received()
+        # A signal that came while the process was starting (see astrai/trainer/signals.py) counts too.
+        early = signals.received()
         if early is not None and self.signal_name is None:
             self.signal_name = early.name
 

@@ -1,7 +1,7 @@
 """The torch side of checkpoints: when to save, what goes in, writing in the background, loading with fallback.
 
 The folder rules (names, completeness, staging, publish, retention) live in
-:mod:`astrai.checkpoints`, shared with the host. A checkpoint folder holds::
+:mod:`astrai.common.checkpoints`, shared with the host. A checkpoint folder holds::
 
     meta.json              progress, data position, reason, config hash (JSON)
     config.json            the model architecture (Hugging Face Llama form)
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from astrai.checkpoints import (
+from astrai.common.checkpoints import (
     SMALL_FILES_BYTES,
     Checkpoint,
     checkpoint_name,
@@ -55,7 +55,7 @@ from astrai.checkpoints import (
     remove_job_entry,
     scan_job_dir,
 )
-from astrai.contract import (
+from astrai.common.contract import (
     META_FILE,
     MODEL_CONFIG_FILE,
     OPTIMIZER_FILE,
@@ -67,8 +67,8 @@ from astrai.contract import (
     SCHEDULER_FILE,
     WEIGHTS_FILE,
 )
-from astrai.distributed import DistEnv, broadcast_from_master
-from astrai.model import ModelConfig, ModelLoadError, hf_state_dict, read_weights
+from astrai.trainer.distributed import DistEnv, broadcast_from_master
+from astrai.trainer.model import ModelConfig, ModelLoadError, hf_state_dict, read_weights
 
 # What a damaged checkpoint file raises when read: truncated zip or safetensors, bad JSON,
 # a pickle that weights_only refuses, missing keys or wrong types in meta.json.

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from astrai.configfile import ConfigError, load_yaml
-from astrai.contract import CONTAINER_DATA, CONTAINER_MODEL, PARALLEL_MODES, container_job_dir
+from astrai.common.configfile import ConfigError, load_yaml
+from astrai.common.contract import CONTAINER_DATA, CONTAINER_MODEL, PARALLEL_MODES, container_job_dir
 
 HOST_SECTION = "runtime"
 

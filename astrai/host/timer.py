@@ -9,7 +9,7 @@ ends by itself when its container exits first; ``invoke stop`` cancels it.
 
 Run by ``invoke start``, not by hand::
 
-    python -m astrai.timer --state JOB_DIR/.astrai/timer.json
+    python -m astrai.host.timer --state JOB_DIR/.astrai/timer.json
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from astrai import engine
+from astrai.host import engine
 
 TIMER_FILE_NAME = "timer.json"
 TIMER_LOG_NAME = "timer.log"
@@ -70,7 +70,7 @@ def schedule(
     deadline = time.time() + hours * 3600.0
     with open(state_dir / TIMER_LOG_NAME, "ab") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "astrai.timer", "--state", str(path)],
+            [sys.executable, "-m", "astrai.host.timer", "--state", str(path)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
@@ -119,7 +119,7 @@ def _is_timer_process(pid: int) -> bool:
             argv = handle.read().split(b"\0")
     except OSError:
         return False
-    return b"astrai.timer" in argv
+    return b"astrai.host.timer" in argv
 
 
 def _log(message: str) -> None:
@@ -169,7 +169,7 @@ def _wait_and_stop(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m astrai.timer", description="max-duration timer (internal)")
+    parser = argparse.ArgumentParser(prog="python -m astrai.host.timer", description="max-duration timer (internal)")
     parser.add_argument("--state", required=True, type=Path, help="the timer.json this process belongs to")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

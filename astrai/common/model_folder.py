@@ -29,7 +29,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from astrai.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
+from astrai.common.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 
 MODEL_TYPES = ("llama", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")

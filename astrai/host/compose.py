@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from astrai.contract import (
+from astrai.common.contract import (
     CONTAINER_CHECKPOINTS,
     CONTAINER_CONFIG,
     CONTAINER_DATA,
@@ -51,11 +51,13 @@ from astrai.contract import (
     TORCH_CUDA_TAGS,
     TORCH_VERSION,
 )
-from astrai.hostuser import host_user_ids
-from astrai.runtime import INTERFACE_VARIABLES, Runtime
+from astrai.host.hostuser import host_user_ids
+from astrai.host.runtime import INTERFACE_VARIABLES, Runtime
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-BASE_COMPOSE_FILE = PROJECT_ROOT / "compose" / "docker-compose.yml"
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+"""The source checkout: the Dockerfile and the trainer package are the image's build context."""
+# Shipped inside the package (a wheel has no compose/ folder); in a checkout it is a link to compose/.
+BASE_COMPOSE_FILE = Path(__file__).parent / "docker-compose.yml"
 SERVICE = "trainer"
 STATE_DIR_NAME = ".astrai"
 """Host-side state of a job (rendered override, timer) lives in ``<job_dir>/.astrai/``."""
@@ -174,6 +176,9 @@ def render_override(
         uid, gid = host_user_ids()
     service: dict = {
         "build": {
+            # Given here, not relative to the base file, which may be read from the installed package.
+            "context": str(PROJECT_ROOT),
+            "dockerfile": "Dockerfile",
             "args": {
                 "BASE_IMAGE": base_image(runtime),
                 "CUDA_TAG": runtime.cuda_tag,

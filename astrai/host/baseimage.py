@@ -17,7 +17,7 @@ The image is cached by tag: an existing tag is reused, never rebuilt.
 
 Run it by hand::
 
-    sudo python -m astrai.baseimage --tag astrai-base:bookworm-torch2.13.0-tb2.21.0-cpu
+    sudo python -m astrai.host.baseimage --tag astrai-base:bookworm-torch2.13.0-tb2.21.0-cpu
 
 Needs root (debootstrap, chroot), ``debootstrap`` and a reachable Docker daemon.
 """
@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from astrai.contract import TORCH_VERSION
+from astrai.common.contract import TORCH_VERSION
 
 DEFAULT_SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
@@ -199,7 +199,7 @@ def _docker_import(rootfs: Path, tag: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m astrai.baseimage", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m astrai.host.baseimage", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tag", default=DEFAULT_TAG, help=f"image tag to build or reuse (default {DEFAULT_TAG})")
     parser.add_argument("--suite", default=DEFAULT_SUITE, help="Debian suite for debootstrap")
     parser.add_argument("--mirror", default=DEFAULT_MIRROR, help="Debian mirror for debootstrap")

@@ -12,7 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from astrai.compose import SERVICE
+from astrai.host.compose import SERVICE
 
 PROBE_TIMEOUT_SECONDS = 60
 

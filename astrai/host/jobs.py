@@ -16,8 +16,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from astrai import compose, engine, preflight, timer
-from astrai.checkpoints import (
+from astrai.common.checkpoints import (
     Checkpoint,
     list_complete_checkpoints,
     plan_retention,
@@ -26,8 +25,8 @@ from astrai.checkpoints import (
     remove_job_entry,
     scan_job_dir,
 )
-from astrai.configfile import ConfigError
-from astrai.contract import (
+from astrai.common.configfile import ConfigError
+from astrai.common.contract import (
     METRIC_ETA_S,
     METRIC_LOSS,
     METRIC_MAX_ALLOCATED_GIB,
@@ -40,9 +39,10 @@ from astrai.contract import (
     METRICS_FILE,
     REASON_EMERGENCY,
 )
-from astrai.hostuser import make_dirs
-from astrai.metrics import read_records, sparkline
-from astrai.runtime import PATH_KEYS, Runtime, path_problems
+from astrai.common.metrics import read_records, sparkline
+from astrai.host import compose, engine, preflight, timer
+from astrai.host.hostuser import make_dirs
+from astrai.host.runtime import PATH_KEYS, Runtime, path_problems
 
 START_LOCK_NAME = "start.node{node}.lock"
 """In the job's state folder: held by the one `invoke start` of that node running at a time."""

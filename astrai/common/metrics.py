@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from astrai.contract import METRIC_STEP, TAG_CHECKPOINT
+from astrai.common.contract import METRIC_STEP, TAG_CHECKPOINT
 
 # --- FLOPs and MFU ---------------------------------------------------------------------------------
 

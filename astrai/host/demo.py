@@ -8,7 +8,7 @@ finish, printing each step and the command a user would type for it.
 The trainer image needs a base image with Python. The demo uses, in order: the
 locally built ``astrai-base`` image, a local ``python:3.11-slim``, a pull of
 it, and when no registry can be reached, a base image built from Debian
-packages (``astrai.baseimage``; needs root and debootstrap).
+packages (``astrai.host.baseimage``; needs root and debootstrap).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import yaml
 
-from astrai import baseimage, compose, jobs
-from astrai.checkpoints import list_complete_checkpoints, read_meta
-from astrai.contract import CONTAINER_DATA, CONTAINER_MODEL, WEIGHTS_FILE
-from astrai.runtime import load_job_config
+from astrai.common.checkpoints import list_complete_checkpoints, read_meta
+from astrai.common.contract import CONTAINER_DATA, CONTAINER_MODEL, WEIGHTS_FILE
+from astrai.host import baseimage, compose, jobs
+from astrai.host.runtime import load_job_config
 
 CORPUS_DIR = compose.PROJECT_ROOT / "examples" / "corpus"
 JOB_NAME = "astrai-demo"

@@ -1,7 +1,7 @@
 """Container entrypoint: derive the process count and parallel mode, check the mounts, start the trainer.
 
 It reads only the environment that the rendered Compose override sets
-(astrai/compose.py), never the YAML's ``runtime:`` block:
+(astrai/host/compose.py), never the YAML's ``runtime:`` block:
 
     TRAIN_JOB_NAME                job name; the job dir is /checkpoints/<job_name>
     ASTRAI_CONFIG                 the mounted train.yaml
@@ -15,7 +15,7 @@ It reads only the environment that the rendered Compose override sets
     ASTRAI_RDZV_BACKEND           static | c10d
 
 SIGTERM and SIGINT are held (blocked, pending) from the start, so a stop that
-comes while the container is still starting is not lost (astrai/early_stop.py).
+comes while the container is still starting is not lost (astrai/trainer/signals.py).
 One process: the trainer replaces this process (exec), so Docker's SIGTERM
 reaches it directly. Several: ``torchrun --standalone`` runs them (on several
 hosts, ``torchrun --nnodes`` joins the rendezvous on node 0); this process
@@ -41,9 +41,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from astrai import early_stop
-from astrai.checkpoints import latest_complete_checkpoint
-from astrai.contract import (
+from astrai.common.checkpoints import latest_complete_checkpoint
+from astrai.common.contract import (
     CONTAINER_CHECKPOINTS,
     CONTAINER_CONFIG,
     CONTAINER_DATA,
@@ -63,6 +62,7 @@ from astrai.contract import (
     WEIGHTS_INDEX_FILE,
     resolve_parallel_mode,
 )
+from astrai.trainer import signals
 
 DATA_DIR = Path(CONTAINER_DATA)
 MODEL_DIR = Path(CONTAINER_MODEL)
@@ -319,9 +319,9 @@ def supervise_workers(command: list[str], poll_seconds: float = 0.1) -> int:
     def record(signum: int, _frame) -> None:
         pending.append(signum)
 
-    for signum in early_stop.STOP_SIGNALS:
+    for signum in signals.STOP_SIGNALS:
         signal.signal(signum, record)
-    early_stop.release()  # main() held them; the launcher must start with them unblocked
+    signals.release()  # main() held them; the launcher must start with them unblocked
     launcher = subprocess.Popen(command)
     while (status := launcher.poll()) is None:
         workers = child_pids(launcher.pid) if pending else []
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         args = args[1:]
     else:
         # Until the trainer (or the loop forwarding to its workers) can act on it, a stop signal waits.
-        early_stop.hold()
+        signals.hold()
     try:
         plan = plan_launch(os.environ, args, _cuda_device_count)
         if print_only:

@@ -22,10 +22,10 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from astrai import compose
-from astrai.contract import TENSORBOARD_DIR
-from astrai.hostuser import make_dirs
-from astrai.runtime import Runtime
+from astrai.common.contract import TENSORBOARD_DIR
+from astrai.host import compose
+from astrai.host.hostuser import make_dirs
+from astrai.host.runtime import Runtime
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 6006

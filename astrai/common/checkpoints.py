@@ -26,7 +26,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from astrai.contract import META_FILE, REQUIRED_FILES
+from astrai.common.contract import META_FILE, REQUIRED_FILES
 
 STAGING_PREFIX = ".staging-"
 TRASH_PREFIX = ".trash-"

@@ -1,63 +1,38 @@
-"""Training data: a built-in byte tokenizer, token shards on disk, and deterministic window sampling.
-
-Tokenize text files into a data folder, byte by byte or with a model's own tokenizer::
+"""Tokenize text into a data folder, byte by byte or with a model's own tokenizer. No torch needed.
 
     python -m astrai.data prepare --out data examples/corpus/*.txt
     python -m astrai.data prepare --tokenizer models/SmolLM2-135M --out data corpus/*.txt
 
-A data folder holds ``manifest.json`` and ``shard_NNNNN.bin`` files of raw
-little-endian token ids: uint16 when the vocabulary fits, else uint32. With
-``--tokenizer`` (a Hugging Face ``tokenizers`` ``tokenizer.json``, or a model
+With ``--tokenizer`` (a Hugging Face ``tokenizers`` ``tokenizer.json``, or a model
 folder holding one) the tokenizer's files are copied into the data folder, and
 the trainer copies them into every checkpoint, so a checkpoint is a complete
-model folder. The manifest is written last, so a folder with a manifest is
-complete. Shards are memory-mapped: reading never loads the corpus into RAM.
-
-Training reads windows of ``window_size + 1`` tokens (inputs plus the shifted
-targets). Window ``i`` of a shard starts at token ``i * window_size``, so
-neighbouring windows share one token and every token is used. The order of
-windows in an epoch is a permutation drawn from ``(random_seed, epoch)`` only,
-so the data position of a run is two integers: the epoch, and how many windows
-of it were consumed.
+model folder. The folder's format is described in :mod:`astrai.common.data_folder`.
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
 import hashlib
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 from array import array
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from torch.utils.data import Dataset, Sampler
+from astrai.common.contract import DATA_MANIFEST_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_FILES
+from astrai.common.data_folder import DTYPES, FORMAT, SHARD_PATTERN, DataError
 
-from astrai.contract import DATA_MANIFEST_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_FILES
-
-SHARD_PATTERN = "shard_{:05d}.bin"
-FORMAT = "astrai-tokens"
 # 2**27 tokens = 256 MiB per uint16 shard: large enough to keep the file count low, small enough to copy around.
 DEFAULT_SHARD_TOKENS = 2**27
 _READ_CHUNK = 1 << 22
 # Text handed to the tokenizer per piece, and pieces per batch: big enough for its threads, small enough for RAM.
 _TEXT_CHUNK = 1 << 20
 _TEXT_BATCH = 16
-# Token id width by shard dtype.
-DTYPES = {"uint16": 2, "uint32": 4}
 _UINT32 = next(code for code in "IL" if array(code).itemsize == 4)
 # End-of-text tokens in common use, tried when neither tokenizer_config.json nor --eos names one.
 WELL_KNOWN_END_OF_TEXT = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
-
-
-class DataError(Exception):
-    """A data folder that cannot be trained on; the message says what to do."""
 
 
 class ByteTokenizer:
@@ -317,205 +292,6 @@ def _copy_tokenizer_files(tokenizer: HFTokenizer | None, out_dir: Path) -> list[
     return sorted(names)
 
 
-@dataclass(frozen=True)
-class TokenData:
-    """A prepared data folder, checked against its manifest; shards are mapped lazily, per process."""
-
-    root: Path
-    vocab_size: int
-    tokenizer: str
-    num_tokens: int
-    shard_files: tuple[Path, ...]
-    shard_tokens: tuple[int, ...]
-    dtype: str = "uint16"
-    tokenizer_sha256: str | None = None
-    tokenizer_files: tuple[str, ...] = ()
-    """Tokenizer files in the folder, copied into every checkpoint."""
-
-    @property
-    def tokenizer_description(self) -> str:
-        if self.tokenizer_sha256 is None:
-            return f"{self.tokenizer} tokenizer"
-        return f"{TOKENIZER_FILE} sha256 {self.tokenizer_sha256[:12]}"
-
-    @classmethod
-    def open(cls, root: Path) -> TokenData:
-        root = Path(root)
-        how = f"run: python -m astrai.data prepare --out {root} FILE..."
-        if not root.is_dir():
-            raise DataError(f"data folder {root} does not exist (set data_root_path, or {how})")
-        manifest_path = root / DATA_MANIFEST_FILE
-        if not manifest_path.is_file():
-            raise DataError(f"data folder {root} has no {DATA_MANIFEST_FILE}; it is empty or not prepared ({how})")
-        try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-            if manifest.get("format") != FORMAT or manifest.get("dtype") not in DTYPES:
-                raise ValueError(f"expected format {FORMAT!r} with dtype {' or '.join(map(repr, DTYPES))}")
-            shards = [(root / shard["file"], int(shard["num_tokens"])) for shard in manifest["shards"]]
-            tokenizer_files = tuple(str(name) for name in manifest.get("tokenizer_files", ()))
-            if any(Path(name).name != name for name in tokenizer_files):
-                raise ValueError(f"tokenizer_files must be file names, got {list(tokenizer_files)}")
-            data = cls(
-                root=root,
-                vocab_size=int(manifest["vocab_size"]),
-                tokenizer=str(manifest["tokenizer"]),
-                num_tokens=int(manifest["num_tokens"]),
-                shard_files=tuple(path for path, _ in shards),
-                shard_tokens=tuple(count for _, count in shards),
-                dtype=manifest["dtype"],
-                tokenizer_sha256=manifest.get("tokenizer_sha256"),
-                tokenizer_files=tokenizer_files,
-            )
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-            raise DataError(f"{manifest_path}: unreadable manifest ({error}); {how}") from None
-        if data.num_tokens == 0 or not shards:
-            raise DataError(f"data folder {root} holds no tokens; {how}")
-        width = DTYPES[data.dtype]
-        for path, count in shards:
-            size = path.stat().st_size if path.is_file() else None
-            if size != width * count:
-                raise DataError(f"{path}: expected {width * count} bytes ({count} tokens), found {size}; {how}")
-        for name in data.tokenizer_files:
-            if not (root / name).is_file():
-                raise DataError(f"{root / name}: missing (the manifest lists it); {how}")
-        return data
-
-    def fingerprint(self) -> str:
-        """A digest of the manifest: two folders with the same one hold the same tokens in the same shards."""
-        return hashlib.sha256((self.root / DATA_MANIFEST_FILE).read_bytes()).hexdigest()[:16]
-
-    def num_windows(self, window_size: int) -> int:
-        """Windows of ``window_size + 1`` tokens that fit inside the shards."""
-        return sum(max(count - 1, 0) // window_size for count in self.shard_tokens)
-
-
-@dataclass(frozen=True)
-class WindowSplit:
-    """Which windows train and which are held out for validation.
-
-    With a ``period`` of k, the last window of every k consecutive ones is held out (none with 0):
-    a fixed set, spread over the whole corpus, that depends on nothing but the window count and
-    ``data.val_fraction``. A held-out window's targets are never a training window's targets
-    (neighbouring windows share only one token, an input on one side).
-    """
-
-    num_windows: int
-    period: int = 0
-
-    @classmethod
-    def from_fraction(cls, num_windows: int, val_fraction: float) -> WindowSplit:
-        return cls(num_windows, 0 if val_fraction <= 0 else max(2, round(1 / val_fraction)))
-
-    @property
-    def num_val(self) -> int:
-        return self.num_windows // self.period if self.period else 0
-
-    @property
-    def num_train(self) -> int:
-        return self.num_windows - self.num_val
-
-    def train_window(self, index: int) -> int:
-        """The corpus window of training window ``index`` (0 <= index < num_train)."""
-        if not self.period:
-            return index
-        per_block = self.period - 1
-        return index // per_block * self.period + index % per_block
-
-    def val_window(self, index: int) -> int:
-        """The corpus window of held-out window ``index`` (0 <= index < num_val)."""
-        return index * self.period + self.period - 1
-
-    def eval_windows(self, limit: int) -> list[int]:
-        """At most ``limit`` held-out corpus windows, evenly spread: the fixed validation set."""
-        count = min(self.num_val, limit)
-        return [self.val_window(i * self.num_val // count) for i in range(count)]
-
-
-class WindowDataset(Dataset):
-    """Training window ``i`` as an int64 tensor of ``window_size + 1`` tokens (all windows without a split)."""
-
-    def __init__(self, data: TokenData, window_size: int, split: WindowSplit | None = None):
-        self.data = data
-        self.window_size = window_size
-        counts = [max(count - 1, 0) // window_size for count in data.shard_tokens]
-        self.first_window = [sum(counts[:i]) for i in range(len(counts))]
-        self.split = split or WindowSplit(sum(counts))
-        # Mapped on first use in each process: DataLoader workers then map the files themselves.
-        self._shards: list[torch.Tensor] | None = None
-
-    def __len__(self) -> int:
-        return self.split.num_train
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.window(self.split.train_window(index))
-
-    def window(self, index: int) -> torch.Tensor:
-        """Corpus window ``index``, training or held out."""
-        if self._shards is None:
-            # shared=False maps the file copy-on-write: read-only files work and pages load on demand.
-            dtype = torch.uint16 if self.data.dtype == "uint16" else torch.uint32
-            self._shards = [
-                torch.from_file(str(path), shared=False, size=count, dtype=dtype)
-                for path, count in zip(self.data.shard_files, self.data.shard_tokens, strict=True)
-            ]
-        shard = bisect.bisect_right(self.first_window, index) - 1
-        start = (index - self.first_window[shard]) * self.window_size
-        return self._shards[shard][start : start + self.window_size + 1].to(torch.int64)
-
-
-def epoch_permutation(num_windows: int, seed: int, epoch: int) -> torch.Tensor:
-    """The order of windows in ``epoch``: a function of (seed, epoch) alone."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_windows, generator=generator)
-
-
-class WindowBatchSampler(Sampler[list[int]]):
-    """Micro-batches of window indices for one rank, from a data position onwards.
-
-    One optimizer step consumes ``global_batch = batch_size * grad_accum_steps * world_size``
-    windows of the epoch's permutation. Rank ``r`` takes every ``world_size``-th
-    of them starting at ``r``, so ranks never overlap, and after ``k`` steps from
-    position ``p`` exactly ``perm[p : p + k * global_batch]`` has been used —
-    whatever the world size, which keeps the position meaningful across restarts.
-    Windows that do not fill a whole step at the end of an epoch are skipped.
-    """
-
-    def __init__(self, num_windows: int, batch_size: int, grad_accum_steps: int, rank: int, world_size: int, seed: int):
-        self.num_windows = num_windows
-        self.batch_size = batch_size
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = seed
-        self.global_batch = batch_size * grad_accum_steps * world_size
-        self.epoch = 0
-        self.start = 0
-
-    def set_position(self, epoch: int, samples_in_epoch: int) -> None:
-        """Start the next iteration at this position (``samples_in_epoch`` windows of ``epoch`` already used)."""
-        self.epoch = epoch
-        self.start = samples_in_epoch
-
-    def steps_left(self) -> int:
-        """Full optimizer steps left in the epoch from the current position."""
-        return max(self.num_windows - self.start, 0) // self.global_batch
-
-    def __len__(self) -> int:
-        return self.steps_left() * self.global_batch // (self.batch_size * self.world_size)
-
-    def __iter__(self):
-        order = epoch_permutation(self.num_windows, self.seed, self.epoch)
-        end = self.start + self.steps_left() * self.global_batch
-        mine = order[self.start + self.rank : end : self.world_size].tolist()
-        for i in range(0, len(mine), self.batch_size):
-            yield mine[i : i + self.batch_size]
-
-
-def ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: the main process handles SIGTERM/SIGINT and stops its workers itself."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m astrai.data", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -549,7 +325,3 @@ def main(argv: list[str] | None = None) -> int:
         f"end of text {manifest.get('end_of_text_token', manifest['end_of_text'])!r})"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

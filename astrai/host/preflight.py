@@ -20,11 +20,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from astrai import compose, engine
-from astrai.checkpoints import estimate_checkpoint_bytes, folder_bytes, latest_complete_checkpoint
-from astrai.config import DataSection, parse_args
-from astrai.configfile import ConfigError
-from astrai.contract import (
+from astrai.common.checkpoints import estimate_checkpoint_bytes, folder_bytes, latest_complete_checkpoint
+from astrai.common.config import DataSection, parse_args
+from astrai.common.configfile import ConfigError
+from astrai.common.contract import (
     CONTAINER_DATA,
     LABEL_CUDA_TAG,
     LABEL_TORCH,
@@ -32,8 +31,7 @@ from astrai.contract import (
     TORCH_VERSION,
     WEIGHTS_INDEX_FILE,
 )
-from astrai.hostuser import host_user_ids
-from astrai.model_folder import (
+from astrai.common.model_folder import (
     ModelConfig,
     ModelLoadError,
     check_window,
@@ -41,7 +39,9 @@ from astrai.model_folder import (
     inspect_weights,
     num_parameters,
 )
-from astrai.runtime import Runtime, folder_problem, nearest_existing, split_endpoint, trainer_value
+from astrai.host import compose, engine
+from astrai.host.hostuser import host_user_ids
+from astrai.host.runtime import Runtime, folder_problem, nearest_existing, split_endpoint, trainer_value
 
 PASS, FAIL, SKIP, WARN = "✓", "✗", "-", "!"
 NET_CLASS_DIR = Path("/sys/class/net")

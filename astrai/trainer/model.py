@@ -1,0 +1,321 @@
+"""A decoder-only transformer language model in plain PyTorch.
+
+Token embedding, rotary position embedding, RMSNorm, causal attention through
+``scaled_dot_product_attention`` (optionally with fewer key/value heads than
+query heads), a SwiGLU MLP and an optionally tied output embedding: the Llama
+architecture. A model folder is a Hugging Face model folder (``config.json`` and
+``model.safetensors`` or shards, see :mod:`astrai.common.model_folder`), so a Hugging
+Face Llama-family model can be a base model and every folder we write loads in
+``transformers``.
+
+Use a trained model (a base model or a checkpoint folder)::
+
+    from astrai.model import load_pretrained
+    model = load_pretrained("checkpoints/my-job/epoch_0_step_1000")   # fp32, eval mode
+    logits = model(tokens)                                            # [batch, seq, vocab]
+
+Write a fresh base model::
+
+    python -m astrai.model init params --preset tiny
+    python -m astrai.model init params --preset small --vocab_size 512 --max_seq_len 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from astrai.common.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE
+from astrai.common.model_folder import (
+    ModelConfig,
+    ModelLoadError,
+    describe,
+    hf_name,
+    inspect_weights,
+)
+from astrai.common.model_folder import (
+    check_window as check_window,
+)
+from astrai.common.model_folder import num_parameters as num_parameters
+
+PRESETS = {
+    # About 0.9M parameters: fast enough for tests on one CPU thread.
+    "tiny": ModelConfig(),
+    # About 25M parameters.
+    "small": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_hidden_dim=1408),
+    # About 125M parameters; grouped-query attention keeps the KV projections small.
+    "base": ModelConfig(dim=768, n_layers=18, n_heads=12, n_kv_heads=4, ffn_hidden_dim=2304, max_seq_len=2048),
+}
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """RoPE frequencies of one head, with the config's scaling (as transformers computes them)."""
+    dim = config.head_size
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated.
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_tables(
+    config: ModelConfig, seq_len: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (seq_len, head_size // 2)."""
+    inv_freq = inverse_frequencies(config).to(device)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Rotate the two halves of each head as pairs (the GPT-NeoX layout); x is (B, H, T, D).
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_size
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Maps token ids (B, T) to next-token logits (B, T, vocab_size)."""
+
+    def __init__(self, config: ModelConfig, activation_checkpointing: bool = False):
+        super().__init__()
+        self.config = config
+        # Recompute each block's activations in backward instead of storing them: less memory, ~30% more compute.
+        self.activation_checkpointing = activation_checkpointing
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        # A tied model has no separate output tensor, so the state dict never holds two names for one tensor
+        # (which safetensors refuses to save).
+        self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+        # Rotary tables derive from the config: not in the state dict, and not buffers either (DDP would
+        # broadcast them every step), computed for the longest sequence seen so far on the device in use.
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """GPT-2 style init: N(0, 0.02), with residual output projections scaled down by depth."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                nn.init.normal_(param, std=residual_std, generator=generator)
+            elif param.dim() >= 2:
+                nn.init.normal_(param, std=0.02, generator=generator)
+            else:
+                nn.init.ones_(param)
+
+    def _rotary(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope is None or self._rope[0].shape[0] < seq_len or self._rope[0].device != device:
+            self._rope = rotary_tables(self.config, seq_len, device)
+        cos, sin = self._rope
+        return cos[:seq_len], sin[:seq_len]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq_len = tokens.shape[1]
+        if seq_len > self.config.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}")
+        if self.config.sliding_window is not None and seq_len > self.config.sliding_window:
+            # Attention here is plain causal: longer sequences would need the sliding window mask.
+            raise ValueError(f"sequence length {seq_len} exceeds sliding_window {self.config.sliding_window}")
+        cos, sin = self._rotary(seq_len, tokens.device)
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
+        x = self.norm(x)
+        if self.output is None:
+            return F.linear(x, self.tok_embeddings.weight)
+        return self.output(x)
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.save_file`` with the usual file mode.
+
+    safetensors creates files readable by their owner only; a base model made
+    by one user must stay readable by the container, which may run as another.
+    """
+    save_file(tensors, path, metadata=metadata)
+    os.chmod(path, _FILE_MODE)
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
+# Read once at import: changing the umask later, from the checkpoint writer thread, would race other threads.
+_FILE_MODE = 0o666 & ~_umask()
+
+
+def read_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The weights of a model folder, by our tensor names, in the dtype they are stored in.
+
+    Reads either naming, one file or shards, fp32, bf16 or fp16. The file headers are checked against the
+    config first (missing, unexpected, misshapen tensors), so a bad folder fails before any weight is read.
+    bf16 and fp16 weights become fp32 when ``load_state_dict`` copies them into the (fp32) model: that
+    copy happens anyway, so widening them here would only add a pass over every weight.
+    """
+    summary = inspect_weights(folder, config)
+    state = {}
+    for path, names in summary.names.items():
+        try:
+            loaded = load_file(path, device="cpu")
+        except (OSError, SafetensorError) as error:
+            raise ModelLoadError(f"{path}: {error}") from None
+        state.update((names[stored], tensor) for stored, tensor in loaded.items() if stored in names)
+    return state
+
+
+def hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same tensors under Hugging Face's names, as written to ``model.safetensors``."""
+    return {hf_name(name): tensor.contiguous() for name, tensor in state.items()}
+
+
+def load_base_model(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and checked weights of a base model folder (ours, or a Hugging Face Llama-family one)."""
+    folder = Path(folder)
+    config = ModelConfig.load(folder)
+    return config, read_weights(folder, config)
+
+
+def load_pretrained(folder: Path) -> Transformer:
+    """The model of a folder (a base model, a Hugging Face Llama-family folder or a checkpoint), fp32, in eval mode.
+
+    ``model(tokens)`` maps token ids ``[batch, seq]`` to logits ``[batch, seq, vocab]``.
+    """
+    config, state = load_base_model(folder)
+    model = Transformer(config)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def describe_folder(folder: Path) -> str:
+    """One line about a model folder (architecture, parameter count, dtype); a bad folder raises ModelLoadError."""
+    config = ModelConfig.load(folder)
+    return describe(folder, config, inspect_weights(folder, config))
+
+
+def write_base_model(folder: Path, config: ModelConfig, seed: int = 0) -> int:
+    """Initialise a model from ``seed`` and write it to ``folder``; returns the parameter count."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model = Transformer(config)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    state = hf_state_dict(model.state_dict())
+    # Write under temporary names and rename, so an interrupted init never leaves a half-written model.
+    weights_tmp = folder / f".{WEIGHTS_FILE}.tmp"
+    config_tmp = folder / f".{MODEL_CONFIG_FILE}.tmp"
+    save_tensors(state, weights_tmp, metadata={"format": "pt"})
+    config_tmp.write_text(config.to_json(), encoding="utf-8")
+    os.replace(weights_tmp, folder / WEIGHTS_FILE)
+    os.replace(config_tmp, folder / MODEL_CONFIG_FILE)
+    return sum(t.numel() for t in state.values())
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+# Fields a preset can be overridden with on the command line (RoPE scaling and token ids come from HF configs).
+_CLI_FIELDS = [f for f in dataclasses.fields(ModelConfig) if f.type in ("int", "float", "bool", "int | None")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m astrai.model", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    init = commands.add_parser("init", help="write a freshly initialised base model (config.json, model.safetensors)")
+    init.add_argument("dir", type=Path, help="model folder to write")
+    init.add_argument("--preset", choices=sorted(PRESETS), required=True, help="architecture to start from")
+    init.add_argument("--seed", type=int, default=0, help="seed of the weight initialisation (default 0)")
+    init.add_argument("--force", action="store_true", help="overwrite a model that already exists in DIR")
+    for field in _CLI_FIELDS:
+        kind = _parse_bool if field.type == "bool" else float if field.type == "float" else int
+        init.add_argument(f"--{field.name}", type=kind, help=f"override the preset's {field.name}")
+    args = parser.parse_args(argv)
+
+    overrides = {f.name: getattr(args, f.name) for f in _CLI_FIELDS if getattr(args, f.name) is not None}
+    try:
+        config = dataclasses.replace(PRESETS[args.preset], **overrides)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if not args.force and ((args.dir / WEIGHTS_FILE).exists() or (args.dir / MODEL_CONFIG_FILE).exists()):
+        print(f"error: {args.dir} already holds a model; pass --force to overwrite it", file=sys.stderr)
+        return 1
+    count = write_base_model(args.dir, config, seed=args.seed)
+    print(f"wrote {args.preset} model ({count / 1e6:.2f}M parameters) to {args.dir}")
+    return 0
