@@ -10,6 +10,7 @@ Arguments after ``--`` on `start`, `restart` and `render` go to the trainer:
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 from invoke import Collection, Exit, task
@@ -21,37 +22,31 @@ DEFAULT_CONFIG = "train.yaml"
 
 @contextlib.contextmanager
 def _user_errors():
-    """Expected failures end as a message on stderr and a non-zero exit, not a traceback."""
-    from astrai.common.configfile import ConfigError
-    from astrai.host.baseimage import BaseImageError
-    from astrai.host.board import BoardError
-    from astrai.host.compose import ComposeError
-    from astrai.host.engine import EngineError
-    from astrai.host.jobs import JobError
-    from astrai.host.runtime import SchemaError
+    """Expected failures end as a message on stderr and their exit code, not a traceback.
+
+    A reader that went away (`invoke status | head -5`) ends the command quietly.
+    """
+    from astrai.common.errors import AstraiError
 
     try:
         yield
-    except ConfigError as error:
-        raise Exit(str(error), code=2) from None
-    except JobError as error:
-        raise Exit(f"error: {error}", code=error.code) from None
-    except SchemaError as error:
-        raise Exit(f"internal error: {error}", code=3) from None
-    except (ComposeError, EngineError, BaseImageError, BoardError) as error:
-        raise Exit(f"error: {error}", code=1) from None
+        sys.stdout.flush()
+    except AstraiError as error:
+        raise Exit(error.show(), code=error.exit_code) from None
+    except BrokenPipeError:
+        # Python would report the pipe again when it flushes stdout at exit; point stdout at nothing first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise Exit(code=1) from None
 
 
 def _whole(option: str, value, minimum: int, maximum: int | None = None) -> int:
     """A whole-number option as typed: invoke would turn a bad one into a traceback, so it arrives as text."""
+    from astrai.common.values import whole_number
+
     try:
-        number = int(str(value), 10)
-    except ValueError:
-        number = None
-    if number is None or number < minimum or (maximum is not None and number > maximum):
-        allowed = f"from {minimum} to {maximum}" if maximum is not None else f"of at least {minimum}"
-        raise Exit(f"error: --{option} takes a whole number {allowed}, got {value!r}", code=2)
-    return number
+        return whole_number(value, minimum, maximum)
+    except ValueError as error:
+        raise Exit(f"error: --{option} {error}", code=2) from None
 
 
 def _load(config: str, node="0"):
@@ -80,9 +75,9 @@ def init(c, config=DEFAULT_CONFIG, node="0"):
     with _user_errors():
         _, runtime = _load(config, node)
         created = init_job(runtime)
-    for path in created:
-        print(f"created {path}")
-    print(f"ready: job dir {runtime.job_dir}" if created else f"nothing to create: all folders of {config} exist")
+        for path in created:
+            print(f"created {path}")
+        print(f"ready: job dir {runtime.job_dir}" if created else f"nothing to create: all folders of {config} exist")
 
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
@@ -91,18 +86,18 @@ def preflight(c, config=DEFAULT_CONFIG, node="0"):
     from astrai.host.jobs import run_preflight
 
     with _user_errors():
-        document, runtime = _load(config, node)
-        run_preflight(runtime, document, _trainer_args(c))
+        _, runtime = _load(config, node)
+        run_preflight(runtime, _trainer_args(c))
 
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
 def render(c, config=DEFAULT_CONFIG, node="0"):
     """Print the generated Compose override of a job (arguments after -- become the trainer's)."""
-    from astrai.host.compose import dump_override, render_override
+    from astrai.host.jobs import render as render_override
 
     with _user_errors():
         _, runtime = _load(config, node)
-        print(dump_override(runtime, render_override(runtime, _trainer_args(c))), end="")
+        print(render_override(runtime, _trainer_args(c)), end="")
 
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
@@ -127,8 +122,8 @@ def start(c, config=DEFAULT_CONFIG, node="0", foreground=False):
     from astrai.host.jobs import start_job
 
     with _user_errors():
-        document, runtime = _load(config, node)
-        code = start_job(runtime, document, _trainer_args(c), foreground=foreground)
+        _, runtime = _load(config, node)
+        code = start_job(runtime, _trainer_args(c), foreground=foreground)
     if code:
         raise Exit(code=code)
 
@@ -149,10 +144,10 @@ def restart(c, config=DEFAULT_CONFIG, node="0", foreground=False):
     from astrai.host.jobs import check_trainer_config, start_job, stop_job
 
     with _user_errors():
-        document, runtime = _load(config, node)
+        _, runtime = _load(config, node)
         check_trainer_config(runtime, _trainer_args(c))  # before the stop: a typo must not end the running job
         stop_job(runtime)
-        code = start_job(runtime, document, _trainer_args(c), foreground=foreground)
+        code = start_job(runtime, _trainer_args(c), foreground=foreground)
     if code:
         raise Exit(code=code)
 
@@ -179,11 +174,11 @@ def logs(c, config=DEFAULT_CONFIG, node="0", tail="100", follow=True):
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
 def status(c, config=DEFAULT_CONFIG, node="0"):
     """Show the container state, progress, latest checkpoint and timer of a job."""
-    from astrai.host.jobs import status_lines
+    from astrai.host.status import format_status, job_status
 
     with _user_errors():
         _, runtime = _load(config, node)
-        print("\n".join(status_lines(runtime)))
+        print("\n".join(format_status(job_status(runtime))))
 
 
 @task(
@@ -197,7 +192,7 @@ def status(c, config=DEFAULT_CONFIG, node="0"):
         "stop": "end the board started with --background",
     }
 )
-def board(c, config=DEFAULT_CONFIG, node="0", all=False, host="127.0.0.1", port="6006", background=False, stop=False):
+def board(c, config=DEFAULT_CONFIG, node="0", all=False, host=None, port=None, background=False, stop=False):
     """Serve TensorBoard for the job (Ctrl-C ends it), or --background / --stop a detached one."""
     from astrai.host import board as tb
 
@@ -207,10 +202,11 @@ def board(c, config=DEFAULT_CONFIG, node="0", all=False, host="127.0.0.1", port=
             state = tb.stop_background(runtime)
             print(f"stopped the board at {state.url}" if state else f"no board is running for job {runtime.job_name}")
             return
-        port = _whole("port", port, 1, 65535)
+        host = tb.DEFAULT_HOST if host is None else host
+        port = tb.DEFAULT_PORT if port is None else _whole("port", port, 1, 65535)
         command = tb.board_command(runtime, all, host, port)
         for note in tb.check_can_serve(runtime, all, host, port):
-            print(f"note: {note}")
+            print(note, file=sys.stderr if note.startswith("warning") else sys.stdout)
         url = tb.board_url(host, port)
         if background:
             tb.start_background(runtime, command, url)
@@ -235,12 +231,15 @@ def latest(c, config=DEFAULT_CONFIG, node="0"):
 @task(name="list", help={"config": CONFIG_HELP, "node": NODE_HELP})
 def list_(c, config=DEFAULT_CONFIG, node="0"):
     """Print the path of every complete checkpoint, oldest first by (epoch, step)."""
-    from astrai.host.jobs import list_paths
+    from astrai.host.jobs import list_checkpoints
 
     with _user_errors():
         _, runtime = _load(config, node)
-        for path in list_paths(runtime):
+        paths, damaged = list_checkpoints(runtime)
+        for path in paths:
             print(path)
+        for folder in damaged:
+            print(f"not a checkpoint: {folder.path} ({folder.reason})", file=sys.stderr)
 
 
 @task(
@@ -249,16 +248,17 @@ def list_(c, config=DEFAULT_CONFIG, node="0"):
         "node": NODE_HELP,
         "keep": "how many newest complete checkpoints to keep (default: runtime.container.checkpoint_keep_last)",
         "force": "really delete; without it, only show what would go",
+        "damaged": "also remove the folders named like checkpoints that are not checkpoints (listed apart)",
     }
 )
-def clean(c, config=DEFAULT_CONFIG, node="0", keep=None, force=False):
-    """Preview removal of old complete checkpoints; delete only with --force."""
+def clean(c, config=DEFAULT_CONFIG, node="0", keep=None, force=False, damaged=False):
+    """Preview removal of old checkpoints; delete only with --force."""
     from astrai.host.jobs import clean_job
 
     keep = None if keep is None else _whole("keep", keep, 1)
     with _user_errors():
         _, runtime = _load(config, node)
-        clean_job(runtime, keep, force)
+        clean_job(runtime, keep, force, damaged)
 
 
 @task(
@@ -280,17 +280,18 @@ def demo(c, workdir="demo", fresh=False, job_name="astrai-demo"):
 
 @task(
     help={
-        "quick": "fewer repetitions and no `base` checkpoint run (under 6 minutes instead of under 20)",
-        "readme": "also write the result table into README.md",
-    }
+        "quick": "fewer repetitions and no `base` checkpoint run (about 6 minutes instead of about 20)",
+        "only": "measure only this section (repeatable, e.g. --only 'host commands at scale'); the rest stay",
+    },
+    iterable=["only"],
 )
-def bench(c, quick=False, readme=False):
-    """Measure speed and robustness side by side; writes bench/results.json."""
+def bench(c, quick=False, only=None):
+    """Measure speed and robustness side by side; merges into bench/results.json, writes docs/benchmarks.md."""
     from astrai.host.baseimage import DEFAULT_TAG
     from bench.run import run
 
     with _user_errors():
-        run(quick, readme, DEFAULT_TAG)
+        run(quick, DEFAULT_TAG, only or None)
 
 
 namespace = Collection(

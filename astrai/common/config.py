@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import hashlib
 import json
+import math
+import posixpath
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,10 +21,11 @@ from pathlib import Path
 
 import yaml
 
-from astrai.common.configfile import ConfigError, load_yaml
+from astrai.common.configfile import ConfigError, load_yaml, show_value, unknown
 from astrai.common.contract import CONTAINER_DATA, CONTAINER_MODEL, PARALLEL_MODES, container_job_dir
 
 HOST_SECTION = "runtime"
+"""The section the host reads (astrai/host/runtime.py); the trainer ignores it."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,19 @@ class ModelSection:
     """Recompute each block's activations during backward: less memory for ~30% more compute."""
     compile: bool = False
     """Compile each transformer block with torch.compile (needs a C++ compiler on CPU)."""
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One source of a mixture: a prepared data folder under data_root_path, and its weight."""
+
+    path: str
+    weight: float = 1.0
+
+
+MAX_MIXTURE_RATIO = 1 << 16
+"""A mixture's heaviest weight may be at most this many times its lightest (each source gets its share of
+every block of that many windows)."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +59,14 @@ class DataSection:
     """DataLoader worker processes; one keeps reading off the training thread, 0 reads in the main process."""
     val_fraction: float = 0.0
     """Share of the windows held out for validation and never trained on (the last of every round(1/f)); 0 = none."""
+    sources: tuple[DataSource, ...] | None = None
+    """A weighted mixture: a list of {path, weight}, each path a prepared folder under data_root_path. Windows are
+    drawn from each source in proportion to its weight; a source smaller than its share is repeated. null trains
+    on data_root_path itself."""
 
     def __post_init__(self) -> None:
+        if self.sources is not None:
+            _check_sources(self.sources)
         _check(self.window_size >= 1, "data.window_size", self.window_size, "an integer >= 1")
         _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "an integer >= 0")
         _check(0 <= self.val_fraction <= 0.5, "data.val_fraction", self.val_fraction, "a number in [0, 0.5]")
@@ -65,7 +86,60 @@ class ParallelSection:
         )
 
 
+def _check_sources(sources) -> None:
+    if not sources:
+        raise ConfigError("data.sources: expected a non-empty list of {path, weight}, or null for data_root_path")
+    seen = set()
+    for index, source in enumerate(sources):
+        where = f"data.sources[{index}]"
+        normal = posixpath.normpath(source.path) if source.path else ""
+        if not normal or normal.startswith(("/", "..")) or normal == ".":
+            raise ConfigError(
+                f"{where}.path: expected a folder under data.data_root_path (like web or code/python), "
+                f"got {_got(source.path)}"
+            )
+        if normal in seen:
+            raise ConfigError(f"{where}.path: {normal!r} is listed twice")
+        seen.add(normal)
+        if not 0 < source.weight < math.inf:
+            raise ConfigError(f"{where}.weight: expected a number > 0, got {_got(source.weight)}")
+    weights = [source.weight for source in sources]
+    if max(weights) / min(weights) > MAX_MIXTURE_RATIO:
+        raise ConfigError(
+            f"data.sources: the weights run from {min(weights):g} to {max(weights):g}, more than "
+            f"{MAX_MIXTURE_RATIO}:1 apart; raise the smallest or leave that source out"
+        )
+
+
+def _sources(dotted: str, value, from_text: bool):
+    """A mixture from YAML (a list of {path, weight}) or the command line (the same list in YAML flow style)."""
+    if value is None:
+        return None
+    if from_text:
+        if value.strip().lower() in ("null", "none", "~"):
+            return None
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"{dotted}: expected a list like '[{{path: web, weight: 3}}, {{path: code}}]'") from None
+    if not isinstance(value, list):
+        raise ConfigError(f"{dotted}: expected a list of {{path, weight}}, got {_got(value)}")
+    parsed = []
+    for index, entry in enumerate(value):
+        if isinstance(entry, str):
+            entry = {"path": entry}
+        if not isinstance(entry, dict) or set(entry) - {"path", "weight"} or "path" not in entry:
+            raise ConfigError(f"{dotted}[{index}]: expected {{path: FOLDER, weight: NUMBER}}, got {_got(entry)}")
+        path = entry["path"]
+        weight = _coerce(f"{dotted}[{index}].weight", entry.get("weight", 1.0), float, from_text=False)
+        if not isinstance(path, str):
+            raise ConfigError(f"{dotted}[{index}].path: expected a folder name, got {_got(path)}")
+        parsed.append(DataSource(path, weight))
+    return tuple(parsed)
+
+
 DEVICES = ("auto", "cpu", "cuda")
+SCHEDULES = ("cosine", "wsd", "constant")
 
 
 @dataclass(frozen=True)
@@ -82,10 +156,15 @@ class TrainingSection:
     windows in every step; null uses grad_accum_steps as given."""
     max_lr: float = 3e-4
     """Peak learning rate, reached at the end of warmup."""
+    schedule: str = "cosine"
+    """Learning rate after warmup: cosine (decay to min_lr_ratio), wsd (flat, then a linear decay over the
+    last decay_ratio of the steps) or constant (flat). On resume the rate follows this run's config."""
     min_lr_ratio: float = 0.1
-    """Final learning rate of the cosine decay, as a fraction of max_lr."""
+    """Final learning rate of the cosine or wsd decay, as a fraction of max_lr."""
     warmup_ratio: float = 0.02
     """Fraction of max_steps spent warming the learning rate up linearly."""
+    decay_ratio: float = 0.2
+    """wsd only: fraction of max_steps, at the end, over which the learning rate decays."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to matrices and embeddings but not to norm weights."""
     max_grad_norm: float = 1.0
@@ -111,7 +190,9 @@ class TrainingSection:
             "an integer >= 1, or null to use grad_accum_steps",
         )
         _check(self.max_lr > 0, "training.max_lr", self.max_lr, "a number > 0")
+        _check(self.schedule in SCHEDULES, "training.schedule", self.schedule, " | ".join(SCHEDULES))
         _check(0 <= self.min_lr_ratio <= 1, "training.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        _check(0 < self.decay_ratio <= 1, "training.decay_ratio", self.decay_ratio, "a number in (0, 1]")
         _check(0 <= self.warmup_ratio < 1, "training.warmup_ratio", self.warmup_ratio, "a number in [0, 1)")
         _check(self.weight_decay >= 0, "training.weight_decay", self.weight_decay, "a number >= 0")
         _check(self.max_grad_norm >= 0, "training.max_grad_norm", self.max_grad_norm, "a number >= 0 (0 = no clipping)")
@@ -212,6 +293,8 @@ _SECTION_CLASSES = {
     "ckpt": CkptSection,
     "log": LogSection,
 }
+SECTIONS = (HOST_SECTION, *_SECTION_CLASSES)
+"""Every section train.yaml may hold."""
 # Flat key -> section: the command line names keys without their section.
 KEY_SECTION: dict[str, str] = {
     f.name: section for section, cls in _SECTION_CLASSES.items() for f in dataclasses.fields(cls)
@@ -220,13 +303,15 @@ KEY_SECTION: dict[str, str] = {
 
 def _check(ok: bool, key: str, value, allowed: str) -> None:
     if not ok:
-        raise ConfigError(f"{key}: expected {allowed}, got {value!r}")
+        raise ConfigError(f"{key}: expected {allowed}, got {_got(value)}")
 
 
-def close_match_hint(name: str, choices) -> str:
-    """'; did you mean X?' for the closest of ``choices``, else the list of them."""
-    close = difflib.get_close_matches(name, list(choices), n=1)
-    return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(choices))}"
+def _got(value) -> str:
+    """A value in a message: repr for plain values, bounded for anything large."""
+    if isinstance(value, (str, int, float, bool, type(None))):
+        text = repr(value)
+        return text if len(text) <= 80 else text[:77] + "..."
+    return show_value(value)
 
 
 def _field_types(cls) -> dict[str, object]:
@@ -235,6 +320,8 @@ def _field_types(cls) -> dict[str, object]:
 
 def _coerce(dotted: str, value, kind, from_text: bool):
     """Check (YAML) or parse (command line text) one value against its field type."""
+    if dotted.split(" ")[0] == "data.sources":
+        return _sources("data.sources", value, from_text)
     optional = isinstance(kind, types.UnionType) and type(None) in kind.__args__
     if optional:
         kind = next(arg for arg in kind.__args__ if arg is not type(None))
@@ -245,7 +332,7 @@ def _coerce(dotted: str, value, kind, from_text: bool):
             return value.lower() in ("true", "yes", "1")
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{dotted}: expected true or false, got {value!r}")
+        raise ConfigError(f"{dotted}: expected true or false, got {_got(value)}")
     if kind is int:
         if from_text:
             try:
@@ -254,22 +341,25 @@ def _coerce(dotted: str, value, kind, from_text: bool):
                 pass
         elif isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{dotted}: expected an integer{' or null' if optional else ''}, got {value!r}")
+        raise ConfigError(f"{dotted}: expected an integer{' or null' if optional else ''}, got {_got(value)}")
     if kind is float:
         # PyYAML reads "3e-4" (no dot) as a string, so numeric strings are accepted from YAML too.
+        number = None
         if isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{dotted}: expected a number, got {value!r}")
+            number = float(value)
+        if number is not None and math.isfinite(number):
+            return number
+        raise ConfigError(f"{dotted}: expected a finite number{' or null' if optional else ''}, got {_got(value)}")
     if isinstance(value, str):
         return value
     if not from_text and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    raise ConfigError(f"{dotted}: expected a string, got {value!r}")
+    raise ConfigError(f"{dotted}: expected a string, got {_got(value)}")
 
 
 def trainer_sections(path: Path) -> dict:
@@ -281,7 +371,7 @@ def trainer_sections(path: Path) -> dict:
             continue
         if section not in _SECTION_CLASSES:
             raise ConfigError(
-                f"{path}: {section}: unknown section{close_match_hint(str(section), [*_SECTION_CLASSES, HOST_SECTION])}"
+                f"{path}: {section}: {unknown('unknown section', section, [*_SECTION_CLASSES, HOST_SECTION])}"
             )
         if body is None:
             continue
@@ -290,12 +380,12 @@ def trainer_sections(path: Path) -> dict:
         hints = _field_types(_SECTION_CLASSES[section])
         for key, value in body.items():
             if key not in hints:
-                where = (
-                    f"; it belongs in section {KEY_SECTION[key]!r}"
+                problem = (
+                    f"unknown key; it belongs in section {KEY_SECTION[key]!r}"
                     if key in KEY_SECTION
-                    else close_match_hint(str(key), hints)
+                    else unknown("unknown key", key, hints)
                 )
-                raise ConfigError(f"{path}: {section}.{key}: unknown key{where}")
+                raise ConfigError(f"{path}: {section}.{key}: {problem}")
             values.setdefault(section, {})[key] = _coerce(f"{section}.{key}", value, hints[key], from_text=False)
     return values
 
@@ -305,7 +395,7 @@ def parse_overrides(pairs: list[tuple[str, str]]) -> dict:
     values: dict[str, dict] = {}
     for key, text in pairs:
         if key not in KEY_SECTION:
-            raise ConfigError(f"--{key}: unknown option{close_match_hint(key, KEY_SECTION)}")
+            raise ConfigError(f"--{key}: {unknown('unknown option', key, KEY_SECTION)}")
         section = KEY_SECTION[key]
         kind = _field_types(_SECTION_CLASSES[section])[key]
         values.setdefault(section, {})[key] = _coerce(f"{section}.{key} (--{key})", text, kind, from_text=True)
@@ -357,11 +447,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainerConfig, bool]:
             default=argparse.SUPPRESS,
             help=f"{section}.{key} (default {defaults[section][key]!r})",
         )
-    args, unknown = parser.parse_known_args(argv)
-    for token in unknown:
+    args, leftover = parser.parse_known_args(argv)
+    for token in leftover:
         if token.startswith("--"):
             key = token[2:].split("=", 1)[0]
-            raise ConfigError(f"--{key}: unknown option{close_match_hint(key, [*KEY_SECTION, 'config', 'dry-run'])}")
+            raise ConfigError(f"--{key}: {unknown('unknown option', key, [*KEY_SECTION, 'config', 'dry-run'])}")
         raise ConfigError(f"unexpected argument {token!r}")
     overrides = [(name[len("key_") :], value) for name, value in vars(args).items() if name.startswith("key_")]
     return load_trainer_config(args.config, overrides), args.dry_run

@@ -8,7 +8,7 @@ Standard library only: the host side must import without torch.
 
 from __future__ import annotations
 
-# --- Mount points inside the container (DESIGN §3) -------------------------------------------
+# --- Mount points inside the container (docs/architecture.md) --------------------------------
 CONTAINER_DATA = "/data"
 """Token data, mounted read-only from ``runtime.paths.data``."""
 CONTAINER_MODEL = "/models/base"
@@ -24,6 +24,29 @@ CONTAINER_HOME = "/home/astrai"
 def container_job_dir(job_name: str) -> str:
     """The job dir as the trainer sees it."""
     return f"{CONTAINER_CHECKPOINTS}/{job_name}"
+
+
+TRAINER_MODULE = "astrai.train"
+"""What the entrypoint runs: ``python -m astrai.train`` (or under torchrun)."""
+
+
+def trainer_arguments(job_name: str, parallel_mode: str | None, user_args: list[str]) -> list[str]:
+    """The trainer's arguments in the container: the mounts' paths, the derived mode, then the user's words.
+
+    The entrypoint launches exactly these; the host parses exactly these too (preflight, start), so both
+    judge the same configuration. The user's words come last and win.
+    """
+    mode = ["--parallel_mode", parallel_mode] if parallel_mode is not None else []
+    return [
+        "--config",
+        CONTAINER_CONFIG,
+        "--ckpt_dir",
+        container_job_dir(job_name),
+        "--param_path",
+        CONTAINER_MODEL,
+        *mode,
+        *user_args,
+    ]
 
 
 # --- Environment the host sets for the entrypoint ------------------------------------------------
@@ -61,7 +84,7 @@ TORCH_CUDA_TAGS = ("cpu", "cu126", "cu128", "cu130")
 """The builds of TORCH_VERSION on https://download.pytorch.org/whl/<tag>; runtime.container.cuda_tag takes one."""
 
 # --- Model folders (base model and checkpoint alike) ---------------------------------------------
-# They are Hugging Face's names: a checkpoint folder is a model folder transformers loads (DESIGN §10).
+# They are Hugging Face's names: a checkpoint folder is a model folder transformers loads (docs/models.md).
 MODEL_CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
@@ -72,13 +95,14 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json")
 """A model folder's tokenizer files, which the data folder and every checkpoint carry along."""
 
-# --- Checkpoint folders (DESIGN §7) ---------------------------------------------------------------
+# --- Checkpoint folders (docs/checkpoints.md; the rule is astrai/common/checkpoints.py) ---------
 META_FILE = "meta.json"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
+REQUIRED_FILES = (META_FILE, MODEL_CONFIG_FILE, WEIGHTS_FILE, OPTIMIZER_FILE, SCHEDULER_FILE)
+"""The files every checkpoint holds (more are allowed); astrai/common/checkpoints.py says what else makes one whole."""
 RNG_FILE = "rng_state.safetensors"
-REQUIRED_FILES = (META_FILE, MODEL_CONFIG_FILE, WEIGHTS_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE)
-"""A checkpoint folder is complete, for the host and the trainer alike, when it holds all of these."""
+"""Every rank's RNG states. Optional: without it a resume seeds each rank from random_seed, step and rank."""
 
 REASON_PERIODIC = "periodic"
 REASON_FINAL = "final"
@@ -92,6 +116,10 @@ METRICS_FILE = "metrics.jsonl"
 METRIC_STEP = "step"
 METRIC_MAX_STEPS = "max_steps"
 METRIC_LOSS = "loss"
+METRIC_EPOCH = "epoch"
+METRIC_TOKENS_SEEN = "tokens_seen"
+METRIC_TOKENS_PER_SOURCE = "tokens_per_source"
+"""With data.sources: tokens trained from each source so far, by its path."""
 METRIC_TIME = "time"
 METRIC_TOKENS_PER_S = "tokens_per_s"
 METRIC_ETA_S = "eta_s"
@@ -113,6 +141,8 @@ TAG_VAL_LOSS = "val/loss"
 TAG_TOKENS_PER_S = "perf/tokens_per_s"
 TAG_MFU = "perf/mfu"
 TAG_MAX_ALLOCATED_GIB = "memory/max_allocated_gib"
+TAG_TOKENS_PREFIX = "data/tokens/"
+"""With data.sources: one scalar per source, data/tokens/<path>."""
 TAG_CHECKPOINT = "checkpoint"
 """A text event at the step of every checkpoint save, naming its folder and reason."""
 
@@ -122,7 +152,7 @@ EXIT_LOST_NODE = 75
 # --- Token data -----------------------------------------------------------------------------------
 DATA_MANIFEST_FILE = "manifest.json"
 
-# --- Parallel modes (DESIGN §3) -------------------------------------------------------------------
+# --- Parallel modes (docs/runtime.md) -------------------------------------------------------------
 PARALLEL_MODES = ("none", "ddp", "fsdp")
 """The concrete modes the trainer runs."""
 REQUESTED_PARALLEL_MODES = ("auto", *PARALLEL_MODES)

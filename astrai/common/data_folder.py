@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.contract import DATA_MANIFEST_FILE, TOKENIZER_FILE
+from astrai.common.errors import AstraiError
 
 SHARD_PATTERN = "shard_{:05d}.bin"
 FORMAT = "astrai-tokens"
@@ -26,7 +27,7 @@ FORMAT = "astrai-tokens"
 DTYPES = {"uint16": 2, "uint32": 4}
 
 
-class DataError(Exception):
+class DataError(AstraiError):
     """A data folder that cannot be trained on; the message says what to do."""
 
 
@@ -44,6 +45,15 @@ class TokenData:
     tokenizer_sha256: str | None = None
     tokenizer_files: tuple[str, ...] = ()
     """Tokenizer files in the folder, copied into every checkpoint."""
+    end_of_text: int | None = None
+    documents: int | None = None
+    """Documents (records) it holds; None for folders prepared before prepare counted them."""
+    source_files: int = 0
+
+    @property
+    def tokenizer_identity(self) -> tuple:
+        """What must agree for two folders' token ids to mean the same text."""
+        return (self.tokenizer, self.tokenizer_sha256, self.vocab_size, self.end_of_text)
 
     @property
     def tokenizer_description(self) -> str:
@@ -78,6 +88,9 @@ class TokenData:
                 dtype=manifest["dtype"],
                 tokenizer_sha256=manifest.get("tokenizer_sha256"),
                 tokenizer_files=tokenizer_files,
+                end_of_text=manifest.get("end_of_text"),
+                documents=manifest.get("documents"),
+                source_files=len(manifest.get("sources", [])),
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             raise DataError(f"{manifest_path}: unreadable manifest ({error}); {how}") from None

@@ -1,207 +1,151 @@
-"""Training metrics: model FLOPs and MFU, step timing, TensorBoard event files, and metrics.jsonl read back.
+"""``metrics.jsonl``: the run's progress records, and the one reader of them (host and tests alike).
 
-The trainer uses all of it; the host (``invoke status``) only reads
-``metrics.jsonl`` and draws the sparkline, so this module imports neither torch
-nor TensorBoard at the top: the event writer loads them when it is created.
+The trainer's global rank 0 appends one JSON object per logged step (field names
+in :mod:`astrai.common.contract`, ``METRIC_*``); the file is an append-only
+history. A record whose step is not past the one before it starts a resumed run:
+the records it repeats or skips past belong to work lost in a crash, so readers
+drop them, as TensorBoard purges them, and the last record of a step wins.
+Unreadable lines are skipped.
+
+The host reads this file on every `invoke status`, and a long run makes it large
+(two million logged steps are about 450 MB), so what the host reads costs the
+same for a file of any length: the newest records from the end, and the curve as
+an even sample of the file, each line found by seeking. Only :meth:`MetricsFile.records`
+reads it whole (tests, small files).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import re
-from collections import deque
-from collections.abc import Callable
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
-from astrai.common.contract import METRIC_STEP, TAG_CHECKPOINT
+from astrai.common.contract import METRIC_STEP
 
-# --- FLOPs and MFU ---------------------------------------------------------------------------------
-
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets, matched against
-# torch.cuda.get_device_name() in this order, so "H100 PCIe" wins over "H100" and "L40S" over "L4".
-PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    (r"\bB200\b", 2250.0),
-    (r"\bGH200\b", 989.0),
-    (r"\bH200\b", 989.0),
-    (r"\bH100\b.*\bPCIe\b", 756.0),
-    (r"\bH100\b", 989.0),
-    (r"\bH800\b", 989.0),
-    (r"\bA100\b", 312.0),
-    (r"\bA800\b", 312.0),
-    (r"\bL40S\b", 362.0),
-    (r"\bL40\b", 181.0),
-    (r"\bL4\b", 121.0),
-    (r"\bA40\b", 150.0),
-    (r"\bA30\b", 165.0),
-    (r"\bA10\b", 125.0),
-    (r"\bRTX 4090\b", 165.0),
-    (r"\bRTX 3090\b", 71.0),
-    (r"\bRTX A6000\b", 155.0),
-)
+TAIL_BYTES = 1 << 20
+"""How far back from the end the newest records are looked for."""
+_CHUNK = 1 << 16
 
 
-def matmul_params(model) -> int:
-    """Weights that take part in a matrix multiply per token: attention, MLP and the output head.
+class MetricsFile:
+    """The metrics.jsonl of one job; a missing or unreadable file reads as empty."""
 
-    The input embedding is a lookup, not a multiply, and norm weights are negligible; with tied
-    embeddings the output head is the embedding matrix, counted once here.
-    """
-    head_dim = model.dim // model.n_heads
-    attention = model.dim * model.n_heads * head_dim * 2 + model.dim * model.n_kv_heads * head_dim * 2
-    mlp = 3 * model.dim * model.ffn_hidden_dim
-    return model.n_layers * (attention + mlp) + model.vocab_size * model.dim
+    def __init__(self, path: Path):
+        self.path = Path(path)
 
+    def records(self) -> list[dict]:
+        """Every progress record as the run stands: one per step, in step order (reads the whole file)."""
+        try:
+            with open(self.path, "rb") as handle:
+                return _as_run(_parse(line) for line in handle)
+        except OSError:
+            return []
 
-def flops_per_token(model, seq_len: int) -> int:
-    """Training FLOPs per token: 6N for the weights (2 forward, 4 backward) plus the attention term.
-
-    Attention scores (Q·Kᵀ) and their use (A·V) cost 2·seq_len·(n_heads·head_dim) FLOPs each per
-    token and layer forward, three times that with backward: 12·n_layers·n_heads·head_dim·seq_len.
-    The causal mask is not discounted, as in the PaLM paper's MFU, so figures compare across tools.
-    """
-    head_dim = model.dim // model.n_heads
-    return 6 * matmul_params(model) + 12 * model.n_layers * model.n_heads * head_dim * seq_len
-
-
-def peak_tflops(device_name: str | None, override: float | None = None) -> float | None:
-    """One device's peak bf16 TFLOP/s: the override, else the table entry for a GPU name, else None."""
-    if override is not None:
-        return override
-    if not device_name:
+    def latest(self, key: str | None = None, budget: int = TAIL_BYTES) -> dict | None:
+        """The newest record (holding ``key``, when given) within ``budget`` bytes of the end, or None."""
+        for record in self._backwards(budget):
+            if key is None or key in record:
+                return record
         return None
-    for pattern, tflops in PEAK_BF16_TFLOPS:
-        if re.search(pattern, device_name):
-            return tflops
-    return None
 
+    def sample(self, count: int = 160) -> list[dict]:
+        """About ``count`` records spread evenly over the run, in step order, plus the newest one.
 
-def mfu(tokens_per_s_per_device: float, flops_per_token_: int, peak: float | None) -> float | None:
-    """Achieved model FLOP/s over the peak, as a fraction; None when the peak is unknown."""
-    if peak is None:
-        return None
-    return tokens_per_s_per_device * flops_per_token_ / (peak * 1e12)
-
-
-# --- Step timing ---------------------------------------------------------------------------------------
-
-
-class StepClock:
-    """Seconds per training step between progress reports, with pauses (checkpoints, validation, the
-    first, compiling step) left out, and a moving average of the recent intervals for the ETA.
-
-    The trainer reads the clock only where it already waits for the device (reports, saves,
-    validation), so timing adds no synchronisation to ordinary steps.
-    """
-
-    def __init__(self, now: float, window: int = 20):
-        self._recent: deque[tuple[float, int]] = deque(maxlen=window)
-        self.restart(now)
-
-    def restart(self, now: float) -> None:
-        """Start a new interval at ``now``, forgetting pauses noted so far."""
-        self._mark, self._paused, self._excluded_steps = now, 0.0, 0
-
-    def pause(self, seconds: float, steps: int = 0) -> None:
-        """Leave ``seconds`` (and ``steps`` steps, for a slow first step) out of the current interval."""
-        self._paused += seconds
-        self._excluded_steps += steps
-
-    def lap(self, now: float, steps: int) -> tuple[float, int]:
-        """End the interval of ``steps`` steps: (training seconds, steps counted); the next one starts now.
-
-        An interval of nothing but excluded steps is returned whole, pauses included, and not averaged.
+        A file of up to ``count`` lines' worth of bytes is read whole; a larger one is read at ``count``
+        evenly spaced offsets (one line each), so the cost does not grow with the file. Where the steps
+        of two samples go backwards a resumed run began between them: its first record is found by
+        bisection, so the records the crash made stale are dropped as a whole read would drop them.
         """
-        seconds = max(now - self._mark - self._paused, 0.0)
-        counted = max(steps - self._excluded_steps, 0)
-        if counted > 0 and seconds > 0:
-            self._recent.append((seconds, counted))
+        try:
+            with open(self.path, "rb") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                if size <= count * 512:
+                    return _as_run(_parse(line) for line in handle)
+                found = [(offset, _record_at(handle, offset)) for offset in (i * size // count for i in range(count))]
+                found = [(offset, record) for offset, record in found if record is not None]
+                starts = []
+                for (low, before), (high, after) in zip(found, found[1:], strict=False):
+                    if after[METRIC_STEP] < before[METRIC_STEP]:
+                        starts.append(_resume_start(handle, low, high, before[METRIC_STEP]))
+        except OSError:
+            return []
+        ordered = sorted([*found, *(start for start in starts if start is not None)], key=lambda item: item[0])
+        return _as_run([record for _, record in ordered] + [self.latest()])
+
+    def _backwards(self, budget: int) -> Iterator[dict]:
+        """Records from the end of the file backwards, newest first, reading at most ``budget`` bytes."""
+        try:
+            handle = open(self.path, "rb")
+        except OSError:
+            return
+        with handle:
+            position = os.fstat(handle.fileno()).st_size
+            stop = max(0, position - budget)
+            carry = b""
+            while position > stop:
+                start = max(stop, position - _CHUNK)
+                handle.seek(start)
+                block = handle.read(position - start) + carry
+                position = start
+                lines = block.split(b"\n")
+                # The first piece may be the end of a line that starts in an earlier block.
+                carry = lines.pop(0) if position > 0 else b""
+                for line in reversed(lines):
+                    record = _parse(line)
+                    if record is not None:
+                        yield record
+            if position == 0 and carry:
+                record = _parse(carry)
+                if record is not None:
+                    yield record
+
+
+def _record_at(handle, offset: int) -> dict | None:
+    """The first whole record starting after ``offset`` (or at 0)."""
+    handle.seek(offset)
+    if offset:
+        handle.readline()  # the rest of a line cut by the seek
+    return _parse(handle.readline())
+
+
+def _resume_start(handle, low: int, high: int, step: int) -> tuple[int, dict] | None:
+    """The first record of the resumed run that begins between offsets ``low`` and ``high``.
+
+    Records before it belong to the earlier run, whose steps at ``low`` onwards are at least ``step``;
+    the resumed run's steps up to ``high`` are all lower.
+    """
+    while high - low > 1:
+        middle = (low + high) // 2
+        record = _record_at(handle, middle)
+        if record is not None and record[METRIC_STEP] >= step:
+            low = middle
         else:
-            seconds, counted = now - self._mark, steps
-        self.restart(now)
-        return seconds, counted
-
-    def seconds_per_step(self) -> float | None:
-        """Average over the recent intervals, weighted by their steps; None before the first one."""
-        steps = sum(count for _, count in self._recent)
-        return sum(seconds for seconds, _ in self._recent) / steps if steps else None
+            high = middle
+    handle.seek(high)
+    handle.readline()
+    offset = handle.tell()
+    record = _parse(handle.readline())
+    return (offset, record) if record is not None else None
 
 
-def eta_seconds(steps_left: int, seconds_per_step: float | None, evals_left: int, seconds_per_eval: float) -> float:
-    """Time to the end: the remaining steps at the average pace plus the remaining validations."""
-    return steps_left * (seconds_per_step or 0.0) + evals_left * seconds_per_eval
-
-
-# --- TensorBoard event files ----------------------------------------------------------------------------
-
-
-class EventWriter:
-    """TensorBoard event files of a job, written by global rank 0.
-
-    A run that resumed at step ``resumed_step`` purges what an earlier run logged past that step (it
-    was lost with the crash and is trained and logged again): TensorBoard's ``purge_step``, which
-    readers apply. Without TensorBoard installed, the writer says so once and does nothing.
-    """
-
-    def __init__(self, folder: Path, resumed_step: int, log: Callable[[str], None]):
-        self.folder = folder
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            log(
-                "tensorboard is not installed in this image: TensorBoard event files are off "
-                "(metrics.jsonl still records every logged step)"
-            )
-            self._writer = None
-            return
-        self._writer = SummaryWriter(log_dir=str(folder), purge_step=resumed_step + 1, flush_secs=30)
-
-    @property
-    def enabled(self) -> bool:
-        return self._writer is not None
-
-    def scalars(self, step: int, values: dict[str, float | None]) -> None:
-        """One value per tag at ``step``; None values are skipped."""
-        if self._writer is None:
-            return
-        for tag, value in values.items():
-            if value is not None:
-                self._writer.add_scalar(tag, value, step)
-
-    def checkpoint(self, step: int, folder_name: str, reason: str) -> None:
-        """Record a checkpoint save as a text event, and flush: the steps it covers are then on disk."""
-        if self._writer is None:
-            return
-        self._writer.add_text(TAG_CHECKPOINT, f"{reason} checkpoint `{folder_name}`", step)
-        self._writer.flush()
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-
-# --- metrics.jsonl read back ---------------------------------------------------------------------------------
-
-
-def read_records(path: Path) -> list[dict]:
-    """The progress records of ``metrics.jsonl`` as the run stands: one per step, in step order.
-
-    The file is an append-only history. A record whose step is not past the one before it starts a
-    resumed run: the records it repeats or skips past belong to work lost in a crash, so they go, as
-    TensorBoard purges them; the last record of a step wins. Unreadable lines are skipped.
-    """
-    kept: list[dict] = []
+def _parse(line: bytes | None) -> dict | None:
+    if not line:
+        return None
     try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(record, dict) or not isinstance(record.get(METRIC_STEP), int):
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or isinstance(record.get(METRIC_STEP), bool):
+        return None
+    return record if isinstance(record.get(METRIC_STEP), int) else None
+
+
+def _as_run(records) -> list[dict]:
+    """The records that stand, in file order: a step not past the previous record's drops what it replays."""
+    kept: list[dict] = []
+    for record in records:
+        if record is None:
             continue
         while kept and kept[-1][METRIC_STEP] >= record[METRIC_STEP]:
             kept.pop()
@@ -209,22 +153,6 @@ def read_records(path: Path) -> list[dict]:
     return kept
 
 
-SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
-
-
-def sparkline(values: list[float], width: int = 40) -> str:
-    """``values`` as one line of Unicode blocks, lowest ▁ to highest █; at most ``width`` characters.
-
-    More values than characters are averaged in equal buckets, so the line keeps the curve's shape.
-    """
-    values = [value for value in values if isinstance(value, (int, float)) and math.isfinite(value)]
-    if not values:
-        return ""
-    if len(values) > width:
-        buckets = [values[i * len(values) // width : (i + 1) * len(values) // width] for i in range(width)]
-        values = [sum(bucket) / len(bucket) for bucket in buckets]
-    low, high = min(values), max(values)
-    if high == low:
-        return SPARK_BLOCKS[len(SPARK_BLOCKS) // 2] * len(values)
-    top = len(SPARK_BLOCKS) - 1
-    return "".join(SPARK_BLOCKS[round((value - low) / (high - low) * top)] for value in values)
+def read_records(path: Path) -> list[dict]:
+    """Every progress record of a metrics.jsonl as the run stands (see :meth:`MetricsFile.records`)."""
+    return MetricsFile(path).records()

@@ -1,21 +1,15 @@
 """A model folder, read without torch: the architecture in ``config.json`` and what the weight files hold.
 
 The host (preflight) and the trainer read folders through this module, so both
-accept and refuse the same ones. Two ``config.json`` forms are read:
-
-- a Hugging Face Llama-family config (``model_type`` ``llama`` or ``mistral``),
-  RoPE written the transformers 4.x way (``rope_theta``, ``rope_scaling``) or
-  the 5.x way (``rope_parameters``);
-- the field names our presets wrote before (``dim``, ``n_layers``, ...), so old
-  base models and checkpoints still load.
-
-Folders are written in the Hugging Face form (both RoPE spellings), so that
+accept and refuse the same ones. ``config.json`` is a Hugging Face Llama-family
+config (``model_type`` ``llama`` or ``mistral``), RoPE written the transformers
+4.x way (``rope_theta``, ``rope_scaling``) or the 5.x way (``rope_parameters``).
+Folders are written in that form (both RoPE spellings), so that
 ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads them.
 
 Weights are ``model.safetensors``, or shards listed in
-``model.safetensors.index.json``. Tensor names are Hugging Face's
-(``model.layers.0.self_attn.q_proj.weight``); older preset folders hold our
-module names (``layers.0.attention.wq.weight``). Both are read; only the first is written.
+``model.safetensors.index.json``, under Hugging Face's tensor names
+(``model.layers.0.self_attn.q_proj.weight``).
 """
 
 from __future__ import annotations
@@ -30,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
+from astrai.common.errors import AstraiError
 
 MODEL_TYPES = ("llama", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -37,7 +32,7 @@ ROPE_TYPES = ("default", "linear", "llama3")
 WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
-class ModelLoadError(Exception):
+class ModelLoadError(AstraiError):
     """A model folder whose config or weights cannot be used; the message names the file, key or tensor."""
 
 
@@ -98,8 +93,8 @@ class ModelConfig:
                 _check_positive_int(name, getattr(self, name))
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name}: expected a positive number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings: expected true or false, got {self.tie_embeddings!r}")
         if self.head_dim is None and self.dim % self.n_heads:
@@ -156,7 +151,7 @@ class ModelConfig:
         return values
 
     def to_json(self) -> str:
-        return json.dumps(self.to_hf_dict(), indent=2, sort_keys=True) + "\n"
+        return json.dumps(self.to_hf_dict(), indent=2, sort_keys=True, allow_nan=False) + "\n"
 
     @classmethod
     def from_dict(cls, values: dict) -> ModelConfig:
@@ -165,8 +160,6 @@ class ModelConfig:
             raise ValueError("expected a JSON object")
         if "model_type" in values:
             return _from_hf(values)
-        if "dim" in values:
-            return _from_preset_fields(values)
         raise ValueError(f"model_type is missing; expected one of {', '.join(MODEL_TYPES)}")
 
     @classmethod
@@ -187,29 +180,6 @@ class ModelConfig:
 def _check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-
-
-# The fields our presets wrote before config.json took the Hugging Face form; such folders still load.
-LEGACY_CONFIG_FIELDS = (
-    "vocab_size",
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_hidden_dim",
-    "max_seq_len",
-    "rope_theta",
-    "norm_eps",
-    "tie_embeddings",
-)
-
-
-def _from_preset_fields(values: dict) -> ModelConfig:
-    known = set(LEGACY_CONFIG_FIELDS)
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    return ModelConfig(**values)
 
 
 def _from_hf(values: dict) -> ModelConfig:
@@ -298,8 +268,8 @@ def _rope_from_hf(values: dict) -> tuple[float, RopeScaling | None]:
         theta = values.get("rope_theta", 10000.0)
         if not isinstance(params, dict):
             raise ValueError(f"rope_scaling {params!r}: expected an object or null")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise ValueError(f"{key}.rope_theta {theta!r}: expected a positive number")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+        raise ValueError(f"{key}.rope_theta {theta!r}: expected a positive finite number")
     # transformers 4.x wrote the kind as "type" before it became "rope_type".
     kind_key = "rope_type" if "rope_type" in params or "type" not in params else "type"
     kind = params.get(kind_key, "default")
@@ -319,10 +289,10 @@ def _rope_from_hf(values: dict) -> tuple[float, RopeScaling | None]:
         if (
             isinstance(value, bool)
             or not isinstance(value, (int, float))
-            or value <= 0
+            or not 0 < value < math.inf
             or (kind_of is int and not isinstance(value, int))
         ):
-            raise ValueError(f"{key}.{name} {value!r}: {kind} scaling needs a positive number here")
+            raise ValueError(f"{key}.{name} {value!r}: {kind} scaling needs a positive finite number here")
         found[name] = kind_of(value)
     if kind == "llama3" and found["high_freq_factor"] <= found["low_freq_factor"]:
         raise ValueError(
@@ -410,6 +380,8 @@ class WeightsSummary:
     files: tuple[Path, ...]
     names: dict[Path, dict[str, str]]
     """For each file: name in the file -> our tensor name (tensors the loader skips are not listed)."""
+    layouts: dict[Path, tuple[int, dict[str, tuple[str, tuple[int, ...], tuple[int, int]]]]]
+    """For each file: where its data starts, and each tensor's dtype, shape and byte range (read_layout)."""
     dtypes: tuple[str, ...]
     """torch dtype names found, e.g. ('bfloat16',)."""
     num_parameters: int
@@ -442,6 +414,14 @@ def weight_files(folder: Path) -> list[Path]:
 
 def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Tensor name -> (dtype, shape) from a safetensors file's header; a damaged or truncated file raises."""
+    return {name: (dtype, shape) for name, (dtype, shape, _) in read_layout(path)[1].items()}
+
+
+def read_layout(path: Path) -> tuple[int, dict[str, tuple[str, tuple[int, ...], tuple[int, int]]]]:
+    """(where the data starts, tensor name -> (dtype, shape, byte range in the data)) from a safetensors header.
+
+    The header is read once and checked against the file's size, so a truncated file raises here.
+    """
     try:
         with open(path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
@@ -459,13 +439,14 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            tensors[name] = (str(info["dtype"]), tuple(int(n) for n in info["shape"]))
-            end = max(end, int(info["data_offsets"][1]))
+            begin, stop = (int(n) for n in info["data_offsets"])
+            tensors[name] = (str(info["dtype"]), tuple(int(n) for n in info["shape"]), (begin, stop))
+            end = max(end, stop)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
         raise ModelLoadError(f"{path}: damaged safetensors header ({type(error).__name__}: {error})") from None
     if 8 + length + end > size:
         raise ModelLoadError(f"{path}: truncated: {size} bytes, its header describes {8 + length + end}")
-    return tensors
+    return 8 + length, tensors
 
 
 def inspect_weights(folder: Path, config: ModelConfig) -> WeightsSummary:
@@ -475,10 +456,12 @@ def inspect_weights(folder: Path, config: ModelConfig) -> WeightsSummary:
     names: dict[Path, dict[str, str]] = {}
     found: dict[str, Path] = {}
     dtypes = set()
+    layouts = {}
     for path in files:
         names[path] = in_file = {}
-        for stored, (dtype, shape) in read_header(path).items():
-            name = stored if stored in shapes else from_hf.get(stored)
+        layouts[path] = layout = read_layout(path)
+        for stored, (dtype, shape, _) in layout[1].items():
+            name = from_hf.get(stored)
             if name is None:
                 if _ignored(stored, config):
                     continue
@@ -502,7 +485,7 @@ def inspect_weights(folder: Path, config: ModelConfig) -> WeightsSummary:
             f"{Path(folder)}: tensor {hf_name(name)!r} is missing from the weights "
             f"(config.json expects shape {list(shapes[name])})"
         )
-    return WeightsSummary(tuple(files), names, tuple(sorted(dtypes)), num_parameters(config))
+    return WeightsSummary(tuple(files), names, layouts, tuple(sorted(dtypes)), num_parameters(config))
 
 
 @functools.lru_cache(maxsize=8)

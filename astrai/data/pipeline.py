@@ -1,12 +1,21 @@
-"""Tokenize text into a data folder, byte by byte or with a model's own tokenizer. No torch needed.
+"""`python -m astrai.data`: tokenize a corpus into a data folder (``prepare``), or describe one (``info``). No torch.
 
     python -m astrai.data prepare --out data examples/corpus/*.txt
     python -m astrai.data prepare --tokenizer models/SmolLM2-135M --out data corpus/*.txt
+    python -m astrai.data prepare --tokenizer models/SmolLM2-135M --out web downloads/fineweb/   # Parquet shards
+    python -m astrai.data prepare --field meta.content --skip_bad --out docs docs.jsonl.zst
+    python -m astrai.data info web
 
-With ``--tokenizer`` (a Hugging Face ``tokenizers`` ``tokenizer.json``, or a model
-folder holding one) the tokenizer's files are copied into the data folder, and
-the trainer copies them into every checkpoint, so a checkpoint is a complete
-model folder. The folder's format is described in :mod:`astrai.common.data_folder`.
+Every record is one document, followed by the end-of-text token; what is read and how
+it is cut into pieces is :mod:`astrai.data.sources`. ``--workers`` processes (default:
+the CPUs this process may use) tokenize the pieces, and the shards come out the same
+for any number of workers. A record that is not valid JSON, lacks the field or holds
+something other than text stops `prepare` naming the file and line (or row) and what
+it found, with the output folder left as it was; ``--skip_bad`` skips such records and
+counts them, per file. With ``--tokenizer`` (a Hugging Face ``tokenizers``
+``tokenizer.json``, or a model folder holding one) the tokenizer's files are copied into
+the data folder, and the trainer copies them into every checkpoint. The folder's format
+is :mod:`astrai.common.data_folder`.
 """
 
 from __future__ import annotations
@@ -14,149 +23,105 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
-from array import array
+import threading
+import time
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
-from astrai.common.contract import DATA_MANIFEST_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_FILES
-from astrai.common.data_folder import DTYPES, FORMAT, SHARD_PATTERN, DataError
+from astrai.common.contract import DATA_MANIFEST_FILE, TOKENIZER_FILES
+from astrai.common.data_folder import DTYPES, FORMAT, SHARD_PATTERN, DataError, TokenData
+from astrai.common.paths import PathError, output_folder
+from astrai.common.values import format_duration
+from astrai.data.sources import (
+    Bad,
+    Piece,
+    Source,
+    available_cpus,
+    describe_where,
+    find_sources,
+    pieces,
+    read_piece,
+    total_bytes,
+)
+from astrai.data.tokenizing import ByteTokenizer, HFTokenizer, copy_tokenizer_files, from_spec
 
 # 2**27 tokens = 256 MiB per uint16 shard: large enough to keep the file count low, small enough to copy around.
 DEFAULT_SHARD_TOKENS = 2**27
-_READ_CHUNK = 1 << 22
-# Text handed to the tokenizer per piece, and pieces per batch: big enough for its threads, small enough for RAM.
-_TEXT_CHUNK = 1 << 20
-_TEXT_BATCH = 16
-_UINT32 = next(code for code in "IL" if array(code).itemsize == 4)
-# End-of-text tokens in common use, tried when neither tokenizer_config.json nor --eos names one.
-WELL_KNOWN_END_OF_TEXT = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+DEFAULT_FIELD = "text"
+# Texts handed to the tokenizer at once: enough to amortise the call, few enough for a worker's memory.
+_BATCH_TEXTS = 256
+_BATCH_CHARS = 4 << 20
+# Pieces waiting per worker: enough to keep every worker busy, few enough to bound the memory they hold.
+_IN_FLIGHT_PER_WORKER = 2
+_PROGRESS_SECONDS = 0.5
 
 
-class ByteTokenizer:
-    """UTF-8 bytes are the tokens 0..255; 256 marks the end of a document. Nothing to download."""
-
-    name = "byte"
-    end_of_text = 256
-    vocab_size = 257
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, tokens: list[int]) -> str:
-        return bytes(i for i in tokens if i < 256).decode("utf-8", errors="replace")
-
-    def encode_bytes_uint16le(self, data: bytes) -> bytes:
-        """``data`` as little-endian uint16 token ids, the shard format (one zero high byte per token)."""
-        out = bytearray(2 * len(data))
-        out[0::2] = data
-        return bytes(out)
+@dataclass(frozen=True)
+class PieceResult:
+    index: int
+    source: int
+    tokens_file: Path
+    documents: int
+    tokens: int
+    skipped: int
+    first_bad: tuple[str, str] | None = None
+    """(where, problem) of the first bad record: the error without --skip_bad, the example with it."""
+    bytes_read: int = 0
 
 
-class HFTokenizer:
-    """A Hugging Face ``tokenizers`` tokenizer (``tokenizer.json``) and the end-of-text token that separates documents.
-
-    The end-of-text token is ``tokenizer_config.json``'s ``eos_token`` when the folder has one, else ``eos``
-    (``--eos``), else the one well-known end-of-text special token the tokenizer has.
-    """
-
-    name = "tokenizers"
-
-    def __init__(self, path: Path, eos: str | None = None):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise DataError("--tokenizer needs the tokenizers package: pip install 'astrai-train[train]'") from None
-        path = Path(path)
-        self.file = path / TOKENIZER_FILE if path.is_dir() else path
-        if not self.file.is_file():
-            where = f"{path} holds no {TOKENIZER_FILE}" if path.is_dir() else f"{path} does not exist"
-            raise DataError(f"--tokenizer: {where}; give a tokenizer.json or a model folder holding one")
-        raw = self.file.read_bytes()
-        try:
-            self.tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
-        except Exception as error:  # the Rust library raises plain Exception for any parse problem
-            raise DataError(f"{self.file}: not a tokenizers tokenizer.json ({error})") from None
-        self.sha256 = hashlib.sha256(raw).hexdigest()
-        # Ids may have gaps; what matters for the model is the largest one.
-        self.vocab_size = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
-        self.special_tokens = {
-            token.content: index for index, token in self.tokenizer.get_added_tokens_decoder().items() if token.special
-        }
-        # The folder's other tokenizer files travel with it (a lone tokenizer.json has none).
-        self.files = [self.file] + [
-            self.file.parent / name
-            for name in TOKENIZER_FILES[1:]
-            if path.is_dir() and (self.file.parent / name).is_file()
-        ]
-        self.end_of_text_token = self._pick_end_of_text(eos)
-        self.end_of_text = self.tokenizer.token_to_id(self.end_of_text_token)
-
-    def _pick_end_of_text(self, eos: str | None) -> str:
-        config_path = self.file.parent / TOKENIZER_CONFIG_FILE
-        if self.file.name == TOKENIZER_FILE and config_path.is_file():
-            try:
-                token = json.loads(config_path.read_text(encoding="utf-8")).get("eos_token")
-            except (OSError, ValueError, AttributeError) as error:
-                raise DataError(f"{config_path}: unreadable ({error})") from None
-            if isinstance(token, dict):
-                token = token.get("content")
-            if token:
-                if eos is not None and eos != token:
-                    print(f"note: using {config_path.name}'s eos_token {token!r}, not --eos {eos!r}", file=sys.stderr)
-                return self._known(token, f"{config_path}: eos_token")
-        if eos is not None:
-            return self._known(eos, "--eos")
-        found = [token for token in WELL_KNOWN_END_OF_TEXT if token in self.special_tokens]
-        if len(found) == 1:
-            return found[0]
-        listed = ", ".join(sorted(self.special_tokens)) or "none"
-        why = (
-            f"it has several end-of-text candidates ({', '.join(found)})"
-            if found
-            else f"it has none of the usual end-of-text tokens ({', '.join(WELL_KNOWN_END_OF_TEXT)})"
-        )
-        raise DataError(
-            f"{self.file}: cannot tell which token ends a document: {why}; pass --eos TOKEN, "
-            f"one of its special tokens: {listed}"
-        )
-
-    def _known(self, token: str, what: str) -> str:
-        if self.tokenizer.token_to_id(token) is None:
-            raise DataError(f"{what} {token!r} is not in the vocabulary of {self.file}")
-        return token
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text, encoded in parallel by the library, without special tokens added."""
-        return [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
-
-
-TOKENIZER = ByteTokenizer()
+@dataclass
+class _SourceStats:
+    documents: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    first_bad: str | None = None
 
 
 def prepare(
-    out_dir: Path, files: list[Path], shard_tokens: int = DEFAULT_SHARD_TOKENS, tokenizer: HFTokenizer | None = None
+    out_dir: Path,
+    inputs: list[Path],
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    tokenizer: HFTokenizer | None = None,
+    *,
+    field: str = DEFAULT_FIELD,
+    workers: int = 1,
+    skip_bad: bool = False,
+    progress: bool = False,
+    say=None,
 ) -> dict:
-    """Tokenize ``files`` (each followed by an end-of-text token) into shards in ``out_dir``; returns the manifest.
+    """Tokenize ``inputs`` into shards in ``out_dir``; returns the manifest.
 
-    Files are streamed in chunks, so their size is not limited by RAM. Without ``tokenizer`` the text
-    is tokenized byte by byte; with one, in batches of text pieces cut at line ends.
+    Without ``tokenizer`` the text is tokenized byte by byte. The output is written into a staging
+    folder and moved in at the end: a failure or an interrupt leaves an earlier data set in
+    ``out_dir`` as it was, and a trainer reading it keeps its mapped shards.
     """
     if shard_tokens < 2:
         raise DataError(f"shard_tokens must be at least 2, got {shard_tokens}")
-    for path in files:
-        if not Path(path).is_file():
-            raise DataError(f"{path}: not a file")
-    vocab_size = tokenizer.vocab_size if tokenizer is not None else TOKENIZER.vocab_size
+    if workers < 1:
+        raise DataError(f"--workers must be at least 1, got {workers}")
+    fields = field.split(".")
+    if not field or not all(fields):
+        raise DataError(f"--field: {field!r} is not a field name (dotted for a nested field, such as meta.content)")
+    sources, notes = find_sources([Path(path) for path in inputs])
+    if not sources:
+        raise DataError("no input files: name the files or folders to prepare")
+    for note in notes:
+        (say or _stderr)(f"note: {note}")
     created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Everything is written to a staging folder first: a failure or an interrupt leaves an earlier data set in
-    # out_dir as it was, and a trainer reading it keeps its mapped shards (they are replaced, not rewritten).
-    staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir))
     try:
-        manifest = _prepare_into(staging, files, shard_tokens, tokenizer, vocab_size)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir))
+    except OSError as error:
+        raise DataError(f"cannot write {out_dir}: {error.strerror}") from None
+    try:
+        manifest = _prepare_into(staging, sources, shard_tokens, tokenizer, fields, workers, skip_bad, progress)
         _publish(staging, out_dir, manifest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -167,53 +132,72 @@ def prepare(
     return manifest
 
 
-def _prepare_into(out_dir: Path, files: list[Path], shard_tokens: int, tokenizer, vocab_size: int) -> dict:
-    dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
-    width = DTYPES[dtype]
-    shards: list[dict] = []
-    writer = None
-
-    def write(encoded: bytes) -> None:
-        nonlocal writer
-        while encoded:
-            if writer is None or shards[-1]["num_tokens"] == shard_tokens:
-                if writer is not None:
-                    writer.close()
-                shards.append({"file": SHARD_PATTERN.format(len(shards)), "num_tokens": 0})
-                writer = open(out_dir / shards[-1]["file"], "wb")
-            room = shard_tokens - shards[-1]["num_tokens"]
-            piece, encoded = encoded[: width * room], encoded[width * room :]
-            writer.write(piece)
-            shards[-1]["num_tokens"] += len(piece) // width
-
+def _prepare_into(
+    staging: Path,
+    sources: list[Source],
+    shard_tokens: int,
+    tokenizer: HFTokenizer | None,
+    fields: list[str],
+    workers: int,
+    skip_bad: bool,
+    progress: bool,
+) -> dict:
+    chosen = tokenizer or ByteTokenizer()
+    dtype = "uint16" if chosen.vocab_size <= 1 << 16 else "uint32"
+    shards = _ShardWriter(staging, shard_tokens, DTYPES[dtype])
+    stats = [_SourceStats() for _ in sources]
+    checksums = _Checksums(sources)
+    meter = _Progress(total_bytes(sources)) if progress else None
+    setup = (chosen.spec(), sources, fields, staging, skip_bad)
     try:
-        if tokenizer is None:
-            end_of_text = TOKENIZER.end_of_text.to_bytes(2, "little")
-            for path in files:
-                with open(path, "rb") as handle:
-                    while chunk := handle.read(_READ_CHUNK):
-                        write(TOKENIZER.encode_bytes_uint16le(chunk))
-                write(end_of_text)
-        else:
-            _tokenize_with(tokenizer, files, "H" if width == 2 else _UINT32, write)
+        for result in _run(setup, pieces(sources), workers):
+            entry = stats[result.source]
+            if result.first_bad is not None:
+                where = describe_where(sources[result.source], result.first_bad[0])
+                if not skip_bad:
+                    raise DataError(
+                        f"{where}: {result.first_bad[1]}; nothing was written (--skip_bad skips such records)"
+                    )
+                entry.first_bad = entry.first_bad or f"{where}: {result.first_bad[1]}"
+            entry.documents += result.documents
+            entry.tokens += result.tokens
+            entry.skipped += result.skipped
+            shards.append(result.tokens_file)
+            result.tokens_file.unlink()
+            if meter is not None:
+                meter.add(result.documents, result.tokens, result.bytes_read)
     finally:
-        if writer is not None:
-            writer.close()
-    total = sum(shard["num_tokens"] for shard in shards)
-    if total == len(files):
-        raise DataError("the input files are empty: nothing to train on")
-    copied = _copy_tokenizer_files(tokenizer, out_dir)
+        shards.close()
+        if meter is not None:
+            meter.done()
+    if shards.total == 0 or all(entry.tokens == entry.documents for entry in stats):
+        raise DataError("the inputs are empty: they hold no text to train on")
+    copied = copy_tokenizer_files(tokenizer, staging)
     manifest = {
         "format": FORMAT,
-        "version": 1,
-        "tokenizer": TOKENIZER.name if tokenizer is None else tokenizer.name,
-        "vocab_size": vocab_size,
-        "end_of_text": TOKENIZER.end_of_text if tokenizer is None else tokenizer.end_of_text,
+        "version": 2,
+        "tokenizer": chosen.name,
+        "vocab_size": chosen.vocab_size,
+        "end_of_text": chosen.end_of_text,
         "dtype": dtype,
         "byte_order": "little",
-        "num_tokens": total,
-        "shards": shards,
-        "sources": [Path(path).name for path in files],
+        "num_tokens": shards.total,
+        "documents": sum(entry.documents for entry in stats),
+        "skipped": sum(entry.skipped for entry in stats),
+        "field": ".".join(fields),
+        "shards": shards.shards,
+        "sources": [
+            {
+                "file": source.name,
+                "size": source.size,
+                "sha256": checksums.get(number),
+                "documents": entry.documents,
+                "tokens": entry.tokens,
+                "skipped": entry.skipped,
+                **({"first_skipped": entry.first_bad} if entry.first_bad else {}),
+            }
+            for number, (source, entry) in enumerate(zip(sources, stats, strict=True))
+        ],
     }
     if tokenizer is not None:
         manifest.update(
@@ -223,6 +207,201 @@ def _prepare_into(out_dir: Path, files: list[Path], shard_tokens: int, tokenizer
             tokenizer_files=copied,
         )
     return manifest
+
+
+def _run(setup: tuple, work, workers: int):
+    """Results of every piece, in piece order: in this process for one worker, else in a pool of ``workers``."""
+    if workers == 1:
+        previous = os.environ.get("TOKENIZERS_PARALLELISM")
+        _init_worker(*setup)
+        try:
+            for piece in work:
+                yield _run_piece(piece)
+        finally:
+            _WORKER.clear()
+            if previous is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = previous
+        return
+    # forkserver: the workers start from a clean process, not a fork of this one with its checksum thread.
+    context = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=setup) as pool:
+        pending = deque()
+        for piece in work:
+            pending.append(pool.submit(_run_piece, piece))
+            while len(pending) >= workers * _IN_FLIGHT_PER_WORKER:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+# --- In a worker -----------------------------------------------------------------------------------------------
+
+_WORKER: dict = {}
+
+
+def _init_worker(spec: tuple, sources: list[Source], fields: list[str], staging: Path, skip_bad: bool) -> None:
+    # One tokenizer per worker, one worker per core: the library's own thread pool would only fight the others.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER.update(tokenizer=from_spec(spec), sources=sources, fields=fields, staging=staging, skip_bad=skip_bad)
+
+
+def _run_piece(piece: Piece) -> PieceResult:
+    """Tokenize one piece into a file of its own in the staging folder."""
+    tokenizer = _WORKER["tokenizer"]
+    source = _WORKER["sources"][piece.source]
+    end_of_text = _token_bytes(tokenizer)
+    out = _WORKER["staging"] / f".piece-{piece.index:09d}.bin"
+    width = len(end_of_text)
+    documents = skipped = written = 0
+    first_bad = None
+    texts: list[str] = []
+    chars = 0
+
+    def flush(handle) -> None:
+        nonlocal written, chars
+        for encoded in tokenizer.encode_batch(texts):
+            handle.write(encoded)
+            handle.write(end_of_text)
+            written += len(encoded) + width
+        texts.clear()
+        chars = 0
+
+    with open(out, "wb") as handle:
+        for item in read_piece(source, piece, _WORKER["fields"]):
+            if isinstance(item, Bad):
+                first_bad = first_bad or (item.where, item.problem)
+                skipped += 1
+                if not _WORKER["skip_bad"]:
+                    break
+            elif isinstance(item, bytes):
+                encoded = _encode_text_chunk(tokenizer, item, source)
+                handle.write(encoded)
+                written += len(encoded)
+            else:
+                texts.append(item)
+                documents += 1
+                chars += len(item)
+                if len(texts) >= _BATCH_TEXTS or chars >= _BATCH_CHARS:
+                    flush(handle)
+        flush(handle)
+        if piece.kind == "text" and piece.last:
+            handle.write(end_of_text)
+            written += width
+            documents += 1
+    tokens = written // width
+    return PieceResult(piece.index, piece.source, out, documents, tokens, skipped, first_bad, _piece_bytes(piece))
+
+
+def _encode_text_chunk(tokenizer, chunk: bytes, source: Source) -> bytes:
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode_bytes_uint16le(chunk)
+    try:
+        text = chunk.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise DataError(f"{source.name}: not UTF-8 text ({error.reason}); --tokenizer reads UTF-8") from None
+    return tokenizer.encode_batch([text])[0]
+
+
+def _token_bytes(tokenizer) -> bytes:
+    width = 2 if tokenizer.vocab_size <= 1 << 16 else 4
+    return tokenizer.end_of_text.to_bytes(width, "little")
+
+
+def _piece_bytes(piece: Piece) -> int:
+    if piece.kind in ("text", "lines") and not piece.lines:
+        return piece.stop - piece.start
+    return sum(len(line) for line in piece.lines if isinstance(line, bytes))
+
+
+# --- In the main process ----------------------------------------------------------------------------------------
+
+
+class _ShardWriter:
+    """Appends token files to shard files of ``shard_tokens`` tokens each, in order."""
+
+    def __init__(self, folder: Path, shard_tokens: int, width: int):
+        self.folder, self.shard_tokens, self.width = folder, shard_tokens, width
+        self.shards: list[dict] = []
+        self.total = 0
+        self._handle = None
+
+    def append(self, path: Path) -> None:
+        with open(path, "rb") as source:
+            while block := source.read(self.width << 18):
+                self._write(memoryview(block))
+
+    def _write(self, data: memoryview) -> None:
+        while len(data):
+            if self._handle is None or self.shards[-1]["num_tokens"] == self.shard_tokens:
+                self.close()
+                self.shards.append({"file": SHARD_PATTERN.format(len(self.shards)), "num_tokens": 0})
+                self._handle = open(self.folder / self.shards[-1]["file"], "wb")
+            room = self.shard_tokens - self.shards[-1]["num_tokens"]
+            part, data = data[: self.width * room], data[self.width * room :]
+            self._handle.write(part)
+            count = len(part) // self.width
+            self.shards[-1]["num_tokens"] += count
+            self.total += count
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+class _Checksums:
+    """SHA-256 of every source file, computed by a thread of its own while the workers tokenize."""
+
+    def __init__(self, sources: list[Source]):
+        self._sums: dict[int, str] = {}
+        self._thread = threading.Thread(target=self._run, args=(sources,), daemon=True, name="prepare-checksums")
+        self._thread.start()
+
+    def _run(self, sources: list[Source]) -> None:
+        for number, source in enumerate(sources):
+            digest = hashlib.sha256()
+            with open(source.path, "rb") as handle:
+                while block := handle.read(1 << 22):
+                    digest.update(block)
+            self._sums[number] = digest.hexdigest()
+
+    def get(self, number: int) -> str:
+        self._thread.join()
+        return self._sums[number]
+
+
+class _Progress:
+    """A line on the terminal: documents, tokens, tokens/s, and the ETA from the bytes read so far."""
+
+    def __init__(self, total_bytes: int):
+        self.total, self.read = total_bytes, 0
+        self.documents = self.tokens = 0
+        self.started = self.shown = time.monotonic()
+
+    def add(self, documents: int, tokens: int, read: int) -> None:
+        self.documents += documents
+        self.tokens += tokens
+        self.read += read
+        now = time.monotonic()
+        if now - self.shown >= _PROGRESS_SECONDS:
+            self.shown = now
+            sys.stderr.write("\r" + self.line(now))
+            sys.stderr.flush()
+
+    def line(self, now: float) -> str:
+        seconds = max(now - self.started, 1e-9)
+        rate = self.tokens / seconds
+        text = f"{self.documents:,} documents, {self.tokens:,} tokens, {rate:,.0f} tokens/s"
+        if self.total and self.read:
+            share = min(self.read / self.total, 1.0)
+            text += f", {share:.0%} of {self.total / 1e6:,.1f} MB, eta {format_duration(seconds / share - seconds)}"
+        return text + "   "
+
+    def done(self) -> None:
+        sys.stderr.write("\r" + self.line(time.monotonic()) + "\n")
+        sys.stderr.flush()
 
 
 def _publish(staging: Path, out_dir: Path, manifest: dict) -> None:
@@ -242,62 +421,54 @@ def _publish(staging: Path, out_dir: Path, manifest: dict) -> None:
         if name not in names:
             (out_dir / name).unlink(missing_ok=True)
     tmp = staging / DATA_MANIFEST_FILE
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n", encoding="utf-8")
     os.replace(tmp, out_dir / DATA_MANIFEST_FILE)
 
 
-def _tokenize_with(tokenizer: HFTokenizer, files: list[Path], typecode: str, write) -> None:
-    """Encode files in batches of text pieces; each file ends with the end-of-text token."""
-    pending: list[str | None] = []  # text pieces, None where a file ends
-
-    def flush() -> None:
-        texts = [piece for piece in pending if piece is not None]
-        encoded = iter(tokenizer.encode_batch(texts))
-        ids = array(typecode)
-        for piece in pending:
-            ids.extend(next(encoded) if piece is not None else (tokenizer.end_of_text,))
-        if sys.byteorder == "big":
-            ids.byteswap()
-        write(ids.tobytes())
-        pending.clear()
-
-    for path in files:
-        # newline="" keeps the text as written (no \r\n translation), so tokens match the file.
-        with open(path, encoding="utf-8", newline="") as handle:
-            try:
-                # Pieces end at a line end, where tokenizers split words anyway.
-                while piece := handle.read(_TEXT_CHUNK) + handle.readline():
-                    pending.append(piece)
-                    if len(pending) >= _TEXT_BATCH:
-                        flush()
-            except UnicodeDecodeError as error:
-                raise DataError(f"{path}: not UTF-8 text ({error.reason}); --tokenizer reads text files") from None
-        pending.append(None)
-    flush()
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
-def _copy_tokenizer_files(tokenizer: HFTokenizer | None, out_dir: Path) -> list[str]:
-    """Put the tokenizer's files in the (staging) data folder; returns their names."""
-    names = []
-    if tokenizer is not None:
-        for source in tokenizer.files:
-            name = TOKENIZER_FILE if source == tokenizer.file else source.name
-            shutil.copyfile(source, out_dir / name)
-            names.append(name)
-        if TOKENIZER_CONFIG_FILE not in names:
-            # Without one, transformers' AutoTokenizer cannot load a checkpoint's tokenizer.json.
-            config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.end_of_text_token}
-            (out_dir / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-            names.append(TOKENIZER_CONFIG_FILE)
-    return sorted(names)
+# --- info -----------------------------------------------------------------------------------------------------------
+
+
+def describe_folder(folder: Path) -> str:
+    """What ``python -m astrai.data info`` prints: the folder's totals, tokenizer and every source file."""
+    data = TokenData.open(folder)
+    manifest = json.loads((folder / DATA_MANIFEST_FILE).read_text(encoding="utf-8"))
+    documents = manifest.get("documents")
+    lines = [
+        f"{folder}: {data.num_tokens:,} tokens"
+        + (f" in {documents:,} documents" if isinstance(documents, int) else "")
+        + f", {len(data.shard_files)} shard(s) of {data.dtype}",
+        f"tokenizer   {data.tokenizer_description}, vocabulary {data.vocab_size}, end of text "
+        f"{manifest.get('end_of_text_token', manifest.get('end_of_text'))!r}",
+    ]
+    if manifest.get("field"):
+        lines.append(f"field       {manifest['field']}")
+    sources = manifest.get("sources", [])
+    if sources and isinstance(sources[0], dict):
+        lines.append(f"sources     {len(sources)} file(s), {manifest.get('skipped', 0):,} record(s) skipped")
+        width = max(len(entry["file"]) for entry in sources)
+        for entry in sources:
+            skipped = f", {entry['skipped']:,} skipped" if entry.get("skipped") else ""
+            lines.append(
+                f"  {entry['file']:<{width}}  {entry['size']:>14,} B  sha256 {entry['sha256'][:12]}  "
+                f"{entry['documents']:>10,} documents  {entry['tokens']:>14,} tokens{skipped}"
+            )
+    elif sources:
+        lines.append(f"sources     {', '.join(map(str, sources))}")
+    return "\n".join(lines)
+
+
+# --- Command line ------------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m astrai.data", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    prep = commands.add_parser("prepare", help="tokenize text files into a data folder (manifest.json + shards)")
-    prep.add_argument("--out", type=Path, required=True, help="data folder to write")
-    prep.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
+    prep = commands.add_parser("prepare", help="tokenize a corpus into a data folder (manifest.json + shards)")
+    prep.add_argument("--out", required=True, help="data folder to write")
     prep.add_argument(
         "--tokenizer",
         type=Path,
@@ -307,21 +478,66 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument(
         "--eos",
         metavar="TOKEN",
-        help="end-of-text token between files, when the tokenizer folder's tokenizer_config.json names none",
+        help="end-of-text token between documents, when the tokenizer folder's tokenizer_config.json names none",
     )
-    prep.add_argument("files", type=Path, nargs="+", metavar="FILE", help="text files (UTF-8)")
+    prep.add_argument(
+        "--field", default=DEFAULT_FIELD, metavar="NAME", help="the records' text field, dotted if nested (text)"
+    )
+    prep.add_argument(
+        "--workers", default=None, metavar="N", help="processes that tokenize (default: the CPUs this process may use)"
+    )
+    prep.add_argument("--skip_bad", action="store_true", help="skip records without text instead of stopping")
+    prep.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
+    prep.add_argument(
+        "inputs", type=Path, nargs="+", metavar="INPUT", help="text, JSON Lines, JSON, Parquet files or folders"
+    )
+    info = commands.add_parser("info", help="describe a data folder: totals, tokenizer, every source file")
+    info.add_argument("folder", type=Path, help="a data folder written by prepare")
     args = parser.parse_args(argv)
     try:
-        if args.eos is not None and args.tokenizer is None:
-            raise DataError("--eos needs --tokenizer (the byte tokenizer's end-of-text token is fixed)")
-        tokenizer = HFTokenizer(args.tokenizer, args.eos) if args.tokenizer is not None else None
-        manifest = prepare(args.out, args.files, args.shard_tokens, tokenizer)
-    except DataError as error:
-        print(f"error: {error}", file=sys.stderr)
+        if args.command == "info":
+            print(describe_folder(args.folder))
+            return 0
+        return _prepare_command(args)
+    except (DataError, PathError) as error:
+        print(error.show(), file=sys.stderr)
+        return error.exit_code
+    except OSError as error:
+        print(f"error: {error.filename or ''}: {error.strerror}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted: nothing was written (an earlier data set in the folder is as it was)", file=sys.stderr)
+        return 130
+
+
+def _prepare_command(args) -> int:
+    from astrai.common.values import whole_number
+
+    out = output_folder(args.out, "--out")
+    if args.eos is not None and args.tokenizer is None:
+        raise DataError("--eos needs --tokenizer (the byte tokenizer's end-of-text token is fixed)")
+    try:
+        workers = available_cpus() if args.workers is None else whole_number(args.workers, 1)
+    except ValueError as error:
+        raise DataError(f"--workers {error}") from None
+    tokenizer = HFTokenizer(args.tokenizer, args.eos) if args.tokenizer is not None else None
+    manifest = prepare(
+        out,
+        args.inputs,
+        args.shard_tokens,
+        tokenizer,
+        field=args.field,
+        workers=workers,
+        skip_bad=args.skip_bad,
+        progress=sys.stderr.isatty(),
+    )
+    for entry in manifest["sources"]:
+        if entry["skipped"]:
+            print(f"skipped {entry['skipped']:,} bad record(s) in {entry['file']} (first: {entry['first_skipped']})")
     print(
-        f"wrote {manifest['num_tokens']} tokens from {len(args.files)} file(s) in {len(manifest['shards'])} shard(s) "
-        f"to {args.out} (tokenizer {manifest['tokenizer']}, vocab {manifest['vocab_size']}, {manifest['dtype']}, "
-        f"end of text {manifest.get('end_of_text_token', manifest['end_of_text'])!r})"
+        f"wrote {manifest['num_tokens']:,} tokens ({manifest['documents']:,} documents) from "
+        f"{len(manifest['sources'])} file(s) in {len(manifest['shards'])} shard(s) to {out} "
+        f"(tokenizer {manifest['tokenizer']}, vocab {manifest['vocab_size']}, {manifest['dtype']}, "
+        f"end of text {manifest.get('end_of_text_token', manifest['end_of_text'])!r}, {workers} worker(s))"
     )
     return 0

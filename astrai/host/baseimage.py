@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 from astrai.common.contract import TORCH_VERSION
+from astrai.common.errors import AstraiError
 
 DEFAULT_SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
@@ -45,7 +46,7 @@ HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 _DEBIAN_PACKAGES = ("python3", "python3-pip", "ca-certificates")
 
 
-class BaseImageError(RuntimeError):
+class BaseImageError(AstraiError):
     """The base image could not be built; the message says which step failed and why."""
 
 

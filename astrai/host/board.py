@@ -10,9 +10,7 @@ records it in ``<job_dir>/.astrai/board.json``, and ``--stop`` ends that one.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import signal
+import ipaddress
 import socket
 import subprocess
 import sys
@@ -20,10 +18,11 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from astrai.common.contract import TENSORBOARD_DIR
+from astrai.common.errors import AstraiError
 from astrai.host import compose
+from astrai.host.daemon import Daemon
 from astrai.host.hostuser import make_dirs
 from astrai.host.runtime import Runtime
 
@@ -35,7 +34,7 @@ START_TIMEOUT_SECONDS = 90.0
 _MODULE = "tensorboard.main"
 
 
-class BoardError(Exception):
+class BoardError(AstraiError):
     """The board cannot be served or stopped; the message says what to do."""
 
 
@@ -61,7 +60,7 @@ def board_url(host: str, port: int) -> str:
 
 
 def check_can_serve(runtime: Runtime, all_jobs: bool, host: str, port: int) -> list[str]:
-    """Raise BoardError when TensorBoard is missing or the port is taken; return notes for the user."""
+    """Raise BoardError when TensorBoard is missing or the port is taken; return notes and warnings for the user."""
     if importlib.util.find_spec(_MODULE.partition(".")[0]) is None:
         raise BoardError(
             "tensorboard is not installed on this host; install it with: python3 -m pip install -e '.[dev]' "
@@ -77,10 +76,25 @@ def check_can_serve(runtime: Runtime, all_jobs: bool, host: str, port: int) -> l
     except OSError as error:
         raise BoardError(f"cannot listen on {host}:{port} ({error.strerror}); choose another with --port") from None
     notes = []
+    if not _loopback(host):
+        notes.append(
+            f"warning: TensorBoard has no authentication: anyone who can reach this machine on port {port} can read "
+            f"the job's metrics; to watch from another machine, keep the default {DEFAULT_HOST} and tunnel "
+            f"(ssh -L {port}:{DEFAULT_HOST}:{port} THIS_HOST)"
+        )
     folder = runtime.checkpoints_dir if all_jobs else runtime.job_dir / TENSORBOARD_DIR
     if not folder.is_dir():
-        notes.append(f"no event files yet in {folder}; TensorBoard shows them once the trainer writes them")
+        notes.append(f"note: no event files yet in {folder}; TensorBoard shows them once the trainer writes them")
     return notes
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def serve_foreground(command: list[str]) -> int:
@@ -98,25 +112,22 @@ def serve_foreground(command: list[str]) -> int:
         return 0
 
 
+def _daemon(runtime: Runtime) -> Daemon:
+    return Daemon(compose.state_dir(runtime) / BOARD_FILE_NAME, _MODULE)
+
+
 def start_background(runtime: Runtime, command: list[str], url: str) -> BoardState:
     """Start TensorBoard detached, wait until it answers, and record it for ``stop_background``."""
-    state_dir = compose.state_dir(runtime)
-    running = read_board(state_dir)
+    daemon = _daemon(runtime)
+    running = read_board(runtime)
     if running is not None:
         raise BoardError(
             f"a board for job {runtime.job_name} already runs at {running.url} (pid {running.pid}); "
             f"`{runtime.command('board')} --stop` ends it"
         )
-    make_dirs(state_dir)
-    with open(state_dir / BOARD_LOG_NAME, "ab") as log:
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,  # own session: it outlives this shell, and Ctrl-C here never reaches it
-            cwd="/",
-        )
+    make_dirs(daemon.state_file.parent)
+    log = daemon.state_file.with_name(BOARD_LOG_NAME)
+    process = daemon.spawn(command, log)
     state = BoardState(process.pid, url)
     deadline = time.monotonic() + START_TIMEOUT_SECONDS
     while not _answers(url):
@@ -124,46 +135,25 @@ def start_background(runtime: Runtime, command: list[str], url: str) -> BoardSta
             if process.poll() is None:
                 process.kill()
             process.wait()
-            raise BoardError(f"TensorBoard did not start (see {state_dir / BOARD_LOG_NAME})")
+            raise BoardError(f"TensorBoard did not start (see {log})")
         time.sleep(0.25)
-    (state_dir / BOARD_FILE_NAME).write_text(json.dumps(asdict(state), sort_keys=True) + "\n", encoding="utf-8")
+    daemon.write(asdict(state))
     return state
 
 
 def stop_background(runtime: Runtime, timeout: float = 15.0) -> BoardState | None:
     """End the job's background board; None when there was none."""
-    state_dir = compose.state_dir(runtime)
-    state = read_board(state_dir)
-    (state_dir / BOARD_FILE_NAME).unlink(missing_ok=True)
-    if state is None:
-        return None
-    os.kill(state.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while _is_board_process(state.pid):
-        if time.monotonic() > deadline:
-            os.kill(state.pid, signal.SIGKILL)
-            break
-        time.sleep(0.1)
-    return state
+    state = _daemon(runtime).stop(timeout)
+    return BoardState(**state) if state is not None else None
 
 
-def read_board(state_dir: Path) -> BoardState | None:
+def read_board(runtime: Runtime) -> BoardState | None:
     """The job's background board, or None when there is none (or its process has gone)."""
+    state = _daemon(runtime).read()
     try:
-        state = BoardState(**json.loads((state_dir / BOARD_FILE_NAME).read_text(encoding="utf-8")))
-    except (OSError, ValueError, TypeError):
+        return BoardState(**state) if state is not None else None
+    except TypeError:
         return None
-    return state if _is_board_process(state.pid) else None
-
-
-def _is_board_process(pid: int) -> bool:
-    # Checked by command line, so a pid reused by another program is never signalled.
-    try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return _MODULE.encode() in command and status != "Z"
 
 
 def _answers(url: str) -> bool:

@@ -51,6 +51,7 @@ from astrai.common.contract import (
     TORCH_CUDA_TAGS,
     TORCH_VERSION,
 )
+from astrai.common.errors import AstraiError
 from astrai.host.hostuser import host_user_ids
 from astrai.host.runtime import INTERFACE_VARIABLES, Runtime
 
@@ -87,8 +88,17 @@ SCRATCH_TMPFS = tuple(f"{path}:exec,mode=1777" for path in ("/tmp", CONTAINER_HO
 STACK_BYTES = 67108864
 
 
-class ComposeError(RuntimeError):
+class ComposeError(AstraiError):
     """Compose v2 is missing, or a rendered file cannot be written."""
+
+
+def check_build_context() -> None:
+    """The trainer image builds from the source checkout (its Dockerfile and astrai/); refuse without one."""
+    if not (PROJECT_ROOT / "Dockerfile").is_file():
+        raise ComposeError(
+            f"building the trainer image needs the project's source checkout (a Dockerfile in {PROJECT_ROOT}); "
+            "run invoke from a clone of the repository"
+        )
 
 
 def project_name(job_name: str, node: int | None = None) -> str:
@@ -152,7 +162,7 @@ def container_environment(runtime: Runtime) -> dict[str, str | None]:
     if runtime.multi_node:
         env.update(
             {
-                ENV_NODES: str(runtime.nodes),
+                ENV_NODES: str(runtime.node_count),
                 ENV_NODE_RANK: str(runtime.node),
                 ENV_RDZV_ENDPOINT: runtime.rendezvous,
                 ENV_RDZV_BACKEND: runtime.rdzv_backend,
@@ -185,7 +195,7 @@ def render_override(
                 "GID": str(gid),
                 "TORCH_VERSION": TORCH_VERSION,
                 "UID": str(uid),
-            }
+            },
         },
         # The trainer needs no Linux capability and writes only to /checkpoints and scratch.
         "cap_drop": ["ALL"],
@@ -204,14 +214,12 @@ def render_override(
         "user": f"{uid}:{gid}",
         "volumes": [
             _bind(runtime.data_dir, CONTAINER_DATA, read_only=True),
-            _bind(runtime.model_dir, CONTAINER_MODEL, read_only=True),
+            # Only node 0 reads the base model (it sends the weights to the others): nothing to mount elsewhere.
+            *([_bind(runtime.model_dir, CONTAINER_MODEL, read_only=True)] if runtime.node == 0 else []),
             _bind(runtime.checkpoints_dir, CONTAINER_CHECKPOINTS, read_only=False),
             _bind(runtime.config_path, CONTAINER_CONFIG, read_only=True),
         ],
     }
-    if runtime.node != 0:
-        # Only node 0 reads the base model (it sends the weights to the others): nothing to mount here.
-        service["volumes"].pop(1)
     if trainer_args:
         service["command"] = list(trainer_args)
     if runtime.multi_node:

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import yaml
 
-from astrai.common.checkpoints import list_complete_checkpoints, read_meta
-from astrai.common.contract import CONTAINER_DATA, CONTAINER_MODEL, WEIGHTS_FILE
-from astrai.host import baseimage, compose, jobs
+from astrai.common.checkpoints import list_complete_checkpoints
+from astrai.common.contract import CONTAINER_DATA, CONTAINER_MODEL, METRICS_FILE, WEIGHTS_FILE
+from astrai.common.metrics import MetricsFile
+from astrai.host import baseimage, compose, engine, jobs, status
 from astrai.host.runtime import load_job_config
 
 CORPUS_DIR = compose.PROJECT_ROOT / "examples" / "corpus"
@@ -73,27 +74,27 @@ def run_demo(workdir: Path, *, fresh: bool = False, job_name: str = JOB_NAME) ->
     _make_base_model(workdir / "params")
     _prepare_data(workdir / "data")
     config = _write_config(workdir, image, job_name)
-    document, runtime = load_job_config(config)
+    _, runtime = load_job_config(config)
 
     _title(f"1. {runtime.command('init')}")
     for path in jobs.init_job(runtime):
         _say(f"created {path}")
 
     _title(f"2. {runtime.command('preflight')}")
-    jobs.run_preflight(runtime, document)
+    jobs.run_preflight(runtime)
 
     _title(f"3. {runtime.command('start')}  (in the background; preflight and build come first)")
-    jobs.start_job(runtime, document, [], foreground=False)
+    jobs.start_job(runtime, [], foreground=False)
     step = _wait_for_step(runtime, STOP_AFTER_STEP)
     _say(f"training reached step {step}")
-    _say("\n".join(jobs.status_lines(runtime)))
+    _say("\n".join(status.format_status(status.job_status(runtime))))
 
     _title(f"4. {runtime.command('stop')}  (graceful: the trainer writes an emergency checkpoint)")
     jobs.stop_job(runtime)
 
     _title(f"5. {runtime.command('start')}  (again: it resumes from the emergency checkpoint)")
-    jobs.start_job(runtime, document, [], foreground=False)
-    final = jobs.wait_for_exit(jobs.job_container(runtime).id, timeout=WAIT_TIMEOUT_SECONDS)  # start_job found it
+    jobs.start_job(runtime, [], foreground=False)
+    final = engine.wait_for_exit(jobs.job_container(runtime).id, timeout=WAIT_TIMEOUT_SECONDS)  # start_job found it
     resumed = [line for line in _logs(runtime) if "resumed from" in line]
     _say(resumed[0] if resumed else "warning: the log does not name a resumed checkpoint")
     if final.exit_code != 0:
@@ -102,9 +103,8 @@ def run_demo(workdir: Path, *, fresh: bool = False, job_name: str = JOB_NAME) ->
     _title(f"6. the result: {runtime.command('list')}")
     checkpoints = list_complete_checkpoints(runtime.job_dir)
     for checkpoint in checkpoints:
-        meta = read_meta(checkpoint)
-        _say(f"{checkpoint.path}  ({meta.get('reason')})")
-    _say("\n".join(jobs.status_lines(runtime)))
+        _say(f"{checkpoint.path}  ({checkpoint.meta.reason})")
+    _say("\n".join(status.format_status(status.job_status(runtime))))
     _say(f"\ndone. Everything lives in {workdir}; try `{runtime.command('status')}` or `{runtime.command('clean')}`.")
 
 
@@ -178,7 +178,7 @@ def _write_config(workdir: Path, image: str, job_name: str) -> Path:
 def _wait_for_step(runtime, step: int) -> int:
     deadline = time.monotonic() + WAIT_TIMEOUT_SECONDS
     while time.monotonic() < deadline:
-        progress = jobs.last_progress(runtime.job_dir)
+        progress = MetricsFile(runtime.job_dir / METRICS_FILE).latest()
         if progress is not None and progress["step"] >= step:
             return int(progress["step"])
         container = jobs.job_container(runtime)

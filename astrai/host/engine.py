@@ -12,12 +12,13 @@ import subprocess
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from astrai.common.errors import AstraiError
 from astrai.host.compose import SERVICE
 
 PROBE_TIMEOUT_SECONDS = 60
 
 
-class EngineError(RuntimeError):
+class EngineError(AstraiError):
     """The docker CLI is missing or the daemon did not answer."""
 
 
@@ -41,22 +42,60 @@ class Container:
         return self.status in ("running", "restarting", "paused")
 
     def started(self) -> datetime | None:
-        return _parse_time(self.started_at)
+        return parse_time(self.started_at)
 
     def finished(self) -> datetime | None:
-        return _parse_time(self.finished_at)
+        return parse_time(self.finished_at)
 
 
-def docker(*args: str, timeout: float | None = PROBE_TIMEOUT_SECONDS) -> subprocess.CompletedProcess:
-    """Run one docker CLI command and capture its output (never raises on a non-zero exit)."""
+def docker(
+    *args: str, timeout: float | None = PROBE_TIMEOUT_SECONDS, detached: bool = False
+) -> subprocess.CompletedProcess:
+    """Run one docker CLI command and capture its output (never raises on a non-zero exit).
+
+    ``detached`` runs it in a session of its own, so a Ctrl-C at the terminal cannot cut it short
+    (a graceful stop must run to its end).
+    """
     if shutil.which("docker") is None:
         raise EngineError(
             "the docker CLI was not found on PATH; install Docker Engine (package docker.io or docker-ce)"
         )
     try:
-        return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            ["docker", *args], capture_output=True, text=True, timeout=timeout, start_new_session=detached
+        )
     except subprocess.TimeoutExpired:
         raise EngineError(f"`docker {' '.join(args)}` did not answer within {timeout} s") from None
+
+
+def daemon_up() -> bool:
+    """Whether the engine answers at all."""
+    try:
+        daemon_version()
+    except EngineError:
+        return False
+    return True
+
+
+def stop_container(container_id: str, timeout_seconds: int) -> subprocess.CompletedProcess:
+    """The graceful stop `invoke stop`, Ctrl-C and the max-duration timer share: SIGTERM, SIGKILL after the grace."""
+    return docker("stop", "--time", str(timeout_seconds), container_id, timeout=timeout_seconds + 120, detached=True)
+
+
+def remove_container(container_id: str) -> None:
+    """Remove a container that never ran (created, not started); a missing one is fine."""
+    docker("rm", "--force", container_id, detached=True)
+
+
+def wait_for_exit(container_id: str, timeout: float | None = None) -> Container:
+    """Block until the container exits (at most ``timeout`` seconds); return its final state."""
+    result = docker("wait", container_id, timeout=timeout)
+    final = inspect_container(container_id)
+    if final is None:
+        raise EngineError(f"container {container_id[:12]} disappeared")
+    if result.returncode != 0 and final.running:
+        raise EngineError(f"cannot wait for container {container_id[:12]}: {result.stderr.strip()}")
+    return final
 
 
 def daemon_version() -> str:
@@ -148,7 +187,7 @@ def image_labels(image: str) -> dict[str, str] | None:
     return json.loads(result.stdout or "null") or {}
 
 
-def _parse_time(text: str) -> datetime | None:
+def parse_time(text: str) -> datetime | None:
     """Docker's RFC 3339 times carry nanoseconds; Python takes microseconds."""
     if not text or text.startswith("0001-"):
         return None

@@ -21,27 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.checkpoints import estimate_checkpoint_bytes, folder_bytes, latest_complete_checkpoint
-from astrai.common.config import DataSection, parse_args
+from astrai.common.config import TrainerConfig, resolve_grad_accum_steps
 from astrai.common.configfile import ConfigError
-from astrai.common.contract import (
-    CONTAINER_DATA,
-    LABEL_CUDA_TAG,
-    LABEL_TORCH,
-    MODEL_CONFIG_FILE,
-    TORCH_VERSION,
-    WEIGHTS_INDEX_FILE,
-)
-from astrai.common.model_folder import (
-    ModelConfig,
-    ModelLoadError,
-    check_window,
-    describe,
-    inspect_weights,
-    num_parameters,
-)
+from astrai.common.contract import LABEL_CUDA_TAG, LABEL_TORCH, MODEL_CONFIG_FILE, TORCH_VERSION, WEIGHTS_INDEX_FILE
+from astrai.common.data_folder import DataError, TokenData
+from astrai.common.fit import BatchShape, SetupError, check_fit, check_same_tokenizer
+from astrai.common.model_folder import ModelConfig, ModelLoadError, describe, inspect_weights, num_parameters
+from astrai.common.paths import folder_problem, length_problem, nearest_existing, read_only
 from astrai.host import compose, engine
 from astrai.host.hostuser import host_user_ids
-from astrai.host.runtime import Runtime, folder_problem, nearest_existing, split_endpoint, trainer_value
+from astrai.host.runtime import JOB_DIR_ROOM, Runtime, split_endpoint
+from astrai.host.trainer_config import fix_hint, host_path, read_trainer_config
 
 PASS, FAIL, SKIP, WARN = "✓", "✗", "-", "!"
 NET_CLASS_DIR = Path("/sys/class/net")
@@ -63,21 +53,29 @@ class Check:
         return self.mark == FAIL
 
 
-def run_checks(runtime: Runtime, document: dict, trainer_args: list[str] = ()) -> list[Check]:
-    """Run every check for a validated runtime (and the trainer arguments after ``--``); changes nothing on disk."""
+def run_checks(runtime: Runtime, trainer_args: list[str] = ()) -> list[Check]:
+    """Run every check for a validated runtime (and the trainer arguments after ``--``); changes nothing on disk.
+
+    The trainer's config is read once, with the arguments, and that one object goes to every check that
+    needs it (data, model, how they fit), so preflight judges what the container will run.
+    """
     checks = [Check(PASS, "schema", f"{runtime.config_path}: runtime block is valid (job {runtime.job_name})")]
-    checks.append(trainer_config_check(runtime, trainer_args))
+    config, check = _trainer_config_check(runtime, trainer_args)
+    checks.append(check)
     checks += _docker_checks()
-    checks.append(_data_dir_check(runtime))
+    data, check = _data_check(runtime, config)
+    checks.append(check)
     checks.append(_job_dir_check(runtime))
-    checks.append(_base_model_check(runtime, document))
+    model, check = _model_check(runtime, config)
+    checks.append(check)
+    if runtime.node == 0:
+        checks.append(_fit_check(runtime, config, data, model))
     checks.append(_disk_space_check(runtime))
     if runtime.multi_node:
         checks += node_checks(runtime)
     if runtime.uses_gpu:
         checks.append(_gpu_runtime_check())
         checks.append(_gpu_indices_check(runtime))
-    checks.append(_data_root_path_check(document))
     checks.append(_compose_config_check(runtime))
     checks.append(_image_torch_check(runtime))
     return checks
@@ -130,22 +128,56 @@ def _compose_check() -> Check:
     return Check(PASS, "compose v2", " ".join(program))
 
 
-def _data_dir_check(runtime: Runtime) -> Check:
-    path = runtime.data_dir
-    problem = folder_problem(path)
-    if problem is not None:
-        return Check(
-            FAIL, "data dir", f"runtime.paths.data: {problem}", f"fix runtime.paths.data in {runtime.config_path}"
-        )
-    if not path.is_dir():
-        return Check(
-            FAIL,
-            "data dir",
-            f"{path} does not exist",
-            "create it with `invoke init`, then prepare data with `python -m astrai.data prepare --out "
-            f"{path} FILE...` (runtime.paths.data)",
-        )
-    return _unreadable("data dir", [path, *path.iterdir()], path) or Check(PASS, "data dir", f"{path} is readable")
+def _data_check(runtime: Runtime, config: TrainerConfig | None) -> tuple[list[TokenData] | None, Check]:
+    """The data folder (or every source of a mixture) the trainer will read, opened the way the trainer opens it."""
+    root = runtime.data_dir
+    if config is not None:
+        root = host_path(runtime, config.data.data_root_path) or root
+    where = "runtime.paths.data" + ("" if root == runtime.data_dir else f" ({config.data.data_root_path})")
+    sources = config.data.sources if config is not None else None
+    names = [source.path for source in sources] if sources else [None]
+    datas = []
+    for name in names:
+        folder = root / name if name else root
+        place = f"{where}, data.sources {name}" if name else where
+        problem = folder_problem(folder)
+        if problem is not None:
+            return None, Check(FAIL, "data", f"{place}: {problem}", f"fix runtime.paths.data in {runtime.config_path}")
+        if not folder.is_dir():
+            return None, Check(
+                FAIL,
+                "data",
+                f"{place}: {folder} does not exist",
+                f"create it with `invoke init`, then prepare data with `python -m astrai.data prepare --out "
+                f"{shlex.quote(str(folder))} FILE...`",
+            )
+        unreadable = _unreadable("data", [folder, *folder.iterdir()], folder)
+        if unreadable is not None:
+            return None, unreadable
+        try:
+            datas.append(TokenData.open(folder))
+        except DataError as error:
+            return None, Check(
+                FAIL, "data", f"{place}: {error}", "prepare the data with `python -m astrai.data prepare`"
+            )
+    if sources:
+        try:
+            check_same_tokenizer(datas, names)
+        except SetupError as error:
+            return None, Check(FAIL, "data", str(error))
+        shares = ", ".join(f"{name} {data.num_tokens:,} tokens" for name, data in zip(names, datas, strict=True))
+        return datas, Check(PASS, "data", f"{root}: mixture of {len(datas)} sources ({shares}); {_tokens_of(datas[0])}")
+    data = datas[0]
+    documents = f" in {data.documents:,} documents from {data.source_files} file(s)" if data.documents else ""
+    return datas, Check(
+        PASS,
+        "data",
+        f"{root}: {data.num_tokens:,} tokens{documents}, {len(data.shard_files)} shard(s); {_tokens_of(data)}",
+    )
+
+
+def _tokens_of(data: TokenData) -> str:
+    return f"vocabulary {data.vocab_size} ({data.tokenizer_description})"
 
 
 def _job_dir_check(runtime: Runtime) -> Check:
@@ -155,9 +187,18 @@ def _job_dir_check(runtime: Runtime) -> Check:
     fix = f"fix runtime.paths.checkpoints in {runtime.config_path}"
     if isinstance(existing, str):
         return Check(FAIL, "checkpoint dir", f"runtime.paths.checkpoints: {existing}", fix)
+    too_long = length_problem(path, existing, JOB_DIR_ROOM)
+    if too_long is not None:
+        return Check(FAIL, "checkpoint dir", f"runtime.paths.checkpoints: {too_long}", fix)
     uid, gid = host_user_ids()
     where = path if existing == path else f"{existing} (where {path} will be created)"
-    # os.access also catches a read-only filesystem, which the mode bits do not show.
+    if read_only(existing):
+        return Check(
+            FAIL,
+            "checkpoint dir",
+            f"runtime.paths.checkpoints: {where} is on a read-only file system",
+            f"remount it read-write, or {fix} to a folder on a writable disk",
+        )
     if not os.access(existing, os.W_OK | os.X_OK) or not _container_may(existing, WRITE):
         return Check(
             FAIL,
@@ -174,9 +215,10 @@ def _job_dir_check(runtime: Runtime) -> Check:
     return Check(PASS, "checkpoint dir", f"{path} is writable by uid {uid}")
 
 
-def _base_model_check(runtime: Runtime, document: dict) -> Check:
+def _model_check(runtime: Runtime, config: TrainerConfig | None) -> tuple[tuple[ModelConfig, Path] | None, Check]:
+    """The model the job starts from: the newest checkpoint it resumes, else the base model (headers only)."""
     if runtime.node != 0:
-        return Check(
+        return None, Check(
             SKIP,
             "base model",
             f"not needed on node {runtime.node}: node 0 reads the base model or the "
@@ -184,31 +226,76 @@ def _base_model_check(runtime: Runtime, document: dict) -> Check:
         )
     latest = _latest_checkpoint(runtime)
     if latest is not None:
-        return Check(PASS, "base model", f"not needed: the job resumes from {latest.path}")
+        try:
+            return (ModelConfig.load(latest.path), latest.path), Check(
+                PASS, "base model", f"not needed: the job resumes from {latest.path}"
+            )
+        except ModelLoadError as error:
+            return None, Check(FAIL, "base model", f"the checkpoint to resume: {error}")
     folder = runtime.model_dir
+    if config is not None:
+        folder = host_path(runtime, config.ckpt.param_path) or folder
     problem = folder_problem(folder)
     if problem is not None:
-        return Check(
+        return None, Check(
             FAIL, "base model", f"runtime.paths.model: {problem}", f"fix runtime.paths.model in {runtime.config_path}"
         )
     init = (
-        f"write one with `python -m astrai.model init {folder} --preset tiny`, or put a Hugging Face Llama-family "
-        "model folder there (runtime.paths.model)"
+        f"write one with `python -m astrai.model init {shlex.quote(str(folder))} --preset tiny`, or put a Hugging "
+        "Face Llama-family model folder there (runtime.paths.model)"
     )
     # The same reading and checks as the trainer's, from the file headers alone (no weights are read).
     try:
-        config = ModelConfig.load(folder)
-        weights = inspect_weights(folder, config)
-        window = trainer_value(document, "data", "window_size", DataSection.window_size)
-        if isinstance(window, int):
-            check_window(config, window, folder / MODEL_CONFIG_FILE)
+        model = ModelConfig.load(folder)
+        weights = inspect_weights(folder, model)
     except ModelLoadError as error:
-        return Check(FAIL, "base model", f"{error} and no checkpoint to resume", init)
+        return None, Check(FAIL, "base model", f"{error} and no checkpoint to resume", init)
     index = folder / WEIGHTS_INDEX_FILE
     files = [folder / MODEL_CONFIG_FILE, *weights.files, *([index] if len(weights.files) > 1 else [])]
-    return _unreadable("base model", files, folder) or Check(
-        PASS, "base model", f"{folder}: {describe(folder, config, weights)}"
+    unreadable = _unreadable("base model", files, folder)
+    if unreadable is not None:
+        return None, unreadable
+    return (model, folder), Check(PASS, "base model", f"{folder}: {describe(folder, model, weights)}")
+
+
+def _fit_check(
+    runtime: Runtime,
+    config: TrainerConfig | None,
+    datas: list[TokenData] | None,
+    model: tuple[ModelConfig, Path] | None,
+) -> Check:
+    """Data, model and batch fit together: the trainer's own checks (vocabulary, window, one global batch)."""
+    if config is None or datas is None or model is None:
+        return Check(SKIP, "data fits model", "not checked: see the lines above")
+    world = runtime.world_size if runtime.world_size is not None else _visible_gpus() * runtime.node_count
+    training = config.training
+    mixture = config.data.sources is not None
+    try:
+        grad_accum = resolve_grad_accum_steps(training, world)
+        batch = BatchShape(training.batch_per_device, grad_accum, world)
+        splits = [
+            check_fit(data, *model, config.data.window_size, config.data.val_fraction, batch, repeated=mixture)
+            for data in datas
+        ]
+    except (SetupError, ModelLoadError, ConfigError) as error:
+        return Check(FAIL, "data fits model", str(error))
+    counted = "" if runtime.world_size is not None else " (world size from nvidia-smi)"
+    windows = sum(split.num_train for split in splits)
+    steps = "" if mixture else f", {windows // batch.global_batch:,} steps per epoch"
+    return Check(
+        PASS,
+        "data fits model",
+        f"{windows:,} training windows of {config.data.window_size}+1 tokens{steps} at world size {world}{counted}",
     )
+
+
+def _visible_gpus() -> int:
+    """GPUs nvidia-smi lists (at least 1: a guess for the checks when it lists none)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 1
+    result = subprocess.run([smi, "-L"], capture_output=True, text=True)
+    return max(1, len(re.findall(r"^GPU \d+:", result.stdout, flags=re.MULTILINE)))
 
 
 def _unreadable(name: str, paths: list[Path], folder: Path) -> Check | None:
@@ -397,31 +484,19 @@ def _gpu_indices_check(runtime: Runtime) -> Check:
     return Check(PASS, "gpu devices", f"GPU(s) {list(runtime.devices)} present (host has {len(found)})")
 
 
-def trainer_config_check(runtime: Runtime, trainer_args: list[str]) -> Check:
+def _trainer_config_check(runtime: Runtime, trainer_args: list[str]) -> tuple[TrainerConfig | None, Check]:
     """The trainer's own reading of train.yaml and of the arguments after ``--``, so its refusals come now."""
-    readings = [([], f"the trainer sections of {runtime.config_path.name}")]
-    if trainer_args:
-        readings.append((list(trainer_args), "the arguments after --"))
-    for args, where in readings:
-        try:
-            parse_args(["--config", str(runtime.config_path), *args])
-        except ConfigError as error:
-            hint = f"fix {where}; `python -m astrai.train --help` lists the keys"
-            return Check(FAIL, "trainer config", str(error), hint)
-    given = f" with {shlex.join(trainer_args)}" if trainer_args else ""
-    return Check(PASS, "trainer config", f"model/data/parallel/training/ckpt/log sections are valid{given}")
-
-
-def _data_root_path_check(document: dict) -> Check:
-    value = trainer_value(document, "data", "data_root_path", CONTAINER_DATA)
-    if value != CONTAINER_DATA:
-        return Check(
+    try:
+        config = read_trainer_config(runtime, trainer_args)
+    except ConfigError as error:
+        return None, Check(
             FAIL,
-            "trainer data path",
-            f"data.data_root_path is {value!r}",
-            f"set data.data_root_path: {CONTAINER_DATA} (runtime.paths.data is mounted there)",
+            "trainer config",
+            str(error),
+            fix_hint(error, runtime),
         )
-    return Check(PASS, "trainer data path", f"data.data_root_path is {CONTAINER_DATA}")
+    given = f" with {shlex.join(trainer_args)}" if trainer_args else ""
+    return config, Check(PASS, "trainer config", f"model/data/parallel/training/ckpt/log sections are valid{given}")
 
 
 def _compose_config_check(runtime: Runtime) -> Check:

@@ -18,8 +18,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
-import difflib
-import errno
 import fnmatch
 import functools
 import json
@@ -27,13 +25,13 @@ import math
 import os
 import re
 import shlex
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import jsonschema
 
-from astrai.common.configfile import ConfigError, load_yaml
+from astrai.common.config import SECTIONS
+from astrai.common.configfile import ConfigError, close_match, load_yaml, show_value, unknown
 from astrai.common.contract import (
     ENV_JOB_NAME,
     RESERVED_ENV_PREFIX,
@@ -41,17 +39,18 @@ from astrai.common.contract import (
     TORCH_VERSION,
     resolve_parallel_mode,
 )
+from astrai.common.errors import AstraiError
+from astrai.common.paths import folder_problem
+from astrai.common.values import parse_duration
 
 # Shipped inside the package (a wheel has no schema/ folder); in a checkout it is a link to schema/.
 SCHEMA_PATH = Path(__file__).parent / "runtime.schema.json"
-SECTIONS = ("runtime", "model", "data", "parallel", "training", "ckpt", "log")
 RESERVED_ENVIRONMENT = {
     "CUDA_VISIBLE_DEVICES": "the product sets it from runtime.gpu.devices (choose GPUs there)",
     ENV_JOB_NAME: "the product sets it from runtime.job_name",
 }
 INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 """Set from runtime.nodes.network_interface: the interface NCCL and gloo talk over."""
-_DURATION = re.compile(r"(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?")
 # What a value must look like, for keys whose rule a bare schema message would not explain.
 _EXPECTED = {
     "job_name": "a job name of at most 63 ASCII letters, digits, '.', '_' or '-', starting with a letter or digit",
@@ -77,8 +76,11 @@ _TYPE_WORDS = {
 }
 
 
-class SchemaError(RuntimeError):
+class SchemaError(AstraiError):
     """The product's own runtime schema is missing or broken: an installation bug, not a user's mistake."""
+
+    exit_code = 3
+    prefix = "internal error: "
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class Runtime:
     environment: dict[str, str | None]
     """Values are literal strings; None passes the variable through from the invoking shell."""
     max_restarts: int = 0
-    nodes: int = 1
+    node_count: int = 1
     """Hosts in the job (runtime.nodes.count)."""
     node: int = 0
     """Which of them this host is (``--node``)."""
@@ -121,7 +123,7 @@ class Runtime:
 
     @property
     def multi_node(self) -> bool:
-        return self.nodes > 1
+        return self.node_count > 1
 
     def command(self, verb: str) -> str:
         """The invoke command line for ``verb`` on this job and node, quoted so that it can be pasted into a shell."""
@@ -131,7 +133,7 @@ class Runtime:
     @property
     def world_size(self) -> int | None:
         """Processes over all nodes, or None when each node counts its own GPUs (devices: all)."""
-        return None if self.processes is None else self.processes * self.nodes
+        return None if self.processes is None else self.processes * self.node_count
 
 
 def load_job_config(config_path, node: int = 0) -> tuple[dict, Runtime]:
@@ -141,12 +143,38 @@ def load_job_config(config_path, node: int = 0) -> tuple[dict, Runtime]:
     if problems:
         raise ConfigError(problems)
     runtime = _build_runtime(doc["runtime"], Path(os.path.abspath(config_path)))
-    if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < runtime.nodes:
+    overlaps = _overlap_problems(runtime)
+    if overlaps:
+        raise ConfigError(overlaps)
+    if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < runtime.node_count:
         raise ConfigError(
-            f"--node: {node!r} is not a node of this job; runtime.nodes.count is {runtime.nodes} in {config_path}, "
-            f"so --node takes {'0' if runtime.nodes == 1 else f'0 to {runtime.nodes - 1}'}"
+            f"--node: {node!r} is not a node of this job; runtime.nodes.count is {runtime.node_count} "
+            f"in {config_path}, "
+            f"so --node takes {'0' if runtime.node_count == 1 else f'0 to {runtime.node_count - 1}'}"
         )
     return doc, dataclasses.replace(runtime, node=node)
+
+
+def _overlap_problems(runtime: Runtime) -> list[str]:
+    """The checkpoints folder may not be, hold or sit inside the data or model folder (both mounted read-only)."""
+    checkpoints = Path(os.path.realpath(runtime.checkpoints_dir))
+    problems = []
+    for key, folder in (("data", runtime.data_dir), ("model", runtime.model_dir)):
+        other = Path(os.path.realpath(folder))
+        if checkpoints == other:
+            relation = "are the same folder"
+        elif checkpoints.is_relative_to(other):
+            relation = f"overlap: the checkpoints folder is inside the {key} folder"
+        elif other.is_relative_to(checkpoints):
+            relation = f"overlap: the {key} folder is inside the checkpoints folder"
+        else:
+            continue
+        problems.append(
+            f"{runtime.config_path}: runtime.paths.checkpoints: {runtime.checkpoints_dir} and runtime.paths.{key} "
+            f"{folder} {relation}; the {key} folder is mounted read-only and the checkpoints folder read-write, "
+            "so give them folders apart (such as ./checkpoints beside ./data and ./params)"
+        )
+    return problems
 
 
 def resolve_runtime(config_path, node: int = 0) -> Runtime:
@@ -160,11 +188,24 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 PATH_KEYS = ("data", "model", "checkpoints")
+JOB_DIR_ROOM = 160
+"""Bytes of path the product adds below a job dir at most (state files, a checkpoint's staging folder)."""
 
 
 def path_folder(runtime: Runtime, key: str) -> Path:
     """The folder a ``runtime.paths`` key leads to; for checkpoints that is the job dir inside it."""
     return {"data": runtime.data_dir, "model": runtime.model_dir, "checkpoints": runtime.job_dir}[key]
+
+
+def check_paths(runtime: Runtime, keys=PATH_KEYS, *, need: str = "read") -> None:
+    """Refuse broken ``runtime.paths`` (a file where a folder belongs, a dangling symlink, no permission).
+
+    Every command runs this before it touches a path, so a broken one ends in a message naming its key,
+    not a traceback, and with nothing changed on disk.
+    """
+    problems = path_problems(runtime, keys, need=need)
+    if problems:
+        raise ConfigError(problems)
 
 
 def path_problems(runtime: Runtime, keys=PATH_KEYS, *, need: str = "read") -> list[str]:
@@ -175,82 +216,18 @@ def path_problems(runtime: Runtime, keys=PATH_KEYS, *, need: str = "read") -> li
     """
     problems = []
     for key in keys:
-        problem = folder_problem(path_folder(runtime, key), need=need)
+        # The job dir gets files and folders of its own below it: leave room for their names.
+        room = JOB_DIR_ROOM if key == "checkpoints" else 0
+        problem = folder_problem(path_folder(runtime, key), need=need, room=room)
         if problem is not None:
             problems.append(f"{runtime.config_path}: runtime.paths.{key}: {problem}")
     return problems
-
-
-def folder_problem(path: Path, *, need: str = "read") -> str | None:
-    """Why this process cannot use ``path`` as a folder for ``need`` (see path_problems), else None."""
-    existing = nearest_existing(path)
-    if isinstance(existing, str):
-        return existing
-    uid = os.geteuid()
-    if existing != path:
-        if need != "read" and not os.access(existing, os.W_OK | os.X_OK):
-            return f"cannot create {path}: uid {uid} may not write in {existing}"
-        return None
-    if need == "write" and not os.access(path, os.W_OK | os.X_OK):
-        return f"permission denied: uid {uid} may not write in {path}"
-    if need == "read" and not os.access(path, os.R_OK | os.X_OK):
-        return f"permission denied: uid {uid} may not read {path}"
-    return None
-
-
-def nearest_existing(path: Path) -> Path | str:
-    """``path`` itself when it is a folder, else its nearest existing ancestor folder; a problem text if broken.
-
-    Broken means: it or an ancestor is a file, a symlink whose target is missing, a symlink loop, or a folder
-    on the way that this process may not enter.
-    """
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        if os.path.islink(path):
-            return f"{path} is a symlink to {os.readlink(path)}, which does not exist"
-        if path.parent == path:
-            return f"{path} does not exist"
-        return nearest_existing(path.parent)
-    except NotADirectoryError:
-        return next((problem for problem in map(_not_a_folder, path.parents) if problem), f"{path} is not a folder")
-    except PermissionError:
-        blocked = next((parent for parent in reversed(path.parents) if not os.access(parent, os.X_OK)), path.parent)
-        return f"permission denied: uid {os.geteuid()} may not enter {blocked} (on the way to {path})"
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            return f"a symlink on the way to {path} points round in a loop"
-        return f"cannot inspect {path}: {error.strerror}"
-    return _not_a_folder(path, info) or path
-
-
-def _not_a_folder(path: Path, info: os.stat_result | None = None) -> str | None:
-    """A problem text when ``path`` exists and is not a folder (None when it is one, or does not exist)."""
-    try:
-        info = info or os.stat(path)
-    except OSError:
-        return None
-    if stat.S_ISDIR(info.st_mode):
-        return None
-    return f"{path} is a file, not a folder" if stat.S_ISREG(info.st_mode) else f"{path} is not a folder"
 
 
 def trainer_value(doc: dict, section: str, key: str, default=None):
     """One trainer setting as written, or ``default``; trainer sections are validated in the container, not here."""
     values = doc.get(section) if isinstance(doc, dict) else None
     return values.get(key, default) if isinstance(values, dict) else default
-
-
-def parse_duration(text: str) -> int:
-    """Seconds in a Compose-style duration of whole hours, minutes and seconds: '90s', '10m', '1h30m'."""
-    match = _DURATION.fullmatch(text) if isinstance(text, str) and text else None
-    if match is None:
-        raise ValueError(f"expected a duration like 90s, 10m or 1h30m, got {_show(text)}")
-    hours, minutes, seconds = (int(part or 0) for part in match.groups())
-    total = hours * 3600 + minutes * 60 + seconds
-    if total == 0:
-        raise ValueError(f"a duration must be longer than zero, got {_show(text)}")
-    return total
 
 
 def validate_config(doc: dict, config_path) -> list[str]:
@@ -267,7 +244,7 @@ def validate_config(doc: dict, config_path) -> list[str]:
 
 
 def _section_problems(doc: dict) -> list[tuple[str, str]]:
-    problems = [(str(key), _unknown(f"unknown section '{key}'", key, SECTIONS)) for key in doc if key not in SECTIONS]
+    problems = [(str(key), unknown("unknown section", key, SECTIONS)) for key in doc if key not in SECTIONS]
     if "runtime" not in doc:
         problems.append(("runtime", "missing: the file needs a runtime: block (write runtime: {} for all defaults)"))
     elif not isinstance(doc["runtime"], dict):
@@ -282,7 +259,7 @@ def _schema_problems(runtime: dict) -> list[tuple[str, str]]:
         if error.validator == "additionalProperties" and error.validator_value is False:
             allowed = list(error.schema.get("properties", {}))
             problems += [
-                (_dotted(*where, key), _unknown("unknown key", key, allowed))
+                (_dotted(*where, key), unknown("unknown key", key, allowed))
                 for key in error.instance
                 if key not in allowed
             ]
@@ -309,7 +286,7 @@ def _schema_message(error: jsonschema.ValidationError, key: str) -> str:
         return f"expected {' or '.join(_TYPE_WORDS.get(name, name) for name in types)}, got {got}"
     if error.validator == "enum":
         allowed = [str(value) for value in error.validator_value]
-        match = _close_match(error.instance, allowed)
+        match = close_match(error.instance, allowed)
         return f"expected one of {', '.join(allowed)}, got {got}{f' (did you mean {match!r}?)' if match else ''}"
     if error.validator == "minimum":
         return f"must be {error.validator_value} or more, got {got}"
@@ -486,7 +463,7 @@ def _build_runtime(raw: dict, config_path: Path) -> Runtime:
         max_duration_hours=None if hours is None else float(hours),
         environment={name: _environment_text(value) for name, value in runtime["environment"].items()},
         max_restarts=int(container["max_restarts"]),
-        nodes=int(nodes["count"]),
+        node_count=int(nodes["count"]),
         rendezvous=nodes["rendezvous"],
         rdzv_backend=nodes["backend"],
         network_interface=nodes["network_interface"],
@@ -576,22 +553,8 @@ def _dotted(*keys) -> str:
     return ".".join(str(key) for key in keys)
 
 
-def _unknown(what: str, key, allowed) -> str:
-    match = _close_match(key, allowed)
-    return f"{what} ({f'did you mean {match!r}? ' if match else ''}allowed: {', '.join(allowed)})"
-
-
-def _close_match(value, allowed) -> str | None:
-    matches = difflib.get_close_matches(str(value), [str(name) for name in allowed], n=1)
-    return matches[0] if matches else None
-
-
 def _show(value) -> str:
     """A value as a user would recognise it in a message: JSON-like, cut short when long."""
     if isinstance(value, datetime.date):
         return f"the date {value} (quote it to keep it as text)"
-    try:
-        text = json.dumps(value, default=str, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return show_value(value)

@@ -18,14 +18,15 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from astrai.host import engine
+from astrai.host.daemon import Daemon
 
+_MODULE = "astrai.host.timer"
 TIMER_FILE_NAME = "timer.json"
 TIMER_LOG_NAME = "timer.log"
 POLL_SECONDS = 30.0
@@ -42,17 +43,21 @@ class TimerState:
     job_name: str
 
 
+def _daemon(state_dir: Path) -> Daemon:
+    return Daemon(state_dir / TIMER_FILE_NAME, _MODULE)
+
+
 def timer_file(state_dir: Path) -> Path:
     return state_dir / TIMER_FILE_NAME
 
 
 def read_timer(state_dir: Path) -> TimerState | None:
     """The scheduled timer of a job, or None when there is none (or it has died)."""
+    state = _daemon(state_dir).read()
     try:
-        state = TimerState(**json.loads(timer_file(state_dir).read_text(encoding="utf-8")))
-    except (OSError, ValueError, TypeError):
+        return TimerState(**state) if state is not None else None
+    except TypeError:
         return None
-    return state if _is_timer_process(state.pid) else None
 
 
 def schedule(
@@ -65,61 +70,23 @@ def schedule(
 ) -> TimerState:
     """Start a detached timer for ``container``; cancels the job's previous timer first."""
     cancel(state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    path = timer_file(state_dir)
+    daemon = _daemon(state_dir)
     deadline = time.time() + hours * 3600.0
-    with open(state_dir / TIMER_LOG_NAME, "ab") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "astrai.host.timer", "--state", str(path)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,  # own session: the shell's hangup or Ctrl-C never reaches it
-            cwd="/",
-        )
+    process = daemon.spawn(
+        [sys.executable, "-m", _MODULE, "--state", str(daemon.state_file)], state_dir / TIMER_LOG_NAME
+    )
     state = TimerState(process.pid, deadline, container.id, container.started_at, stop_timeout_seconds, job_name)
-    _write_state(path, state)
+    daemon.write(asdict(state))
     return state
 
 
 def cancel(state_dir: Path) -> bool:
     """Stop the job's timer if one runs; True when one was cancelled."""
-    path = timer_file(state_dir)
-    state = read_timer(state_dir)
-    cancelled = False
-    if state is not None:
-        try:
-            os.kill(state.pid, signal.SIGTERM)
-            cancelled = True
-        except ProcessLookupError:
-            pass
-    path.unlink(missing_ok=True)
-    return cancelled
+    return _daemon(state_dir).stop() is not None
 
 
 def seconds_left(state: TimerState, now: float | None = None) -> float:
     return max(0.0, state.deadline - (time.time() if now is None else now))
-
-
-def stop_container(container_id: str, timeout_seconds: int) -> subprocess.CompletedProcess:
-    """The graceful stop shared by `invoke stop` and the timer: SIGTERM, then SIGKILL after the grace."""
-    return engine.docker("stop", "--time", str(timeout_seconds), container_id, timeout=timeout_seconds + 120)
-
-
-def _write_state(path: Path, state: TimerState) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(asdict(state), indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
-
-
-def _is_timer_process(pid: int) -> bool:
-    """True when ``pid`` is alive and is one of our timers (pids get reused)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            argv = handle.read().split(b"\0")
-    except OSError:
-        return False
-    return b"astrai.host.timer" in argv
 
 
 def _log(message: str) -> None:
@@ -155,17 +122,12 @@ def _wait_and_stop(path: Path) -> int:
                 break
             time.sleep(min(left, POLL_SECONDS))
         _log(f"max duration reached: stopping gracefully (grace {state.stop_timeout_seconds} s)")
-        result = stop_container(state.container_id, state.stop_timeout_seconds)
+        result = engine.stop_container(state.container_id, state.stop_timeout_seconds)
         _log("stopped" if result.returncode == 0 else f"docker stop failed: {result.stderr.strip()}")
         return result.returncode
     finally:
         # Remove the state only if it is still ours (a new start may have replaced it).
-        try:
-            current = json.loads(path.read_text(encoding="utf-8"))
-            if current.get("pid") == os.getpid():
-                path.unlink()
-        except (OSError, ValueError):
-            pass
+        Daemon(path, _MODULE).forget(os.getpid())
 
 
 def main(argv: list[str] | None = None) -> int:

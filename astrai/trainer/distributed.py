@@ -92,7 +92,7 @@ def _node_placement() -> tuple[int | None, int]:
 
 
 def check_parallel_mode(parallel_mode: str, world_size: int) -> None:
-    """Raise ConfigError when the mode does not fit the number of processes (the rule of DESIGN §3)."""
+    """Raise ConfigError when the mode does not fit the number of processes (the rule in astrai/common/contract.py)."""
     try:
         resolve_parallel_mode(parallel_mode, world_size)
     except ValueError as error:

@@ -58,10 +58,13 @@ from astrai.common.contract import (
     ENV_RDZV_ENDPOINT,
     ENV_STOP_TIMEOUT_SECONDS,
     MODEL_CONFIG_FILE,
+    TRAINER_MODULE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
     resolve_parallel_mode,
+    trainer_arguments,
 )
+from astrai.common.values import whole_number
 from astrai.trainer import signals
 
 DATA_DIR = Path(CONTAINER_DATA)
@@ -92,26 +95,16 @@ def rendezvous_id(job_name: str) -> str:
 
 
 def _whole(env: Mapping[str, str], name: str, default: str, minimum: int) -> int:
-    text = env.get(name, default)
     try:
-        value = int(text)
-    except ValueError:
-        raise EntrypointError(f"{name} must be a whole number, got {text!r}") from None
-    if value < minimum:
-        raise EntrypointError(f"{name} must be at least {minimum}, got {value}")
-    return value
+        return whole_number(env.get(name, default), minimum)
+    except ValueError as error:
+        raise EntrypointError(f"{name} {error}") from None
 
 
 def resolve_process_count(devices: str, processes: str | None, cuda_device_count: Callable[[], int]) -> int:
     """Processes to start: one per listed GPU, every visible GPU for ``all``, ASTRAI_PROCESSES on CPU."""
     if devices == "none":
-        try:
-            count = int(processes or "1")
-        except ValueError:
-            raise EntrypointError(f"{ENV_PROCESSES} must be a whole number, got {processes!r}") from None
-        if count < 1:
-            raise EntrypointError(f"runtime.gpu.processes must be at least 1, got {count}")
-        return count
+        return _whole({ENV_PROCESSES: processes or "1"}, ENV_PROCESSES, "1", 1)
     if devices == "all":
         count = cuda_device_count()
         if count == 0:
@@ -149,19 +142,9 @@ def plan_launch(
             f"runtime.gpu.parallel_mode: {error} (runtime.gpu.devices: {devices}, {nodes} node(s))"
         ) from None
     job_dir = CHECKPOINTS_DIR / job_name
-    trainer = [
-        "-m",
-        "astrai.train",
-        "--config",
-        env.get(ENV_CONFIG, CONTAINER_CONFIG),
-        "--ckpt_dir",
-        str(job_dir),
-        "--param_path",
-        str(MODEL_DIR),
-        "--parallel_mode",
-        mode,
-        *trainer_args,
-    ]
+    arguments = trainer_arguments(job_name, mode, trainer_args)
+    arguments[arguments.index("--config") + 1] = env.get(ENV_CONFIG, CONTAINER_CONFIG)
+    trainer = ["-m", TRAINER_MODULE, *arguments]
     stop_timeout = str(max(int(env.get(ENV_STOP_TIMEOUT_SECONDS, "600")), MIN_SHUTDOWN_TIMEOUT_SECONDS))
     if nodes > 1:
         command = [

@@ -1,73 +1,45 @@
-"""The trainer: what the container runs, and what runs the same on a laptop CPU.
+"""The training loop: resume or start a run, take optimizer steps, report, validate, checkpoint, stop.
 
-One process (CPU, or one GPU)::
+`python -m astrai.train` (astrai/train.py) runs :func:`main`, which decides from the
+job dir whether there is anything to do, builds a :class:`Trainer` and trains it to
+the end. Each concern has its own owner, which the loop only calls:
 
-    python -m astrai.train --config train.yaml
-    python -m astrai.train --config train.yaml --max_steps 300 --ckpt_dir ./checkpoints/try --dry-run
+- :func:`astrai.trainer.checkpoint.manager.load_latest` and :class:`CheckpointManager`: resume and save;
+- :mod:`astrai.trainer.optim`: the optimizer and the learning rate of every step;
+- :class:`astrai.trainer.health.DivergenceRecord`: non-finite losses and gradient norms;
+- :class:`astrai.trainer.report.ProgressReporter`: progress lines, metrics.jsonl, event files, ETA;
+- :class:`astrai.trainer.validation.Validator`: the held-out loss.
 
-Several processes on one machine (gloo on CPU, NCCL on GPUs)::
+In-process use (benchmarks, tests)::
 
-    torchrun --standalone --nproc-per-node 2 -m astrai.train --config train.yaml --parallel_mode ddp
-    torchrun --standalone --nproc-per-node 2 -m astrai.train --config train.yaml --parallel_mode fsdp
-
-It reads the model/data/parallel/training/ckpt/log sections of the YAML
-(``runtime`` is the host's), and ``--KEY VALUE`` overrides any key. It resumes
-from the newest checkpoint in ckpt_dir that loads, else starts from the base
-model in param_path. SIGTERM or SIGINT finishes the current optimizer step,
-writes an emergency checkpoint and exits 0. A loss or gradient norm that turns
-non-finite, or a checkpoint that cannot be written (a full disk), stops it with
-exit code 1; no checkpoint of non-finite state is ever written.
+    trainer = open_trainer(load_trainer_config(path, [("max_steps", "1000")]), init_distributed("none", "cpu"))
+    stats = trainer.train(steps=50)               # stats.tokens_per_s
+    trainer.save_checkpoint(REASON_EMERGENCY)     # waits; "periodic" returns once the state is copied
+    trainer.close()
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
-import math
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from astrai.common.checkpoints import latest_complete_checkpoint, read_meta
+from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.common.config import TrainerConfig, describe, parse_args, resolve_grad_accum_steps
-from astrai.common.configfile import ConfigError
-from astrai.common.contract import (
-    METRIC_ETA_S,
-    METRIC_GRAD_NORM,
-    METRIC_LOSS,
-    METRIC_LR,
-    METRIC_MAX_ALLOCATED_GIB,
-    METRIC_MAX_STEPS,
-    METRIC_MFU,
-    METRIC_STEP,
-    METRIC_TIME,
-    METRIC_TOKENS_PER_S,
-    METRIC_VAL_LOSS,
-    METRICS_FILE,
-    MODEL_CONFIG_FILE,
-    REASON_EMERGENCY,
-    REASON_FINAL,
-    REASON_PERIODIC,
-    TAG_MAX_ALLOCATED_GIB,
-    TAG_MFU,
-    TAG_TOKENS_PER_S,
-    TAG_TRAIN_GRAD_NORM,
-    TAG_TRAIN_LOSS,
-    TAG_TRAIN_LR,
-    TAG_VAL_LOSS,
-    TENSORBOARD_DIR,
-)
-from astrai.common.data_folder import DataError, TokenData, WindowSplit
-from astrai.common.metrics import EventWriter, StepClock, eta_seconds, flops_per_token, mfu, peak_tflops
-from astrai.trainer.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint, NonFiniteWeights, Progress
+from astrai.common.contract import REASON_EMERGENCY, REASON_FINAL, REASON_PERIODIC
+from astrai.common.data_folder import DataError, TokenData
+from astrai.common.errors import AstraiError
+from astrai.common.fit import BatchShape, check_fit, check_same_tokenizer
+from astrai.trainer.checkpoint.files import LoadedCheckpoint, NonFiniteWeights, Progress
+from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
 from astrai.trainer.distributed import (
     DistEnv,
     GracefulStop,
@@ -81,8 +53,19 @@ from astrai.trainer.distributed import (
     shutdown_distributed,
     world_from_environment,
 )
-from astrai.trainer.model import ModelLoadError, Transformer, check_window, describe_folder, load_base_model
-from astrai.trainer.windows import WindowBatchSampler, WindowDataset, ignore_stop_signals
+from astrai.trainer.health import Diverged, DivergenceRecord
+from astrai.trainer.model import ModelLoadError, Transformer, describe_folder, load_base_model
+from astrai.trainer.optim import Schedule, apply_settings, build_optimizer, describe_changes, set_lr
+from astrai.trainer.report import ProgressReporter, ReportError, StepReport, flops_per_token, peak_tflops, print_line
+from astrai.trainer.validation import Validator
+from astrai.trainer.windows import (
+    MixtureBatchSampler,
+    MixtureDataset,
+    MixtureOrder,
+    WindowBatchSampler,
+    WindowDataset,
+    ignore_stop_signals,
+)
 
 
 def open_same_data(root: Path, env: DistEnv) -> TokenData:
@@ -106,14 +89,6 @@ def open_same_data(root: Path, env: DistEnv) -> TokenData:
     )
 
 
-class SetupError(Exception):
-    """Inputs that do not fit together (data vs model vs batch); the message shows the numbers."""
-
-
-class TrainingError(Exception):
-    """Training cannot go on: it diverged, or the job dir cannot be written."""
-
-
 @dataclass(frozen=True)
 class TrainStats:
     """What one ``Trainer.train`` call did."""
@@ -129,72 +104,63 @@ class TrainStats:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def lr_multiplier(step: int, max_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
-    """Linear warmup to 1, then cosine decay to min_lr_ratio at max_steps."""
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    progress = min((step - warmup_steps) / max(max_steps - warmup_steps, 1), 1.0)
-    return min_lr_ratio + 0.5 * (1.0 - min_lr_ratio) * (1.0 + math.cos(math.pi * progress))
+def open_trainer(config: TrainerConfig, env: DistEnv, stop: GracefulStop | None = None) -> Trainer | None:
+    """A Trainer resuming the newest checkpoint that loads (or starting fresh), or None when the run is done.
+
+    Whether the run is already at max_steps is decided here, from the checkpoint alone: nothing is built
+    for a run that has nothing left to do.
+    """
+    # Checked before anything is loaded: a world size that does not fit the global batch fails at once.
+    resolve_grad_accum_steps(config.training, env.world_size)
+    loaded = load_latest(Path(config.ckpt.ckpt_dir), env, _logger(env))
+    max_steps = config.training.max_steps
+    if loaded is not None and loaded.progress.step >= max_steps:
+        _logger(env)(
+            f"already at max_steps ({max_steps}): {loaded.checkpoint.path} "
+            f"is at step {loaded.progress.step}; nothing to do"
+        )
+        return None
+    return Trainer(config, env, stop, loaded)
 
 
 class Trainer:
-    """Builds everything from a config, resumes, trains, checkpoints. ``train()`` runs; ``close()`` cleans up.
+    """One run, built from its config and the checkpoint it resumes (None: from the base model).
 
-    In-process use (benchmarks, tests)::
-
-        trainer = Trainer(load_trainer_config(path, [("max_steps", "1000")]), init_distributed("none", "cpu"))
-        stats = trainer.train(steps=50)          # stats.tokens_per_s
-        trainer.save_checkpoint(REASON_EMERGENCY)     # waits; "periodic" returns once the state is copied
-        trainer.close()
+    ``train()`` runs the loop; ``close()`` finishes a save in progress and stops the workers.
     """
 
-    def __init__(self, config: TrainerConfig, env: DistEnv, stop: GracefulStop | None = None):
+    def __init__(self, config: TrainerConfig, env: DistEnv, stop: GracefulStop | None, loaded: LoadedCheckpoint | None):
         self.config = config
         self.env = env
         self.stop = stop or GracefulStop()
-        self.done = False
+        self.log = _logger(env)
         training = config.training
         self.max_steps = training.max_steps
         self.window_size = config.data.window_size
         self.job_dir = Path(config.ckpt.ckpt_dir)
-        # Checked before anything is loaded: a world size that does not fit the global batch fails at once.
         self.grad_accum = resolve_grad_accum_steps(training, env.world_size)
-        self.checkpointer = CheckpointManager(
-            self.job_dir, config.ckpt.ckpt_interval, config.ckpt.keep_last, env, self.log
-        )
-        if env.watch is not None and env.master_process:
-            # A node lost while a periodic save is being written: publish it before this process exits.
-            env.watch.before_exit = self.checkpointer.finish_pending
-        self._batches = None
-        self.events: EventWriter | None = None
+        batch = BatchShape(training.batch_per_device, self.grad_accum, env.world_size)
+        self.global_batch = batch.global_batch
 
-        if env.master_process:
-            self.job_dir.mkdir(parents=True, exist_ok=True)
-            self.checkpointer.remove_leftovers()
-        loaded = self.checkpointer.load_latest()
-        if loaded is not None and loaded.progress.step >= self.max_steps:
-            self.log(
-                f"already at max_steps ({self.max_steps}): {loaded.checkpoint.path} "
-                f"is at step {loaded.progress.step}; nothing to do"
-            )
-            self.done = True
-            return
-
-        data = open_same_data(Path(config.data.data_root_path), env)
+        root = Path(config.data.data_root_path)
+        sources = config.data.sources
+        names = [source.path for source in sources] if sources else []
+        datas = [open_same_data(root / name, env) for name in names] if sources else [open_same_data(root, env)]
+        if sources:
+            check_same_tokenizer(datas, names)
         if loaded is not None:
-            self.model_config, weights = loaded.model_config, loaded.model_state
-            model_source = loaded.checkpoint.path
+            self.model_config, weights, model_source = loaded.model_config, loaded.model_state, loaded.checkpoint.path
         else:
             model_source = Path(config.ckpt.param_path)
             # Only node 0 needs the base model: rank 0 reads it, the others receive it.
             self.model_config, weights = broadcast_from_master(
                 env, lambda: load_base_model(model_source), errors=(ModelLoadError,)
             )
-        self.global_batch = training.batch_per_device * self.grad_accum * env.world_size
-        self.split = WindowSplit.from_fraction(data.num_windows(self.window_size), config.data.val_fraction)
-        self._check_fit(data, model_source)
-        # A checkpoint is a complete model folder: the data's tokenizer goes into each one.
-        self.checkpointer.extra_files = tuple(data.root / name for name in data.tokenizer_files)
+        fraction = config.data.val_fraction
+        splits = [
+            check_fit(data, self.model_config, model_source, self.window_size, fraction, batch, repeated=bool(sources))
+            for data in datas
+        ]
 
         model = Transformer(self.model_config, activation_checkpointing=config.model.activation_checkpointing)
         model.load_state_dict(weights)
@@ -204,36 +170,72 @@ class Trainer:
             for layer in model.layers:
                 layer.compile()
         self.model = parallelize(model, env)
-        self.optimizer = self._build_optimizer()
-        warmup_steps = int(training.warmup_ratio * self.max_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda step: lr_multiplier(step, self.max_steps, warmup_steps, training.min_lr_ratio),
+        self.optimizer = build_optimizer(self.model, training, env.device)
+        self.schedule = Schedule.of(training)
+        self.checkpointer = CheckpointManager(
+            self.job_dir,
+            env,
+            self.log,
+            model=self.model,
+            optimizer=self.optimizer,
+            schedule=self.schedule,
+            model_config=self.model_config,
+            facts=RunFacts(config.config_hash(), self.max_steps, self.window_size, self.global_batch),
+            interval=config.ckpt.ckpt_interval,
+            keep_last=config.ckpt.keep_last,
+            # A checkpoint is a complete model folder: the data's tokenizer goes into each one.
+            extra_files=tuple(datas[0].root / name for name in datas[0].tokenizer_files),
         )
+        if env.watch is not None and env.master_process:
+            # A node lost while a periodic save is being written: publish it before this process exits.
+            env.watch.before_exit = self.checkpointer.finish_pending
         if loaded is not None:
-            self.checkpointer.restore(loaded, self.model, self.optimizer, self.scheduler, training.random_seed)
+            self.checkpointer.restore(loaded, training.random_seed)
+            # The checkpoint brought the optimizer's moments; its settings are this run's config.
+            apply_settings(self.optimizer, training)
             self.progress = loaded.progress
             self._note_resume(loaded)
         else:
             torch.manual_seed(training.random_seed + env.rank)
             self.progress = Progress()
-            if env.master_process:
+            if env.master_process:  # only node 0 has the base model folder
                 self.log(
                     f"starting from base model {config.ckpt.param_path}: {describe_folder(model_source)} "
                     f"(world size {env.world_size}, device {env.device})"
                 )
 
-        self.sampler = WindowBatchSampler(
-            self.split.num_train,
-            training.batch_per_device,
-            self.grad_accum,
-            env.rank,
-            env.world_size,
-            training.random_seed,
-        )
+        self.source_names = names
+        if sources:
+            weights = [source.weight for source in sources]
+            self.mixture = MixtureOrder([split.num_train for split in splits], weights, training.random_seed)
+            self.dataset = MixtureDataset(datas, self.window_size, splits)
+            self.sampler = MixtureBatchSampler(
+                self.mixture,
+                self.dataset.train_offsets,
+                training.batch_per_device,
+                self.grad_accum,
+                env.rank,
+                env.world_size,
+            )
+            eval_windows = [
+                self.dataset.corpus_offsets[number] + window
+                for number, split in enumerate(splits)
+                for window in split.eval_windows(max(1, config.log.eval_max_windows // len(splits)))
+            ]
+            self._note_mixture(splits)
+        else:
+            self.mixture = None
+            self.dataset = WindowDataset(datas[0], self.window_size, splits[0])
+            self.sampler = WindowBatchSampler(
+                splits[0].num_train,
+                training.batch_per_device,
+                self.grad_accum,
+                env.rank,
+                env.world_size,
+                training.random_seed,
+            )
+            eval_windows = splits[0].eval_windows(config.log.eval_max_windows)
         workers = config.data.num_workers
-        self.dataset = WindowDataset(data, self.window_size, self.split)
-        self.eval_windows = self.split.eval_windows(config.log.eval_max_windows)
         self.loader = DataLoader(
             self.dataset,
             batch_sampler=self.sampler,
@@ -242,6 +244,7 @@ class Trainer:
             persistent_workers=workers > 0,
             worker_init_fn=ignore_stop_signals if workers > 0 else None,
         )
+        self._batches = None
         if self.sampler.num_windows - self.progress.samples_in_epoch < self.global_batch:
             # The global batch grew, or the data shrank, since the checkpoint: the rest of that epoch
             # no longer fills a step.
@@ -251,92 +254,69 @@ class Trainer:
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else contextlib.nullcontext()
         )
-        self._loss_sum = torch.zeros((), device=env.device)
-        self.flops_per_token = flops_per_token(self.model_config, self.window_size)
-        device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None
-        self.peak_tflops = peak_tflops(device_name, config.log.peak_tflops)
-        self._warmed_up = False
-        self._eval_seconds = 0.0
-        if env.master_process:
-            self.events = EventWriter(self.job_dir / TENSORBOARD_DIR, self.progress.step, self.log)
-        # Health record: each step's summed micro-batch losses and gradient norm, left on the device and read
-        # only at points that wait for the device anyway (logged steps, saves), so no step waits for it.
-        self._step_loss = torch.zeros((), device=env.device)
-        self._recent = torch.zeros((config.log.log_interval, 2), device=env.device)
-        self._checked_step = self.progress.step
-        self._last_finite: tuple[int, float] | None = None
-
-    # Setup helpers
-
-    def log(self, message: str) -> None:
-        """Print from rank 0, as one write, so lines from the checkpoint thread never interleave."""
-        if self.env.master_process:
-            sys.stdout.write(message + "\n")
-            sys.stdout.flush()
-
-    def _check_fit(self, data: TokenData, model_source: Path) -> None:
-        cfg, model = self.config, self.model_config
-        if data.vocab_size > model.vocab_size:
-            fix = (
-                f"prepare the data with this model's own tokenizer (--tokenizer {model_source})"
-                if data.tokenizer_sha256 is not None
-                else f"init a model with --vocab_size {data.vocab_size} or more"
-            )
-            raise SetupError(
-                f"data vocabulary {data.vocab_size} ({data.tokenizer_description}, {data.root}) does not fit "
-                f"the model's vocab_size {model.vocab_size} ({model_source}); {fix}"
-            )
-        if self.window_size > model.max_seq_len:
-            raise SetupError(f"data.window_size {self.window_size} exceeds the model's max_seq_len {model.max_seq_len}")
-        check_window(model, self.window_size, model_source / MODEL_CONFIG_FILE)
-        windows = self.split.num_train
-        held_out = f" ({self.split.num_val} held out for validation)" if self.split.num_val else ""
-        if cfg.data.val_fraction > 0 and not self.split.num_val:
-            raise SetupError(
-                f"data.val_fraction {cfg.data.val_fraction} holds out no window: {data.root} has only "
-                f"{self.split.num_windows} windows of {self.window_size}+1 (lower window_size or add data)"
-            )
-        if windows < self.global_batch:
-            raise SetupError(
-                f"{data.root} holds {data.num_tokens} tokens = {windows} training windows of {self.window_size}+1"
-                f"{held_out}, fewer than one "
-                f"global batch of batch_per_device({cfg.training.batch_per_device}) * grad_accum_steps"
-                f"({self.grad_accum}) * world_size({self.env.world_size}) = {self.global_batch}"
-            )
-
-    def _build_optimizer(self) -> torch.optim.AdamW:
-        training = self.config.training
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        # Matrices and embeddings decay; norm weights (1-D) do not.
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": training.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        return torch.optim.AdamW(
-            groups,
-            lr=training.max_lr,
-            betas=(training.adam_beta1, training.adam_beta2),
-            eps=training.adam_eps,
-            fused=self.env.device.type == "cuda",
+        self.health = DivergenceRecord(config.log.log_interval, env, self.grad_accum, self.job_dir, self.progress.step)
+        self.validator = Validator(
+            self.dataset,
+            eval_windows,
+            training.batch_per_device,
+            env,
+            self.autocast,
+            config.log.eval_interval,
         )
+        device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None
+        self.reporter = ProgressReporter(
+            self.job_dir,
+            master=env.master_process,
+            max_steps=self.max_steps,
+            tokens_per_step=self.global_batch * self.window_size,
+            world_size=env.world_size,
+            flops_per_token_=flops_per_token(self.model_config, self.window_size),
+            peak=peak_tflops(device_name, config.log.peak_tflops),
+            resumed_step=self.progress.step,
+            log=self.log,
+        )
+        self._loss_sum = torch.zeros((), device=env.device)
+        self._step_loss = torch.zeros((), device=env.device)
+        self._warmed_up = False
+
+    def _note_mixture(self, splits) -> None:
+        """Each source's share, its size, and how often this run goes over it."""
+        quotas, total = self.mixture.quotas, sum(self.mixture.quotas)
+        samples = self.max_steps * self.global_batch
+        parts = [
+            f"{name}: {quota / total:.1%} of the windows, {split.num_train:,} windows, "
+            f"{samples * quota / total / split.num_train:.2f} epochs over this run"
+            for name, quota, split in zip(self.source_names, quotas, splits, strict=True)
+        ]
+        self.log(f"mixture of {len(parts)} sources: " + "; ".join(parts))
+
+    def tokens_per_source(self) -> dict[str, int] | None:
+        """Tokens trained from each source so far (None without a mixture): a function of the data position."""
+        if self.mixture is None:
+            return None
+        counts = self.mixture.drawn(self.progress.samples_in_epoch)
+        return {name: count * self.window_size for name, count in zip(self.source_names, counts, strict=True)}
 
     def _note_resume(self, loaded: LoadedCheckpoint) -> None:
         p, meta = loaded.progress, loaded.meta
         self.log(
-            f"resumed from {loaded.checkpoint.path} (epoch {p.epoch}, step {p.step}, reason {meta.get('reason')}; "
+            f"resumed from {loaded.checkpoint.path} (epoch {p.epoch}, step {p.step}, reason {meta.reason}; "
             f"world size {self.env.world_size}, device {self.env.device})"
         )
-        saved_batch = meta.get("global_batch")
-        if isinstance(saved_batch, int) and saved_batch != self.global_batch:
+        changes = describe_changes(
+            loaded.scheduler_state,
+            loaded.optimizer_state.get("param_groups", []),
+            self.schedule,
+            self.config.training,
+            p.step,
+        )
+        if changes is not None:
+            self.log(f"note: {changes}")
+        if meta.global_batch is not None and meta.global_batch != self.global_batch:
             self.log(
-                f"note: the global batch changed since that checkpoint ({saved_batch} -> {self.global_batch} "
-                f"sequences per step, world size {meta.get('world_size')} -> {self.env.world_size}); set "
+                f"note: the global batch changed since that checkpoint ({meta.global_batch} -> {self.global_batch} "
+                f"sequences per step, world size {meta.world_size} -> {self.env.world_size}); set "
                 "training.global_batch_size to keep it across world sizes"
-            )
-        if meta.get("config_hash") != self.config.config_hash():
-            self.log(
-                f"note: the training config changed since that checkpoint "
-                f"(config_hash {meta.get('config_hash')} -> {self.config.config_hash()})"
             )
 
     def _start_epoch(self) -> None:
@@ -345,117 +325,88 @@ class Trainer:
 
     # Training
 
+    def train_step(self) -> tuple[float, torch.Tensor | None]:
+        """One optimizer step over ``grad_accum`` micro-batches: (its learning rate, its gradient norm or None).
+
+        Leaves the step's summed micro-batch loss in the divergence record and in the report's running sum;
+        nothing here waits for the device.
+        """
+        accum, vocab_size = self.grad_accum, self.model_config.vocab_size
+        lr = self.schedule.lr(self.progress.step)
+        set_lr(self.optimizer, lr)
+        for micro in range(accum):
+            batch = next(self._batches).to(self.env.device, non_blocking=True)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            set_gradient_sync(self.model, self.env, micro == accum - 1)
+            with self.autocast:
+                logits = self.model(inputs)
+            loss = F.cross_entropy(logits.float().view(-1, vocab_size), targets.reshape(-1))
+            (loss / accum).backward()
+            self._step_loss += loss.detach()
+        grad_norm = None
+        max_norm = self.config.training.max_grad_norm
+        if max_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        # Under FSDP the local part is enough: a non-finite part makes the whole norm non-finite.
+        local_norm = grad_norm.to_local() if isinstance(grad_norm, DTensor) else grad_norm
+        self.health.record(self.progress.step, self._step_loss, local_norm)
+        self._loss_sum += self._step_loss
+        self._step_loss.zero_()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr, grad_norm
+
     def train(self, steps: int | None = None) -> TrainStats:
         """Train until max_steps, a stop signal, or ``steps`` more optimizer steps; checkpoints as configured."""
-        if self.done:
-            return TrainStats(0, 0, 0.0, stopped=False)
-        training = self.config.training
-        accum = self.grad_accum
-        vocab_size = self.model_config.vocab_size
-        tokens_per_step = self.global_batch * self.window_size
         end = self.max_steps if steps is None else min(self.max_steps, self.progress.step + steps)
         first_step = self.progress.step
+        tokens_per_step = self.global_batch * self.window_size
         self.model.train()
         # Progress reports average over the steps of this call.
         started = time.perf_counter()
-        self.clock = StepClock(started)
-        self._log_step = first_step
+        self.reporter.clock.restart(started)
+        self._report_step = first_step
         self._loss_sum.zero_()
         stopping = False
         while self.progress.step < end and not stopping:
-            lr = self.optimizer.param_groups[0]["lr"]
-            for micro in range(accum):
-                batch = next(self._batches).to(self.env.device, non_blocking=True)
-                inputs, targets = batch[:, :-1], batch[:, 1:]
-                set_gradient_sync(self.model, self.env, micro == accum - 1)
-                with self.autocast:
-                    logits = self.model(inputs)
-                loss = F.cross_entropy(logits.float().view(-1, vocab_size), targets.reshape(-1))
-                (loss / accum).backward()
-                self._step_loss += loss.detach()
-            self._loss_sum += self._step_loss
-            row = self._recent[self.progress.step - self._checked_step]
-            row[0].copy_(self._step_loss)
-            self._step_loss.zero_()
-            grad_norm = None
-            if training.max_grad_norm > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), training.max_grad_norm)
-                # Under FSDP the local part is enough: a non-finite part makes the whole norm non-finite.
-                row[1].copy_(grad_norm.to_local() if isinstance(grad_norm, DTensor) else grad_norm)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-
+            lr, grad_norm = self.train_step()
             if not self._warmed_up:
                 # The first step allocates, picks kernels and compiles (model.compile): a pause, not the pace.
                 self._synchronize()
-                self.clock.pause(time.perf_counter() - started, steps=1)
+                self.reporter.clock.pause(time.perf_counter() - started, steps=1)
                 self._warmed_up = True
-
-            progress = self.progress
-            progress.step += 1
-            progress.tokens_seen += tokens_per_step
-            progress.samples_in_epoch += self.global_batch
-            if self.sampler.num_windows - progress.samples_in_epoch < self.global_batch:
-                progress.epoch, progress.samples_in_epoch = progress.epoch + 1, 0
-                self._start_epoch()
+            self._advance(tokens_per_step)
             stopping = self.stop.agree(self.env)
             if stopping:
                 who = self.stop.signal_name or "on another rank"
-                self.log(f"stop requested ({who}): stopping after step {progress.step}")
+                self.log(f"stop requested ({who}): stopping after step {self.progress.step}")
             # A failed background save stops the run now, not at the next save (no device sync: a Python flag).
             self.checkpointer.raise_if_failed()
+            step = self.progress.step
             val_loss = None
-            if self.eval_windows and progress.step % self.config.log.eval_interval == 0:
-                val_loss, self._eval_seconds = self._paused(self.validate)
-            logged = progress.step % self.config.log.log_interval == 0 or progress.step == self.max_steps
-            if logged or stopping or val_loss is not None:
+            if self.validator.due(step):
+                val_loss, self.validator.last_seconds = self._paused(self._validate)
+            if step % self.config.log.log_interval == 0 or step == self.max_steps or stopping or val_loss is not None:
                 self._report(lr, grad_norm, val_loss)
-            reason = self.checkpointer.reason_for(progress.step, self.max_steps, stopping)
+            reason = self.checkpointer.reason_for(step, stopping)
             if reason is not None:
                 self._paused(functools.partial(self.save_checkpoint, reason))
         self._synchronize()
         steps_done = self.progress.step - first_step
         return TrainStats(steps_done, steps_done * tokens_per_step, time.perf_counter() - started, stopped=stopping)
 
-    def _check_finite(self, loss: torch.Tensor | None = None) -> float | None:
-        """Raise TrainingError when a loss or gradient norm since the last check was not finite.
+    def _advance(self, tokens_per_step: int) -> None:
+        """Count the step just taken; move to the next epoch when the rest of this one cannot fill a step."""
+        progress = self.progress
+        progress.step += 1
+        progress.tokens_seen += tokens_per_step
+        progress.samples_in_epoch += self.global_batch
+        if self.sampler.num_windows - progress.samples_in_epoch < self.global_batch:
+            progress.epoch, progress.samples_in_epoch = progress.epoch + 1, 0
+            self._start_epoch()
 
-        Reads the health record of the steps since the last check, with ``loss`` (the report's) in the same
-        all-reduce: one small copy at a point where the loop waits for the device anyway. Returns the loss.
-        """
-        count = self.progress.step - self._checked_step
-        if count == 0 and loss is None:
-            return None
-        head = loss.view(1) if loss is not None else self._recent.new_zeros(1)
-        packed = torch.cat([head, self._recent[:count].view(-1)])
-        if self.env.distributed:
-            dist.all_reduce(packed)
-            packed /= self.env.world_size
-        values = packed.tolist()
-        first = self._checked_step + 1
-        self._checked_step = self.progress.step
-        for offset in range(count):
-            step, loss_sum, grad_norm = first + offset, values[1 + 2 * offset], values[2 + 2 * offset]
-            step_loss = loss_sum / self.grad_accum
-            if math.isfinite(step_loss) and math.isfinite(grad_norm):
-                self._last_finite = (step, step_loss)
-                continue
-            what = f"the loss is {step_loss}" if not math.isfinite(step_loss) else f"the gradient norm is {grad_norm}"
-            raise TrainingError(self._diverged(f"{what} at step {step}"))
-        return values[0]
-
-    def _diverged(self, what: str) -> str:
-        last = (
-            f"last finite loss {self._last_finite[1]:.4f} at step {self._last_finite[0]}"
-            if self._last_finite
-            else "no finite loss seen in this run"
-        )
-        return (
-            f"training diverged: {what} ({last}). Nothing of this state was saved: every checkpoint in "
-            f"{self.job_dir} is from before it. Lower training.max_lr or set training.max_grad_norm, then start "
-            "again to resume from there."
-        )
+    def _validate(self) -> float:
+        return self.validator.run(self.model, self.model_config.vocab_size)
 
     def _synchronize(self) -> None:
         if self.env.device.type == "cuda":
@@ -469,143 +420,52 @@ class Trainer:
         result = work()
         self._synchronize()
         seconds = time.perf_counter() - began
-        self.clock.pause(seconds)
+        self.reporter.clock.pause(seconds)
         return result, seconds
 
-    def validate(self) -> float:
-        """Mean loss per token over the fixed held-out windows; ranks share them, and all get the result."""
-        windows, ranks = self.eval_windows, self.env.world_size
-        mine = windows[self.env.rank :: ranks]
-        batch = self.config.training.batch_per_device
-        batches = math.ceil(math.ceil(len(windows) / ranks) / batch)
-        vocab_size = self.model_config.vocab_size
-        totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)
-        self.model.eval()
-        with torch.no_grad():
-            for index in range(batches):
-                chunk = mine[index * batch : (index + 1) * batch]
-                # Every rank runs the same number of forward passes (FSDP gathers weights in each one);
-                # a rank out of windows computes one stand-in window and does not count it.
-                tokens = torch.stack([self.dataset.window(w) for w in chunk or windows[:1]]).to(self.env.device)
-                with self.autocast:
-                    logits = self.model(tokens[:, :-1])
-                loss = F.cross_entropy(logits.float().view(-1, vocab_size), tokens[:, 1:].reshape(-1), reduction="sum")
-                if chunk:
-                    totals[0] += loss.double()
-                    totals[1] += tokens[:, 1:].numel()
-        self.model.train()
-        if self.env.distributed:
-            dist.all_reduce(totals)
-        return (totals[0] / totals[1]).item()
-
-    def _evals_left(self) -> int:
-        if not self.eval_windows:
-            return 0
-        interval = self.config.log.eval_interval
-        return self.max_steps // interval - self.progress.step // interval
-
     def _report(self, lr: float, grad_norm: torch.Tensor | None, val_loss: float | None) -> None:
-        """Progress line, metrics.jsonl record and event files (with _check_finite, the only place the loop waits
-        for the device)."""
-        steps = self.progress.step - self._log_step
-        # Checked before anything is printed or written: a diverged step never reaches metrics.jsonl.
-        loss_value = self._check_finite(self._loss_sum / (steps * self.grad_accum))
+        """A progress report: the divergence check first, so a diverged step never reaches metrics.jsonl."""
+        steps = self.progress.step - self._report_step
+        loss = self.health.check(self.progress.step, self._loss_sum / (steps * self.grad_accum))
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
-        seconds, counted = self.clock.lap(time.perf_counter(), steps)
         self._loss_sum.zero_()
-        self._log_step = self.progress.step
-        if not self.env.master_process:
-            return
-        tokens_per_s = counted * self.global_batch * self.window_size / seconds if seconds > 0 else 0.0
-        utilization = mfu(tokens_per_s / self.env.world_size, self.flops_per_token, self.peak_tflops)
-        pace = self.clock.seconds_per_step()
-        eta_s = eta_seconds(self.max_steps - self.progress.step, pace, self._evals_left(), self._eval_seconds)
-        memory_gib = (
-            torch.cuda.max_memory_allocated(self.env.device) / 2**30 if self.env.device.type == "cuda" else None
+        self._report_step = self.progress.step
+        memory = torch.cuda.max_memory_allocated(self.env.device) / 2**30 if self.env.device.type == "cuda" else None
+        report = StepReport(
+            step=self.progress.step,
+            epoch=self.progress.epoch,
+            loss=loss,
+            lr=lr,
+            tokens_seen=self.progress.tokens_seen,
+            grad_norm=grad_norm.item() if grad_norm is not None else None,
+            val_loss=val_loss,
+            max_allocated_gib=memory,
+            tokens_per_source=self.tokens_per_source(),
         )
-        grad_norm_value = grad_norm.item() if grad_norm is not None else None
-        record = {
-            METRIC_STEP: self.progress.step,
-            METRIC_MAX_STEPS: self.max_steps,
-            "epoch": self.progress.epoch,
-            METRIC_LOSS: loss_value,
-            METRIC_LR: lr,
-            METRIC_TOKENS_PER_S: tokens_per_s,
-            "tokens_seen": self.progress.tokens_seen,
-            METRIC_TIME: time.time(),
-        }
-        optional = {
-            METRIC_GRAD_NORM: grad_norm_value,
-            METRIC_VAL_LOSS: val_loss,
-            METRIC_MFU: utilization,
-            METRIC_MAX_ALLOCATED_GIB: memory_gib,
-            METRIC_ETA_S: eta_s if pace is not None else None,
-        }
-        record.update({key: value for key, value in optional.items() if value is not None})
-        line = (
-            f"step {self.progress.step}/{self.max_steps} | epoch {self.progress.epoch} "
-            f"| loss {loss_value:.4f} | lr {lr:.3e}"
-        )
-        if grad_norm_value is not None:
-            line += f" | grad_norm {grad_norm_value:.3f}"
-        if val_loss is not None:
-            line += f" | val_loss {val_loss:.4f}"
-        line += f" | {tokens_per_s:,.0f} tokens/s | mfu {'n/a' if utilization is None else f'{utilization:.1%}'}"
-        if memory_gib is not None:
-            line += f" | mem {memory_gib:.2f} GiB"
-        line += f" | eta {_duration(eta_s) if pace is not None else 'n/a'}"
-        self.log(line)
         try:
-            with open(self.job_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record, sort_keys=True) + "\n")
-        except OSError as error:
+            self.reporter.report(
+                report, steps, self.validator.left(self.progress.step, self.max_steps), self.validator.last_seconds
+            )
+        except ReportError as error:
             # On a full disk the checkpoint being written has usually failed too, and its error says more.
             self.checkpointer.wait()
-            raise TrainingError(f"cannot append to {self.job_dir / METRICS_FILE}: {error.strerror}") from None
-        self.events.scalars(
-            self.progress.step,
-            {
-                TAG_TRAIN_LOSS: loss_value,
-                TAG_TRAIN_LR: lr,
-                TAG_TRAIN_GRAD_NORM: grad_norm_value,
-                TAG_VAL_LOSS: val_loss,
-                TAG_TOKENS_PER_S: tokens_per_s,
-                TAG_MFU: utilization,
-                TAG_MAX_ALLOCATED_GIB: memory_gib,
-            },
-        )
+            raise error
 
     def save_checkpoint(self, reason: str) -> Path:
         """Checkpoint now (all ranks call this). Periodic saves finish in the background; the others wait.
 
-        Refuses (TrainingError) when the run diverged since the last check: no checkpoint, emergency ones
+        Refuses (Diverged) when the run diverged since the last check: no checkpoint, emergency ones
         included, ever holds non-finite state, so retention never pushes out the last good one.
         """
-        self._check_finite()
-        extra = {
-            "config_hash": self.config.config_hash(),
-            "max_steps": self.max_steps,
-            "window_size": self.window_size,
-            "global_batch": self.global_batch,
-        }
+        self.health.check(self.progress.step)
         try:
-            path = self.checkpointer.save(
-                self.model,
-                self.optimizer,
-                self.scheduler,
-                self.model_config,
-                self.progress,
-                reason,
-                extra,
-                wait=reason != REASON_PERIODIC,
-            )
+            path = self.checkpointer.save(self.progress, reason, wait=reason != REASON_PERIODIC)
         except NonFiniteWeights as error:
-            raise TrainingError(
-                self._diverged(f"the weights after step {self.progress.step} are not finite ({error})")
+            raise Diverged(
+                self.health.message(f"the weights after step {self.progress.step} are not finite ({error})")
             ) from None
-        if self.events is not None:
-            self.events.checkpoint(self.progress.step, path.name, reason)
+        self.reporter.checkpoint(self.progress.step, path.name, reason)
         if reason == REASON_FINAL:
             self.log(f"final checkpoint {path}")
         elif reason == REASON_EMERGENCY:
@@ -619,14 +479,16 @@ class Trainer:
         self._batches = None
         self.loader = None
         self.checkpointer.wait()
-        if self.events is not None:
-            # After an emergency stop too: the steps logged since the last flush reach the disk.
-            self.events.close()
+        self.reporter.close()
 
 
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+def _logger(env: DistEnv):
+    """Print from rank 0 only."""
+    return print_line if env.master_process else _silent
+
+
+def _silent(message: str) -> None:
+    pass
 
 
 def dry_run(config: TrainerConfig) -> int:
@@ -655,11 +517,7 @@ def _resume_decision(config: TrainerConfig) -> str:
     latest = latest_complete_checkpoint(job_dir)
     if latest is None:
         return f"start from base model {config.ckpt.param_path} (no checkpoint in {job_dir})"
-    try:
-        step = read_meta(latest).get("step")
-    except (OSError, ValueError) as error:
-        return f"newest checkpoint {latest.path} has an unreadable meta.json ({error}); a run skips it for older ones"
-    if isinstance(step, int) and step >= config.training.max_steps:
+    if latest.meta.step >= config.training.max_steps:
         return f"already at max_steps ({config.training.max_steps}): {latest.path}; a run exits at once"
     return f"resume from {latest.path} (epoch {latest.epoch}, step {latest.step}), or an older one if it fails to load"
 
@@ -673,18 +531,18 @@ def main(argv: list[str] | None = None) -> int:
         # Installed before anything slow, so a stop during setup is honoured at the first step boundary.
         stop.install()
         env = init_distributed(config.parallel.parallel_mode, config.training.device)
-    except ConfigError as error:
+    except AstraiError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return error.exit_code
     try:
         _train(config, env, stop)
-    except (ConfigError, DataError, ModelLoadError, SetupError, CheckpointError, TrainingError) as error:
+    except AstraiError as error:
         print(f"error: {error}", file=sys.stderr)
         if env.watch is not None:
             env.watch.finish()
         # No destroy_process_group: another rank may be waiting in a collective, and it would hang this one.
         # Exiting lets torchrun end the job.
-        return 2 if isinstance(error, ConfigError) else 1
+        return error.exit_code
     except RuntimeError:
         if env.watch is not None:
             # A collective failed: when a node was lost, the watch names it and ends this process.
@@ -697,7 +555,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(config: TrainerConfig, env: DistEnv, stop: GracefulStop) -> None:
     """Run a trainer to its end; once this returns, nothing refers to its model or optimizer any more."""
-    trainer = Trainer(config, env, stop)
+    trainer = open_trainer(config, env, stop)
+    if trainer is None:
+        return
     try:
         trainer.train()
     finally:

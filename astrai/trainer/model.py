@@ -25,19 +25,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import mmap
 import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from astrai.common.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE
 from astrai.common.model_folder import (
+    WEIGHT_DTYPES,
     ModelConfig,
     ModelLoadError,
     describe,
@@ -48,6 +49,7 @@ from astrai.common.model_folder import (
     check_window as check_window,
 )
 from astrai.common.model_folder import num_parameters as num_parameters
+from astrai.common.paths import PathError, output_folder
 
 PRESETS = {
     # About 0.9M parameters: fast enough for tests on one CPU thread.
@@ -224,16 +226,36 @@ def read_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     config first (missing, unexpected, misshapen tensors), so a bad folder fails before any weight is read.
     bf16 and fp16 weights become fp32 when ``load_state_dict`` copies them into the (fp32) model: that
     copy happens anyway, so widening them here would only add a pass over every weight.
+
+    Each file's header is read once (by the check): the tensors are then views of the file mapped into
+    memory (copy-on-write), read from the disk as they are used.
     """
     summary = inspect_weights(folder, config)
     state = {}
     for path, names in summary.names.items():
+        start, layout = summary.layouts[path]
         try:
-            loaded = load_file(path, device="cpu")
-        except (OSError, SafetensorError) as error:
-            raise ModelLoadError(f"{path}: {error}") from None
-        state.update((names[stored], tensor) for stored, tensor in loaded.items() if stored in names)
+            with open(path, "rb") as handle:
+                mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) if start < _size(handle) else None
+        except OSError as error:
+            raise ModelLoadError(f"{path}: {error.strerror}") from None
+        for stored, ours in names.items():
+            dtype, shape, (begin, end) = layout[stored]
+            kind = _TORCH_DTYPES[dtype]
+            if end == begin:
+                state[ours] = torch.empty(shape, dtype=kind)
+                continue
+            count = (end - begin) // kind.itemsize
+            state[ours] = torch.frombuffer(mapped, dtype=kind, count=count, offset=start + begin).view(shape)
     return state
+
+
+# The weight dtypes a model folder may hold (astrai.common.model_folder.WEIGHT_DTYPES), as torch dtypes.
+_TORCH_DTYPES = {name: getattr(torch, dtype) for name, dtype in WEIGHT_DTYPES.items()}
+
+
+def _size(handle) -> int:
+    return os.fstat(handle.fileno()).st_size
 
 
 def hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -298,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m astrai.model", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     init = commands.add_parser("init", help="write a freshly initialised base model (config.json, model.safetensors)")
-    init.add_argument("dir", type=Path, help="model folder to write")
+    init.add_argument("dir", help="model folder to write")
     init.add_argument("--preset", choices=sorted(PRESETS), required=True, help="architecture to start from")
     init.add_argument("--seed", type=int, default=0, help="seed of the weight initialisation (default 0)")
     init.add_argument("--force", action="store_true", help="overwrite a model that already exists in DIR")
@@ -310,12 +332,20 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {f.name: getattr(args, f.name) for f in _CLI_FIELDS if getattr(args, f.name) is not None}
     try:
         config = dataclasses.replace(PRESETS[args.preset], **overrides)
+        folder = output_folder(args.dir, "DIR")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if not args.force and ((args.dir / WEIGHTS_FILE).exists() or (args.dir / MODEL_CONFIG_FILE).exists()):
-        print(f"error: {args.dir} already holds a model; pass --force to overwrite it", file=sys.stderr)
+    except PathError as error:
+        print(error.show(), file=sys.stderr)
+        return error.exit_code
+    if not args.force and ((folder / WEIGHTS_FILE).exists() or (folder / MODEL_CONFIG_FILE).exists()):
+        print(f"error: {folder} already holds a model; pass --force to overwrite it", file=sys.stderr)
         return 1
-    count = write_base_model(args.dir, config, seed=args.seed)
-    print(f"wrote {args.preset} model ({count / 1e6:.2f}M parameters) to {args.dir}")
+    try:
+        count = write_base_model(folder, config, seed=args.seed)
+    except OSError as error:
+        print(f"error: cannot write the model into {folder}: {error.strerror}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.preset} model ({count / 1e6:.2f}M parameters) to {folder}")
     return 0

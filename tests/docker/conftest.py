@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from astrai.common.checkpoints import list_complete_checkpoints, read_meta
+from astrai.common.checkpoints import list_complete_checkpoints
 from astrai.host import baseimage, compose, engine, timer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,6 +115,23 @@ class Job:
             )
         return result
 
+    def popen(self, *args: str) -> subprocess.Popen:
+        """`invoke TASK --config <this job> ...` in the background, in a process group of its own (as a terminal
+        runs a foreground command: a Ctrl-C goes to the whole group); output merged, line by line."""
+        task, *rest = args
+        head, sep, tail = _split_remainder(rest)
+        command = [sys.executable, "-m", "invoke", "--search-root", str(REPO), task, "--config", str(self.config)]
+        return subprocess.Popen(
+            [*command, *head, *sep, *tail],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+            cwd=self.folder,
+            start_new_session=True,
+        )
+
     def container(self) -> engine.Container | None:
         return engine.find_container(self.project)
 
@@ -150,7 +167,7 @@ class Job:
 
     def checkpoints(self) -> list[tuple[int, str]]:
         """(step, reason) of every complete checkpoint, oldest first."""
-        return [(c.step, read_meta(c)["reason"]) for c in list_complete_checkpoints(self.job_dir)]
+        return [(c.step, c.meta.reason) for c in list_complete_checkpoints(self.job_dir)]
 
 
 def _split_remainder(args: list[str]) -> tuple[list[str], list[str], list[str]]:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from astrai.common.checkpoints import list_complete_checkpoints, read_meta
+from astrai.common.checkpoints import list_complete_checkpoints
 from astrai.host import compose
 
 pytestmark = pytest.mark.docker
@@ -25,7 +25,7 @@ def test_demo_runs_the_whole_lifecycle(tmp_path, base_image):
         output = result.stdout
         for expected in ("preflight passed", "emergency checkpoint", "resumed from", "(final)"):
             assert expected in output, expected
-        reasons = [read_meta(c)["reason"] for c in list_complete_checkpoints(workdir / "checkpoints" / job_name)]
+        reasons = [c.meta.reason for c in list_complete_checkpoints(workdir / "checkpoints" / job_name)]
         assert "emergency" in reasons and reasons[-1] == "final"
         again = subprocess.run(demo, capture_output=True, text=True, timeout=60)
         assert again.returncode != 0 and "--fresh" in again.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import shutil
 import stat
 import subprocess
 import sys
@@ -39,7 +40,9 @@ def test_awkward_paths_values_and_arguments_arrive_literally_and_the_job_trains(
     job.invoke("init")
 
     # Trainer arguments as the shell passed them: spaces, a quote, $ and a number-like string.
-    odd_path = "/models/it's a $x ${HOME} é"
+    odd_path = "/models/base/it's a $x ${HOME} é"
+    # A model of its own in that subfolder of runtime.paths.model: preflight checks the folder the trainer will read.
+    shutil.copytree(job.folder / "params", job.folder / "params" / odd_path.removeprefix("/models/base/"))
     dry = job.invoke("start", "--foreground", "--", "--dry-run", "--param_path", odd_path, "--max_lr", "1e-3")
     resolved = yaml.safe_load(
         "\n".join(line for line in dry.stdout.splitlines() if line.strip().startswith(("param_path:", "max_lr:")))
@@ -103,7 +106,7 @@ def test_two_concurrent_starts_leave_one_container(make_job):
     codes = sorted(code for _, _, code in results)
     assert codes[0] == 0 and codes[1] != 0, results
     refused = next(err for _, err, code in results if code != 0)
-    assert "another `invoke start` of job" in refused or "is already running" in refused, refused
+    assert "another `invoke start` (or a stop) of job" in refused or "is already running" in refused, refused
     assert "Traceback" not in refused
     listing = subprocess.run(
         ["docker", "ps", "--all", "--quiet", "--filter", f"label=com.docker.compose.project={job.project}"],

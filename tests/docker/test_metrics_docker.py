@@ -11,7 +11,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from astrai.common.contract import METRICS_FILE, TAG_TRAIN_LOSS, TAG_VAL_LOSS, TENSORBOARD_DIR
-from astrai.common.metrics import SPARK_BLOCKS, read_records
+from astrai.common.metrics import read_records
+from astrai.host.status import SPARK_BLOCKS
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.docker

@@ -22,10 +22,10 @@ def test_preflight_passes_on_a_ready_host(make_job):
         "docker CLI",
         "docker daemon",
         "compose v2",
-        "data dir",
+        "data",
         "checkpoint dir",
         "base model",
-        "trainer data path",
+        "data fits model",
         "compose config",
     ):
         assert any(line.startswith(f"✓ {name}") for line in lines), (name, result.stdout)
@@ -51,7 +51,7 @@ def test_preflight_names_a_missing_base_model_and_a_wrong_data_path(make_job):
     result = job.invoke("preflight", check=False)
     assert result.returncode != 0
     assert "✗ base model" in result.stdout and "model.safetensors is missing" in result.stdout
-    assert "✗ trainer data path" in result.stdout and "data.data_root_path: /data" in result.stdout
+    assert "✗ trainer config" in result.stdout and "data.data_root_path: /elsewhere is outside /data" in result.stdout
 
 
 def test_listed_gpus_render_one_reservation_and_the_entrypoint_picks_ddp(make_job):

@@ -101,3 +101,32 @@ def small_disk(tmp_path):
         yield folder
     finally:
         subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.fixture(scope="session")
+def make_trainer():
+    """make_trainer(train_yaml, **flat_overrides): a Trainer resuming its job dir, as `python -m astrai.train` builds
+    it (None when the run is already at max_steps)."""
+    from astrai.common.config import load_trainer_config
+    from astrai.trainer.distributed import init_distributed
+    from astrai.trainer.loop import open_trainer
+
+    def make(config_path, **overrides):
+        config = load_trainer_config(config_path, [(key, str(value)) for key, value in overrides.items()])
+        return open_trainer(config, init_distributed("none", "cpu"))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def run_trainer(make_trainer):
+    """run_trainer(train_yaml, steps=None, **flat_overrides): build a Trainer, train it, close it; its TrainStats."""
+
+    def run(config_path, steps=None, **overrides):
+        trainer = make_trainer(config_path, **overrides)
+        try:
+            return trainer.train(steps)
+        finally:
+            trainer.close()
+
+    return run

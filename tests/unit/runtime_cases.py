@@ -7,7 +7,7 @@ import math
 
 import yaml
 
-# The runtime block exactly as DESIGN.md section 3 shows it.
+# The runtime block with every seed field written out, as docs/runtime.md describes it.
 SEED_YAML = """\
 runtime:
   job_name: astrai-train            # ^[A-Za-z0-9][A-Za-z0-9._-]*$
@@ -200,7 +200,7 @@ MALFORMED = [
         "timeout-key-typo",
         {"runtime.container.stop_timout_seconds": 600},
         "runtime.container.stop_timout_seconds",
-        "unknown key (did you mean 'stop_timeout_seconds'? allowed: ",
+        "unknown key; did you mean 'stop_timeout_seconds'?",
     ),
     (
         "keep-last-zero",
@@ -275,11 +275,16 @@ MALFORMED = [
         "runtime.environment.ASTRAI_DEBUG",
         "ASTRAI_",
     ),
-    ("runtime-unknown-key", {"runtime.extras": 1}, "runtime.extras", "unknown key (allowed: job_name, paths"),
+    (
+        "runtime-unknown-key",
+        {"runtime.extras": 1},
+        "runtime.extras",
+        "unknown key; allowed: container, environment, gpu, job_name",
+    ),
     ("runtime-not-mapping", {"runtime": "gpu"}, "runtime", 'expected a mapping of runtime settings, got "gpu"'),
     ("runtime-empty", {"runtime": None}, "runtime", "got null"),
     ("runtime-missing", {"runtime": DELETE}, "runtime", "missing"),
-    ("section-typo", {"trainig": {"max_steps": 1}}, "trainig", "unknown section 'trainig' (did you mean 'training'?"),
+    ("section-typo", {"trainig": {"max_steps": 1}}, "trainig", "unknown section; did you mean 'training'?"),
     ("nodes-count-zero", {"runtime.nodes": {"count": 0}}, "runtime.nodes.count", "must be 1 or more, got 0"),
     (
         "nodes-rendezvous-no-port",

@@ -1,33 +1,38 @@
-"""The in-process benchmarks run end to end on the tiny preset, so that they keep up with the code they measure.
+"""The benchmarks: the in-process ones run end to end on the tiny preset, so that they keep up with the code
+they measure, and every figure in bench/results.json is recomputed from the samples kept beside it.
 
 These check that every key is produced and sane, not the figures: speed is measured by `invoke bench`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from bench import checkpoint_cost, run, trainer_speed
+from bench.common import Figures
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_trainer_overhead_measures_both_loops(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_speed, "SETUPS", {"tiny": (32, 2, 1)})
-    results = trainer_speed.measure("tiny", 3, tmp_path)
+    results = Figures()
+    trainer_speed.measure("tiny", 3, tmp_path, results)
     assert results["tiny_trainer_tokens_per_s"] > 0 and results["tiny_bare_tokens_per_s"] > 0
     assert 0 < results["tiny_trainer_vs_bare"] < 10 and math.isfinite(results["tiny_trainer_vs_bare_spread"])
 
 
+@pytest.mark.slow
 def test_checkpoint_cost_measures_every_key_against_dcp(tmp_path, monkeypatch):
     make_assets = trainer_speed.make_assets
     monkeypatch.setattr(checkpoint_cost, "make_assets", lambda folder, preset: make_assets(folder, "tiny"))
     monkeypatch.setattr(checkpoint_cost, "SETUPS", {"small": (32, 2)})
     monkeypatch.setattr(checkpoint_cost, "REPEATS", {"small": (2, 2)})
     env = checkpoint_cost.init_distributed("none", "cpu")
-    results = checkpoint_cost._measure("small", tmp_path, env, quick=True)
+    results = Figures()
+    checkpoint_cost._measure("small", tmp_path, env, True, results)
     for key in (
         "ckpt_save_vs_dcp",
         "ckpt_save_vs_raw_fsync",
@@ -42,10 +47,49 @@ def test_checkpoint_cost_measures_every_key_against_dcp(tmp_path, monkeypatch):
     assert 0.5 < results["ckpt_peak_host_mem_vs_state"] < 3
     assert 0 <= results["ckpt_sync_peak_host_mem_vs_state"] < results["ckpt_peak_host_mem_vs_state"]
 
+    assert set(results.samples) >= {"ckpt_save_vs_dcp", "resume_vs_dcp", "ckpt_peak_host_mem_vs_state"}
 
-def test_the_table_names_targets_and_misses():
-    results = {"trainer_vs_bare": 0.97, "trainer_vs_bare_spread": 0.01, "kill_exact": 3, "kill_runs": 3}
+
+def test_the_table_names_targets_misses_and_the_run_of_each_row():
+    runs = {"trainer_vs_bare": {"date": "2026-12-01", "mode": "quick", "load_average": 1.04}}
+    results = {"trainer_vs_bare": 0.97, "trainer_vs_bare_spread": 0.01, "kill_exact": 3, "kill_runs": 3, "runs": runs}
     table = run.table(results)
-    assert "| 0.97 ± 1.0% | MISSED (>= 0.98) |" in table
+    assert "| 0.97 ± 1.0% | MISSED (>= 0.98) | 2026-12-01 quick, load 1.0 |" in table
     assert "| `kill_exact` | 3 | met (== 3) |" in table
     assert "ckpt_save_vs_dcp" not in table
+
+
+def test_every_figure_in_results_json_comes_back_from_its_samples():
+    results = json.loads(run.RESULTS.read_text(encoding="utf-8"))
+    figures = [key for key in results if key not in run.META_KEYS and not key.endswith("_spread")]
+    assert set(run.TARGETS) <= set(figures), sorted(set(run.TARGETS) - set(figures))
+    for key in figures:
+        assert key in results["samples"] and key in results["runs"], key
+        value, spread = run.recompute(results, key)
+        assert value == pytest.approx(results[key]), key
+        assert (spread is None) == (f"{key}_spread" not in results), key
+        if spread is not None:
+            assert spread == pytest.approx(results[f"{key}_spread"]), key
+
+
+def test_a_partial_run_replaces_only_what_it_measured():
+    earlier = {"date": "2026-11-30", "mode": "full", "load_average": 0.9, "section": "checkpoint cost"}
+    results = {
+        "base_ckpt_save_vs_dcp": 0.5,
+        "base_ckpt_save_vs_dcp_spread": 0.1,
+        "ckpt_save_vs_dcp": 0.6,
+        "samples": {"base_ckpt_save_vs_dcp": {"method": "paired_ratio", "pairs": [[1, 2]]}},
+        "runs": {"base_ckpt_save_vs_dcp": earlier},
+    }
+    figures = Figures()
+    figures.ratio("ckpt_save_vs_dcp", [1.0, 2.0, 3.0], [2.0, 2.0, 2.0])
+    now = {"date": "2026-12-01", "mode": "quick", "load_average": 1.1, "section": "checkpoint cost"}
+    run.merge(results, figures, now)
+    assert results["base_ckpt_save_vs_dcp"] == 0.5 and results["runs"]["base_ckpt_save_vs_dcp"] == earlier
+    assert results["ckpt_save_vs_dcp"] == 1.0 and results["runs"]["ckpt_save_vs_dcp"] == now
+    assert results["samples"]["ckpt_save_vs_dcp"]["pairs"] == [[1.0, 2.0], [2.0, 2.0], [3.0, 2.0]]
+
+
+def test_the_docs_table_is_the_one_results_json_makes():
+    results = json.loads(run.RESULTS.read_text(encoding="utf-8"))
+    assert run.summary(results) in run.DOCS.read_text(encoding="utf-8")

@@ -24,7 +24,7 @@ from astrai.common.config import load_trainer_config
 from astrai.common.contract import METRICS_FILE, TAG_TRAIN_LOSS
 from astrai.common.metrics import read_records
 from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import Trainer
+from astrai.trainer.loop import open_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,7 @@ def trained_job(tmp_path_factory, train_yaml):
     config = train_yaml(root / "train.yaml", ckpt_dir=str(root / "checkpoints" / JOB), max_steps=40)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    trainer = Trainer(load_trainer_config(config), init_distributed("none", "cpu"))
+    trainer = open_trainer(load_trainer_config(config), init_distributed("none", "cpu"))
     try:
         trainer.train()
     finally:

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pickle
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 
 from astrai.common.checkpoints import (
     Checkpoint,
+    CheckpointMeta,
     checkpoint_name,
     is_complete,
     latest_complete_checkpoint,
@@ -25,19 +27,13 @@ from astrai.common.checkpoints import (
     scan_job_dir,
 )
 from astrai.common.contract import REQUIRED_FILES
-from astrai.trainer import checkpoint as checkpoint_io
-from astrai.trainer.checkpoint import CheckpointError, CheckpointManager, Progress, first_non_finite, read_checkpoint
+from astrai.trainer.checkpoint import files as checkpoint_io
+from astrai.trainer.checkpoint.files import CheckpointError, Progress, first_non_finite, read_checkpoint
+from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
 from astrai.trainer.distributed import init_distributed
 from astrai.trainer.model import PRESETS, Transformer
-
-
-def _fake_checkpoint(job_dir, epoch, step, files=REQUIRED_FILES):
-    path = job_dir / checkpoint_name(epoch, step)
-    path.mkdir(parents=True)
-    for name in files:
-        (path / name).write_text("x")
-    return path
-
+from astrai.trainer.optim import Schedule
+from bench.common import placeholder_checkpoint as _fake_checkpoint
 
 # The shared folder rules.
 
@@ -58,7 +54,7 @@ def test_names_round_trip_and_order_numerically(tmp_path):
     assert latest_complete_checkpoint(tmp_path).name == "epoch_1_step_5"
 
 
-def test_scan_separates_complete_incomplete_and_staging(tmp_path):
+def test_scan_separates_checkpoints_folders_that_are_not_and_staging(tmp_path):
     _fake_checkpoint(tmp_path, 0, 10)
     _fake_checkpoint(tmp_path, 9, 999, files=("meta.json",))
     staging = new_staging_dir(tmp_path, "epoch_0_step_20")
@@ -66,10 +62,59 @@ def test_scan_separates_complete_incomplete_and_staging(tmp_path):
     os.symlink(tmp_path / "epoch_0_step_10", tmp_path / "epoch_5_step_5")
     scan = scan_job_dir(tmp_path)
     assert [c.name for c in scan.complete] == ["epoch_0_step_10"]
-    assert [c.name for c in scan.incomplete] == ["epoch_9_step_999"]
+    assert scan.complete[0].meta.step == 10
+    assert [(d.name, d.reason) for d in scan.damaged] == [
+        ("epoch_9_step_999", "incomplete: config.json, model.safetensors, optimizer.pt, scheduler.pt missing")
+    ]
     assert scan.staging == [staging]
     assert not is_complete(tmp_path / "epoch_9_step_999")
     assert scan_job_dir(tmp_path / "missing").complete == []
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda p: (p / "meta.json").write_text("x"), "meta.json: not valid JSON"),
+        (lambda p: (p / "meta.json").write_text("[1]"), "meta.json: expected a JSON object"),
+        (
+            lambda p: (p / "meta.json").write_text('{"epoch": 0, "step": 7, "reason": "periodic", "world_size": 1}'),
+            "meta.json says epoch 0 step 7, the folder name disagrees",
+        ),
+        (
+            lambda p: (p / "meta.json").write_text('{"epoch": 0, "step": 10, "reason": "nap", "world_size": 1}'),
+            "reason must be one of",
+        ),
+        (
+            lambda p: (p / "meta.json").write_text('{"epoch": 0, "step": "10", "reason": "final", "world_size": 1}'),
+            "step must be an integer",
+        ),
+        (lambda p: (p / "model.safetensors").write_bytes(b"x" * 40), "model.safetensors"),
+        (lambda p: (p / "optimizer.pt").write_bytes(b"PK" + b"x" * 30), "optimizer.pt: damaged or truncated"),
+        (lambda p: (p / "scheduler.pt").write_bytes(b""), "scheduler.pt: damaged or truncated"),
+        (lambda p: (p / "config.json").write_text("{}"), "config.json"),
+    ],
+)
+def test_a_folder_whose_files_are_not_whole_is_not_a_checkpoint(tmp_path, damage, reason):
+    good = _fake_checkpoint(tmp_path, 0, 5)
+    folder = _fake_checkpoint(tmp_path, 0, 10)
+    damage(folder)
+    scan = scan_job_dir(tmp_path)
+    assert [c.path for c in scan.complete] == [good]
+    assert [d.path for d in scan.damaged] == [folder] and reason in scan.damaged[0].reason, scan.damaged
+    assert latest_complete_checkpoint(tmp_path).path == good
+
+
+def test_the_seed_s_five_files_make_a_checkpoint_and_rng_state_is_optional(tmp_path):
+    assert "rng_state.safetensors" not in REQUIRED_FILES and len(REQUIRED_FILES) == 5
+    _fake_checkpoint(tmp_path, 0, 10)
+    assert [c.step for c in list_complete_checkpoints(tmp_path)] == [10]
+
+
+def test_meta_record_round_trips_and_ignores_keys_it_does_not_know():
+    meta = CheckpointMeta(epoch=1, step=20, reason="final", world_size=2, samples_in_epoch=8, config_hash="ab")
+    raw = json.loads(meta.to_json())
+    assert raw["data_position"] == {"epoch": 1, "samples_in_epoch": 8}
+    assert CheckpointMeta.from_dict({**raw, "from_the_future": [1]}) == meta
 
 
 def test_retention_keeps_the_newest(tmp_path):
@@ -80,13 +125,14 @@ def test_retention_keeps_the_newest(tmp_path):
         plan_retention(checkpoints, keep=0)
 
 
-def test_publish_replaces_an_existing_folder_and_remove_is_atomic(tmp_path):
+def test_publish_replaces_an_existing_folder_and_remove_is_atomic(tmp_path_factory, tmp_path):
     broken = _fake_checkpoint(tmp_path, 0, 10, files=("meta.json",))
+    written = _fake_checkpoint(tmp_path_factory.mktemp("elsewhere"), 0, 10, meta={"time": 7.0})
     staging = new_staging_dir(tmp_path, broken.name)
     for name in REQUIRED_FILES:
-        (staging / name).write_text("new")
+        (staging / name).write_bytes((written / name).read_bytes())
     publish(staging, broken)
-    assert is_complete(broken) and (broken / "meta.json").read_text() == "new"
+    assert is_complete(broken) and CheckpointMeta.read(broken).time == 7.0
     assert sorted(os.listdir(tmp_path)) == ["epoch_0_step_10"]
     remove_checkpoint(tmp_path, Checkpoint(0, 10, broken))
     assert os.listdir(tmp_path) == []
@@ -100,37 +146,44 @@ def training_state(one_thread):
     torch.manual_seed(0)
     model = Transformer(PRESETS["tiny"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
     tokens = torch.randint(0, 257, (2, 9))
     torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
     optimizer.step()
-    scheduler.step()
-    return model, optimizer, scheduler
+    return model, optimizer, Schedule("cosine", 1e-3, 0.1, 2, 100, 0)
 
 
-def _manager(job_dir, keep_last=None, logs=None):
+def _manager(job_dir, state, keep_last=None, logs=None):
+    model, optimizer, schedule = state
     return CheckpointManager(
-        job_dir, 10, keep_last, init_distributed("none", "cpu"), (logs if logs is not None else []).append
+        job_dir,
+        init_distributed("none", "cpu"),
+        (logs if logs is not None else []).append,
+        model=model,
+        optimizer=optimizer,
+        schedule=schedule,
+        model_config=model.config,
+        facts=RunFacts("abc", 100, 8, 4),
+        interval=10,
+        keep_last=keep_last,
     )
 
 
-def _save(manager, state, step, reason="periodic", wait=True):
-    model, optimizer, scheduler = state
+def _save(manager, step, reason="periodic", wait=True):
     progress = Progress(step=step, epoch=0, samples_in_epoch=4 * step, tokens_seen=128 * step)
-    return manager.save(model, optimizer, scheduler, model.config, progress, reason, {"config_hash": "abc"}, wait=wait)
+    return manager.save(progress, reason, wait=wait)
 
 
-def test_policy_says_which_checkpoint_is_due(tmp_path):
-    manager = _manager(tmp_path)
-    assert manager.reason_for(10, 100, stopping=False) == "periodic"
-    assert manager.reason_for(11, 100, stopping=False) is None
-    assert manager.reason_for(11, 100, stopping=True) == "emergency"
-    assert manager.reason_for(100, 100, stopping=True) == "final"
+def test_policy_says_which_checkpoint_is_due(tmp_path, training_state):
+    manager = _manager(tmp_path, training_state)
+    assert manager.reason_for(10, stopping=False) == "periodic"
+    assert manager.reason_for(11, stopping=False) is None
+    assert manager.reason_for(11, stopping=True) == "emergency"
+    assert manager.reason_for(100, stopping=True) == "final"
 
 
 def test_saved_checkpoint_is_complete_safe_and_round_trips(tmp_path, training_state):
     model = training_state[0]
-    path = _save(_manager(tmp_path), training_state, step=10, reason="emergency")
+    path = _save(_manager(tmp_path, training_state), step=10, reason="emergency")
     assert path.name == "epoch_0_step_10" and is_complete(path)
     meta = json.loads((path / "meta.json").read_text())
     assert meta["reason"] == "emergency" and meta["step"] == 10 and meta["world_size"] == 1
@@ -138,7 +191,7 @@ def test_saved_checkpoint_is_complete_safe_and_round_trips(tmp_path, training_st
     assert meta["config_hash"] == "abc"
     # Nothing in the folder needs pickle to load.
     torch.load(path / "optimizer.pt", weights_only=True)
-    torch.load(path / "scheduler.pt", weights_only=True)
+    assert torch.load(path / "scheduler.pt", weights_only=True) == {**asdict(training_state[2]), "step": 10}
     assert "rank0.cpu" in load_file(path / "rng_state.safetensors")
     loaded = read_checkpoint(Checkpoint(0, 10, path))
     assert loaded.progress == Progress(step=10, epoch=0, samples_in_epoch=40, tokens_seen=1280)
@@ -196,8 +249,8 @@ def test_tensors_streamed_as_safetensors_read_back_exactly_with_safetensors_itse
 def test_background_save_keeps_a_snapshot_of_the_moment(tmp_path, training_state):
     model = training_state[0]
     before = model.tok_embeddings.weight.detach().clone()
-    manager = _manager(tmp_path)
-    path = _save(manager, training_state, step=10, wait=False)
+    manager = _manager(tmp_path, training_state)
+    path = _save(manager, step=10, wait=False)
     with torch.no_grad():
         model.tok_embeddings.weight.add_(1.0)
     manager.wait()
@@ -211,28 +264,44 @@ def test_background_save_keeps_a_snapshot_of_the_moment(tmp_path, training_state
             lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:1000]),
             "model.safetensors: truncated",
         ),
-        (lambda p: (p / "meta.json").write_text("{broken"), "JSONDecodeError"),
-        (lambda p: (p / "optimizer.pt").write_bytes(pickle.dumps(print, protocol=2)), "UnpicklingError"),
-        (lambda p: (p / "config.json").write_text('{"dim": 64}'), "model.safetensors"),
+        (lambda p: (p / "meta.json").write_text("{broken"), "meta.json: not valid JSON"),
+        (lambda p: (p / "optimizer.pt").write_bytes(pickle.dumps(print, protocol=2)), "optimizer.pt: damaged"),
+        (lambda p: _evil_zip(p / "optimizer.pt"), "UnpicklingError"),
+        (lambda p: (p / "config.json").write_text('{"dim": 64}'), "config.json: model_type is missing"),
     ],
 )
 def test_a_damaged_checkpoint_is_refused_with_the_reason(tmp_path, training_state, damage, reason):
-    path = _save(_manager(tmp_path), training_state, step=10)
+    path = _save(_manager(tmp_path, training_state), step=10)
     damage(path)
     with pytest.raises(CheckpointError, match=reason):
         read_checkpoint(Checkpoint(0, 10, path))
 
 
 def test_resume_skips_broken_and_partial_checkpoints(tmp_path, training_state):
-    manager = _manager(tmp_path, logs=(logs := []))
-    _save(manager, training_state, step=10)
-    newest = _save(manager, training_state, step=20)
+    manager = _manager(tmp_path, training_state, logs=(logs := []))
+    _save(manager, step=10)
+    newest = _save(manager, step=20)
     (newest / "model.safetensors").write_bytes(b"")
     _fake_checkpoint(tmp_path, 9, 999, files=("meta.json",))
-    loaded = manager.load_latest()
+    _fake_checkpoint(tmp_path, 9, 1000)  # whole by its headers, but holds no real state
+    loaded = load_latest(tmp_path, init_distributed("none", "cpu"), logs.append)
     assert loaded.checkpoint.name == "epoch_0_step_10"
     assert any("skipping" in line and str(newest) in line for line in logs)
     assert any("skipping" in line and "epoch_9_step_999" in line and "incomplete" in line for line in logs)
+    assert any("skipping" in line and "epoch_9_step_1000" in line for line in logs)
+
+
+def test_a_checkpoint_without_rng_state_resumes_with_seeded_rng_and_says_so(tmp_path, training_state):
+    from astrai.trainer.checkpoint.manager import resumed_rank_seed
+
+    manager = _manager(tmp_path, training_state, logs=(logs := []))
+    path = _save(manager, step=10)
+    (path / "rng_state.safetensors").unlink()
+    loaded = load_latest(tmp_path, init_distributed("none", "cpu"), logs.append)
+    assert loaded.rng_state is None
+    manager.restore(loaded, seed=5)
+    assert torch.equal(torch.get_rng_state(), torch.manual_seed(resumed_rank_seed(5, 10, 0)).get_state())
+    assert any("no rng_state.safetensors" in line for line in logs)
 
 
 def test_a_failed_write_leaves_nothing_visible_and_is_reported(tmp_path, training_state, monkeypatch):
@@ -240,28 +309,40 @@ def test_a_failed_write_leaves_nothing_visible_and_is_reported(tmp_path, trainin
         (folder / "model.safetensors").write_text("half")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint_io._CheckpointFiles, "write", fail)
-    manager = _manager(tmp_path)
-    _save(manager, training_state, step=10, wait=False)
+    monkeypatch.setattr(checkpoint_io.CheckpointFiles, "write", fail)
+    manager = _manager(tmp_path, training_state)
+    _save(manager, step=10, wait=False)
     with pytest.raises(CheckpointError, match="No space left on device"):
         manager.wait()
     assert os.listdir(tmp_path) == []
 
 
 def test_keep_last_never_lets_a_newer_leftover_push_out_good_checkpoints(tmp_path, training_state):
-    manager = _manager(tmp_path, keep_last=2)
+    manager = _manager(tmp_path, training_state, keep_last=2)
     _fake_checkpoint(tmp_path, 5, 500)  # newer than anything this run writes, and unloadable
+    (damaged := _fake_checkpoint(tmp_path, 0, 1))
+    (damaged / "meta.json").write_text("not json")  # never counted, never removed by retention
     for step in (10, 20, 30):
-        _save(manager, training_state, step=step)
+        _save(manager, step=step)
+    assert damaged.is_dir()
     names = sorted(c.name for c in list_complete_checkpoints(tmp_path))
     assert names == ["epoch_0_step_20", "epoch_0_step_30", "epoch_5_step_500"]
 
 
-def test_leftover_staging_folders_are_removed_on_start(tmp_path):
+def test_leftover_staging_folders_are_removed_on_start(tmp_path, training_state):
     staging = new_staging_dir(tmp_path, "epoch_0_step_10")
     (staging / "model.safetensors").write_text("partial")
-    _manager(tmp_path).remove_leftovers()
+    _manager(tmp_path, training_state)
     assert os.listdir(tmp_path) == []
+
+
+def _evil_zip(path):
+    """A zip archive (so the folder rule passes) whose pickle would run code: weights_only refuses it."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", pickle.dumps(print, protocol=2))
+        archive.writestr("archive/version", "3")
 
 
 def test_the_finiteness_check_finds_nan_and_infinity_and_passes_large_finite_values():

@@ -9,8 +9,8 @@ import pytest
 
 from astrai.common.config import KEY_SECTION, TrainerConfig, load_trainer_config, parse_args
 from astrai.common.configfile import ConfigError
-from astrai.common.contract import REQUIRED_FILES
 from astrai.trainer.loop import main
+from bench.common import placeholder_checkpoint
 
 
 def _yaml(tmp_path, text: str):
@@ -99,7 +99,7 @@ def test_unknown_command_line_option_gets_a_hint(tmp_path):
     path = _yaml(tmp_path, "")
     with pytest.raises(ConfigError, match="--max_step: unknown option; did you mean 'max_steps'"):
         parse_args(["--config", str(path), "--max_step", "5"])
-    with pytest.raises(ConfigError, match=r"training.max_lr \(--max_lr\): expected a number, got 'fast'"):
+    with pytest.raises(ConfigError, match=r"training.max_lr \(--max_lr\): expected a finite number, got 'fast'"):
         parse_args(["--config", str(path), "--max_lr", "fast"])
 
 
@@ -146,10 +146,7 @@ def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path, capsys):
     assert "start from base model /models/p" in out
     assert not ckpt_dir.exists()
 
-    (ckpt_dir / "epoch_0_step_10").mkdir(parents=True)
-    for name in REQUIRED_FILES:
-        (ckpt_dir / "epoch_0_step_10" / name).write_text("x")
-    (ckpt_dir / "epoch_0_step_10" / "meta.json").write_text('{"epoch": 0, "step": 10}')
+    placeholder_checkpoint(ckpt_dir, 0, 10)
     assert main(["--config", str(path), "--dry-run", "--ckpt_dir", str(ckpt_dir)]) == 0
     assert "already at max_steps (10)" in capsys.readouterr().out
     assert main(["--config", str(path), "--dry-run", "--ckpt_dir", str(ckpt_dir), "--max_steps", "20"]) == 0

@@ -18,6 +18,7 @@ from astrai.common.config import load_trainer_config
 from astrai.common.configfile import ConfigError
 from astrai.host.runtime import resolve_runtime
 from astrai.trainer.loop import main as train_main
+from bench.common import placeholder_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TORCH_FREE_PACKAGES = ("astrai.common", "astrai.host", "astrai.data")
@@ -103,19 +104,15 @@ def _walk(node):
             yield from _walk(value)
 
 
-def test_a_folder_without_rng_state_is_incomplete_for_host_and_trainer(tmp_path):
+def test_the_seed_s_five_files_make_a_checkpoint_for_host_and_trainer_alike(tmp_path):
+    """1000 folders with the seed's five files (no rng_state.safetensors) are all listed, newest last."""
     job_dir = tmp_path / "job"
-    for step, files in (
-        (10, contract.REQUIRED_FILES),
-        (20, [f for f in contract.REQUIRED_FILES if f != contract.RNG_FILE]),
-    ):
-        folder = job_dir / f"epoch_0_step_{step}"
-        folder.mkdir(parents=True)
-        for name in files:
-            (folder / name).write_bytes(b"x")
-    assert contract.RNG_FILE in contract.REQUIRED_FILES
-    assert not is_complete(job_dir / "epoch_0_step_20")
-    assert latest_complete_checkpoint(job_dir).step == 10
+    assert contract.REQUIRED_FILES == ("meta.json", "config.json", "model.safetensors", "optimizer.pt", "scheduler.pt")
+    for step in range(1, 1001):
+        placeholder_checkpoint(job_dir, 0, step)
+    assert not (job_dir / "epoch_0_step_1" / contract.RNG_FILE).exists()
+    assert is_complete(job_dir / "epoch_0_step_1000")
+    assert latest_complete_checkpoint(job_dir).step == 1000
 
 
 DUPLICATED = "runtime: {}\ntraining:\n  max_steps: 5\n  max_steps: 50\n"
@@ -138,3 +135,47 @@ def test_container_paths_derive_from_the_mount_points():
     assert contract.resolve_parallel_mode("auto", 3) == "ddp"
     with pytest.raises(ValueError, match="fsdp needs 2 or more processes"):
         contract.resolve_parallel_mode("fsdp", 1)
+
+
+def test_no_file_cites_a_document_outside_the_repository():
+    cited = []
+    for path in [*REPO.glob("*.md"), *REPO.glob("*.py"), *(REPO / "docs").rglob("*.md")]:
+        cited += [f"{path.name}: {m}" for m in re.findall(r"DESIGN(?:\.md)? ?§?\d*|\.\./shared/\w+", path.read_text())]
+    for folder in ("astrai", "tests", "bench"):
+        for path in (REPO / folder).rglob("*.py"):
+            text = path.read_text(encoding="utf-8")
+            cited += [f"{path.relative_to(REPO)}: {m}" for m in re.findall(r"DESIGN(?:\.md)?(?: ?§\d+| section)", text)]
+    assert cited == [], cited
+
+
+@pytest.mark.slow
+def test_a_wheel_carries_the_schema_and_the_compose_file(tmp_path):
+    """A non-editable install has no schema/ or compose/ beside it: the package must hold both."""
+    import shutil
+    import zipfile
+
+    source = tmp_path / "source"
+    skipped = (".git", "build", "*.egg-info", "__pycache__", ".*cache", "demo", "checkpoints", ".test-artifacts")
+    shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(*skipped))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            ".",
+        ],
+        cwd=source,
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("astrai_train-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.read("astrai/host/runtime.schema.json") == (REPO / "schema" / "runtime.schema.json").read_bytes()
+        assert archive.read("astrai/host/docker-compose.yml") == (REPO / "compose" / "docker-compose.yml").read_bytes()
+        assert "astrai/trainer/checkpoint/manager.py" in archive.namelist()

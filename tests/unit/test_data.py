@@ -12,8 +12,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from astrai.common.data_folder import DataError, TokenData
 from astrai.data import pipeline as data_module
-from astrai.data.pipeline import TOKENIZER, prepare
+from astrai.data.pipeline import prepare
+from astrai.data.tokenizing import ByteTokenizer
 from astrai.trainer.windows import WindowBatchSampler, WindowDataset, epoch_permutation, ignore_stop_signals
+
+TOKENIZER = ByteTokenizer()
 
 
 def _write(path, text: str):

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from astrai.common.contract import REQUIRED_FILES
 from astrai.trainer import entrypoint
 from astrai.trainer.entrypoint import EntrypointError, check_mounts, plan_launch
+from bench.common import placeholder_checkpoint
 
 PY = "/usr/bin/python3"
 
@@ -160,10 +160,7 @@ def test_mount_checks_name_the_missing_piece(tmp_path):
 def test_a_complete_checkpoint_makes_the_base_model_optional(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    checkpoint = tmp_path / "job" / "epoch_0_step_10"
-    checkpoint.mkdir(parents=True)
-    for name in REQUIRED_FILES:
-        (checkpoint / name).write_text("x")
+    placeholder_checkpoint(tmp_path / "job", 0, 10)
     entrypoint.check_mounts(tmp_path / "job", data, tmp_path / "no-model")
 
 

@@ -9,8 +9,7 @@ import torch
 from hf_folders import ROPE_LLAMA3, hf_logits, make_hf_model, to_transformers_4_config
 from safetensors.torch import load_file, save_file
 
-from astrai.common.model_folder import LEGACY_CONFIG_FIELDS, hf_name
-from astrai.trainer.model import PRESETS, ModelConfig, ModelLoadError, load_pretrained, write_base_model
+from astrai.trainer.model import ModelConfig, ModelLoadError, load_pretrained, write_base_model
 
 # (batch, seq) shapes every model is compared on.
 SHAPES = [(1, 1), (2, 17), (3, 48)]
@@ -88,23 +87,6 @@ def test_our_folders_load_in_transformers_with_every_key_and_the_same_logits(tmp
     assert ModelConfig.load(tmp_path) == config
 
 
-def test_folders_from_before_the_hf_format_still_load(tmp_path):
-    """Old presets wrote our own field names and tensor names; those base models and checkpoints keep working."""
-    write_base_model(tmp_path / "new", PRESETS["tiny"], seed=1)
-    old = tmp_path / "old"
-    old.mkdir()
-    names = {hf_name(name): name for name in load_pretrained(tmp_path / "new").state_dict()}
-    save_file(
-        {names[k]: v for k, v in load_file(tmp_path / "new" / "model.safetensors").items()},
-        old / "model.safetensors",
-        metadata={"format": "pt"},
-    )
-    (old / "config.json").write_text(json.dumps({f: getattr(PRESETS["tiny"], f) for f in LEGACY_CONFIG_FIELDS}))
-    tokens = _tokens(1, 20)
-    with torch.no_grad():
-        assert torch.equal(load_pretrained(old)(tokens), load_pretrained(tmp_path / "new")(tokens))
-
-
 def test_tied_folder_that_also_stores_lm_head_and_old_rotary_buffers_loads(tmp_path):
     folder = make_hf_model(tmp_path / "m", tie=True)
     state = load_file(folder / "model.safetensors")
@@ -141,7 +123,7 @@ def _edit_config(folder, **changes):
         ),
         (
             dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
-            "rope_parameters.low_freq_factor None: llama3 scaling needs a positive number",
+            "rope_parameters.low_freq_factor None: llama3 scaling needs a positive finite number",
         ),
         (dict(attention_bias=True), "attention_bias true is not supported"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),

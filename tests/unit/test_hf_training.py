@@ -18,7 +18,7 @@ import yaml
 from conftest import CORPUS_FILES, REPO, SMALL_RUN
 from hf_folders import ROPE_LLAMA3, make_hf_model, make_tokenizer
 
-from astrai.common.checkpoints import latest_complete_checkpoint, list_complete_checkpoints, read_meta
+from astrai.common.checkpoints import latest_complete_checkpoint, list_complete_checkpoints
 from astrai.common.config import KEY_SECTION
 from astrai.data import pipeline as data_module
 from astrai.host import preflight
@@ -116,7 +116,7 @@ def test_a_run_from_a_hf_folder_stops_resumes_exactly_and_its_checkpoints_load_i
     config = _write_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), **common)
     _run(config, tmp_path, stop_at_step=20)
     stopped = latest_complete_checkpoint(tmp_path / "ckpt")
-    assert read_meta(stopped)["reason"] == "emergency" and 20 <= stopped.step < 150
+    assert stopped.meta.reason == "emergency" and 20 <= stopped.step < 150
     out = _run(config, tmp_path)
     assert f"resumed from {stopped.path}" in out
     final = latest_complete_checkpoint(tmp_path / "ckpt")
@@ -196,7 +196,7 @@ def _preflight_line(tmp_path: Path, model: Path) -> preflight.Check:
     }
     path = tmp_path / "train.yaml"
     path.write_text(yaml.safe_dump(document))
-    return preflight._base_model_check(resolve_runtime(path), document)
+    return preflight._model_check(resolve_runtime(path), None)[1]
 
 
 def test_preflight_says_what_base_model_it_found_and_refuses_bad_ones(tmp_path):

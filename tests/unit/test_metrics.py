@@ -11,10 +11,9 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from astrai.common import metrics
-from astrai.common.config import load_trainer_config
 from astrai.common.contract import METRICS_FILE, TAG_TRAIN_LOSS, TAG_VAL_LOSS, TENSORBOARD_DIR
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import Trainer
+from astrai.host import status
+from astrai.trainer import report
 from astrai.trainer.model import ModelConfig, Transformer
 
 
@@ -34,8 +33,8 @@ def test_flops_per_token_matches_a_hand_count():
     # Per layer: wq 8x8 = 64, wk and wv 8x4 = 32 each, wo 8x8 = 64, SwiGLU 3 x 8x16 = 384 -> 576;
     # two layers 1152, plus the (tied) output head 10x8 = 80 -> N = 1232, and 6N = 7392.
     # Attention: 12 * layers(2) * heads(2) * head_dim(4) * seq(4) = 768.
-    assert metrics.matmul_params(config) == 1232
-    assert metrics.flops_per_token(config, seq_len=4) == 7392 + 768
+    assert report.matmul_params(config) == 1232
+    assert report.flops_per_token(config, seq_len=4) == 7392 + 768
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -52,7 +51,7 @@ def test_matmul_params_are_the_real_models_matrices(tied):
     )
     matrices = sum(p.numel() for p in Transformer(config).parameters() if p.dim() >= 2)
     lookup_only = 0 if tied else config.vocab_size * config.dim  # an untied input embedding is a lookup
-    assert metrics.matmul_params(config) == matrices - lookup_only
+    assert report.matmul_params(config) == matrices - lookup_only
 
 
 @pytest.mark.parametrize(
@@ -72,32 +71,32 @@ def test_matmul_params_are_the_real_models_matrices(tied):
     ],
 )
 def test_peak_table_matches_whole_model_names_only(name, peak):
-    assert metrics.peak_tflops(name) == peak
+    assert report.peak_tflops(name) == peak
 
 
 def test_mfu_is_n_a_without_a_peak_and_the_override_wins():
-    assert metrics.mfu(1000.0, 6 * 10**9, None) is None
-    assert metrics.peak_tflops("NVIDIA A100-SXM4-80GB", override=100.0) == 100.0
+    assert report.mfu(1000.0, 6 * 10**9, None) is None
+    assert report.peak_tflops("NVIDIA A100-SXM4-80GB", override=100.0) == 100.0
     # 10k tokens/s at 6 GFLOPs per token is 60 TFLOP/s: 0.3 of a 200 TFLOP/s device.
-    assert metrics.mfu(10_000.0, 6 * 10**9, 200.0) == pytest.approx(0.3)
+    assert report.mfu(10_000.0, 6 * 10**9, 200.0) == pytest.approx(0.3)
 
 
 def test_step_clock_leaves_pauses_and_excluded_steps_out():
-    clock = metrics.StepClock(now=100.0)
+    clock = report.StepClock(now=100.0)
     clock.pause(4.0, steps=1)  # a slow first step
     clock.pause(2.0)  # a checkpoint
     assert clock.lap(now=110.0, steps=10) == (4.0, 9)
     assert clock.lap(now=112.0, steps=10) == (2.0, 10)
     # Moving average over both intervals, weighted by steps: 6 s over 19 steps.
     assert clock.seconds_per_step() == pytest.approx(6.0 / 19)
-    assert metrics.eta_seconds(19, clock.seconds_per_step(), evals_left=2, seconds_per_eval=1.5) == pytest.approx(9.0)
+    assert report.eta_seconds(19, clock.seconds_per_step(), evals_left=2, seconds_per_eval=1.5) == pytest.approx(9.0)
 
 
 def test_sparkline_draws_the_curve_in_blocks():
-    assert metrics.sparkline([4.0, 3.0, 2.0, 1.0, 0.0]) == "█▆▅▃▁"
-    assert metrics.sparkline([1.0, 1.0]) == "▅▅"
-    assert metrics.sparkline([]) == ""
-    line = metrics.sparkline([float(i) for i in range(100)], width=10)
+    assert status.sparkline([4.0, 3.0, 2.0, 1.0, 0.0]) == "█▆▅▃▁"
+    assert status.sparkline([1.0, 1.0]) == "▅▅"
+    assert status.sparkline([]) == ""
+    line = status.sparkline([float(i) for i in range(100)], width=10)
     assert len(line) == 10 and line[0] == "▁" and line[-1] == "█" and list(line) == sorted(line)
 
 
@@ -116,15 +115,10 @@ def test_read_records_takes_the_last_record_of_a_step_and_drops_work_lost_in_a_c
     assert metrics.read_records(tmp_path / "missing.jsonl") == []
 
 
-def _trainer(path, **overrides) -> Trainer:
-    config = load_trainer_config(path, [(key, str(value)) for key, value in overrides.items()])
-    return Trainer(config, init_distributed("none", "cpu"))
-
-
-def test_event_files_and_sparkline_agree_with_metrics_jsonl(tmp_path, train_yaml, one_thread, capsys):
+def test_event_files_and_sparkline_agree_with_metrics_jsonl(tmp_path, train_yaml, one_thread, capsys, make_trainer):
     job = tmp_path / "ckpt"
     path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(job), max_steps=40, val_fraction=0.1, eval_interval=20)
-    trainer = _trainer(path)
+    trainer = make_trainer(path)
     try:
         trainer.train()
     finally:
@@ -137,7 +131,7 @@ def test_event_files_and_sparkline_agree_with_metrics_jsonl(tmp_path, train_yaml
     val = event_scalars(job / TENSORBOARD_DIR, TAG_VAL_LOSS)
     assert [step for step, _ in val] == [20, 40]
     assert [value for _, value in val] == pytest.approx([r["val_loss"] for r in records if "val_loss" in r], rel=1e-6)
-    assert metrics.sparkline([r["loss"] for r in records]) == metrics.sparkline([value for _, value in losses])
+    assert status.sparkline([r["loss"] for r in records]) == status.sparkline([value for _, value in losses])
     output = capsys.readouterr().out
     assert "| mfu n/a |" in output and "val_loss" in output
 
@@ -157,13 +151,13 @@ def test_validation_windows_are_never_trained_on(corpus_data):
     assert chosen[-1] > windows * 0.9  # spread over the whole corpus, not its start
 
 
-def test_tokens_per_s_leaves_checkpoint_pauses_out(tmp_path, train_yaml, one_thread, monkeypatch):
+def test_tokens_per_s_leaves_checkpoint_pauses_out(tmp_path, train_yaml, one_thread, monkeypatch, make_trainer):
     import time
 
     path = train_yaml(
         tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), max_steps=30, ckpt_interval=1, log_interval=10
     )
-    trainer = _trainer(path)
+    trainer = make_trainer(path)
     save = trainer.checkpointer.save
 
     def slow_save(*args, **kwargs):
@@ -183,10 +177,12 @@ def test_tokens_per_s_leaves_checkpoint_pauses_out(tmp_path, train_yaml, one_thr
         assert after["tokens_per_s"] > 2 * wall_clock_rate, records
 
 
-def test_without_tensorboard_training_goes_on_and_says_so_once(tmp_path, train_yaml, one_thread, monkeypatch, capsys):
+def test_without_tensorboard_training_goes_on_and_says_so_once(
+    tmp_path, train_yaml, one_thread, monkeypatch, capsys, make_trainer
+):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
     path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), max_steps=20)
-    trainer = _trainer(path)
+    trainer = make_trainer(path)
     try:
         trainer.train()
     finally:

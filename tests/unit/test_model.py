@@ -80,7 +80,7 @@ def test_sequence_longer_than_max_seq_len_is_refused():
 def test_config_validation_shows_the_arithmetic():
     with pytest.raises(ValueError, match=r"dim\(128\) must be a multiple of n_heads\(3\)"):
         dataclasses.replace(PRESETS["tiny"], n_heads=3)
-    with pytest.raises(ValueError, match="unknown field"):
+    with pytest.raises(ValueError, match="model_type is missing; expected one of llama, mistral"):
         ModelConfig.from_dict({"dim": 64, "depth": 2})
 
 

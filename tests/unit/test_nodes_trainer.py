@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_train_resume import TRAINER, Run, _metrics_step, _wait_for
 
-from astrai.common.checkpoints import latest_complete_checkpoint, list_complete_checkpoints, read_meta
+from astrai.common.checkpoints import latest_complete_checkpoint, list_complete_checkpoints
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,7 @@ def test_a_resume_on_another_world_size_trains_the_same_steps(tmp_path, train_ya
     finally:
         run.kill()
     stopped = latest_complete_checkpoint(resumed_dir)
-    assert read_meta(stopped)["world_size"] == 2 and read_meta(stopped)["global_batch"] == 8
+    assert stopped.meta.world_size == 2 and stopped.meta.global_batch == 8
     run = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "one.log")
     assert run.wait() == 0, run.output()
     assert "seeded from random_seed, step and rank" in run.output()
@@ -193,7 +193,7 @@ def test_a_stop_on_node_1_stops_both_nodes_with_one_emergency_checkpoint(tmp_pat
         for run in runs.values():
             run.kill()
     assert codes == [0, 0], runs[0].output() + runs[1].output()
-    reasons = [read_meta(c)["reason"] for c in list_complete_checkpoints(ckpt_dir)]
+    reasons = [c.meta.reason for c in list_complete_checkpoints(ckpt_dir)]
     assert reasons.count("emergency") == 1 and reasons[-1] == "emergency"
     assert "stop requested (on another rank)" in runs[0].output()
 
@@ -201,7 +201,7 @@ def test_a_stop_on_node_1_stops_both_nodes_with_one_emergency_checkpoint(tmp_pat
 def test_state_travels_as_a_skeleton_and_tensors_in_order():
     import torch
 
-    from astrai.trainer.checkpoint import Progress
+    from astrai.trainer.checkpoint.files import Progress
     from astrai.trainer.distributed import _fill_tensors, _slots, _strip_tensors
 
     state = {

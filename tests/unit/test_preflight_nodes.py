@@ -6,7 +6,7 @@ import socket
 
 import yaml
 
-from astrai.host import jobs, preflight
+from astrai.host import engine, preflight, status
 from astrai.host.runtime import resolve_runtime
 
 
@@ -67,13 +67,13 @@ def test_an_unknown_host_or_interface_fails(tmp_path):
 
 
 def test_other_nodes_need_no_base_model(tmp_path):
-    check = preflight._base_model_check(_runtime(tmp_path, 1, "127.0.0.1:29500"), {})
+    _, check = preflight._model_check(_runtime(tmp_path, 1, "127.0.0.1:29500"), None)
     assert check.mark == preflight.SKIP and "not needed on node 1" in check.detail
 
 
 def test_status_names_the_node_and_the_world_size(tmp_path, monkeypatch):
-    monkeypatch.setattr(jobs, "job_container", lambda runtime: None)
-    lines = jobs.status_lines(_runtime(tmp_path, 1, "10.0.0.1:29500"))
+    monkeypatch.setattr(engine, "find_container", lambda project: None)
+    lines = status.format_status(status.job_status(_runtime(tmp_path, 1, "10.0.0.1:29500")))
     assert (
         "node        1 of 2, world size 2 (1 process(es) on each of 2 node(s)); rendezvous 10.0.0.1:29500 "
         "(static)" in lines

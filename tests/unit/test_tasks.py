@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import subprocess
@@ -15,9 +14,9 @@ import yaml
 from runtime_cases import MALFORMED, mutated
 
 from astrai.common.contract import REQUIRED_FILES
+from bench.common import placeholder_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
-COMPLETE_FILES = REQUIRED_FILES
 # Every task that reads a config must reject a bad one before it does anything.
 COMMANDS = [
     ["init"],
@@ -128,11 +127,7 @@ def _cpu_job(folder: Path, paths: dict | None = None, container: dict | None = N
 
 
 def _checkpoint(job_dir: Path, epoch: int, step: int, complete: bool = True) -> Path:
-    folder = job_dir / f"epoch_{epoch}_step_{step}"
-    folder.mkdir(parents=True)
-    for name in COMPLETE_FILES if complete else COMPLETE_FILES[:2]:
-        (folder / name).write_text(json.dumps({"epoch": epoch, "step": step, "reason": "periodic"}))
-    return folder
+    return placeholder_checkpoint(job_dir, epoch, step, files=None if complete else REQUIRED_FILES[:2])
 
 
 def test_init_creates_the_runtime_folders_and_never_touches_the_yaml(job):
@@ -165,7 +160,7 @@ def test_latest_and_list_order_numerically_and_skip_incomplete(job):
 def test_latest_without_checkpoints_fails_clearly(job):
     config, _ = job
     result = invoke("latest", "--config", str(config))
-    assert result.returncode == 1 and "no complete checkpoint" in result.stderr
+    assert result.returncode == 1 and "no checkpoint in" in result.stderr
 
 
 def test_clean_previews_without_force_then_keeps_exactly_the_newest(job):
@@ -210,7 +205,8 @@ def test_clean_rejects_a_keep_below_one(job, keep):
 
 def test_words_after_the_double_dash_reach_the_trainer_as_the_shell_passed_them(job):
     config, _ = job
-    words = ["--x", "a b", "--y", "it's", "--max_lr", "1e-3", "--z", 'a$b ${HOME} "q" é', "--", "--w"]
+    odd = '/data/it\'s a$b ${HOME} "q" é'
+    words = ["--param_path", "/models/base/a b", "--data_root_path", odd, "--max_lr", "1e-3"]
     result = invoke("render", "--config", str(config), "--", *words)
     assert result.returncode == 0, result.stderr
     command = yaml.safe_load(result.stdout)["services"]["trainer"]["command"]
@@ -236,11 +232,11 @@ def test_a_second_start_of_a_job_refuses_while_the_first_holds_the_lock(job):
     config, job_dir = job
     runtime = resolve_runtime(config)
     with start_lock(runtime):
-        with pytest.raises(JobError, match="another `invoke start` of job j is in progress"):
+        with pytest.raises(JobError, match=r"another `invoke start` \(or a stop\) of job j is in progress"):
             with start_lock(runtime):
                 pass
         result = invoke("start", "--config", str(config))
-        assert result.returncode == 1 and "another `invoke start` of job j is in progress" in result.stderr
+        assert result.returncode == 1 and "another `invoke start` (or a stop) of job j is in progress" in result.stderr
         assert "Traceback" not in result.stderr
         with start_lock(dataclasses.replace(runtime, node=1)):
             pass  # another node's start is not this one
@@ -363,7 +359,7 @@ def test_preflight_names_a_broken_data_and_model_path(tmp_path):
     result = invoke("preflight", "--config", str(config))
     assert result.returncode == 1
     lines = result.stdout.splitlines()
-    data = next(line for line in lines if line.startswith("✗ data dir"))
+    data = next(line for line in lines if line.startswith("✗ data "))
     assert f"runtime.paths.data: {tmp_path / 'data'} is a file, not a folder" in data
     model = next(line for line in lines if line.startswith("✗ base model"))
     assert f"runtime.paths.model: {tmp_path / 'params'} is a symlink to {tmp_path / 'gone'}, which does not" in model
@@ -433,7 +429,7 @@ def test_preflight_names_a_dangling_symlink_inside_the_data_dir(job):
     (data / "shard-0.bin").symlink_to(config.parent / "gone")
     result = invoke("preflight", "--config", str(config), env={"SUDO_UID": "65534", "SUDO_GID": "65534"})
     assert "Traceback" not in result.stdout + result.stderr
-    line = next(line for line in result.stdout.splitlines() if "data dir" in line)
+    line = next(line for line in result.stdout.splitlines() if line[2:].startswith("data "))
     assert line.startswith("✗") and f"{data / 'shard-0.bin'} is not readable by uid 65534" in line
 
 
@@ -473,10 +469,10 @@ def test_preflight_and_start_refuse_what_the_trainer_would_before_any_container(
         result = invoke(task, "--config", str(config), "--", "--max_lr", "fast")
         assert result.returncode == (1 if task == "preflight" else 2) and "Traceback" not in result.stderr
         output = result.stdout + result.stderr
-        assert "training.max_lr (--max_lr): expected a number, got 'fast'" in output, output
+        assert "training.max_lr (--max_lr): expected a finite number, got 'fast'" in output, output
         assert "fix the arguments after --" in output
     assert _snapshot(config.parent) == before  # nothing created: no job folder, no override, no container
     result = invoke("preflight", "--config", str(config), "--", "--max_lr", "1e-3", "--max_steps", "50")
     assert "✓ trainer config" in result.stdout and "with --max_lr 1e-3 --max_steps 50" in result.stdout
-    result = invoke("preflight", "--config", str(config), "--", "--ckpt_dir", "/checkpoints/a b")
-    assert "with --ckpt_dir '/checkpoints/a b'" in result.stdout
+    result = invoke("preflight", "--config", str(config), "--", "--param_path", "/models/base/a b")
+    assert "with --param_path '/models/base/a b'" in result.stdout

@@ -25,7 +25,7 @@ def _state(path, deadline: float, started_at: str = "2026-11-30T10:00:00.1234567
 def stops(monkeypatch):
     calls = []
     monkeypatch.setattr(
-        timer,
+        engine,
         "stop_container",
         lambda cid, grace: calls.append((cid, grace)) or type("Done", (), {"returncode": 0, "stderr": ""})(),
     )

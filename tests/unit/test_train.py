@@ -11,26 +11,12 @@ import torch
 from safetensors.torch import load_file
 
 from astrai.common.checkpoints import latest_complete_checkpoint, list_complete_checkpoints
-from astrai.common.config import load_trainer_config
 from astrai.common.data_folder import DataError
+from astrai.common.fit import SetupError
 from astrai.common.model_folder import hf_name
 from astrai.data.pipeline import prepare
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import SetupError, Trainer, main
+from astrai.trainer.loop import main
 from astrai.trainer.model import PRESETS, write_base_model
-
-
-def _trainer(config_path, **overrides) -> Trainer:
-    config = load_trainer_config(config_path, [(key, str(value)) for key, value in overrides.items()])
-    return Trainer(config, init_distributed("none", "cpu"))
-
-
-def _train(config_path, steps=None, **overrides):
-    trainer = _trainer(config_path, **overrides)
-    try:
-        return trainer.train(steps)
-    finally:
-        trainer.close()
 
 
 def _final_weights(ckpt_dir) -> bytes:
@@ -38,23 +24,23 @@ def _final_weights(ckpt_dir) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, train_yaml):
+def reference(tmp_path_factory, train_yaml, run_trainer):
     """An uninterrupted 60-step run; returns (yaml path, ckpt dir)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("reference")
     path = train_yaml(root / "train.yaml", max_steps=60, ckpt_dir=str(root / "ckpt"))
     try:
-        _train(path)
+        run_trainer(path)
     finally:
         torch.set_num_threads(before)
     return path, root / "ckpt"
 
 
 @pytest.mark.slow
-def test_loss_falls_clearly_within_200_steps_on_the_corpus(tmp_path, train_yaml, one_thread):
+def test_loss_falls_clearly_within_200_steps_on_the_corpus(tmp_path, train_yaml, one_thread, run_trainer):
     path = train_yaml(tmp_path / "train.yaml", max_steps=200, ckpt_interval=1000, ckpt_dir=str(tmp_path / "ckpt"))
-    _train(path)
+    run_trainer(path)
     records = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
     first, last = records[0]["loss"], records[-1]["loss"]
     # An untrained model is near ln(vocab) = 5.8; byte-level English drops well below 3 once letters and spaces
@@ -76,23 +62,19 @@ def test_progress_lines_metrics_and_final_checkpoint(reference, capsys):
 
 
 @pytest.mark.slow
-def test_a_finished_run_says_so_and_trains_nothing(reference, capsys, one_thread):
+def test_a_finished_run_says_so_and_trains_nothing(reference, capsys, one_thread, make_trainer):
     path, ckpt_dir = reference
-    trainer = _trainer(path)
-    try:
-        assert trainer.done and trainer.train().steps == 0
-    finally:
-        trainer.close()
+    assert make_trainer(path) is None
     assert "already at max_steps (60)" in capsys.readouterr().out
 
 
 @pytest.mark.slow
-def test_resume_is_bitwise_exact(reference, tmp_path, capsys, one_thread):
+def test_resume_is_bitwise_exact(reference, tmp_path, capsys, one_thread, run_trainer):
     path, ref_dir = reference
     ckpt_dir = tmp_path / "ckpt"
-    assert _train(path, steps=30, ckpt_dir=ckpt_dir).steps == 30
+    assert run_trainer(path, steps=30, ckpt_dir=ckpt_dir).steps == 30
     assert [c.step for c in list_complete_checkpoints(ckpt_dir)] == [20]
-    _train(path, ckpt_dir=ckpt_dir)
+    run_trainer(path, ckpt_dir=ckpt_dir)
     out = capsys.readouterr().out
     assert "starting from base model" in out and f"resumed from {ckpt_dir / 'epoch_0_step_20'}" in out
     assert "step 60/60" in out and f"final checkpoint {ckpt_dir}" in out
@@ -101,11 +83,11 @@ def test_resume_is_bitwise_exact(reference, tmp_path, capsys, one_thread):
 
 @pytest.mark.slow
 def test_truncated_newest_and_partial_folders_fall_back_and_still_end_bitwise_equal(
-    reference, tmp_path, capsys, one_thread
+    reference, tmp_path, capsys, one_thread, run_trainer
 ):
     path, ref_dir = reference
     ckpt_dir = tmp_path / "ckpt"
-    _train(path, steps=45, ckpt_dir=ckpt_dir)
+    run_trainer(path, steps=45, ckpt_dir=ckpt_dir)
     newest = latest_complete_checkpoint(ckpt_dir).path
     assert newest.name == "epoch_0_step_40"
     weights = newest / "model.safetensors"
@@ -114,16 +96,16 @@ def test_truncated_newest_and_partial_folders_fall_back_and_still_end_bitwise_eq
     partial.mkdir()
     (partial / "meta.json").write_text('{"epoch": 7, "step": 900}')
     capsys.readouterr()
-    _train(path, ckpt_dir=ckpt_dir)
+    run_trainer(path, ckpt_dir=ckpt_dir)
     out = capsys.readouterr().out
-    assert f"skipping {partial}: incomplete" in out
-    assert f"skipping {newest}: {weights}: truncated" in out
+    assert f"skipping {partial}: not a checkpoint (incomplete" in out
+    assert f"skipping {newest}: not a checkpoint (model.safetensors: truncated" in out
     assert f"resumed from {ckpt_dir / 'epoch_0_step_20'}" in out
     assert (ckpt_dir / "epoch_0_step_60" / "model.safetensors").read_bytes() == _final_weights(ref_dir)
 
 
 @pytest.mark.slow
-def test_accumulation_checkpointing_and_retention(tmp_path, train_yaml, one_thread):
+def test_accumulation_checkpointing_and_retention(tmp_path, train_yaml, one_thread, run_trainer):
     path = train_yaml(
         tmp_path / "train.yaml",
         max_steps=30,
@@ -133,7 +115,7 @@ def test_accumulation_checkpointing_and_retention(tmp_path, train_yaml, one_thre
         activation_checkpointing=True,
         ckpt_dir=str(tmp_path / "ckpt"),
     )
-    stats = _train(path)
+    stats = run_trainer(path)
     assert stats.steps == 30 and stats.tokens == 30 * 2 * 4 * 32 and stats.tokens_per_s > 0
     assert [c.step for c in list_complete_checkpoints(tmp_path / "ckpt")] == [20, 30]
     meta = json.loads((tmp_path / "ckpt" / "epoch_0_step_30" / "meta.json").read_text())
@@ -149,24 +131,24 @@ def test_data_vocabulary_larger_than_the_model_is_refused(tmp_path, train_yaml, 
     assert "data vocabulary 257" in err and "vocab_size 200" in err
 
 
-def test_missing_or_too_small_data_gives_a_clear_error(tmp_path, train_yaml, one_thread):
+def test_missing_or_too_small_data_gives_a_clear_error(tmp_path, train_yaml, one_thread, make_trainer):
     path = train_yaml(
         tmp_path / "train.yaml", data_root_path=str(tmp_path / "nothing"), ckpt_dir=str(tmp_path / "ckpt")
     )
     with pytest.raises(DataError, match="does not exist"):
-        _trainer(path)
+        make_trainer(path)
     (tmp_path / "t.txt").write_text("far too little text " * 5)
     prepare(tmp_path / "little", [tmp_path / "t.txt"])
     with pytest.raises(
         SetupError,
         match=r"fewer than one global batch of batch_per_device\(4\) \* grad_accum_steps\(1\) \* world_size\(1\) = 4",
     ):
-        _trainer(path, data_root_path=tmp_path / "little")
+        make_trainer(path, data_root_path=tmp_path / "little")
 
 
-def test_checkpoint_holds_the_weights_of_its_step(tmp_path, train_yaml, one_thread):
+def test_checkpoint_holds_the_weights_of_its_step(tmp_path, train_yaml, one_thread, make_trainer):
     path = train_yaml(tmp_path / "train.yaml", max_steps=5, ckpt_dir=str(tmp_path / "ckpt"))
-    trainer = _trainer(path)
+    trainer = make_trainer(path)
     try:
         trainer.train(steps=3)
         saved = trainer.save_checkpoint("emergency")

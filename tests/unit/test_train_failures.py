@@ -13,16 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 from astrai.common.checkpoints import STAGING_PREFIX, list_complete_checkpoints
-from astrai.common.config import load_trainer_config
 from astrai.common.contract import REASON_EMERGENCY
-from astrai.trainer import loop as train_module
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import Trainer, TrainingError
-
-
-def _trainer(config_path, **overrides) -> Trainer:
-    config = load_trainer_config(config_path, [(key, str(value)) for key, value in overrides.items()])
-    return Trainer(config, init_distributed("none", "cpu"))
+from astrai.trainer import health, loop, optim, report
+from astrai.trainer.health import Diverged
+from astrai.trainer.loop import Trainer
+from astrai.trainer.report import ReportError
 
 
 def _poison(trainer: Trainer) -> None:
@@ -44,7 +39,7 @@ def _all_finite(job_dir) -> bool:
 
 
 @pytest.fixture
-def diverging(tmp_path, train_yaml, one_thread):
+def diverging(tmp_path, train_yaml, one_thread, make_trainer):
     """A trainer that trained 40 good steps (checkpoints at 30 and 40, keep_last 2), then got a NaN weight."""
     path = train_yaml(
         tmp_path / "train.yaml",
@@ -54,7 +49,7 @@ def diverging(tmp_path, train_yaml, one_thread):
         log_interval=5,
         ckpt_dir=str(tmp_path / "ckpt"),
     )
-    trainer = _trainer(path)
+    trainer = make_trainer(path)
     trainer.train(steps=40)
     trainer.checkpointer.wait()
     assert _steps(tmp_path / "ckpt") == [30, 40]
@@ -65,7 +60,7 @@ def diverging(tmp_path, train_yaml, one_thread):
 
 def test_divergence_stops_with_the_step_and_last_finite_loss_and_keeps_the_good_checkpoints(diverging):
     trainer, job_dir = diverging
-    with pytest.raises(TrainingError) as raised:
+    with pytest.raises(Diverged) as raised:
         trainer.train()
     message = str(raised.value)
     assert "training diverged: the loss is nan at step 41" in message
@@ -87,24 +82,26 @@ def re_last_finite(message: str) -> int:
 def test_a_stop_after_divergence_writes_no_emergency_checkpoint(diverging):
     trainer, job_dir = diverging
     trainer.stop.signal_name = "SIGTERM"
-    with pytest.raises(TrainingError, match="the loss is nan at step 41"):
+    with pytest.raises(Diverged, match="the loss is nan at step 41"):
         trainer.train()
     assert _steps(job_dir) == [30, 40] and _all_finite(job_dir)
 
 
 def test_no_save_of_non_finite_weights_even_between_checks(diverging):
     trainer, job_dir = diverging
-    with pytest.raises(TrainingError, match="the weights after step 40 are not finite"):
+    with pytest.raises(Diverged, match="the weights after step 40 are not finite"):
         trainer.save_checkpoint(REASON_EMERGENCY)
     assert _steps(job_dir) == [30, 40]
     assert not [entry for entry in os.listdir(job_dir) if entry.startswith(STAGING_PREFIX)]
 
 
-def test_the_health_check_reads_the_device_only_on_logged_steps(tmp_path, train_yaml, one_thread, monkeypatch):
+def test_the_health_check_reads_the_device_only_on_logged_steps(
+    tmp_path, train_yaml, one_thread, monkeypatch, make_trainer
+):
     """No per-step host sync: the trainer reads values off the device only where it reports or saves.
 
-    Counts reads made by astrai/train.py itself (torch reads CPU scalars internally, which on a GPU are not
-    device values).
+    Counts reads made by the trainer's own loop modules (torch reads CPU scalars internally, which on a GPU
+    are not device values).
     """
     path = train_yaml(
         tmp_path / "train.yaml",
@@ -114,13 +111,13 @@ def test_the_health_check_reads_the_device_only_on_logged_steps(tmp_path, train_
         max_grad_norm=1.0,
         ckpt_dir=str(tmp_path / "ckpt"),
     )
-    trainer = _trainer(path)
+    trainer = make_trainer(path)
     reads = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
         original = getattr(torch.Tensor, name)
 
         def counted(self, *args, _original=original, _name=name):
-            if sys._getframe(1).f_code.co_filename == train_module.__file__:
+            if sys._getframe(1).f_code.co_filename in {m.__file__ for m in (health, loop, optim, report)}:
                 reads.append(_name)
             return _original(self, *args)
 
@@ -180,13 +177,27 @@ def test_a_full_disk_stops_the_trainer_at_the_failed_save_and_says_so(small_disk
     assert not [entry for entry in os.listdir(job_dir) if entry.startswith(STAGING_PREFIX)]
 
 
-def test_a_metrics_file_that_cannot_be_written_stops_with_a_clear_error(tmp_path, train_yaml, one_thread):
+def test_a_metrics_file_that_cannot_be_written_stops_with_a_clear_error(tmp_path, train_yaml, one_thread, make_trainer):
     path = train_yaml(tmp_path / "train.yaml", max_steps=20, ckpt_dir=str(tmp_path / "ckpt"))
     (tmp_path / "ckpt" / "metrics.jsonl").mkdir(parents=True)
-    trainer = _trainer(path)
+    trainer = make_trainer(path)
     try:
-        with pytest.raises(TrainingError, match=r"cannot append to .*metrics\.jsonl: Is a directory"):
+        with pytest.raises(ReportError, match=r"cannot append to .*metrics\.jsonl: Is a directory"):
             trainer.train()
     finally:
         trainer.close()
     assert trainer.progress.step == 10
+
+
+def test_the_divergence_record_names_the_first_bad_step_without_a_model(tmp_path):
+    """The record alone: steps 1-3 finite, step 4's gradient norm infinite; nothing is read before the check."""
+    from astrai.trainer.distributed import init_distributed
+    from astrai.trainer.health import DivergenceRecord
+
+    record = DivergenceRecord(capacity=5, env=init_distributed("none", "cpu"), grad_accum=2, job_dir=tmp_path, step=0)
+    for step, (loss_sum, norm) in enumerate([(6.0, 1.0), (5.0, 0.9), (4.0, 0.8)]):
+        record.record(step, torch.tensor(loss_sum), torch.tensor(norm))
+    assert record.check(3, torch.tensor(2.5)) == 2.5
+    record.record(3, torch.tensor(3.0), torch.tensor(float("inf")))
+    with pytest.raises(Diverged, match=r"the gradient norm is inf at step 4 \(last finite loss 2.0000 at step 3\)"):
+        record.check(4)

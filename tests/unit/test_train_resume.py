@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from astrai.common.checkpoints import STAGING_PREFIX, latest_complete_checkpoint, read_meta
+from astrai.common.checkpoints import STAGING_PREFIX, latest_complete_checkpoint
 from astrai.trainer.entrypoint import child_pids
 from astrai.trainer.model import ModelConfig, read_weights
 
@@ -185,7 +185,7 @@ def test_sigterm_stops_within_a_step_and_a_save_and_resumes_bitwise_equal(
     assert elapsed < 2.5, output
     assert "emergency checkpoint" in output
     latest = latest_complete_checkpoint(ckpt_dir)
-    assert read_meta(latest)["reason"] == "emergency" and 50 <= latest.step < 200
+    assert latest.meta.reason == "emergency" and 50 <= latest.step < 200
 
     rerun = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "rerun.log")
     assert rerun.wait() == 0, rerun.output()
@@ -213,7 +213,7 @@ def test_a_stop_that_comes_while_the_trainer_starts_is_kept_and_honoured(tmp_pat
     assert code == 0, output
     assert "stop requested (SIGTERM)" in output
     latest = latest_complete_checkpoint(tmp_path / "ckpt")
-    assert latest.step == 1 and read_meta(latest)["reason"] == "emergency", output
+    assert latest.step == 1 and latest.meta.reason == "emergency", output
 
 
 def test_ddp_two_processes_killed_and_stopped_ends_bitwise_equal(tmp_path, train_yaml, trainer_env, references):
@@ -244,10 +244,8 @@ def test_ddp_two_processes_killed_and_stopped_ends_bitwise_equal(tmp_path, train
         run.kill()
     assert f"resumed from {killed_at.path}" in run.output()
     stopped_at = latest_complete_checkpoint(ckpt_dir)
-    meta = read_meta(stopped_at)
-    assert (
-        meta["reason"] == "emergency" and meta["world_size"] == 2 and "stop requested (on another rank)" in run.output()
-    )
+    meta = stopped_at.meta
+    assert meta.reason == "emergency" and meta.world_size == 2 and "stop requested (on another rank)" in run.output()
 
     run = Run(command, trainer_env, tmp_path / "run3.log")
     assert run.wait() == 0, run.output()
@@ -267,7 +265,7 @@ def test_fsdp_two_processes_train_checkpoint_and_resume(tmp_path, train_yaml, tr
     finally:
         run.kill()
     stopped = latest_complete_checkpoint(ckpt_dir)
-    assert read_meta(stopped)["reason"] == "emergency" and read_meta(stopped)["parallel_mode"] == "fsdp"
+    assert stopped.meta.reason == "emergency" and stopped.meta.parallel_mode == "fsdp"
     # The full model in one file, and an optimizer state keyed by parameter name, loadable without pickle.
     read_weights(stopped.path, ModelConfig.load(stopped.path))
     optimizer = torch.load(stopped.path / "optimizer.pt", weights_only=True)

@@ -1,0 +1,21 @@
+"""The one base class of every expected failure, carrying the exit code it ends a command with.
+
+An expected failure is bad input or a state of the world the user can fix: the
+message says what is wrong and what to do, and the command exits with
+``exit_code`` and no traceback. Anything else is a bug and keeps its traceback.
+The host tasks (tasks.py) and the trainer (astrai/trainer/loop.py) each catch
+this one class.
+"""
+
+from __future__ import annotations
+
+
+class AstraiError(Exception):
+    """An expected failure; ``exit_code`` is what the command exits with (1 unless the class says otherwise)."""
+
+    exit_code = 1
+    prefix = "error: "
+    """How the message is shown: configuration problems name their file and key themselves."""
+
+    def show(self) -> str:
+        return f"{self.prefix}{self}"

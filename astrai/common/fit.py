@@ -1,0 +1,95 @@
+"""Do the data, the model and the batch fit together? One set of checks for the trainer and `invoke preflight`.
+
+Torch-free: preflight runs them on the host, before a container starts, with the
+same messages the trainer would print inside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from astrai.common.contract import MODEL_CONFIG_FILE
+from astrai.common.data_folder import TokenData, WindowSplit
+from astrai.common.errors import AstraiError
+from astrai.common.model_folder import ModelConfig, check_window
+
+
+class SetupError(AstraiError):
+    """Inputs that do not fit together (data vs model vs batch); the message shows the numbers."""
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """How many windows one optimizer step takes, and how they are split."""
+
+    batch_per_device: int
+    grad_accum: int
+    world_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_per_device * self.grad_accum * self.world_size
+
+
+def check_fit(
+    data: TokenData,
+    model: ModelConfig,
+    model_source: Path,
+    window_size: int,
+    val_fraction: float,
+    batch: BatchShape,
+    repeated: bool = False,
+) -> WindowSplit:
+    """The train/validation split of ``data``; SetupError when data, model and batch do not fit together.
+
+    ``model_source`` names the model folder in messages (the base model or the checkpoint it came from).
+    A source of a mixture (``repeated``) is repeated as often as its share needs: one window is enough.
+    """
+    if data.vocab_size > model.vocab_size:
+        fix = (
+            f"prepare the data with this model's own tokenizer (--tokenizer {model_source})"
+            if data.tokenizer_sha256 is not None
+            else f"init a model with --vocab_size {data.vocab_size} or more"
+        )
+        raise SetupError(
+            f"data vocabulary {data.vocab_size} ({data.tokenizer_description}, {data.root}) does not fit "
+            f"the model's vocab_size {model.vocab_size} ({model_source}); {fix}"
+        )
+    if window_size > model.max_seq_len:
+        raise SetupError(
+            f"data.window_size {window_size} exceeds the model's max_seq_len {model.max_seq_len} ({model_source}); "
+            f"lower data.window_size to {model.max_seq_len} or less"
+        )
+    check_window(model, window_size, Path(model_source) / MODEL_CONFIG_FILE)
+    split = WindowSplit.from_fraction(data.num_windows(window_size), val_fraction)
+    held_out = f" ({split.num_val} held out for validation)" if split.num_val else ""
+    if val_fraction > 0 and not split.num_val:
+        raise SetupError(
+            f"data.val_fraction {val_fraction} holds out no window: {data.root} has only "
+            f"{split.num_windows} windows of {window_size}+1 (lower window_size or add data)"
+        )
+    if repeated and split.num_train < 1:
+        raise SetupError(
+            f"{data.root} holds {data.num_tokens} tokens, not one training window of {window_size}+1{held_out}; "
+            "add data to this source, or lower window_size"
+        )
+    if not repeated and split.num_train < batch.global_batch:
+        raise SetupError(
+            f"{data.root} holds {data.num_tokens} tokens = {split.num_train} training windows of {window_size}+1"
+            f"{held_out}, fewer than one global batch of batch_per_device({batch.batch_per_device}) * "
+            f"grad_accum_steps({batch.grad_accum}) * world_size({batch.world_size}) = {batch.global_batch}"
+        )
+    return split
+
+
+def check_same_tokenizer(datas: list[TokenData], names: list[str]) -> None:
+    """The sources of a mixture must share one tokenizer: the same ids must mean the same text in all of them."""
+    first = datas[0]
+    for data, name in zip(datas[1:], names[1:], strict=True):
+        if data.tokenizer_identity != first.tokenizer_identity:
+            raise SetupError(
+                f"data.sources: {name} was prepared with {data.tokenizer_description} (vocabulary {data.vocab_size}), "
+                f"{names[0]} with {first.tokenizer_description} (vocabulary {first.vocab_size}); prepare every source "
+                "with the same --tokenizer"
+            )

@@ -1,0 +1,39 @@
+"""Values as users type them: durations (``90s``, ``10m``, ``1h30m05s``, Compose's spelling) and whole numbers."""
+
+from __future__ import annotations
+
+import re
+
+_DURATION = re.compile(r"(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?")
+
+
+def parse_duration(text: str) -> int:
+    """Seconds in a duration of whole hours, minutes and seconds: '90s', '10m', '1h30m'; ValueError otherwise."""
+    match = _DURATION.fullmatch(text) if isinstance(text, str) and text else None
+    if match is None:
+        raise ValueError(f"expected a duration like 90s, 10m or 1h30m, got {text!r}"[:120])
+    hours, minutes, seconds = (int(part or 0) for part in match.groups())
+    total = hours * 3600 + minutes * 60 + seconds
+    if total == 0:
+        raise ValueError(f"a duration must be longer than zero, got {text!r}")
+    return total
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` in the same spelling, to the second: 1h02m03s, 2m03s, 0m05s (negative counts as zero)."""
+    total = int(max(0, seconds))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def whole_number(text, minimum: int, maximum: int | None = None) -> int:
+    """``text`` as a whole number in range; ValueError saying what is allowed (``1e-3`` and ``one`` are refused)."""
+    try:
+        number = int(str(text), 10)
+    except ValueError:
+        number = None
+    if number is None or number < minimum or (maximum is not None and number > maximum):
+        allowed = f"from {minimum} to {maximum}" if maximum is not None else f"of at least {minimum}"
+        raise ValueError(f"takes a whole number {allowed}, got {str(text)!r}")
+    return number

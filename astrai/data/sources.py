@@ -1,0 +1,529 @@
+"""What `prepare` reads: the corpus files named on the command line, split into pieces that workers tokenize.
+
+Formats, by file name:
+
+- ``.txt``, ``.md``: plain text, one document per file;
+- ``.jsonl``, ``.json``: JSON Lines, one record (a document) per line; a ``.json`` file whose
+  first character is ``[`` holds one list of records instead;
+- ``.jsonl.gz``, ``.jsonl.zst``, ``.json.gz``, ``.json.zst``: the same, compressed;
+- ``.parquet``: one record per row (what the Hub's dataset downloads hold);
+- a folder: every file of these formats in it, in name order (hidden files left out; a folder that
+  holds record files takes no ``.txt``/``.md`` beside them, which are its README and notes);
+- a folder written by ``datasets.Dataset.save_to_disk``: its Arrow files, one record per row.
+
+A record's text is its ``text`` field unless ``--field`` names another (dotted for a nested
+one, ``meta.content``). The input is cut into pieces whose bounds depend on the files alone,
+never on the number of workers: a text or JSON Lines file in byte ranges ending at a line end,
+a Parquet file by row group, an Arrow file by record batch; compressed files and JSON lists
+are read by the main process in order and handed out in batches of records. Workers
+tokenize pieces in any order and the results are written in piece order, so the shards are
+the same for any number of workers. No file is ever read whole into memory.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from astrai.common.configfile import show_value
+from astrai.common.data_folder import DataError
+
+TEXT_SUFFIXES = (".txt", ".md")
+LINE_SUFFIXES = (".jsonl", ".json")
+COMPRESSED_SUFFIXES = (".gz", ".zst")
+KNOWN = (
+    ".txt",
+    ".md",
+    ".jsonl",
+    ".json",
+    ".jsonl.gz",
+    ".jsonl.zst",
+    ".json.gz",
+    ".json.zst",
+    ".parquet",
+    "a folder of these",
+    "a datasets save_to_disk folder",
+)
+SAVE_TO_DISK_STATE = "state.json"
+PIECE_BYTES = 16 << 20
+"""Bytes of a text or JSON Lines file per piece (the piece then runs on to the next line end)."""
+BATCH_BYTES = 8 << 20
+"""Bytes of decompressed lines (or of JSON-list records) the main process hands out per piece."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input file, as the manifest lists it."""
+
+    path: Path
+    kind: str
+    """text, lines, compressed, array, parquet or arrow."""
+    name: str
+    """How the manifest names it: the path as given, or inside the folder given."""
+    size: int
+
+
+@dataclass
+class Piece:
+    """One unit of work: a range of one source, or records the main process read from it."""
+
+    index: int
+    source: int
+    kind: str
+    start: int = 0
+    stop: int = 0
+    last: bool = True
+    """For a text file cut in pieces: whether this piece ends the document."""
+    first_record: int = 0
+    """Line (from 1) or record (from 0) number of the piece's first record, for messages."""
+    lines: list[bytes] = field(default_factory=list)
+    """Raw lines (compressed JSON Lines) or parsed records (a JSON list) read by the main process."""
+
+
+def find_sources(inputs: list[Path]) -> tuple[list[Source], list[str]]:
+    """The files to read, in order, and notes on what a folder held that is not read."""
+    sources: list[Source] = []
+    notes: list[str] = []
+    for given in inputs:
+        path = Path(given)
+        if path.is_dir():
+            if (path / SAVE_TO_DISK_STATE).is_file():
+                sources += _saved_dataset(path)
+                continue
+            if (path / "dataset_dict.json").is_file():
+                splits = sorted(entry.name for entry in path.iterdir() if entry.is_dir())
+                raise DataError(
+                    f"{path}: a datasets DatasetDict (splits: {', '.join(splits)}); give one split's folder, "
+                    f"such as {path / (splits[0] if splits else 'train')}"
+                )
+            found, skipped = _folder(path)
+            if not found:
+                raise DataError(f"{path}: holds no file prepare reads (it reads {', '.join(KNOWN[:9])})")
+            sources += found
+            if skipped:
+                notes.append(f"{path}: left out {', '.join(skipped)} (text files beside record files)")
+            continue
+        if not path.is_file():
+            raise DataError(f"{path}: not a file or folder")
+        sources.append(_source(path, str(path)))
+    return sources, notes
+
+
+def _folder(folder: Path) -> tuple[list[Source], list[str]]:
+    files = sorted(
+        path
+        for path in folder.rglob("*")
+        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(folder).parts)
+    )
+    known = [path for path in files if _kind(path) is not None]
+    unknown = [path for path in files if _kind(path) is None]
+    if unknown:
+        raise DataError(
+            f"{unknown[0]}: prepare does not know this kind of file; it reads {', '.join(KNOWN[:9])} "
+            "(move it out of the folder, or name the files to read)"
+        )
+    records = [path for path in known if _kind(path) != "text"]
+    chosen = records or known
+    skipped = [str(path.relative_to(folder)) for path in known if path not in chosen]
+    return [_source(path, str(path)) for path in chosen], skipped
+
+
+def _saved_dataset(folder: Path) -> list[Source]:
+    try:
+        state = json.loads((folder / SAVE_TO_DISK_STATE).read_text(encoding="utf-8"))
+        names = [entry["filename"] for entry in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DataError(f"{folder / SAVE_TO_DISK_STATE}: not a datasets save_to_disk state ({error})") from None
+    sources = []
+    for name in names:
+        path = folder / name
+        if Path(name).name != name or not path.is_file():
+            raise DataError(f"{folder / SAVE_TO_DISK_STATE}: lists {name!r}, which is not a file in {folder}")
+        sources.append(Source(path, "arrow", str(path), path.stat().st_size))
+    return sources
+
+
+def _kind(path: Path) -> str | None:
+    name = path.name.lower()
+    if name.endswith(TEXT_SUFFIXES):
+        return "text"
+    if name.endswith(LINE_SUFFIXES):
+        return "lines"
+    if name.endswith(tuple(s + c for s in LINE_SUFFIXES for c in COMPRESSED_SUFFIXES)):
+        return "compressed"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return None
+
+
+def _source(path: Path, name: str) -> Source:
+    kind = _kind(path)
+    if kind is None:
+        raise DataError(f"{path}: prepare does not know this kind of file; it reads {', '.join(KNOWN)}")
+    if kind == "lines" and path.name.lower().endswith(".json") and _first_char(path) == b"[":
+        kind = "array"
+    return Source(path, kind, name, path.stat().st_size)
+
+
+def _first_char(path: Path) -> bytes:
+    with open(path, "rb") as handle:
+        while chunk := handle.read(4096):
+            stripped = chunk.lstrip()
+            if stripped:
+                return stripped[:1]
+    return b""
+
+
+# --- Pieces -----------------------------------------------------------------------------------------------------
+
+
+def pieces(sources: list[Source]) -> Iterator[Piece]:
+    """Every piece of every source, in order; compressed files and JSON lists are read here as they go."""
+    index = 0
+    for number, source in enumerate(sources):
+        for piece in _source_pieces(number, source):
+            piece.index = index
+            index += 1
+            yield piece
+
+
+def _source_pieces(number: int, source: Source) -> Iterator[Piece]:
+    if source.kind in ("text", "lines"):
+        bounds = _line_bounds(source.path, source.size)
+        for start, stop in zip(bounds, bounds[1:], strict=False):
+            yield Piece(0, number, source.kind, start, stop, last=stop == bounds[-1])
+        if source.kind == "text" and len(bounds) == 1:
+            yield Piece(0, number, "text", 0, 0)  # an empty file is an empty document
+    elif source.kind == "compressed":
+        yield from _batches(number, "lines", _decompressed_lines(source.path), start=1)
+    elif source.kind == "array":
+        yield from _batches(number, "records", _array_records(source.path), start=0)
+    elif source.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        groups = _arrow_call(source.path, lambda: pq.ParquetFile(source.path).metadata.num_row_groups)
+        for group in range(groups):
+            yield Piece(0, number, "parquet", group, group + 1)
+    elif source.kind == "arrow":
+        for batch in range(_arrow_call(source.path, lambda: _arrow_batch_count(source.path))):
+            yield Piece(0, number, "arrow", batch, batch + 1)
+
+
+def _line_bounds(path: Path, size: int) -> list[int]:
+    """Offsets that cut a file into pieces of about PIECE_BYTES, each ending at a line end (or the file's end)."""
+    bounds = [0]
+    with open(path, "rb") as handle:
+        while bounds[-1] < size:
+            target = bounds[-1] + PIECE_BYTES
+            if target >= size:
+                bounds.append(size)
+                break
+            handle.seek(target)
+            handle.readline()
+            bounds.append(min(handle.tell(), size))
+    return bounds
+
+
+def _batches(number: int, kind: str, items: Iterator[tuple[int, bytes]], start: int) -> Iterator[Piece]:
+    batch: list = []
+    first, size = start, 0
+    for position, item in items:
+        if not batch:
+            first = position
+        batch.append(item)
+        size += len(item) if isinstance(item, bytes) else 256
+        if size >= BATCH_BYTES:
+            yield Piece(0, number, kind, first_record=first, lines=batch)
+            batch, size = [], 0
+    if batch:
+        yield Piece(0, number, kind, first_record=first, lines=batch)
+
+
+def _decompressed_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of a .gz or .zst file, decompressed as it is read."""
+    if path.name.lower().endswith(".gz"):
+        stream = gzip.open(path, "rb")
+    else:
+        import zstandard
+
+        stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    try:
+        with stream:
+            yield from enumerate(stream, start=1)
+    except (OSError, EOFError, ValueError) as error:
+        raise DataError(f"{path}: cannot be decompressed ({error})") from None
+
+
+def _array_records(path: Path) -> Iterator[tuple[int, object]]:
+    """(index, record) of a JSON file holding one list of records, parsed as it is read."""
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as handle:
+        buffer = ""
+        position = 0
+        index = 0
+
+        def more() -> bool:
+            nonlocal buffer, position
+            chunk = handle.read(1 << 20)
+            buffer = buffer[position:] + chunk
+            position = 0
+            return bool(chunk)
+
+        def skip_space() -> None:
+            nonlocal position
+            while True:
+                while position < len(buffer) and buffer[position] in " \t\r\n":
+                    position += 1
+                if position < len(buffer) or not more():
+                    return
+
+        try:
+            more()
+            skip_space()
+            if buffer[position : position + 1] != "[":
+                raise DataError(f"{path}: expected a JSON list of records")
+            position += 1
+            while True:
+                skip_space()
+                if buffer[position : position + 1] == "]":
+                    return
+                if index and buffer[position : position + 1] == ",":
+                    position += 1
+                    skip_space()
+                while True:
+                    try:
+                        record, end = decoder.raw_decode(buffer, position)
+                        if end == len(buffer) and more():
+                            continue  # a number or literal may go on in the next chunk
+                        break
+                    except ValueError as error:
+                        if not more():
+                            raise DataError(f"{path}: record {index}: not valid JSON ({error.args[0]})") from None
+                position = end
+                yield index, record
+                index += 1
+                skip_space()
+                if position >= len(buffer):
+                    raise DataError(f"{path}: the list of records is not closed with ]")
+        except UnicodeDecodeError as error:
+            raise DataError(f"{path}: not UTF-8 ({error.reason})") from None
+
+
+def _arrow_batch_count(path: Path) -> int:
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as mapped:
+        return sum(1 for _ in pa.ipc.open_stream(mapped))
+
+
+def _arrow_call(path: Path, call):
+    try:
+        return call()
+    except DataError:
+        raise
+    except Exception as error:  # pyarrow raises its own ArrowInvalid/ArrowException family
+        raise DataError(f"{path}: not readable ({type(error).__name__}: {error})") from None
+
+
+# --- Reading a piece (in a worker) -------------------------------------------------------------------------------
+
+
+@dataclass
+class Bad:
+    """A record that cannot be a document: where it is and what it holds."""
+
+    where: str
+    problem: str
+
+
+def read_piece(source: Source, piece: Piece, fields: list[str]) -> Iterator[str | bytes | Bad]:
+    """The piece's documents in order: text (str), raw bytes of a text file's range, or a Bad record.
+
+    A text file's piece yields its bytes in chunks of about 1 MiB cut at line ends (one document
+    continues across chunks and pieces); every other kind yields one item per record.
+    """
+    if piece.kind == "text":
+        yield from _text_chunks(source.path, piece.start, piece.stop)
+    elif piece.kind == "lines":
+        if piece.lines:
+            for offset, line in enumerate(piece.lines):
+                yield from _line_record(line, fields, f"line {piece.first_record + offset}")
+        else:
+            yield from _range_records(source.path, piece.start, piece.stop, fields)
+    elif piece.kind == "records":
+        for offset, record in enumerate(piece.lines):
+            yield _field(record, fields, f"record {piece.first_record + offset}")
+    elif piece.kind == "parquet":
+        yield from _parquet_records(source.path, piece.start, fields)
+    elif piece.kind == "arrow":
+        yield from _arrow_records(source.path, piece.start, fields)
+
+
+CHUNK_BYTES = 1 << 20
+
+
+def _text_chunks(path: Path, start: int, stop: int) -> Iterator[bytes]:
+    with open(path, "rb") as handle:
+        handle.seek(start)
+        left = stop - start
+        while left > 0:
+            chunk = handle.read(min(CHUNK_BYTES, left))
+            if not chunk:
+                break
+            left -= len(chunk)
+            if left > 0 and not chunk.endswith(b"\n"):
+                rest = handle.readline(left)  # pieces end at a line end: cut the chunk there too
+                chunk += rest
+                left -= len(rest)
+            yield chunk
+
+
+def _range_records(path: Path, start: int, stop: int, fields: list[str]) -> Iterator[str | Bad]:
+    with open(path, "rb") as handle:
+        handle.seek(start)
+        position = start
+        while position < stop:
+            line = handle.readline()
+            if not line:
+                break
+            yield from _line_record(line, fields, f"byte {position}")
+            position += len(line)
+
+
+def _line_record(line: bytes, fields: list[str], where: str) -> Iterator[str | Bad]:
+    if not line.strip():
+        return  # blank lines (a trailing newline, say) are not records
+    try:
+        record = json.loads(line)
+    except ValueError as error:
+        yield Bad(where, f"not valid JSON ({_reason(error)}): {show_value(line.decode('utf-8', 'replace'), 80)}")
+        return
+    yield _field(record, fields, where)
+
+
+def _reason(error: ValueError) -> str:
+    return error.msg if isinstance(error, json.JSONDecodeError) else str(error)
+
+
+def _field(record, fields: list[str], where: str) -> str | Bad:
+    dotted = ".".join(fields)
+    value = record
+    for part in fields:
+        if not isinstance(value, dict):
+            return Bad(where, f"not a JSON object with a {dotted!r} field: {show_value(record, 80)}")
+        if part not in value:
+            keys = ", ".join(sorted(str(key) for key in value)[:12]) or "none"
+            return Bad(where, f"has no {dotted!r} field (its keys: {keys}); choose the field with --field NAME")
+        value = value[part]
+    if not isinstance(value, str):
+        kind = "null" if value is None else type(value).__name__
+        return Bad(where, f"field {dotted!r} holds {kind}, not text: {show_value(value, 80)}")
+    return value
+
+
+def _column(table, fields: list[str]):
+    """The values at the dotted field of each row of an Arrow table or batch (None when missing)."""
+    names = table.schema.names
+    if fields[0] not in names:
+        return None
+    column = table.column(names.index(fields[0])).to_pylist()
+    if len(fields) == 1:
+        return column
+    return [_nested(value, fields[1:]) for value in column]
+
+
+_MISSING = object()
+
+
+def _nested(value, fields: list[str]):
+    for part in fields:
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _table_records(table, fields: list[str], first_row: int, path: Path) -> Iterator[str | Bad]:
+    dotted = ".".join(fields)
+    values = _column(table, fields)
+    if values is None:
+        columns = ", ".join(table.schema.names[:12])
+        raise DataError(f"{path}: has no column {fields[0]!r} (its columns: {columns}); choose it with --field NAME")
+    for offset, value in enumerate(values):
+        where = f"row {first_row + offset}"
+        if value is _MISSING:
+            yield Bad(where, f"has no {dotted!r} field; choose the field with --field NAME")
+        elif not isinstance(value, str):
+            kind = "null" if value is None else type(value).__name__
+            yield Bad(where, f"field {dotted!r} holds {kind}, not text: {show_value(value, 80)}")
+        else:
+            yield value
+
+
+def _parquet_records(path: Path, group: int, fields: list[str]) -> Iterator[str | Bad]:
+    import pyarrow.parquet as pq
+
+    def read():
+        handle = pq.ParquetFile(path)
+        first = sum(handle.metadata.row_group(i).num_rows for i in range(group))
+        columns = [fields[0]] if fields[0] in handle.schema_arrow.names else None
+        return handle.read_row_group(group, columns=columns), first
+
+    table, first = _arrow_call(path, read)
+    yield from _table_records(table, fields, first, path)
+
+
+def _arrow_records(path: Path, batch_index: int, fields: list[str]) -> Iterator[str | Bad]:
+    import pyarrow as pa
+
+    def read():
+        with pa.memory_map(str(path)) as mapped:
+            first = 0
+            for index, batch in enumerate(pa.ipc.open_stream(mapped)):
+                if index == batch_index:
+                    return pa.Table.from_batches([batch]), first
+                first += batch.num_rows
+        raise DataError(f"{path}: has no record batch {batch_index}")
+
+    table, first = _arrow_call(path, read)
+    yield from _table_records(table, fields, first, path)
+
+
+def line_of(path: Path, offset: int) -> int:
+    """The line number (from 1) at byte ``offset`` of a file, counted by reading up to it."""
+    count = 1
+    with open(path, "rb") as handle:
+        left = offset
+        while left > 0:
+            chunk = handle.read(min(1 << 20, left))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+            left -= len(chunk)
+    return count
+
+
+def describe_where(source: Source, where: str) -> str:
+    """'FILE:LINE' for a record found by byte offset, 'FILE, row N' and the like otherwise."""
+    if where.startswith("byte "):
+        return f"{source.name}:{line_of(source.path, int(where.split()[1]))}"
+    if where.startswith("line "):
+        return f"{source.name}:{where.split()[1]}"
+    return f"{source.name}, {where}"
+
+
+def total_bytes(sources: list[Source]) -> int:
+    return sum(source.size for source in sources)
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity, which a container or taskset may narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

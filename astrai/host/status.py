@@ -1,0 +1,225 @@
+"""`invoke status`: what a job is doing, computed into one record, then printed.
+
+:func:`job_status` asks the engine, the job dir and the timer, and returns a
+:class:`JobStatus`; :func:`format_status` turns it into the lines the task prints.
+Its cost does not grow with the run: ``metrics.jsonl`` is read from its end and
+sampled for the curve (astrai/common/metrics.py), and the job dir is scanned once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from astrai.common.checkpoints import Checkpoint, scan_job_dir
+from astrai.common.contract import (
+    METRIC_ETA_S,
+    METRIC_LOSS,
+    METRIC_MAX_ALLOCATED_GIB,
+    METRIC_MAX_STEPS,
+    METRIC_MFU,
+    METRIC_STEP,
+    METRIC_TIME,
+    METRIC_TOKENS_PER_S,
+    METRIC_TOKENS_PER_SOURCE,
+    METRIC_VAL_LOSS,
+    METRICS_FILE,
+)
+from astrai.common.metrics import MetricsFile
+from astrai.common.values import format_duration
+from astrai.host import compose, engine, preflight, timer
+from astrai.host.runtime import Runtime, check_paths
+
+SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
+SPARK_WIDTH = 40
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """Everything `invoke status` shows about one job on one node."""
+
+    runtime: Runtime
+    container: engine.Container | None
+    container_problem: str | None
+    """Why the container state is unknown (the engine did not answer), else None."""
+    image: str
+    crashes: list[int] | None
+    """Exit codes of the container's crashed runs, oldest first; None when unknown."""
+    latest_record: dict | None
+    curve: list[tuple[int, float]]
+    """(step, loss) over the whole run, sampled evenly."""
+    latest_val: tuple[int, float] | None
+    latest: Checkpoint | None
+    checkpoints: int
+    not_checkpoints: int
+    timer: timer.TimerState | None
+
+    @property
+    def running(self) -> bool:
+        return self.container is not None and self.container.running
+
+
+def job_status(runtime: Runtime) -> JobStatus:
+    """Ask the engine, the job dir and the timer about ``runtime``'s job; prints nothing."""
+    check_paths(runtime, ("checkpoints",))
+    container = problem = crashes = None
+    try:
+        container = engine.find_container(compose.job_project(runtime))
+        if container is not None and (runtime.max_restarts or container.restart_count):
+            crashes = engine.crash_exit_codes(container)
+    except engine.EngineError as error:
+        problem = str(error)
+    metrics = MetricsFile(runtime.job_dir / METRICS_FILE)
+    curve = [(r[METRIC_STEP], r[METRIC_LOSS]) for r in metrics.sample() if _number(r, METRIC_LOSS)]
+    validated = metrics.latest(METRIC_VAL_LOSS)
+    scan = scan_job_dir(runtime.job_dir)
+    return JobStatus(
+        runtime=runtime,
+        container=container,
+        container_problem=problem,
+        image=preflight.image_torch(runtime)[1],
+        crashes=crashes,
+        latest_record=metrics.latest(),
+        curve=curve,
+        latest_val=(validated[METRIC_STEP], validated[METRIC_VAL_LOSS])
+        if validated and _number(validated, METRIC_VAL_LOSS)
+        else None,
+        latest=scan.complete[-1] if scan.complete else None,
+        checkpoints=len(scan.complete),
+        not_checkpoints=len(scan.damaged),
+        timer=timer.read_timer(compose.state_dir(runtime)),
+    )
+
+
+def format_status(status: JobStatus) -> list[str]:
+    """The lines `invoke status` prints for ``status``."""
+    runtime = status.runtime
+    lines = [f"job         {runtime.job_name}  ({runtime.config_path})", f"node        {_placement(runtime)}"]
+    container = status.container
+    if status.container_problem is not None:
+        state = f"unknown: {status.container_problem}"
+    elif container is None:
+        state = "not started"
+    elif container.running:
+        state = f"{container.status} for {_age(container.started())} ({container.name})"
+    else:
+        state = f"{container.status} (exit code {container.exit_code}) {_age(container.finished())} ago"
+    lines.append(f"container   {state}")
+    lines.append(f"image       {status.image}")
+    if runtime.max_restarts or (container is not None and container.restart_count):
+        lines.append(f"restarts    {_restarts(status)}")
+    lines.append(f"progress    {_progress(status.latest_record, status.running)}")
+    loss = _loss_summary(status)
+    if loss:
+        lines.append(f"loss        {loss}")
+    per_source = (status.latest_record or {}).get(METRIC_TOKENS_PER_SOURCE)
+    if isinstance(per_source, dict) and per_source:
+        total = sum(value for value in per_source.values() if isinstance(value, int)) or 1
+        shown = ", ".join(
+            f"{name} {tokens:,} tokens ({tokens / total:.0%})"
+            for name, tokens in per_source.items()
+            if isinstance(tokens, int)
+        )
+        lines.append(f"sources     {shown}")
+    if status.latest is not None:
+        reason = status.latest.meta.reason
+        lines.append(f"latest      {status.latest.path} ({reason}; {status.checkpoints} checkpoint(s))")
+    else:
+        lines.append("latest      no checkpoint")
+    if status.not_checkpoints:
+        lines.append(
+            f"damaged     {status.not_checkpoints} folder(s) named like checkpoints are not checkpoints; "
+            f"`{runtime.command('clean')}` lists them"
+        )
+    if status.timer is None:
+        lines.append("timer       none")
+    else:
+        left = timer.seconds_left(status.timer)
+        lines.append(f"timer       graceful stop in {format_duration(left)} (at {_clock(status.timer.deadline)})")
+    return lines
+
+
+def sparkline(values: list[float], width: int = SPARK_WIDTH) -> str:
+    """``values`` as one line of Unicode blocks, lowest ▁ to highest █; at most ``width`` characters.
+
+    More values than characters are averaged in equal buckets, so the line keeps the curve's shape.
+    """
+    values = [value for value in values if isinstance(value, (int, float)) and math.isfinite(value)]
+    if not values:
+        return ""
+    if len(values) > width:
+        buckets = [values[i * len(values) // width : (i + 1) * len(values) // width] for i in range(width)]
+        values = [sum(bucket) / len(bucket) for bucket in buckets]
+    low, high = min(values), max(values)
+    if high == low:
+        return SPARK_BLOCKS[len(SPARK_BLOCKS) // 2] * len(values)
+    top = len(SPARK_BLOCKS) - 1
+    return "".join(SPARK_BLOCKS[round((value - low) / (high - low) * top)] for value in values)
+
+
+def _placement(runtime: Runtime) -> str:
+    """Which node this host is, and the job's world size."""
+    if runtime.world_size is not None:
+        each = f"{runtime.processes} process(es) on each of {runtime.node_count} node(s)"
+        world = f"world size {runtime.world_size} ({each})"
+    else:
+        world = f"one process per GPU on each of {runtime.node_count} node(s)"
+    where = f"; rendezvous {runtime.rendezvous} ({runtime.rdzv_backend})" if runtime.multi_node else ""
+    return f"{runtime.node} of {runtime.node_count}, {world}{where}"
+
+
+def _restarts(status: JobStatus) -> str:
+    """Crash restarts so far, and the exit code of the last crash."""
+    count = 0 if status.container is None else status.container.restart_count
+    text = f"{count} of {status.runtime.max_restarts} allowed after a crash"
+    if status.crashes is None:
+        return f"{text}; last crash unknown"
+    return f"{text}; last crash: exit code {status.crashes[-1]}" if status.crashes else f"{text}; no crash"
+
+
+def _number(record: dict, key: str) -> bool:
+    value = record.get(key)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _progress(entry: dict | None, running: bool) -> str:
+    if entry is None or not isinstance(entry.get(METRIC_MAX_STEPS), int):
+        return "no progress reported yet"
+    step, max_steps = entry[METRIC_STEP], entry[METRIC_MAX_STEPS]
+    parts = [f"step {step}/{max_steps} ({100.0 * step / max(max_steps, 1):.0f}%)"]
+    if _number(entry, METRIC_LOSS):
+        parts.append(f"loss {entry[METRIC_LOSS]:.4f}")
+    if _number(entry, METRIC_TOKENS_PER_S) and running:
+        parts.append(f"{entry[METRIC_TOKENS_PER_S]:.0f} tok/s")
+        parts.append(f"mfu {entry[METRIC_MFU]:.1%}" if _number(entry, METRIC_MFU) else "mfu n/a")
+    if _number(entry, METRIC_MAX_ALLOCATED_GIB):
+        parts.append(f"peak mem {entry[METRIC_MAX_ALLOCATED_GIB]:.2f} GiB")
+    if _number(entry, METRIC_ETA_S) and running and step < max_steps:
+        parts.append(f"eta {format_duration(entry[METRIC_ETA_S])}")
+    if _number(entry, METRIC_TIME):
+        parts.append(f"reported {format_duration(time.time() - entry[METRIC_TIME])} ago")
+    return ", ".join(parts)
+
+
+def _loss_summary(status: JobStatus) -> str | None:
+    """The latest loss, the curve so far as a sparkline, and the latest validation loss."""
+    points = status.curve
+    if not points:
+        return None
+    losses = [loss for _, loss in points]
+    text = f"{losses[-1]:.4f} {sparkline(losses)} (steps {points[0][0]}-{points[-1][0]}, min {min(losses):.4f})"
+    if status.latest_val is not None:
+        text += f"; val_loss {status.latest_val[1]:.4f} at step {status.latest_val[0]}"
+    return text
+
+
+def _age(moment: datetime | None) -> str:
+    if moment is None:
+        return "?"
+    return format_duration((datetime.now(timezone.utc) - moment).total_seconds())
+
+
+def _clock(unix_time: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_time))

@@ -1,0 +1,129 @@
+"""The trainer sections of train.yaml and the words after ``--``, read on the host as the container will read them.
+
+`invoke preflight`, `render`, `start` and `restart` parse the trainer's configuration
+here, with the arguments the entrypoint adds (the mounts' paths and the derived
+parallel mode, :func:`astrai.common.contract.trainer_arguments`), so what the host
+accepts is what the trainer accepts, and the one resolved config is handed to every
+check. Paths the container mounts are the runtime block's business: a trainer path
+outside its mount would train on nothing, or write checkpoints into the container's
+scratch space, lost when it exits; such a value is refused here, naming the
+``runtime.paths`` key to change instead.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from pathlib import Path
+
+from astrai.common.config import TrainerConfig, parse_args, parse_overrides, trainer_sections
+from astrai.common.configfile import ConfigError
+from astrai.common.contract import CONTAINER_DATA, CONTAINER_MODEL, container_job_dir, trainer_arguments
+from astrai.host.runtime import Runtime
+
+_FLAGS = ("--dry-run",)
+"""Trainer options that take no value."""
+# Trainer keys holding a path in the container, with the mount they must stay inside.
+_MOUNTED = {
+    "data_root_path": ("data", CONTAINER_DATA),
+    "param_path": ("model", CONTAINER_MODEL),
+}
+
+
+def read_trainer_config(runtime: Runtime, user_args: list[str]) -> TrainerConfig:
+    """The trainer's resolved config in this job's container; ConfigError names the file or argument at fault."""
+    path = runtime.config_path
+    try:
+        yaml_values = trainer_sections(path)
+        parse_args(["--config", str(path)])
+    except ConfigError as error:
+        named = (line if line.startswith(f"{path}:") else f"{path}: {line}" for line in error.messages)
+        raise ConfigError(named) from None
+    problems = [
+        f"{path}: {section}.{key}: {problem}"
+        for section, values in yaml_values.items()
+        for key, value in values.items()
+        if (problem := mount_problem(runtime, key, value)) is not None
+    ]
+    try:
+        overrides = parse_overrides(_pairs(user_args))
+    except ConfigError:
+        overrides = {}  # parse_args below names the problem in the trainer's own words
+    problems += [
+        f"after --: --{key} {value}: {problem}"
+        for values in overrides.values()
+        for key, value in values.items()
+        if (problem := mount_problem(runtime, key, value)) is not None
+    ]
+    if problems:
+        raise ConfigError(problems)
+    mode = runtime.parallel_mode if runtime.processes is not None else None
+    arguments = trainer_arguments(runtime.job_name, mode, user_args)
+    arguments[arguments.index("--config") + 1] = str(path)
+    try:
+        return parse_args(arguments)[0]
+    except ConfigError as error:
+        raise ConfigError(f"after --: {line}" for line in error.messages) from None
+
+
+def fix_hint(error: ConfigError, runtime: Runtime) -> str:
+    """What to fix for a refused trainer config: the arguments after -- or the file's trainer sections."""
+    where = (
+        "the arguments after --"
+        if any(line.startswith("after --") for line in error.messages)
+        else f"the trainer sections of {runtime.config_path.name}"
+    )
+    return f"fix {where}; `python -m astrai.train --help` lists the keys"
+
+
+def mount_problem(runtime: Runtime, key: str, value) -> str | None:
+    """Why the trainer path ``key`` = ``value`` does not fit this job's mounts, or None (also for other keys)."""
+    if key == "ckpt_dir":
+        job_dir = container_job_dir(runtime.job_name)
+        if isinstance(value, str) and posixpath.normpath(value) == job_dir:
+            return None
+        return (
+            f"{value} is not the job dir {job_dir}: checkpoints written anywhere else in the container are "
+            f"lost when it exits; to keep them in another folder, change runtime.paths.checkpoints "
+            f"(the job dir is <runtime.paths.checkpoints>/<runtime.job_name>)"
+        )
+    if key not in _MOUNTED:
+        return None
+    runtime_key, mount = _MOUNTED[key]
+    if isinstance(value, str) and _inside(value, mount):
+        return None
+    return (
+        f"{value} is outside {mount}, where runtime.paths.{runtime_key} is mounted; "
+        f"to use another folder, point runtime.paths.{runtime_key} at it"
+    )
+
+
+def host_path(runtime: Runtime, container_path: str) -> Path | None:
+    """The host folder a container path inside the data or model mount stands for, or None."""
+    for folder, mount in ((runtime.data_dir, CONTAINER_DATA), (runtime.model_dir, CONTAINER_MODEL)):
+        if _inside(container_path, mount):
+            rest = posixpath.relpath(posixpath.normpath(container_path), mount)
+            return folder if rest == "." else folder / rest
+    return None
+
+
+def _inside(value: str, mount: str) -> bool:
+    normal = posixpath.normpath(value)
+    return value.startswith("/") and (normal == mount or normal.startswith(mount + "/"))
+
+
+def _pairs(user_args: list[str]) -> list[tuple[str, str]]:
+    """``--KEY VALUE`` and ``--KEY=VALUE`` pairs of the user's words (the others are parse_args' to judge)."""
+    pairs = []
+    index = 0
+    while index < len(user_args):
+        word = user_args[index]
+        if word in _FLAGS:
+            pass
+        elif word.startswith("--") and "=" in word:
+            key, _, value = word[2:].partition("=")
+            pairs.append((key, value))
+        elif word.startswith("--") and index + 1 < len(user_args):
+            pairs.append((word[2:], user_args[index + 1]))
+            index += 1
+        index += 1
+    return [(key, value) for key, value in pairs if key != "config"]

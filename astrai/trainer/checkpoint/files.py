@@ -1,0 +1,335 @@
+"""The checkpoint file format: what each file of a checkpoint folder holds, written and read with torch.
+
+The folder rules (names, what makes a folder a checkpoint, staging, publish, retention,
+``meta.json``) live in :mod:`astrai.common.checkpoints`, shared with the host; when to save,
+the writer thread and the collectives are :mod:`astrai.trainer.checkpoint.manager`'s. A
+checkpoint folder holds::
+
+    meta.json              progress, data position, reason, config hash (astrai.common.checkpoints.CheckpointMeta)
+    config.json            the model architecture (Hugging Face Llama form)
+    model.safetensors      the full model, even under FSDP, under Hugging Face's tensor names
+    optimizer.pt           full optimizer state keyed by parameter name (tensors and plain values only)
+    scheduler.pt           the learning-rate schedule's settings and step (plain values only)
+    rng_state.safetensors  every rank's torch RNG states (optional)
+
+``optimizer.pt`` and ``scheduler.pt`` are read with ``torch.load(weights_only=True)``,
+so a checkpoint folder can never run code.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import pickle
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from astrai.common.checkpoints import (
+    SMALL_FILES_BYTES,
+    Checkpoint,
+    CheckpointMeta,
+    DamagedCheckpoint,
+    examine,
+    fsync_path,
+)
+from astrai.common.contract import (
+    META_FILE,
+    MODEL_CONFIG_FILE,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    SCHEDULER_FILE,
+    WEIGHTS_FILE,
+)
+from astrai.common.errors import AstraiError
+from astrai.trainer.model import ModelConfig, ModelLoadError, hf_state_dict, read_weights
+
+# What a damaged checkpoint file raises when read: truncated zip or safetensors, bad JSON,
+# a pickle that weights_only refuses, missing keys or wrong types.
+_DAMAGED = (OSError, ValueError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError, SafetensorError)
+
+
+class CheckpointError(AstraiError):
+    """A checkpoint could not be written, or the one every rank agreed on could not be read."""
+
+
+class NonFiniteWeights(CheckpointError):
+    """The weights to save hold NaN or infinity: the run diverged, and such a checkpoint is never written."""
+
+
+@dataclass
+class Progress:
+    """Where the run is: what meta.json records and resume restores."""
+
+    step: int = 0
+    epoch: int = 0
+    samples_in_epoch: int = 0
+    """Windows of this epoch's permutation already trained on (all ranks together)."""
+    tokens_seen: int = 0
+
+    @classmethod
+    def of(cls, meta: CheckpointMeta) -> Progress:
+        return cls(meta.step, meta.epoch, meta.samples_in_epoch, meta.tokens_seen)
+
+
+@dataclass
+class LoadedCheckpoint:
+    checkpoint: Checkpoint
+    meta: CheckpointMeta
+    progress: Progress
+    model_config: ModelConfig
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict
+    scheduler_state: dict
+    rng_state: dict[str, torch.Tensor] | None
+    """None when the folder has no rng_state.safetensors (resume then derives each rank's RNG seed)."""
+
+
+@dataclass
+class CheckpointFiles:
+    """Everything one checkpoint holds, ready to be written into a folder."""
+
+    model_state: dict
+    optimizer_state: dict
+    scheduler_state: dict
+    rng_state: dict
+    model_config: ModelConfig
+    meta: CheckpointMeta
+    extra_files: tuple[Path, ...] = ()
+
+    def nbytes(self) -> int:
+        """About how much disk the checkpoint takes: its tensors plus the small files."""
+        return _tree_bytes((self.model_state, self.optimizer_state, self.rng_state)) + SMALL_FILES_BYTES
+
+    def write(self, folder: Path) -> None:
+        """Write every file into ``folder`` and flush it to disk; meta.json goes last.
+
+        The small files go first and are handed to the disk without waiting, so that their fsyncs at the
+        end find them written (one journal commit instead of one each). The two large files are written
+        at the same time, ``model.safetensors`` by a helper thread and ``optimizer.pt`` by this one: both
+        go to the page cache in parallel (the kernel's copy runs without the GIL), and each file's fsync
+        overlaps the other's serialization. Tensors are written straight from their memory, never copied
+        into an intermediate buffer.
+        """
+        small = {
+            SCHEDULER_FILE: (self.scheduler_state, torch.save),
+            RNG_FILE: (self.rng_state, _write_safetensors),
+            MODEL_CONFIG_FILE: (self.model_config.to_json(), _write_text),
+        }
+        for name, (content, write) in small.items():
+            _write_file(folder / name, content, write, durable=False)
+        for source in self.extra_files:
+            shutil.copyfile(source, folder / source.name)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-model") as pool:
+            # Hugging Face names and config.json: the folder loads in transformers as it is.
+            model = pool.submit(
+                _write_file,
+                folder / WEIGHTS_FILE,
+                hf_state_dict(self.model_state),
+                _write_safetensors,
+                {"format": "pt"},
+            )
+            _write_file(folder / OPTIMIZER_FILE, self.optimizer_state, torch.save)
+            model.result()
+        for name in [*small, *(source.name for source in self.extra_files)]:
+            fsync_path(folder / name)
+        _write_file(folder / META_FILE, self.meta.to_json(), _write_text)
+        fsync_path(folder)
+
+
+def _tree_bytes(tree) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tree_bytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tree_bytes(value) for value in tree)
+    return 0
+
+
+def write_failure(error: Exception, final: Path, needed: int) -> CheckpointError:
+    """The error a failed write ends the run with; a full disk says so, where, and how much is missing."""
+    try:
+        free = shutil.disk_usage(final.parent).free
+    except OSError:
+        free = None
+    if _is_disk_full(error) or (free is not None and free < needed):
+        room = f"{_mib(free)} free there" if free is not None else "free space unknown"
+        return CheckpointError(
+            f"the disk is full: checkpoint {final.name} does not fit in {final.parent} ({room}, a checkpoint needs "
+            f"about {_mib(needed)}; {error}); the earlier checkpoints are untouched. Free space, or lower "
+            "ckpt.keep_last, or point runtime.paths.checkpoints at a larger disk, then start again to resume"
+        )
+    return CheckpointError(f"writing checkpoint {final} failed: {type(error).__name__}: {error}")
+
+
+def _is_disk_full(error: BaseException | None) -> bool:
+    """Whether ENOSPC or EDQUOT caused ``error``; torch's writers turn it into a RuntimeError that names it."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if os.strerror(errno.ENOSPC) in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _mib(count: int) -> str:
+    return f"{count / (1 << 20):.1f} MiB"
+
+
+def _write_file(path: Path, content, write, *args, durable: bool = True) -> None:
+    """``write(content, file, *args)`` into a new file at ``path``; then fsync it, or only start its writeback."""
+    with _WritebackFile(path) as out:
+        write(content, out, *args)
+        if durable:
+            os.fsync(out.fileno())
+        else:
+            _submit_for_writeback(out.fileno())
+
+
+def _write_text(text: str, out: io.RawIOBase) -> None:
+    out.write(text.encode("utf-8"))
+
+
+# safetensors' names for the dtypes a checkpoint holds.
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _write_safetensors(
+    tensors: dict[str, torch.Tensor], out: io.RawIOBase, metadata: dict[str, str] | None = None
+) -> None:
+    """Write ``tensors`` in the safetensors format into ``out``, each straight from its own memory.
+
+    ``safetensors.torch.save_file`` opens the file itself; written into a :class:`_WritebackFile`
+    instead, the start of the model is on its way to the disk while the rest is still being written.
+    The file is the same format (readable by ``safetensors.safe_open``, Hugging Face included).
+    Layout: an 8-byte little-endian header length, the JSON header (names, dtypes, shapes, byte
+    ranges; padded with spaces to a multiple of 8), then the raw little-endian data. Wider dtypes come
+    first, so every tensor starts aligned to its itemsize.
+    """
+    ordered = sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0]))
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, tensor in ordered:
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: dtype {tensor.dtype} cannot be stored in safetensors")
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    out.write(len(encoded).to_bytes(8, "little") + encoded)
+    for _, tensor in ordered:
+        if tensor.numel():
+            out.write(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _submit_for_writeback(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Hand a range of a file's dirty pages (length 0: to the end) to the disk without waiting for them."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+class _WritebackFile(io.FileIO):
+    """A file that submits what it has written to the disk every few megabytes.
+
+    The disk then writes the start of a large file while the rest is still being serialized, instead
+    of the whole file waiting for the final fsync. On Linux, POSIX_FADV_DONTNEED submits a range's
+    dirty pages for writeback without waiting for them; elsewhere the fsync does all the flushing.
+    """
+
+    CHUNK = 4 << 20
+
+    def __init__(self, path: Path):
+        super().__init__(path, "w")
+        self._written = 0
+        self._submitted = 0
+
+    def write(self, data) -> int:
+        # A raw write may stop short and torch.save ignores the count, so write until everything is out;
+        # a large buffer goes out in CHUNK-sized writes, so its start is on its way to the disk while the
+        # rest is still being copied into the page cache.
+        view = memoryview(data).cast("B")
+        count = 0
+        while count < len(view):
+            count += super().write(view[count : count + self.CHUNK])
+            if self._written + count - self._submitted >= self.CHUNK:
+                _submit_for_writeback(self.fileno(), self._submitted, self._written + count - self._submitted)
+                self._submitted = self._written + count
+        self._written += count
+        return count
+
+
+def first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of a tensor that holds NaN or infinity, or None when all are finite.
+
+    A sum is finite only when every element is, so one fp32 sum per tensor and a single read of the results
+    clear the usual case (a tenth of the time of ``isfinite`` per element, which also reads the device once
+    per tensor); only a tensor whose sum is not finite, which an overflow of large finite values can also
+    cause, is checked element by element.
+    """
+    if not tensors:
+        return None
+    names = list(tensors)
+    sums = torch.stack([tensors[name].detach().sum(dtype=torch.float32) for name in names])
+    for name, finite in zip(names, torch.isfinite(sums).tolist(), strict=True):
+        if not finite and not torch.isfinite(tensors[name]).all():
+            return name
+    return None
+
+
+def read_checkpoint(checkpoint: Checkpoint) -> LoadedCheckpoint:
+    """Read and check every file of a checkpoint; anything damaged raises CheckpointError with the reason.
+
+    The folder rule the host applies comes first (astrai.common.checkpoints.examine), so a folder
+    the host does not list is never resumed; then every tensor is read and checked.
+    """
+    path = checkpoint.path
+    try:
+        found = examine(path)
+        model_config = ModelConfig.load(path)
+        model_state = read_weights(path, model_config)
+        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        if not isinstance(optimizer_state, dict) or not set(optimizer_state.get("state", {})) <= set(model_state):
+            raise ValueError("optimizer.pt: not an optimizer state keyed by this model's parameter names")
+        scheduler_state = torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True)
+        if not isinstance(scheduler_state, dict):
+            raise ValueError("scheduler.pt: not a scheduler state")
+        rng_state = load_file(path / RNG_FILE, device="cpu") if (path / RNG_FILE).is_file() else None
+    except (ModelLoadError, DamagedCheckpoint) as error:
+        raise CheckpointError(str(error)) from None
+    except _DAMAGED as error:
+        raise CheckpointError(f"{type(error).__name__}: {error}") from None
+    return LoadedCheckpoint(
+        found,
+        found.meta,
+        Progress.of(found.meta),
+        model_config,
+        model_state,
+        optimizer_state,
+        scheduler_state,
+        rng_state,
+    )

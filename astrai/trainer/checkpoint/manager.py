@@ -1,0 +1,316 @@
+"""Checkpoint policy for one run: when to save, the background writer, the collectives, resuming with fallback.
+
+The file format is :mod:`astrai.trainer.checkpoint.files`; the folder rules are
+:mod:`astrai.common.checkpoints`. Only rank 0 (on node 0) reads and writes the files; the
+other ranks take part in the collectives that gather the full state, and receive the
+state of a resume from rank 0.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
+
+from astrai.common.checkpoints import (
+    CheckpointMeta,
+    checkpoint_name,
+    new_staging_dir,
+    plan_retention,
+    publish,
+    remove_checkpoint,
+    remove_job_entry,
+    scan_job_dir,
+)
+from astrai.common.contract import REASON_EMERGENCY, REASON_FINAL, REASON_PERIODIC, REASONS
+from astrai.trainer.checkpoint.files import (
+    CheckpointError,
+    CheckpointFiles,
+    LoadedCheckpoint,
+    NonFiniteWeights,
+    Progress,
+    first_non_finite,
+    read_checkpoint,
+    write_failure,
+)
+from astrai.trainer.distributed import DistEnv, broadcast_from_master
+from astrai.trainer.model import ModelConfig
+from astrai.trainer.optim import Schedule
+
+
+def load_latest(job_dir: Path, env: DistEnv, log: Callable[[str], None]) -> LoadedCheckpoint | None:
+    """The newest checkpoint that loads; ones that fail are skipped with a warning. None means start fresh.
+
+    Rank 0 reads it (only node 0 needs the checkpoint folder); every other rank receives it from rank 0.
+    """
+    return broadcast_from_master(env, lambda: _read_latest(Path(job_dir), log))
+
+
+def _read_latest(job_dir: Path, log: Callable[[str], None]) -> LoadedCheckpoint | None:
+    scan = scan_job_dir(job_dir)
+    for folder in scan.damaged:
+        log(f"warning: skipping {folder.path}: not a checkpoint ({folder.reason})")
+    for checkpoint in reversed(scan.complete):
+        try:
+            return read_checkpoint(checkpoint)
+        except CheckpointError as error:
+            log(f"warning: skipping {checkpoint.path}: {error}")
+    return None
+
+
+def resumed_rank_seed(seed: int, step: int, rank: int) -> int:
+    """The RNG seed of ``rank`` when resuming at ``step`` without that rank's saved RNG state."""
+    return (seed * 1_000_003 + step) * 1_009 + rank
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What every checkpoint of this run records besides its progress."""
+
+    config_hash: str
+    max_steps: int
+    window_size: int
+    global_batch: int
+
+
+class CheckpointManager:
+    """Saves one run's model, optimizer and schedule, handed over once; periodic saves go on in the background.
+
+    Periodic saves copy the state to host memory and return while a background thread writes,
+    flushes and publishes it; final and emergency saves wait; a new save first waits for the
+    previous one. Rank 0 writes every file.
+    """
+
+    def __init__(
+        self,
+        job_dir: Path,
+        env: DistEnv,
+        log: Callable[[str], None],
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: Schedule,
+        model_config: ModelConfig,
+        facts: RunFacts,
+        interval: int,
+        keep_last: int | None = None,
+        extra_files: tuple[Path, ...] = (),
+    ):
+        self.job_dir = Path(job_dir)
+        self.env = env
+        self.log = log
+        self.model = model
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.model_config = model_config
+        self.facts = facts
+        self.interval = interval
+        self.keep_last = keep_last
+        self.extra_files = extra_files
+        """Files copied into every checkpoint as they are (the data's tokenizer files)."""
+        self._host_copy = _HostCopy(pin=env.device.type == "cuda")
+        self._writer: threading.Thread | None = None
+        self._write_error: Exception | None = None
+        if env.master_process:
+            self.job_dir.mkdir(parents=True, exist_ok=True)
+            # Staging and trash folders an interrupted save or delete left behind.
+            for path in scan_job_dir(self.job_dir).staging:
+                remove_job_entry(self.job_dir, path)
+
+    def reason_for(self, step: int, stopping: bool) -> str | None:
+        """Why a checkpoint is due after ``step``, or None."""
+        if step >= self.facts.max_steps:
+            return REASON_FINAL
+        if stopping:
+            return REASON_EMERGENCY
+        if step % self.interval == 0:
+            return REASON_PERIODIC
+        return None
+
+    # Resuming
+
+    def restore(self, loaded: LoadedCheckpoint, seed: int) -> None:
+        """Load the optimizer's state and this rank's RNG state (the weights went in before wrapping).
+
+        Saved RNG states belong to the world size that wrote them. On another world size, or from a
+        folder without rng_state.safetensors, each rank's RNG is seeded from (seed, step, rank)
+        instead: nothing blocks the resume, and it is reproducible.
+        """
+        set_optimizer_state_dict(
+            self.model, self.optimizer, loaded.optimizer_state, options=StateDictOptions(full_state_dict=True)
+        )
+        cpu_key, cuda_key = f"rank{self.env.rank}.cpu", f"rank{self.env.rank}.cuda"
+        saved_world = loaded.meta.world_size
+        rng = loaded.rng_state
+        if rng is None or saved_world != self.env.world_size or cpu_key not in rng:
+            torch.manual_seed(resumed_rank_seed(seed, loaded.progress.step, self.env.rank))
+            why = (
+                "the checkpoint has no rng_state.safetensors"
+                if rng is None
+                else f"the checkpoint holds the RNG states of {saved_world} process(es), this run has "
+                f"{self.env.world_size}"
+            )
+            self.log(f"note: {why}: each rank's RNG is seeded from random_seed, step and rank")
+            return
+        torch.set_rng_state(rng[cpu_key])
+        if cuda_key in rng and self.env.device.type == "cuda":
+            torch.cuda.set_rng_state(rng[cuda_key], self.env.device)
+
+    # Saving
+
+    def save(self, progress: Progress, reason: str, wait: bool) -> Path:
+        """Snapshot the training state now and write it as ``epoch_<E>_step_<S>`` (all ranks call this)."""
+        if reason not in REASONS:
+            raise ValueError(f"reason must be one of {REASONS}, got {reason!r}")
+        self.wait()
+        final = self.job_dir / checkpoint_name(progress.epoch, progress.step)
+        fsdp = self.env.parallel_mode == "fsdp"
+        # Full (unsharded) state. FSDP gathers it into fresh CPU tensors on rank 0 (other ranks get empty
+        # dicts); otherwise the tensors are the live parameters and optimizer moments themselves.
+        model_state, optimizer_state = get_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=fsdp)
+        )
+        rng_state = self._gather_rng_state()
+        if self.env.master_process:
+            # The full weights are here on rank 0 after every collective of the save, so the check costs no
+            # extra collective; on failure nothing is written.
+            bad = first_non_finite(model_state)
+            if bad is not None:
+                raise NonFiniteWeights(f"{bad} holds NaN or infinity")
+            # Live tensors must be copied when training goes on during the write, or when they sit on a GPU.
+            if not fsdp and (not wait or self.env.device.type != "cpu"):
+                model_state, optimizer_state = self._host_copy.copy((model_state, optimizer_state))
+            meta = CheckpointMeta(
+                epoch=progress.epoch,
+                step=progress.step,
+                reason=reason,
+                world_size=self.env.world_size,
+                tokens_seen=progress.tokens_seen,
+                samples_in_epoch=progress.samples_in_epoch,
+                parallel_mode=self.env.parallel_mode,
+                time=time.time(),
+                config_hash=self.facts.config_hash,
+                max_steps=self.facts.max_steps,
+                window_size=self.facts.window_size,
+                global_batch=self.facts.global_batch,
+            )
+            files = CheckpointFiles(
+                model_state,
+                optimizer_state,
+                self.schedule.state_dict(progress.step),
+                rng_state,
+                self.model_config,
+                meta,
+                self.extra_files,
+            )
+            self._write_error = None
+            self._writer = threading.Thread(
+                target=self._write, args=(files, final, reason), name="checkpoint-writer", daemon=False
+            )
+            self._writer.start()
+            if wait:
+                self.wait()
+        if wait and self.env.distributed:
+            # No rank reports or exits before the checkpoint is on disk.
+            dist.barrier(group=self.env.control_group)
+        return final
+
+    def wait(self) -> None:
+        """Block until the save in progress (if any) is published; re-raise its error."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._write_error is not None:
+            error, self._write_error = self._write_error, None
+            raise error
+
+    def finish_pending(self, timeout: float) -> None:
+        """Give a background save in progress up to ``timeout`` seconds to be published (a lost node's last act).
+
+        Its state was copied before the write began, so it is complete and consistent even though the job is
+        ending; a write still running when the time is up is left as a staging folder, never published.
+        """
+        writer = self._writer
+        if writer is not None:
+            writer.join(timeout)
+
+    def raise_if_failed(self) -> None:
+        """Raise a background save's error as soon as it happened; never waits for a save that is running."""
+        if self._write_error is not None:
+            self.wait()
+
+    def _gather_rng_state(self) -> dict[str, torch.Tensor]:
+        local = {"cpu": torch.get_rng_state()}
+        if self.env.device.type == "cuda":
+            local["cuda"] = torch.cuda.get_rng_state(self.env.device)
+        if not self.env.distributed:
+            return {f"rank{self.env.rank}.{kind}": state for kind, state in local.items()}
+        states = {}
+        for kind, state in local.items():
+            gathered = [torch.empty_like(state) for _ in range(self.env.world_size)]
+            dist.all_gather(gathered, state, group=self.env.control_group)
+            states.update({f"rank{rank}.{kind}": tensor for rank, tensor in enumerate(gathered)})
+        return states
+
+    def _write(self, files: CheckpointFiles, final: Path, reason: str) -> None:
+        staging = None
+        try:
+            staging = new_staging_dir(self.job_dir, final.name)
+            files.write(staging)
+            publish(staging, final)
+            staging = None
+            if self.keep_last is not None:
+                self._apply_retention((files.meta.epoch, files.meta.step))
+            if reason == REASON_PERIODIC:
+                self.log(f"saved periodic checkpoint {final}")
+        except Exception as error:  # any failure: wait() hands it to the main thread
+            try:
+                if staging is not None and staging.exists():
+                    remove_job_entry(self.job_dir, staging)
+            finally:
+                self._write_error = write_failure(error, final, files.nbytes())
+
+    def _apply_retention(self, newest: tuple[int, int]) -> None:
+        # Only checkpoints up to the one just written count: a newer leftover (one that failed to load)
+        # must not push good checkpoints out; folders that are not checkpoints never count.
+        candidates = [c for c in scan_job_dir(self.job_dir).complete if (c.epoch, c.step) <= newest]
+        for old in plan_retention(candidates, self.keep_last)[1]:
+            remove_checkpoint(self.job_dir, old)
+            self.log(f"removed old checkpoint {old.path} (keep_last={self.keep_last})")
+
+
+class _HostCopy:
+    """Reusable CPU copies of a state tree, taken so that training can go on while a thread writes them.
+
+    The buffers are allocated by the first save and reused by the next ones (a new save waits for the
+    previous one), which spares the page faults of fresh memory on every save; on CUDA they are pinned
+    so the device-to-host copy runs at full speed.
+    """
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def copy(self, tree):
+        copied = self._copy(tree, ())
+        if self.pin:
+            torch.cuda.synchronize()
+        return copied
+
+    def _copy(self, tree, path: tuple):
+        if isinstance(tree, torch.Tensor):
+            buffer = self.buffers.get(path)
+            if buffer is None or buffer.shape != tree.shape or buffer.dtype != tree.dtype:
+                buffer = self.buffers[path] = torch.empty(tree.shape, dtype=tree.dtype, pin_memory=self.pin)
+            return buffer.copy_(tree.detach(), non_blocking=self.pin)
+        if isinstance(tree, dict):
+            return {key: self._copy(value, (*path, key)) for key, value in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(self._copy(value, (*path, index)) for index, value in enumerate(tree))
+        return tree

@@ -1,0 +1,76 @@
+"""Validation: the mean loss over a fixed set of held-out windows, shared by the ranks.
+
+The windows are chosen by :class:`astrai.common.data_folder.WindowSplit` (the last window
+of every round(1/val_fraction), never trained on), at most ``log.eval_max_windows`` of
+them, evenly spread and the same every time, so the result is identical before and
+after a resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from astrai.trainer.distributed import DistEnv
+from astrai.trainer.windows import WindowDataset
+
+
+class Validator:
+    """Evaluates a model on the fixed held-out windows; every rank gets the same result."""
+
+    def __init__(
+        self,
+        dataset: WindowDataset,
+        windows: list[int],
+        batch_size: int,
+        env: DistEnv,
+        autocast: contextlib.AbstractContextManager,
+        interval: int,
+    ):
+        self.dataset = dataset
+        self.windows = windows
+        self.batch_size = batch_size
+        self.env = env
+        self.autocast = autocast
+        self.interval = interval
+        self.last_seconds = 0.0
+        """How long the last validation took (the ETA counts the ones still to come)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.windows)
+
+    def due(self, step: int) -> bool:
+        return self.enabled and step % self.interval == 0
+
+    def left(self, step: int, max_steps: int) -> int:
+        """Validations still to come after ``step``."""
+        return max_steps // self.interval - step // self.interval if self.enabled else 0
+
+    def run(self, model: torch.nn.Module, vocab_size: int) -> float:
+        """Mean loss per token over the held-out windows (the model is put back in training mode)."""
+        windows, ranks = self.windows, self.env.world_size
+        mine = windows[self.env.rank :: ranks]
+        batches = math.ceil(math.ceil(len(windows) / ranks) / self.batch_size)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)
+        model.eval()
+        with torch.no_grad():
+            for index in range(batches):
+                chunk = mine[index * self.batch_size : (index + 1) * self.batch_size]
+                # Every rank runs the same number of forward passes (FSDP gathers weights in each one);
+                # a rank out of windows computes one stand-in window and does not count it.
+                tokens = torch.stack([self.dataset.window(w) for w in chunk or windows[:1]]).to(self.env.device)
+                with self.autocast:
+                    logits = model(tokens[:, :-1])
+                loss = F.cross_entropy(logits.float().view(-1, vocab_size), tokens[:, 1:].reshape(-1), reduction="sum")
+                if chunk:
+                    totals[0] += loss.double()
+                    totals[1] += tokens[:, 1:].numel()
+        model.train()
+        if self.env.distributed:
+            dist.all_reduce(totals)
+        return (totals[0] / totals[1]).item()
