@@ -54,10 +54,11 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from astrai.common.checkpoints import list_complete_checkpoints
+from astrai.common.checkpoints import fsync_path, list_complete_checkpoints
+from astrai.trainer.checkpoint.manager import load_latest
 from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import Trainer
-from bench.common import REPO, fix_threads, ratio_with_spread
+from astrai.trainer.loop import Trainer, open_trainer
+from bench.common import REPO, Figures, fix_threads
 from bench.trainer_speed import make_assets, trainer_config
 
 # preset: (window_size, batch_per_device). The state is made by one training step, then saved over and
@@ -71,14 +72,6 @@ REPEATS = {"small": (5, 9), "base": (None, 4)}
 def _clear(job_dir: Path) -> None:
     for checkpoint in list_complete_checkpoints(job_dir):
         shutil.rmtree(checkpoint.path)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _drop_from_page_cache(folder: Path) -> None:
@@ -96,10 +89,10 @@ def _raw_save(trainer: Trainer, target: Path, durable: bool) -> None:
     target.mkdir()
     save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, target / "model.safetensors")
     torch.save(trainer.optimizer.state_dict(), target / "optimizer.pt")
-    torch.save(trainer.scheduler.state_dict(), target / "scheduler.pt")
+    torch.save(trainer.schedule.state_dict(trainer.progress.step), target / "scheduler.pt")
     if durable:
         for name in ("model.safetensors", "optimizer.pt", "scheduler.pt"):
-            _fsync(target / name)
+            fsync_path(target / name)
 
 
 def _dcp_state(trainer: Trainer) -> dict:
@@ -108,7 +101,7 @@ def _dcp_state(trainer: Trainer) -> dict:
     return {
         "model": model_state,
         "optimizer": optimizer_state,
-        "scheduler": trainer.scheduler.state_dict(),
+        "scheduler": trainer.schedule.state_dict(trainer.progress.step),
         "rng": torch.get_rng_state(),
     }
 
@@ -127,16 +120,13 @@ def _dcp_load(trainer: Trainer, source: Path) -> None:
     set_state_dict(
         trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
-    trainer.scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
 
 
 def _our_load(trainer: Trainer) -> None:
-    loaded = trainer.checkpointer.load_latest()
+    loaded = load_latest(trainer.job_dir, trainer.env, trainer.log)
     trainer.model.load_state_dict(loaded.model_state)
-    trainer.checkpointer.restore(
-        loaded, trainer.model, trainer.optimizer, trainer.scheduler, trainer.config.training.random_seed
-    )
+    trainer.checkpointer.restore(loaded, trainer.config.training.random_seed)
 
 
 def _save_times(trainer: Trainer, folder: Path, repeats: int) -> dict[str, list[float]]:
@@ -203,10 +193,10 @@ def _loop_seconds(trainer: Trainer, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def _contention(folder: Path, params: Path, data: Path, env, plain: Trainer, repeats: int) -> float:
+def _contention(folder: Path, params: Path, data: Path, env, plain: Trainer, repeats: int) -> list[float]:
     interval, saves = 2, 2
     window, batch = SETUPS["small"]
-    periodic = Trainer(
+    periodic = open_trainer(
         trainer_config(params, data, folder / "periodic", window, batch, 10**6, ckpt_interval=interval), env
     )
     torch.set_num_threads(os.cpu_count())  # every core trains, as in a real CPU run
@@ -223,7 +213,7 @@ def _contention(folder: Path, params: Path, data: Path, env, plain: Trainer, rep
     finally:
         fix_threads()
         periodic.close()
-    return max(statistics.median(extra), 0.0)
+    return extra
 
 
 def _memory_child(params: str, data: str, job_dir: str, preset: str) -> None:
@@ -234,7 +224,7 @@ def _memory_child(params: str, data: str, job_dir: str, preset: str) -> None:
     """
     fix_threads()
     window, batch = SETUPS[preset]
-    trainer = Trainer(
+    trainer = open_trainer(
         trainer_config(Path(params), Path(data), Path(job_dir), window, batch, 10**6), init_distributed("none", "cpu")
     )
     trainer.train(steps=1)
@@ -268,8 +258,8 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _peak_memory(folder: Path, params: Path, data: Path, preset: str) -> dict[str, float]:
-    """Peak extra host memory of a final and of a periodic save, over the state's size (fresh process)."""
+def _peak_memory(folder: Path, params: Path, data: Path, preset: str) -> dict:
+    """Peak extra host memory of a final and of a periodic save, and the state's size (fresh process)."""
     job_dir = folder / f"memory-{preset}"
     os.sync()  # no writeback of earlier saves left to slow this process's saves down
     code = "import sys; from bench.checkpoint_cost import _memory_child; _memory_child(*sys.argv[1:])"
@@ -281,46 +271,48 @@ def _peak_memory(folder: Path, params: Path, data: Path, preset: str) -> dict[st
         check=True,
     )
     shutil.rmtree(job_dir)
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
-    return {reason: extra / measured["state_bytes"] for reason, extra in measured["extra_bytes"].items()}
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _measure(preset: str, folder: Path, env, quick: bool) -> dict:
+def _measure(preset: str, folder: Path, env, quick: bool, figures: Figures) -> None:
     window, batch = SETUPS[preset]
     repeats = REPEATS[preset][0 if quick else 1]
     params, data = make_assets(folder, preset)
-    results: dict = {}
-    trainer = Trainer(trainer_config(params, data, folder / f"job-{preset}", window, batch, 10**6), env)
+    figures.prefix = "" if preset == "small" else f"{preset}_"
+    trainer = open_trainer(trainer_config(params, data, folder / f"job-{preset}", window, batch, 10**6), env)
     try:
         trainer.train(steps=1)  # the optimizer state exists from the first step on
         times = _save_times(trainer, folder, repeats)
         loads = _load_times(trainer, folder, repeats)
         if preset == "small":
-            results["ckpt_contention_vs_sync"] = _contention(
-                folder, params, data, env, trainer, 2 if quick else 3
-            ) / statistics.median(times["save"])
+            extra = _contention(folder, params, data, env, trainer, 2 if quick else 3)
+            figures.fraction(
+                "ckpt_contention_vs_sync",
+                max(statistics.median(extra), 0.0),
+                statistics.median(times["save"]),
+                {"extra_seconds_per_save": extra, "save_seconds": times["save"]},
+            )
             _clear(trainer.job_dir)
             trainer.save_checkpoint("final")
             resume = []
             for _ in range(repeats // 2):
                 start = time.perf_counter()
-                resumed = Trainer(trainer_config(params, data, trainer.job_dir, window, batch, 10**6), env)
+                resumed = open_trainer(trainer_config(params, data, trainer.job_dir, window, batch, 10**6), env)
                 resume.append(time.perf_counter() - start)
                 resumed.close()
-            results["resume_s"] = statistics.median(resume)
+            figures.median("resume_s", resume)
     finally:
         trainer.close()
-    results.update(
-        {
-            "ckpt_save_s": statistics.median(times["save"]),
-            "ckpt_dcp_save_s": statistics.median(times["dcp"]),
-            "ckpt_raw_save_s": statistics.median(times["raw"]),
-            "ckpt_stall_s": statistics.median(times["pause"]),
-            "ckpt_dcp_async_stall_s": statistics.median(times["dcp_pause"]),
-            "resume_load_s": statistics.median(loads["ours"]),
-            "resume_dcp_load_s": statistics.median(loads["dcp"]),
-        }
-    )
+    for key, way in (
+        ("ckpt_save_s", "save"),
+        ("ckpt_dcp_save_s", "dcp"),
+        ("ckpt_raw_save_s", "raw"),
+        ("ckpt_stall_s", "pause"),
+        ("ckpt_dcp_async_stall_s", "dcp_pause"),
+    ):
+        figures.median(key, times[way])
+    figures.median("resume_load_s", loads["ours"])
+    figures.median("resume_dcp_load_s", loads["dcp"])
     pairs = {
         "ckpt_save_vs_dcp": ("save", "dcp"),
         "ckpt_save_vs_raw_fsync": ("save", "durable"),
@@ -330,22 +322,21 @@ def _measure(preset: str, folder: Path, env, quick: bool) -> dict:
         "ckpt_stall_vs_sync": ("pause", "save"),
     }
     for key, (ours, theirs) in pairs.items():
-        results[key], results[f"{key}_spread"] = ratio_with_spread(times[ours], times[theirs])
-    results["resume_vs_dcp"], results["resume_vs_dcp_spread"] = ratio_with_spread(loads["ours"], loads["dcp"])
+        figures.ratio(key, times[ours], times[theirs])
+    figures.ratio("resume_vs_dcp", loads["ours"], loads["dcp"])
     memory = _peak_memory(folder, params, data, preset)
-    results["ckpt_peak_host_mem_vs_state"] = memory["periodic"]
-    results["ckpt_sync_peak_host_mem_vs_state"] = memory["final"]
-    if preset == "small":
-        return results
-    return {f"{preset}_{key}": value for key, value in results.items()}
+    state = memory["state_bytes"]
+    figures.fraction("ckpt_peak_host_mem_vs_state", memory["extra_bytes"]["periodic"], state)
+    figures.fraction("ckpt_sync_peak_host_mem_vs_state", memory["extra_bytes"]["final"], state)
+    figures.prefix = ""
 
 
 def run(quick: bool) -> dict:
     fix_threads()
-    results: dict = {}
+    figures = Figures()
     with tempfile.TemporaryDirectory(prefix="astrai-bench-ckpt-") as work:
         env = init_distributed("none", "cpu")
         # --quick leaves `base` out: its 1.5 GB saves take more than half of the section.
         for preset in ("small",) if quick else SETUPS:
-            results.update(_measure(preset, Path(work), env, quick))
-    return results
+            _measure(preset, Path(work), env, quick, figures)
+    return figures

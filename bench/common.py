@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import yaml
@@ -15,14 +17,14 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 
-def median_time(run, repeats: int) -> float:
-    """Median wall time of ``run()`` over ``repeats`` calls."""
+def sample_times(run, repeats: int) -> list[float]:
+    """Wall time of each of ``repeats`` calls of ``run()``."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 # Threads every in-process benchmark gives torch. On a shared 2-core machine, two OpenMP threads stall
@@ -50,6 +52,64 @@ def ratio_with_spread(numerators: list[float], denominators: list[float]) -> tup
     return middle, (high - low) / 2 / middle
 
 
+class Figures(dict):
+    """The figures one benchmark section measured, each with the samples it was computed from.
+
+    Every figure is a number (or a count, or a yes/no) under its key, as results.json shows it, and
+    ``figures.samples[key]`` says how it was computed and from what: ``bench.run.recompute`` gets
+    every figure back from its samples alone, so anyone can re-check a figure and its spread.
+    """
+
+    def __init__(self, prefix: str = ""):
+        super().__init__()
+        self.prefix = prefix
+        self.samples: dict[str, dict] = {}
+
+    def _put(self, key: str, value, sample: dict, spread: float | None = None) -> float:
+        key = self.prefix + key
+        self[key] = value
+        if spread is not None:
+            self[f"{key}_spread"] = spread
+        self.samples[key] = sample
+        return value
+
+    def ratio(self, key: str, numerators: list[float], denominators: list[float]) -> float:
+        """The median of per-turn ratios (each turn's pair measured back to back), with its spread."""
+        value, spread = ratio_with_spread(numerators, denominators)
+        pairs = [[a, b] for a, b in zip(numerators, denominators, strict=True)]
+        return self._put(key, value, {"method": "paired_ratio", "pairs": pairs}, spread)
+
+    def median(self, key: str, values: list[float]) -> float:
+        values = list(values)
+        return self._put(key, statistics.median(values), {"method": "median", "values": values})
+
+    def fraction(self, key: str, numerator: float, denominator: float, inputs: dict | None = None) -> float:
+        """One measured quantity over another (a peak over a size, say); ``inputs``: what each came from."""
+        sample = {"method": "fraction", "values": [numerator, denominator], **({"inputs": inputs} if inputs else {})}
+        return self._put(key, numerator / denominator, sample)
+
+    def quotient(self, key: str, numerator: str, denominator: str) -> float:
+        """Two figures of this section divided: ``numerator`` over ``denominator`` (unprefixed keys)."""
+        a, b = self.prefix + numerator, self.prefix + denominator
+        return self._put(key, self[a] / self[b], {"method": "quotient", "of": [a, b]})
+
+    def lowest(self, key: str, keys: list[str]) -> float:
+        """The worst (lowest) of several figures of this section, with its spread."""
+        names = [self.prefix + name for name in keys]
+        worst = min(names, key=lambda name: self[name])
+        return self._put(key, self[worst], {"method": "lowest", "of": names}, self.get(f"{worst}_spread"))
+
+    def count(self, key: str, outcomes: list, *, of=True) -> int:
+        """How many of ``outcomes`` equal ``of`` (every outcome when ``of`` is None)."""
+        outcomes = list(outcomes)
+        value = len(outcomes) if of is None else sum(outcome == of for outcome in outcomes)
+        return self._put(key, value, {"method": "count", "outcomes": outcomes, "of": of})
+
+    def observed(self, key: str, value, evidence) -> object:
+        """A yes/no or a plain reading, with what it was read from."""
+        return self._put(key, value, {"method": "observed", "value": value, "evidence": evidence})
+
+
 def invoke(
     *args: str, env: dict | None = None, check: bool = True, timeout: float = 900
 ) -> subprocess.CompletedProcess:
@@ -70,3 +130,43 @@ def write_config(folder: Path, runtime: dict, trainer: dict | None = None) -> Pa
     config = folder / "train.yaml"
     config.write_text(yaml.safe_dump({"runtime": runtime, **(trainer or {})}, sort_keys=False), encoding="utf-8")
     return config
+
+
+def placeholder_checkpoint(
+    job_dir: Path, epoch: int, step: int, *, files=None, reason: str = "periodic", meta: dict | None = None
+) -> Path:
+    """A folder that is a checkpoint by the folder rule (astrai.common.checkpoints) without holding real state.
+
+    Every file is whole as far as its header tells: meta.json and config.json parse, model.safetensors is a
+    safetensors file of one small tensor, optimizer.pt and scheduler.pt are zip archives. The trainer, which
+    reads the tensors, refuses it; host commands (list, latest, clean) take it for a checkpoint. ``files``
+    limits which files are written (a folder missing some is not a checkpoint).
+    """
+    from astrai.common.checkpoints import CheckpointMeta, checkpoint_name
+    from astrai.common.contract import (
+        META_FILE,
+        MODEL_CONFIG_FILE,
+        OPTIMIZER_FILE,
+        REQUIRED_FILES,
+        SCHEDULER_FILE,
+        WEIGHTS_FILE,
+    )
+    from astrai.common.model_folder import ModelConfig
+
+    folder = job_dir / checkpoint_name(epoch, step)
+    folder.mkdir(parents=True)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    header += b" " * (-len(header) % 8)
+    record = CheckpointMeta(epoch=epoch, step=step, reason=reason, world_size=1).to_dict()
+    contents = {
+        META_FILE: json.dumps({**record, **(meta or {})}).encode(),
+        MODEL_CONFIG_FILE: ModelConfig().to_json().encode(),
+        WEIGHTS_FILE: len(header).to_bytes(8, "little") + header + b"\0" * 4,
+    }
+    for name in files or REQUIRED_FILES:
+        if name in (OPTIMIZER_FILE, SCHEDULER_FILE):
+            with zipfile.ZipFile(folder / name, "w") as archive:
+                archive.writestr("data.pkl", b"placeholder")
+        else:
+            (folder / name).write_bytes(contents[name])
+    return folder

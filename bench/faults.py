@@ -29,7 +29,8 @@ from pathlib import Path
 
 import yaml
 
-from astrai.common.checkpoints import STAGING_PREFIX, latest_complete_checkpoint, read_meta
+from astrai.common.checkpoints import STAGING_PREFIX, latest_complete_checkpoint
+from bench.common import Figures
 from bench.trainer_speed import make_assets
 
 STEPS, INTERVAL = 240, 20
@@ -70,7 +71,7 @@ def _start(config: Path, job_dir: Path, *extra: str) -> subprocess.Popen:
 
 def _final_weights(job_dir: Path) -> bytes:
     latest = latest_complete_checkpoint(job_dir)
-    if latest is None or read_meta(latest)["step"] != STEPS:
+    if latest is None or latest.meta.step != STEPS:
         raise RuntimeError(f"{job_dir} did not finish")
     return (latest.path / "model.safetensors").read_bytes()
 
@@ -124,9 +125,10 @@ def _killed_run(job_dir: Path, config: Path, reference: bytes, kills_per_run: in
         return kills, int(_final_weights(job_dir) == reference)
 
 
-def _term_trials(job_dir: Path, config: Path, trials: int, rng: random.Random) -> tuple[int, int]:
-    """SIGTERM the same job ``trials`` times: (stops, stops that left an emergency checkpoint and resumed it)."""
-    ok = 0
+def _term_trials(job_dir: Path, config: Path, trials: int, rng: random.Random) -> list[bool]:
+    """SIGTERM the same job ``trials`` times: for each stop, whether it left an emergency checkpoint that the
+    next start resumed."""
+    outcomes = []
     for _ in range(trials):
         before = latest_complete_checkpoint(job_dir)
         reported = _metrics_size(job_dir)
@@ -138,14 +140,11 @@ def _term_trials(job_dir: Path, config: Path, trials: int, rng: random.Random) -
         output, _ = process.communicate(timeout=120)
         latest = latest_complete_checkpoint(job_dir)
         left_emergency = (
-            process.returncode == 0
-            and latest is not None
-            and latest != before
-            and read_meta(latest)["reason"] == "emergency"
+            process.returncode == 0 and latest is not None and latest != before and latest.meta.reason == "emergency"
         )
         resumed = before is None or f"resumed from {before.path}" in output
-        ok += left_emergency and resumed
-    return trials, ok
+        outcomes.append(bool(left_emergency and resumed))
+    return outcomes
 
 
 def run(quick: bool) -> dict:
@@ -180,10 +179,11 @@ def run(quick: bool) -> dict:
             ]
             kills = [future.result() for future in killed]
             terms = [future.result() for future in stopped]
-    return {
-        "kill_trials": sum(count for count, _ in kills),
-        "kill_runs": runs,
-        "kill_exact": sum(exact for _, exact in kills),
-        "term_trials": sum(count for count, _ in terms),
-        "term_ok": sum(ok for _, ok in terms),
-    }
+    figures = Figures()
+    # Each killed run: how many SIGKILLs it took, and whether it still ended bitwise equal.
+    figures.count("kill_trials", [1 for count, _ in kills for _ in range(count)], of=None)
+    figures.count("kill_runs", [exact for _, exact in kills], of=None)
+    figures.count("kill_exact", [bool(exact) for _, exact in kills])
+    figures.count("term_trials", [outcome for chain in terms for outcome in chain], of=None)
+    figures.count("term_ok", [outcome for chain in terms for outcome in chain])
+    return figures

@@ -14,7 +14,6 @@ Both sides run in turns, from the page cache, and the medians are compared.
 from __future__ import annotations
 
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -24,8 +23,9 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from astrai.data.pipeline import HFTokenizer, prepare
+from astrai.data.sources import available_cpus
 from astrai.trainer.model import PRESETS, hf_state_dict, load_base_model, write_base_model
-from bench.common import REPO
+from bench.common import REPO, Figures
 
 CORPUS = sorted((REPO / "examples" / "corpus").glob("*.txt"))
 
@@ -59,7 +59,7 @@ def _tokenizer(folder: Path) -> Path:
     return folder / "tokenizer.json"
 
 
-def prepare_vs_tokenizers(folder: Path, quick: bool) -> dict:
+def prepare_vs_tokenizers(folder: Path, quick: bool, figures: Figures) -> None:
     files = _corpus(folder, 4 if quick else 8)
     tokenizer_path = _tokenizer(folder)
     plain = Tokenizer.from_file(str(tokenizer_path))
@@ -73,15 +73,16 @@ def prepare_vs_tokenizers(folder: Path, quick: bool) -> dict:
     written = []
 
     def ours_run():
-        written.append(prepare(folder / "data", files, tokenizer=ours)["num_tokens"])
+        written.append(prepare(folder / "data", files, tokenizer=ours, workers=available_cpus())["num_tokens"])
 
-    ratios, tokens_per_s = [], []
+    ours_rates, plain_rates = [], []
     for _ in range(3 if quick else 5):
         base_s, ours_s = _timed(baseline), _timed(ours_run)
         # Ours also counts one end-of-text token per file.
-        ratios.append((written[-1] / ours_s) / (counted[-1] / base_s))
-        tokens_per_s.append(written[-1] / ours_s)
-    return {"prepare_vs_tokenizers": statistics.median(ratios), "prepare_tokens_per_s": statistics.median(tokens_per_s)}
+        ours_rates.append(written[-1] / ours_s)
+        plain_rates.append(counted[-1] / base_s)
+    figures.ratio("prepare_vs_tokenizers", ours_rates, plain_rates)
+    figures.median("prepare_tokens_per_s", ours_rates)
 
 
 def _shard(folder: Path, dtype: torch.dtype, shards: int = 3) -> list[Path]:
@@ -100,26 +101,26 @@ def _shard(folder: Path, dtype: torch.dtype, shards: int = 3) -> list[Path]:
     return files
 
 
-def load_vs_safetensors(folder: Path, quick: bool) -> dict:
-    results = {}
+def load_vs_safetensors(folder: Path, quick: bool, figures: Figures) -> None:
     for key, dtype in (("load_vs_safetensors", torch.float32), ("load_bf16_vs_safetensors", torch.bfloat16)):
         model = folder / f"model-{key}"
         write_base_model(model, PRESETS["small"], seed=0)
         files = _shard(model, dtype)
         if set(hf_state_dict(load_base_model(model)[1])) != {k for f in files for k in load_file(f)}:
             raise RuntimeError("the two loads read different tensors")
-        ratios = []
+        ours, plain = [], []
         for _ in range(5 if quick else 11):
-            plain = _timed(lambda files=files: [load_file(f) for f in files])
-            ours = _timed(lambda model=model: load_base_model(model))
-            ratios.append(ours / plain)
-        results[key] = statistics.median(ratios)
-    return results
+            plain.append(_timed(lambda files=files: [load_file(f) for f in files]))
+            ours.append(_timed(lambda model=model: load_base_model(model)))
+        figures.ratio(key, ours, plain)
 
 
 def run(quick: bool) -> dict:
+    figures = Figures()
     with tempfile.TemporaryDirectory(prefix="astrai-bench-hf-") as folder:
-        return {**prepare_vs_tokenizers(Path(folder), quick), **load_vs_safetensors(Path(folder), quick)}
+        prepare_vs_tokenizers(Path(folder), quick, figures)
+        load_vs_safetensors(Path(folder), quick, figures)
+    return figures
 
 
 if __name__ == "__main__":

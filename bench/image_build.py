@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from astrai.host import compose
-from bench.common import REPO, write_config
+from bench.common import REPO, Figures, write_config
 
 JOB = "bench-build"
 
@@ -75,9 +75,8 @@ def run(quick: bool, base_image: str) -> dict:
                 built.append(_image_id(image))
         finally:
             subprocess.run(["docker", "image", "rm", "--force", image, *filter(None, built)], capture_output=True)
-    rebuilds.sort()
-    return {
-        "full_build_s": full,
-        "rebuild_code_change_s": rebuilds[len(rebuilds) // 2],
-        "rebuild_vs_full": rebuilds[len(rebuilds) // 2] / full,
-    }
+    figures = Figures()
+    figures.median("full_build_s", [full])
+    figures.median("rebuild_code_change_s", rebuilds)
+    figures.quotient("rebuild_vs_full", "rebuild_code_change_s", "full_build_s")
+    return figures

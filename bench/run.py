@@ -1,13 +1,21 @@
-"""Run every benchmark, print a table, write bench/results.json (and the README's table with --readme).
+"""Run the benchmarks, print a table, merge the figures into bench/results.json, write docs/benchmarks.md's table.
 
-    invoke bench            # the full set (under 20 minutes on 2 CPU cores)
-    invoke bench --quick    # fewer repetitions, and no `base` checkpoint run (under 6 minutes)
-    python -m bench.run --quick --readme
+    invoke bench                          # every section (about 20 minutes on 2 CPU cores)
+    invoke bench --quick                  # fewer repetitions, no `base` checkpoint run (about 6 minutes)
+    invoke bench --only "host commands"   # some sections only; the other figures stay as measured before
+    python -m bench.run --table           # rewrite the docs table from bench/results.json, measure nothing
 
 Every figure is a ratio or a count measured side by side in the same run, as a
 median of repetitions: these machines are shared and noisy, so absolute
 seconds are given for context only. A value shown as ``x ± y%`` carries the
 relative half-width of its median's ~95% confidence interval (its ``_spread`` key).
+
+``bench/results.json`` keeps every figure at the top level, the samples it was
+computed from under ``samples.<key>`` (each turn's pair for a ratio) and the run
+that measured it under ``runs.<key>`` (date, quick or full, load average). A run
+replaces only the figures it measured, so a ``--quick`` run never erases the
+rows only a full run measures; :func:`recompute` gets every figure back from its
+samples, and the docs table is made from this file alone.
 """
 
 from __future__ import annotations
@@ -17,18 +25,29 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import time
 
 from astrai.host import baseimage
-from bench import checkpoint_cost, faults, hf_io, host_commands, image_build, stop_latency, trainer_speed, two_nodes
-from bench.common import REPO, TORCH_THREADS
+from bench import (
+    checkpoint_cost,
+    corpora,
+    faults,
+    hf_io,
+    host_commands,
+    image_build,
+    stop_latency,
+    trainer_speed,
+    two_nodes,
+)
+from bench.common import REPO, TORCH_THREADS, Figures, ratio_with_spread
 
 RESULTS = REPO / "bench" / "results.json"
-README = REPO / "README.md"
-README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
+DOCS = REPO / "docs" / "benchmarks.md"
+TABLE_START, TABLE_END = "<!-- bench:start -->", "<!-- bench:end -->"
+META_KEYS = ("machine", "runs", "samples", "sections")
 
-# key: (description, comparison, target); comparison "<=" / ">=" against a number, "==" against another key
 TARGETS = {
     "trainer_vs_bare": ("trainer tokens per CPU-second over a bare PyTorch loop's (worst of tiny, small)", ">=", 0.98),
     "tiny_trainer_vs_bare": ("the same on `tiny`", ">=", 0.98),
@@ -77,6 +96,33 @@ TARGETS = {
     "prepare_tokens_per_s": ("`prepare --tokenizer` tokens/s (BPE, 2000 tokens)", None, None),
     "load_vs_safetensors": ("loading a sharded fp32 base model over `load_file` of its shards", "<=", 1.2),
     "load_bf16_vs_safetensors": ("the same, bf16 shards", "<=", 1.2),
+    "status_time_1e6_vs_1e4": ("`invoke status` wall time, 10⁶ logged steps over 10⁴", "<=", 1.5),
+    "status_mem_1e6_vs_1e4": ("`invoke status` peak memory, 10⁶ logged steps over 10⁴", "<=", 1.5),
+    "status_1e6_s": ("`invoke status` with 10⁶ logged steps, seconds", None, None),
+    "prepare_jsonl_vs_tokenizers": (
+        "`prepare` tokens/s on JSON Lines, all cores, over tokenizers' own encode_batch on all cores",
+        ">=",
+        0.9,
+    ),
+    "prepare_parallel_speedup": ("`prepare` tokens/s on all cores over `--workers 1`", None, None),
+    "cores": ("CPUs `prepare` may use on this machine", None, None),
+    "prepare_parallel_efficiency": ("that speedup per core", ">=", 0.8),
+    "prepare_memory_10x": ("`prepare` peak resident memory, a corpus 10x larger over the smaller", "<=", 1.2),
+    "prepare_jsonl_tokens_per_s": ("`prepare` tokens/s on JSON Lines, all cores (BPE, 2000 tokens)", None, None),
+    "mixture_vs_single": ("trainer tokens per CPU-second, three data sources over one", ">=", 0.98),
+}
+
+
+SECTIONS = {
+    "trainer overhead": lambda quick, image: trainer_speed.run(quick),
+    "checkpoint cost": lambda quick, image: checkpoint_cost.run(quick),
+    "host commands at scale": lambda quick, image: host_commands.run(quick),
+    "image rebuild": lambda quick, image: image_build.run(quick, image),
+    "stop latency": lambda quick, image: stop_latency.run(quick, image),
+    "fault injection": lambda quick, image: faults.run(quick),
+    "two nodes": lambda quick, image: two_nodes.run(quick, image),
+    "own model and tokenizer": lambda quick, image: hf_io.run(quick),
+    "corpora": lambda quick, image: corpora.run(quick),
 }
 
 
@@ -96,8 +142,33 @@ def machine() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "docker": docker.stdout.strip() or "unavailable",
-        "date": time.strftime("%Y-%m-%d"),
+        "torch_threads": TORCH_THREADS,
     }
+
+
+def recompute(results: dict, key: str) -> tuple[object, float | None]:
+    """A figure and its spread (None if it has none) from ``results['samples'][key]`` alone."""
+    sample = results["samples"][key]
+    method = sample["method"]
+    if method == "paired_ratio":
+        return ratio_with_spread([a for a, _ in sample["pairs"]], [b for _, b in sample["pairs"]])
+    if method == "median":
+        return statistics.median(sample["values"]), None
+    if method == "fraction":
+        numerator, denominator = sample["values"]
+        return numerator / denominator, None
+    if method == "quotient":
+        numerator, denominator = sample["of"]
+        return recompute(results, numerator)[0] / recompute(results, denominator)[0], None
+    if method == "lowest":
+        worst = min(sample["of"], key=lambda name: recompute(results, name)[0])
+        return recompute(results, worst)
+    if method == "count":
+        outcomes = sample["outcomes"]
+        return (len(outcomes) if sample["of"] is None else sum(o == sample["of"] for o in outcomes)), None
+    if method == "observed":
+        return sample["value"], None
+    raise ValueError(f"{key}: unknown sample method {method!r}")
 
 
 def verdict(key: str, results: dict) -> str:
@@ -111,74 +182,109 @@ def verdict(key: str, results: dict) -> str:
 
 
 def table(results: dict) -> str:
-    rows = ["| measure | key | value | target |", "|---|---|---|---|"]
+    """The docs table: every target figure in results.json, with the run that measured it."""
+    rows = ["| measure | key | value | target | measured |", "|---|---|---|---|---|"]
+    runs = results.get("runs", {})
     for key, (description, _, _) in TARGETS.items():
         if key in results:
             value = results[key]
             shown = f"{value:.3g}" if isinstance(value, float) else str(value)
             if f"{key}_spread" in results:
                 shown += f" ± {results[f'{key}_spread']:.1%}"
-            rows.append(f"| {description} | `{key}` | {shown} | {verdict(key, results)} |")
+            run = runs.get(key)
+            when = f"{run['date']} {run['mode']}, load {run['load_average']:.1f}" if run else ""
+            rows.append(f"| {description} | `{key}` | {shown} | {verdict(key, results)} | {when} |")
     return "\n".join(rows)
 
 
-def update_readme(text: str) -> None:
-    readme = README.read_text(encoding="utf-8")
-    block = f"{README_START}\n{text}\n{README_END}"
-    pattern = re.compile(re.escape(README_START) + ".*?" + re.escape(README_END), re.DOTALL)
-    if not pattern.search(readme):
-        raise SystemExit(f"{README} has no {README_START} ... {README_END} block")
-    README.write_text(pattern.sub(lambda _: block, readme), encoding="utf-8")
+def summary(results: dict) -> str:
+    info = results["machine"]
+    sections = results.get("sections", {})
+    timed = ", ".join(
+        f"{name} {entry['seconds'] / 60:.1f} min ({entry['date']} {entry['mode']})" for name, entry in sections.items()
+    )
+    return (
+        f"Measured with `invoke bench` on {info['cores']} cores ({info['cpu']}), Python {info['python']}, "
+        f"torch {info['torch']} ({info['torch_threads']} thread in-process), Docker {info['docker']}. "
+        f"Each row names the run that measured it; sections: {timed}.\n\n" + table(results)
+    )
 
 
-def run(quick: bool, readme: bool, base_image: str) -> dict:
+def write_docs(results: dict) -> None:
+    text = DOCS.read_text(encoding="utf-8")
+    block = f"{TABLE_START}\n{summary(results)}\n{TABLE_END}"
+    pattern = re.compile(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), re.DOTALL)
+    if not pattern.search(text):
+        raise SystemExit(f"{DOCS} has no {TABLE_START} ... {TABLE_END} block")
+    DOCS.write_text(pattern.sub(lambda _: block, text), encoding="utf-8")
+
+
+def load_results() -> dict:
+    """bench/results.json as it stands (an empty record when there is none)."""
+    try:
+        results = json.loads(RESULTS.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        results = {}
+    for name in ("runs", "samples", "sections"):
+        results.setdefault(name, {})
+    return results
+
+
+def merge(results: dict, figures: Figures, run: dict) -> None:
+    """Put one section's figures into ``results``, replacing only the figures it measured."""
+    for key, value in figures.items():
+        results[key] = value
+    for key, sample in figures.samples.items():
+        results["samples"][key] = sample
+        results["runs"][key] = run
+        if f"{key}_spread" not in figures:
+            results.pop(f"{key}_spread", None)
+
+
+def run(quick: bool, base_image: str, only: list[str] | None = None) -> dict:
+    unknown = sorted(set(only or ()) - set(SECTIONS))
+    if unknown:
+        raise SystemExit(f"unknown section(s) {', '.join(unknown)}; the sections are: {', '.join(SECTIONS)}")
     baseimage.ensure_base_image(base_image)
-    results: dict = {"quick": quick, "machine": machine(), "torch_threads": TORCH_THREADS}
-    steps = [
-        ("trainer overhead", lambda: trainer_speed.run(quick)),
-        ("checkpoint cost", lambda: checkpoint_cost.run(quick)),
-        ("host commands at scale", lambda: host_commands.run(quick)),
-        ("image rebuild", lambda: image_build.run(quick, base_image)),
-        ("stop latency", lambda: stop_latency.run(quick, base_image)),
-        ("fault injection", lambda: faults.run(quick)),
-        ("two nodes", lambda: two_nodes.run(quick, base_image)),
-        ("own model and tokenizer", lambda: hf_io.run(quick)),
-    ]
-    sections = results["section_seconds"] = {}
-    for name, step in steps:
+    # A full run of every section measures every figure: it starts afresh, so figures no section makes any more go.
+    results = load_results() if quick or only else {"runs": {}, "samples": {}, "sections": {}}
+    results["machine"] = machine()
+    mode = "quick" if quick else "full"
+    for name, step in SECTIONS.items():
+        if only and name not in only:
+            continue
         print(f"== {name}", flush=True)
         started = time.perf_counter()
-        results.update(step())
-        sections[name] = round(time.perf_counter() - started, 1)
-        print(f"   done in {sections[name]:.0f} s", flush=True)
+        figures = step(quick, base_image)
+        seconds = round(time.perf_counter() - started, 1)
+        stamp = {"date": time.strftime("%Y-%m-%d"), "mode": mode, "load_average": round(os.getloadavg()[0], 2)}
+        merge(results, figures, {**stamp, "section": name})
+        results["sections"][name] = {**stamp, "seconds": seconds}
+        print(f"   done in {seconds:.0f} s", flush=True)
         # Written after every section, so that an interrupted run keeps what it measured.
         RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    results["total_seconds"] = round(sum(sections.values()), 1)
-    RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    info = results["machine"]
-    summary = (
-        f"Measured {info['date']} with `invoke bench{' --quick' if quick else ''}` on {info['cores']} cores "
-        f"({info['cpu']}), Python {info['python']}, torch {info['torch']} ({TORCH_THREADS} thread in-process), "
-        f"Docker {info['docker']}; the whole run took {results['total_seconds'] / 60:.1f} minutes"
-        f"{' (--quick leaves out the `base` checkpoint rows)' if quick else ''}.\n\n" + table(results)
-    )
-    print("\n" + summary)
-    if readme:
-        update_readme(summary)
+    print("\n" + summary(results))
+    write_docs(results)
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, no `base` checkpoint run")
-    parser.add_argument("--readme", action="store_true", help="write the table into README.md")
+    parser.add_argument("--only", action="append", metavar="SECTION", help="measure only this section (repeatable)")
+    parser.add_argument(
+        "--table", action="store_true", help="rewrite the docs table from results.json, measure nothing"
+    )
     parser.add_argument(
         "--base-image",
         default=os.environ.get("ASTRAI_TEST_BASE_IMAGE", baseimage.DEFAULT_TAG),
         help="local base image for the Docker benchmarks",
     )
     args = parser.parse_args(argv)
-    run(args.quick, args.readme, args.base_image)
+    if args.table:
+        write_docs(load_results())
+        return 0
+    run(args.quick, args.base_image, args.only)
     return 0
 
 

@@ -17,19 +17,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from astrai.common.checkpoints import latest_complete_checkpoint, read_meta
+from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.host import compose
 from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import Trainer
-from bench.common import invoke, write_config
+from astrai.trainer.loop import open_trainer
+from bench.common import Figures, invoke, write_config
 from bench.trainer_speed import make_assets, trainer_config
 
 JOB = "bench-stop"
 PRESET, WINDOW, BATCH = "small", 64, 8
 
 
-def _save_seconds(folder: Path, params: Path, data: Path) -> float:
-    trainer = Trainer(
+def _save_seconds(folder: Path, params: Path, data: Path) -> list[float]:
+    trainer = open_trainer(
         trainer_config(params, data, folder / "save-probe", WINDOW, BATCH, 10**6), init_distributed("none", "cpu")
     )
     try:
@@ -42,7 +42,7 @@ def _save_seconds(folder: Path, params: Path, data: Path) -> float:
             times.append(time.perf_counter() - start)
     finally:
         trainer.close()
-    return statistics.median(times)
+    return times
 
 
 def _step_seconds(job_dir: Path) -> float:
@@ -71,7 +71,7 @@ def run(quick: bool, base_image: str) -> dict:
             },
         )
         job_dir = folder / "ckpt" / JOB
-        latencies = []
+        latencies, step_times = [], []
         try:
             invoke("init", "--config", str(config))
             for _ in range(2 if quick else 5):
@@ -88,9 +88,9 @@ def run(quick: bool, base_image: str) -> dict:
                 invoke("stop", "--config", str(config))
                 latencies.append(time.perf_counter() - start)
                 latest = latest_complete_checkpoint(job_dir)
-                if latest is None or read_meta(latest)["reason"] != "emergency":
+                if latest is None or latest.meta.reason != "emergency":
                     raise RuntimeError("stop left no emergency checkpoint")
-                step_s = _step_seconds(job_dir)
+                step_times.append(_step_seconds(job_dir))
                 (job_dir / "metrics.jsonl").unlink()
         finally:
             subprocess.run(
@@ -107,11 +107,15 @@ def run(quick: bool, base_image: str) -> dict:
                 ],
                 capture_output=True,
             )
-        save_s = _save_seconds(folder, params, data)
-    latency = statistics.median(latencies)
-    return {
-        "stop_latency_s": latency,
-        "stop_step_s": step_s,
-        "stop_save_s": save_s,
-        "stop_latency_units": latency / (step_s + save_s),
-    }
+        save_times = _save_seconds(folder, params, data)
+    figures = Figures()
+    latency = figures.median("stop_latency_s", latencies)
+    figures.median("stop_step_s", step_times)
+    figures.median("stop_save_s", save_times)
+    figures.fraction(
+        "stop_latency_units",
+        latency,
+        figures["stop_step_s"] + figures["stop_save_s"],
+        {"stop_seconds": latencies, "step_seconds": step_times, "save_seconds": save_times},
+    )
+    return figures

@@ -20,7 +20,6 @@ confidence interval (``bench.common.ratio_with_spread``).
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -32,10 +31,10 @@ from astrai.common.config import build_config
 from astrai.common.data_folder import TokenData
 from astrai.data.pipeline import prepare
 from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import Trainer
+from astrai.trainer.loop import open_trainer
 from astrai.trainer.model import PRESETS, Transformer, load_base_model, write_base_model
 from astrai.trainer.windows import WindowDataset, epoch_permutation
-from bench.common import REPO, fix_threads, ratio_with_spread
+from bench.common import REPO, Figures, fix_threads
 
 # preset: (window_size, batch_per_device, steps per turn)
 SETUPS = {"tiny": (128, 16, 4), "small": (128, 4, 1)}
@@ -102,12 +101,12 @@ def _timed(run) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def measure(preset: str, repeats: int, folder: Path) -> dict:
+def measure(preset: str, repeats: int, folder: Path, figures: Figures) -> None:
     window, batch, steps = SETUPS[preset]
     params, data = make_assets(folder, preset)
     env = init_distributed("none", "cpu")
     config = trainer_config(params, data, folder / f"job-{preset}", window, batch, max_steps=10**6)
-    trainer = Trainer(config, env)
+    trainer = open_trainer(config, env)
     bare = BareLoop(params, data, window, batch, config.training.max_lr, config.training.max_grad_norm)
     sides = {"trainer": lambda: trainer.train(steps=steps), "bare": lambda: bare.train(steps)}
     try:
@@ -120,26 +119,20 @@ def measure(preset: str, repeats: int, folder: Path) -> dict:
     finally:
         trainer.close()
     tokens = steps * batch * window
+    figures.median(f"{preset}_trainer_tokens_per_s", [tokens / wall for wall, _ in times["trainer"]])
+    figures.median(f"{preset}_bare_tokens_per_s", [tokens / wall for wall, _ in times["bare"]])
     # Both sides train the same tokens per turn, so the ratio of rates is the inverse ratio of times.
-    cpu, cpu_spread = ratio_with_spread([cpu for _, cpu in times["bare"]], [cpu for _, cpu in times["trainer"]])
-    wall, wall_spread = ratio_with_spread([wall for wall, _ in times["bare"]], [wall for wall, _ in times["trainer"]])
-    return {
-        f"{preset}_trainer_tokens_per_s": tokens / statistics.median(wall for wall, _ in times["trainer"]),
-        f"{preset}_bare_tokens_per_s": tokens / statistics.median(wall for wall, _ in times["bare"]),
-        f"{preset}_trainer_vs_bare": cpu,
-        f"{preset}_trainer_vs_bare_spread": cpu_spread,
-        f"{preset}_trainer_vs_bare_wall": wall,
-        f"{preset}_trainer_vs_bare_wall_spread": wall_spread,
-    }
+    bare, ours = times["bare"], times["trainer"]
+    figures.ratio(f"{preset}_trainer_vs_bare", [cpu for _, cpu in bare], [cpu for _, cpu in ours])
+    figures.ratio(f"{preset}_trainer_vs_bare_wall", [wall for wall, _ in bare], [wall for wall, _ in ours])
 
 
 def run(quick: bool) -> dict:
     fix_threads()
-    results: dict = {}
+    figures = Figures()
     with tempfile.TemporaryDirectory(prefix="astrai-bench-speed-") as work:
         for preset in SETUPS:
-            results.update(measure(preset, 7 if quick else 21, Path(work)))
+            measure(preset, 7 if quick else 21, Path(work), figures)
     for key in ("trainer_vs_bare", "trainer_vs_bare_wall"):
-        worst = min(SETUPS, key=lambda preset: results[f"{preset}_{key}"])
-        results[key], results[f"{key}_spread"] = results[f"{worst}_{key}"], results[f"{worst}_{key}_spread"]
-    return results
+        figures.lowest(key, [f"{preset}_{key}" for preset in SETUPS])
+    return figures

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import json
 import socket
-import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from astrai.common.checkpoints import latest_complete_checkpoint, read_meta
+from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.host import compose, engine
-from bench.common import invoke, write_config
+from bench.common import Figures, invoke, write_config
 from bench.trainer_speed import make_assets
 
 JOB = "bench-nodes"
@@ -62,9 +61,10 @@ def _wait_exit(project: str, timeout: float = 900) -> engine.Container:
     return engine.inspect_container(found.id)
 
 
-def _tokens_per_s(job_dir: Path) -> float:
+def _tokens_per_s(job_dir: Path) -> list[float]:
+    """tokens/s of every progress record after the first (which includes the start-up)."""
     records = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return statistics.median(record["tokens_per_s"] for record in records[1:])
+    return [record["tokens_per_s"] for record in records[1:]]
 
 
 def _projects(nodes: bool) -> list[str]:
@@ -78,7 +78,7 @@ def _start(config: Path, nodes: bool) -> None:
 
 def run(quick: bool, base_image: str) -> dict:
     steps = 20 if quick else 60
-    results: dict = {}
+    figures = Figures()
     with tempfile.TemporaryDirectory(prefix="astrai-bench-nodes-") as work:
         folder = Path(work)
         params, data = make_assets(folder, PRESET)
@@ -94,8 +94,9 @@ def run(quick: bool, base_image: str) -> dict:
                         raise RuntimeError(f"the benchmark job {project} failed")
                 rates[nodes] = _tokens_per_s(job_dir)
                 subprocess.run(["rm", "-rf", str(job_dir)], check=True)
-            results["two_node_tokens_per_s"], results["one_node_tokens_per_s"] = rates[True], rates[False]
-            results["two_node_vs_one"] = rates[True] / rates[False]
+            figures.median("two_node_tokens_per_s", rates[True])
+            figures.median("one_node_tokens_per_s", rates[False])
+            figures.quotient("two_node_vs_one", "two_node_tokens_per_s", "one_node_tokens_per_s")
 
             latencies = []
             config = _config(folder, params, data, base_image, True, 10**6)
@@ -114,14 +115,14 @@ def run(quick: bool, base_image: str) -> dict:
                 codes = [_wait_exit(project).exit_code for project in _projects(True)]
                 latencies.append(time.perf_counter() - start)
                 latest = latest_complete_checkpoint(job_dir)
-                if codes != [0, 0] or latest is None or read_meta(latest)["reason"] != "emergency":
+                if codes != [0, 0] or latest is None or latest.meta.reason != "emergency":
                     raise RuntimeError(f"the stop on node 1 did not end both nodes cleanly (exit codes {codes})")
                 (job_dir / "metrics.jsonl").unlink()
-            results["stop_latency_two_nodes_s"] = statistics.median(latencies)
+            figures.median("stop_latency_two_nodes_s", latencies)
         finally:
             for project in _projects(False) + _projects(True):
                 subprocess.run(
                     ["docker", "compose", "--project-name", project, "down", "--rmi", "local", "--timeout", "5"],
                     capture_output=True,
                 )
-    return results
+    return figures
