@@ -88,7 +88,7 @@ def _drop_from_page_cache(folder: Path) -> None:
 def _raw_save(trainer: Trainer, target: Path, durable: bool) -> None:
     target.mkdir()
     save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, target / "model.safetensors")
-    torch.save(trainer.optimizer.state_dict(), target / "optimizer.pt")
+    torch.save([part.state_dict() for part in trainer.optimizer.parts], target / "optimizer.pt")
     torch.save(trainer.schedule.state_dict(trainer.progress.step), target / "scheduler.pt")
     if durable:
         for name in ("model.safetensors", "optimizer.pt", "scheduler.pt"):
@@ -97,7 +97,7 @@ def _raw_save(trainer: Trainer, target: Path, durable: bool) -> None:
 
 def _dcp_state(trainer: Trainer) -> dict:
     """The trainer's state as DCP takes it: model and optimizer state dicts keyed by parameter name."""
-    model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+    model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer.parts)
     return {
         "model": model_state,
         "optimizer": optimizer_state,
@@ -118,7 +118,7 @@ def _dcp_load(trainer: Trainer, source: Path) -> None:
     state = _dcp_state(trainer)
     dcp.load(state, checkpoint_id=source, no_dist=True)
     set_state_dict(
-        trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        trainer.model, trainer.optimizer.parts, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
     torch.set_rng_state(state["rng"])
 
@@ -240,7 +240,7 @@ def _memory_child(params: str, data: str, job_dir: str, preset: str) -> None:
         trainer.checkpointer.wait()
         extra[reason] = (_status_kib("VmHWM") - before) * 1024
         _clear(trainer.job_dir)
-    _, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+    _, optimizer_state = get_state_dict(trainer.model, trainer.optimizer.parts)
     tensors = [
         *trainer.model.state_dict().values(),
         *(t for state in optimizer_state["state"].values() for t in state.values() if isinstance(t, torch.Tensor)),

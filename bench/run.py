@@ -37,6 +37,7 @@ from bench import (
     hf_io,
     host_commands,
     image_build,
+    post_training,
     stop_latency,
     trainer_speed,
     two_nodes,
@@ -110,6 +111,11 @@ TARGETS = {
     "prepare_memory_10x": ("`prepare` peak resident memory, a corpus 10x larger over the smaller", "<=", 1.2),
     "prepare_jsonl_tokens_per_s": ("`prepare` tokens/s on JSON Lines, all cores (BPE, 2000 tokens)", None, None),
     "mixture_vs_single": ("trainer tokens per CPU-second, three data sources over one", ">=", 0.98),
+    "sft_vs_seq": ("SFT record tokens per CPU-second over pre-training tokens (packing overhead)", ">=", 0.9),
+    "sft_window_fill": ("record tokens over window positions in the SFT packing", None, None),
+    "dpo_step_vs_two_seq": ("DPO step over a pre-training step of the chosen and rejected rows (default)", "<=", 1.3),
+    "dpo_live_step_vs_two_seq": ("the same with training.dpo_reference live", None, None),
+    "dpo_precomputed_step_vs_two_seq": ("the same with training.dpo_reference precomputed", None, None),
 }
 
 
@@ -123,6 +129,7 @@ SECTIONS = {
     "two nodes": lambda quick, image: two_nodes.run(quick, image),
     "own model and tokenizer": lambda quick, image: hf_io.run(quick),
     "corpora": lambda quick, image: corpora.run(quick),
+    "post-training": lambda quick, image: post_training.run(quick),
 }
 
 

@@ -96,6 +96,10 @@ class CheckpointMeta:
     window_size: int | None = None
     global_batch: int | None = None
     """Sequences per optimizer step when it was written."""
+    train_type: str | None = None
+    """seq, sft or dpo (absent in checkpoints older than post-training: seq)."""
+    reference: dict | None = None
+    """DPO only: the frozen reference model it was trained against, ``{"path": ..., "sha256": ...}``."""
 
     def to_dict(self) -> dict:
         values = dataclasses.asdict(self)
@@ -127,12 +131,21 @@ class CheckpointMeta:
             "max_steps": _count(raw, "max_steps", default=None, minimum=1),
             "window_size": _count(raw, "window_size", default=None, minimum=1),
             "global_batch": _count(raw, "global_batch", default=None, minimum=1),
+            "train_type": raw.get("train_type"),
+            "reference": raw.get("reference"),
         }
         if values["reason"] not in REASONS:
             allowed = ", ".join(REASONS)
             raise DamagedCheckpoint(f"{META_FILE}: reason must be one of {allowed}, got {raw.get('reason')!r}")
         if not isinstance(values["parallel_mode"], str) or not isinstance(values["config_hash"], (str, type(None))):
             raise DamagedCheckpoint(f"{META_FILE}: parallel_mode and config_hash must be strings")
+        if not isinstance(values["train_type"], (str, type(None))):
+            raise DamagedCheckpoint(f"{META_FILE}: train_type must be a string, got {values['train_type']!r}")
+        reference = values["reference"]
+        if reference is not None and not (
+            isinstance(reference, dict) and all(isinstance(reference.get(key), str) for key in ("path", "sha256"))
+        ):
+            raise DamagedCheckpoint(f"{META_FILE}: reference must be an object with path and sha256, got {reference!r}")
         moment = values["time"]
         if isinstance(moment, bool) or not isinstance(moment, (int, float)) or not math.isfinite(moment):
             raise DamagedCheckpoint(f"{META_FILE}: time must be a number, got {moment!r}")

@@ -23,6 +23,7 @@ import yaml
 
 from astrai.common.configfile import ConfigError, load_yaml, show_value, unknown
 from astrai.common.contract import CONTAINER_DATA, CONTAINER_MODEL, PARALLEL_MODES, container_job_dir
+from astrai.common.data_folder import KINDS
 
 HOST_SECTION = "runtime"
 """The section the host reads (astrai/host/runtime.py); the trainer ignores it."""
@@ -59,6 +60,8 @@ class DataSection:
     """DataLoader worker processes; one keeps reading off the training thread, 0 reads in the main process."""
     val_fraction: float = 0.0
     """Share of the windows held out for validation and never trained on (the last of every round(1/f)); 0 = none."""
+    overlong: str = "truncate"
+    """Post-training: a sequence longer than window_size is cut to it (truncate) or left out (drop)."""
     sources: tuple[DataSource, ...] | None = None
     """A weighted mixture: a list of {path, weight}, each path a prepared folder under data_root_path. Windows are
     drawn from each source in proportion to its weight; a source smaller than its share is repeated. null trains
@@ -67,6 +70,7 @@ class DataSection:
     def __post_init__(self) -> None:
         if self.sources is not None:
             _check_sources(self.sources)
+        _check(self.overlong in OVERLONG, "data.overlong", self.overlong, " | ".join(OVERLONG))
         _check(self.window_size >= 1, "data.window_size", self.window_size, "an integer >= 1")
         _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "an integer >= 0")
         _check(0 <= self.val_fraction <= 0.5, "data.val_fraction", self.val_fraction, "a number in [0, 0.5]")
@@ -140,6 +144,9 @@ def _sources(dotted: str, value, from_text: bool):
 
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("cosine", "wsd", "constant")
+OPTIMIZERS = ("adamw", "muon")
+OVERLONG = ("truncate", "drop")
+DPO_REFERENCES = ("precomputed", "live")
 
 
 @dataclass(frozen=True)
@@ -154,6 +161,18 @@ class TrainingSection:
     """Sequences per optimizer step over all processes. When set, grad_accum_steps is derived as
     global_batch_size / (batch_per_device x world size), so a resume on another world size trains the same
     windows in every step; null uses grad_accum_steps as given."""
+    train_type: str = "seq"
+    """seq: next-token loss on every token (pre-training); sft: supervised fine-tuning on the assistant turns of
+    chat data (or completions); dpo: direct preference optimisation on (prompt, chosen, rejected) pairs. The
+    data folder must hold that kind (prepare --kind)."""
+    dpo_beta: float = 0.1
+    """DPO's beta: how far from the reference model the policy may move (higher: closer)."""
+    dpo_reference: str = "precomputed"
+    """precomputed: the reference scores every pair once, before the first step (kept in the job dir for
+    resumes), and leaves memory; live: it stays loaded and scores each batch (a forward pass per step)."""
+    optimizer: str = "adamw"
+    """adamw, or muon: Muon for the 2-D weight matrices of the transformer blocks, AdamW for embeddings, norms,
+    biases and the output head (not under FSDP, which shards the matrices Muon orthogonalises whole)."""
     max_lr: float = 3e-4
     """Peak learning rate, reached at the end of warmup."""
     schedule: str = "cosine"
@@ -191,6 +210,15 @@ class TrainingSection:
         )
         _check(self.max_lr > 0, "training.max_lr", self.max_lr, "a number > 0")
         _check(self.schedule in SCHEDULES, "training.schedule", self.schedule, " | ".join(SCHEDULES))
+        _check(self.train_type in KINDS, "training.train_type", self.train_type, " | ".join(KINDS))
+        _check(self.optimizer in OPTIMIZERS, "training.optimizer", self.optimizer, " | ".join(OPTIMIZERS))
+        _check(self.dpo_beta > 0, "training.dpo_beta", self.dpo_beta, "a number > 0")
+        _check(
+            self.dpo_reference in DPO_REFERENCES,
+            "training.dpo_reference",
+            self.dpo_reference,
+            " | ".join(DPO_REFERENCES),
+        )
         _check(0 <= self.min_lr_ratio <= 1, "training.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         _check(0 < self.decay_ratio <= 1, "training.decay_ratio", self.decay_ratio, "a number in (0, 1]")
         _check(0 <= self.warmup_ratio < 1, "training.warmup_ratio", self.warmup_ratio, "a number in [0, 1)")
@@ -234,6 +262,8 @@ class CkptSection:
     """Base model folder (config.json + model.safetensors) used when there is no checkpoint to resume."""
     keep_last: int | None = None
     """Keep only this many newest checkpoints (the newest is never deleted); null keeps all."""
+    reference_path: str | None = None
+    """DPO's frozen reference model (a model folder); null: the base model (param_path)."""
 
     def __post_init__(self) -> None:
         _check(self.ckpt_interval >= 1, "ckpt.ckpt_interval", self.ckpt_interval, "an integer >= 1")
@@ -276,6 +306,18 @@ class TrainerConfig:
     training: TrainingSection = field(default_factory=TrainingSection)
     ckpt: CkptSection = field(default_factory=CkptSection)
     log: LogSection = field(default_factory=LogSection)
+
+    def __post_init__(self) -> None:
+        if self.data.sources is not None and self.training.train_type != "seq":
+            raise ConfigError(
+                f"data.sources: mixtures are for pre-training data; training.train_type {self.training.train_type} "
+                "trains on one data folder (data_root_path)"
+            )
+        if self.training.optimizer == "muon" and self.parallel.parallel_mode == "fsdp":
+            raise ConfigError(
+                "training.optimizer: muon orthogonalises each weight matrix whole, and parallel.parallel_mode fsdp "
+                "gives every process only a shard of it; use parallel_mode ddp, or optimizer adamw"
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

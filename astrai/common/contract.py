@@ -92,7 +92,9 @@ WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 """A Hugging Face ``tokenizers`` tokenizer (``prepare --tokenizer``)."""
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"""A tokenizer folder's chat template as a file of its own (newer transformers write it there)."""
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", CHAT_TEMPLATE_FILE)
 """A model folder's tokenizer files, which the data folder and every checkpoint carry along."""
 
 # --- Checkpoint folders (docs/checkpoints.md; the rule is astrai/common/checkpoints.py) ---------
@@ -118,6 +120,12 @@ METRIC_MAX_STEPS = "max_steps"
 METRIC_LOSS = "loss"
 METRIC_EPOCH = "epoch"
 METRIC_TOKENS_SEEN = "tokens_seen"
+METRIC_REWARDS_CHOSEN = "rewards_chosen"
+"""DPO (TRL's rewards/chosen): beta times the policy-over-reference log-probability ratio of the chosen answers."""
+METRIC_REWARDS_REJECTED = "rewards_rejected"
+METRIC_REWARDS_MARGIN = "rewards_margin"
+METRIC_REWARDS_ACCURACY = "rewards_accuracy"
+"""DPO: the share of pairs whose chosen reward exceeds the rejected one's."""
 METRIC_TOKENS_PER_SOURCE = "tokens_per_source"
 """With data.sources: tokens trained from each source so far, by its path."""
 METRIC_TIME = "time"
@@ -131,6 +139,10 @@ METRIC_MFU = "mfu"
 """Model FLOPs utilization, a fraction of the device's peak; absent where the peak is unknown (CPU)."""
 METRIC_MAX_ALLOCATED_GIB = "max_allocated_gib"
 """Peak memory allocated by tensors on global rank 0's GPU so far; absent on CPU."""
+
+REFERENCE_LOG_PROBS_FILE = "reference_logps.safetensors"
+"""DPO with training.dpo_reference precomputed: the reference's log-probabilities of every pair (chosen,
+rejected), computed once for the job, kept for its resumes; its metadata names the reference and data."""
 
 TENSORBOARD_DIR = "tensorboard"
 """TensorBoard event files of a job: ``<job dir>/tensorboard/``, written by global rank 0."""

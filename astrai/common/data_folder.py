@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,20 @@ DTYPES = {"uint16": 2, "uint32": 4}
 
 class DataError(AstraiError):
     """A data folder that cannot be trained on; the message says what to do."""
+
+
+KINDS = ("seq", "sft", "dpo")
+"""What a data folder holds: a token stream (pre-training), supervised sequences (SFT), or pairs of them (DPO)."""
+
+
+def mask_file_name(shard: str) -> str:
+    """The supervision mask beside a post-training shard: one byte per token, 1 where the loss covers it."""
+    return shard.replace("shard_", "mask_", 1)
+
+
+def records_file_name(shard: str) -> str:
+    """The lengths of a post-training shard's sequences, uint32 little-endian, in order."""
+    return shard.replace("shard_", "records_", 1)
 
 
 @dataclass(frozen=True)
@@ -49,6 +65,16 @@ class TokenData:
     documents: int | None = None
     """Documents (records) it holds; None for folders prepared before prepare counted them."""
     source_files: int = 0
+    kind: str = "seq"
+    """seq, sft or dpo (KINDS)."""
+    record_counts: tuple[int, ...] = ()
+    """Post-training data: the sequences of each shard (in its records file)."""
+
+    def mask_file(self, shard: int) -> Path:
+        return self.shard_files[shard].with_name(mask_file_name(self.shard_files[shard].name))
+
+    def records_file(self, shard: int) -> Path:
+        return self.shard_files[shard].with_name(records_file_name(self.shard_files[shard].name))
 
     @property
     def tokenizer_identity(self) -> tuple:
@@ -91,7 +117,11 @@ class TokenData:
                 end_of_text=manifest.get("end_of_text"),
                 documents=manifest.get("documents"),
                 source_files=len(manifest.get("sources", [])),
+                kind=str(manifest.get("kind", "seq")),
+                record_counts=tuple(int(shard.get("num_records", 0)) for shard in manifest["shards"]),
             )
+            if data.kind not in KINDS:
+                raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {data.kind!r}")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             raise DataError(f"{manifest_path}: unreadable manifest ({error}); {how}") from None
         if data.num_tokens == 0 or not shards:
@@ -104,7 +134,32 @@ class TokenData:
         for name in data.tokenizer_files:
             if not (root / name).is_file():
                 raise DataError(f"{root / name}: missing (the manifest lists it); {how}")
+        if data.kind != "seq":
+            for index, (count, records) in enumerate(zip(data.shard_tokens, data.record_counts, strict=True)):
+                for path, size in ((data.mask_file(index), count), (data.records_file(index), 4 * records)):
+                    found = path.stat().st_size if path.is_file() else None
+                    if found != size:
+                        raise DataError(f"{path}: expected {size} bytes, found {found}; {how}")
         return data
+
+    def sequence_lengths(self, shard: int) -> list[int]:
+        """Post-training data: the length of each sequence of a shard, in order."""
+        lengths = array("I")
+        lengths.frombytes(self.records_file(shard).read_bytes())
+        if sys.byteorder == "big":
+            lengths.byteswap()
+        return lengths.tolist()
+
+    def check_kind(self, train_type: str, tokenizer_hint: str = "--tokenizer MODEL") -> None:
+        """Refuse data of another kind than the training type, naming the command that prepares the right one."""
+        if self.kind == train_type:
+            return
+        flag = "" if train_type == "seq" else f" --kind {train_type}"
+        holds = {"seq": "pre-training text", "sft": "SFT examples", "dpo": "DPO pairs"}
+        raise DataError(
+            f"data folder {self.root} holds {holds[self.kind]} (kind {self.kind}) but training.train_type is "
+            f"{train_type}; prepare it with `python -m astrai.data prepare{flag} {tokenizer_hint} --out DIR FILE...`"
+        )
 
     def fingerprint(self) -> str:
         """A digest of the manifest: two folders with the same one hold the same tokens in the same shards."""
@@ -155,3 +210,101 @@ class WindowSplit:
         """At most ``limit`` held-out corpus windows, evenly spread: the fixed validation set."""
         count = min(self.num_val, limit)
         return [self.val_window(i * self.num_val // count) for i in range(count)]
+
+
+@dataclass(frozen=True)
+class Packing:
+    windows: list[list[tuple[int, int]]]
+    """Each window: (sequence, tokens taken from it)."""
+    truncated: int
+    dropped: int
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+
+def pack(lengths: list[int], window: int, overlong: str) -> Packing:
+    """Sequences into windows of ``window`` predictions (L tokens take L - 1); overlong ones cut or left out.
+
+    Best fit, longest first: each sequence goes into the open window it fills most tightly, or a new
+    one. That leaves far less room unused at the ends of windows than filling them in file order (the
+    training order is shuffled anyway). A function of the lengths alone, so every process and every
+    resume computes the same windows; inside a window the sequences keep their file order.
+    """
+    takes: list[tuple[int, int]] = []
+    truncated = dropped = 0
+    for index, length in enumerate(lengths):
+        if length < 2:
+            dropped += 1  # nothing to predict
+            continue
+        take = length
+        if length - 1 > window:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            take, truncated = window + 1, truncated + 1
+        takes.append((index, take))
+    takes.sort(key=lambda item: (-item[1], item[0]))
+    windows: list[list[tuple[int, int]]] = []
+    # by_room[r]: the windows with r predictions of room left; most: the largest r with a window.
+    by_room: list[list[int]] = [[] for _ in range(window + 1)]
+    most = -1
+    for index, take in takes:
+        need = take - 1
+        room = need
+        while room <= most and not by_room[room]:
+            room += 1
+        if room > most:
+            windows.append([])
+            number, room = len(windows) - 1, window
+        else:
+            number = by_room[room].pop()
+        windows[number].append((index, take))
+        left = room - need
+        by_room[left].append(number)
+        most = max(most, left)
+        while most >= 0 and not by_room[most]:
+            most -= 1
+    for sequences in windows:
+        sequences.sort()
+    windows.sort()
+    return Packing(windows, truncated, dropped)
+
+
+@dataclass(frozen=True)
+class Pairs:
+    pairs: list[tuple[int, int, int]]
+    """Each pair: (chosen sequence, rejected sequence, tokens taken from each at most)."""
+    truncated: int
+    dropped: int
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+
+def pair_up(lengths: list[int], window: int, overlong: str) -> Pairs:
+    """Consecutive sequences (chosen, rejected) as pairs that fit a window (cut to it, or left out)."""
+    pairs, truncated, dropped = [], 0, 0
+    for chosen in range(0, len(lengths) - 1, 2):
+        longest = max(lengths[chosen], lengths[chosen + 1])
+        take = longest
+        if longest - 1 > window:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            take, truncated = window + 1, truncated + 1
+        pairs.append((chosen, chosen + 1, take))
+    return Pairs(pairs, truncated, dropped)
+
+
+def training_units(data: TokenData, train_type: str, window: int, overlong: str) -> Packing | Pairs:
+    """What a post-training folder trains on at ``window``: SFT sequences packed into windows, or DPO pairs."""
+    lengths = [length for shard in range(len(data.shard_files)) for length in data.sequence_lengths(shard)]
+    return pack(lengths, window, overlong) if train_type == "sft" else pair_up(lengths, window, overlong)
+
+
+def describe_units(units: Packing | Pairs, sequences: int, window: int, overlong: str) -> str:
+    """One line: the sequences, what they became, and how many were longer than the window."""
+    made = f"{len(units):,} windows of {window}" if isinstance(units, Packing) else f"{len(units):,} pairs"
+    what = f"{units.truncated:,} cut to the window" if overlong == "truncate" else f"{units.dropped:,} left out"
+    return f"{sequences:,} sequences as {made}; longer than the window: {what} (data.overlong: {overlong})"

@@ -40,11 +40,13 @@ def check_fit(
     val_fraction: float,
     batch: BatchShape,
     repeated: bool = False,
+    units: int | None = None,
 ) -> WindowSplit:
     """The train/validation split of ``data``; SetupError when data, model and batch do not fit together.
 
     ``model_source`` names the model folder in messages (the base model or the checkpoint it came from).
     A source of a mixture (``repeated``) is repeated as often as its share needs: one window is enough.
+    ``units`` counts what post-training data trains on instead of windows: packed SFT windows, DPO pairs.
     """
     if data.vocab_size > model.vocab_size:
         fix = (
@@ -62,7 +64,7 @@ def check_fit(
             f"lower data.window_size to {model.max_seq_len} or less"
         )
     check_window(model, window_size, Path(model_source) / MODEL_CONFIG_FILE)
-    split = WindowSplit.from_fraction(data.num_windows(window_size), val_fraction)
+    split = WindowSplit.from_fraction(data.num_windows(window_size) if units is None else units, val_fraction)
     held_out = f" ({split.num_val} held out for validation)" if split.num_val else ""
     if val_fraction > 0 and not split.num_val:
         raise SetupError(
@@ -74,7 +76,14 @@ def check_fit(
             f"{data.root} holds {data.num_tokens} tokens, not one training window of {window_size}+1{held_out}; "
             "add data to this source, or lower window_size"
         )
-    if not repeated and split.num_train < batch.global_batch:
+    if units is not None and split.num_train < batch.global_batch:
+        what = "pairs" if data.kind == "dpo" else f"packed windows of {window_size}"
+        raise SetupError(
+            f"{data.root} holds {split.num_train} training {what}{held_out}, fewer than one global batch of "
+            f"batch_per_device({batch.batch_per_device}) * grad_accum_steps({batch.grad_accum}) * "
+            f"world_size({batch.world_size}) = {batch.global_batch}"
+        )
+    if units is None and not repeated and split.num_train < batch.global_batch:
         raise SetupError(
             f"{data.root} holds {data.num_tokens} tokens = {split.num_train} training windows of {window_size}+1"
             f"{held_out}, fewer than one global batch of batch_per_device({batch.batch_per_device}) * "

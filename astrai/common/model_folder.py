@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -26,7 +27,9 @@ from pathlib import Path
 from astrai.common.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from astrai.common.errors import AstraiError
 
-MODEL_TYPES = ("llama", "mistral")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+FAMILIES["qwen3"] = "Qwen3ForCausalLM"
 ROPE_TYPES = ("default", "linear", "llama3")
 # Floating point dtypes a base model may be stored in, as safetensors names them.
 WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -84,6 +87,12 @@ class ModelConfig:
     """Kept from a Hugging Face config so that generation from a checkpoint behaves like the base model's."""
     eos_token_id: int | tuple[int, ...] | None = None
     """As ``bos_token_id``; Llama 3 lists several."""
+    family: str = "llama"
+    """Which Hugging Face model it is written as: llama (mistral when it has a sliding window), qwen2 or qwen3."""
+    attention_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2 has them)."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and key head before the rotary embedding (Qwen3)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len"):
@@ -114,13 +123,15 @@ class ModelConfig:
     @property
     def model_type(self) -> str:
         # A Llama with a sliding window is what transformers calls Mistral.
-        return "mistral" if self.sliding_window is not None else "llama"
+        if self.family == "llama":
+            return "mistral" if self.sliding_window is not None else "llama"
+        return self.family
 
     def to_hf_dict(self) -> dict:
         """``config.json`` in the form transformers 4.x and 5.x both read."""
         scaling = self.rope_scaling.to_dict() if self.rope_scaling is not None else None
         values = {
-            "architectures": ["MistralForCausalLM" if self.model_type == "mistral" else "LlamaForCausalLM"],
+            "architectures": [FAMILIES[self.model_type]],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.dim,
@@ -133,7 +144,7 @@ class ModelConfig:
             "rms_norm_eps": self.norm_eps,
             "tie_word_embeddings": self.tie_embeddings,
             "hidden_act": "silu",
-            "attention_bias": False,
+            "attention_bias": self.attention_bias,
             "mlp_bias": False,
             # transformers 5.x reads rope_parameters, 4.x rope_theta and rope_scaling; both say the same.
             "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta},
@@ -148,6 +159,12 @@ class ModelConfig:
         }
         if self.sliding_window is not None:
             values["sliding_window"] = self.sliding_window
+        if self.family in ("qwen2", "qwen3"):
+            # Qwen's attention is full unless use_sliding_window says otherwise; its bias is implied for qwen2.
+            values.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.n_layers)
+            del values["mlp_bias"]
+            if self.family == "qwen2":
+                del values["attention_bias"]
         return values
 
     def to_json(self) -> str:
@@ -189,9 +206,15 @@ def _from_hf(values: dict) -> ModelConfig:
             f"model_type {model_type!r} is not supported; expected one of {', '.join(MODEL_TYPES)} "
             "(a Llama-family model)"
         )
-    for key in ("attention_bias", "mlp_bias"):
-        if values.get(key, False) is not False:
-            raise ValueError(f"{key} {json.dumps(values[key])} is not supported; expected false (no biases)")
+    if values.get("mlp_bias", False) is not False:
+        raise ValueError(f"mlp_bias {json.dumps(values['mlp_bias'])} is not supported; expected false")
+    if model_type in ("llama", "mistral", "qwen3") and values.get("attention_bias", False) is not False:
+        raise ValueError(f"attention_bias {json.dumps(values['attention_bias'])} is not supported; expected false")
+    if model_type in ("qwen2", "qwen3") and values.get("use_sliding_window", False) is not False:
+        raise ValueError(
+            f"use_sliding_window {json.dumps(values['use_sliding_window'])} is not supported; expected false"
+        )
+    attention_bias = model_type == "qwen2"  # Qwen2 always has them, on q, k and v (not o)
     if values.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {values['hidden_act']!r} is not supported; expected 'silu'")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -240,6 +263,9 @@ def _from_hf(values: dict) -> ModelConfig:
         sliding_window=sliding_window,
         bos_token_id=_token_id("bos_token_id", values.get("bos_token_id")),
         eos_token_id=_token_id("eos_token_id", values.get("eos_token_id")),
+        family="llama" if model_type in ("llama", "mistral") else model_type,
+        attention_bias=attention_bias,
+        qk_norm=model_type == "qwen3",
     )
 
 
@@ -323,6 +349,12 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 prefix + "feed_forward.w2.weight": (d, f),
             }
         )
+        if config.attention_bias:
+            for name, heads in (("wq", config.n_heads), ("wk", config.n_kv_heads), ("wv", config.n_kv_heads)):
+                shapes[f"{prefix}attention.{name}.bias"] = (heads * hd,)
+        if config.qk_norm:
+            shapes[prefix + "attention.q_norm.weight"] = (hd,)
+            shapes[prefix + "attention.k_norm.weight"] = (hd,)
     shapes["norm.weight"] = (d,)
     if not config.tie_embeddings:
         shapes["output.weight"] = (config.vocab_size, d)
@@ -339,6 +371,8 @@ _LAYER_PARTS = {
     "attention.wk": "self_attn.k_proj",
     "attention.wv": "self_attn.v_proj",
     "attention.wo": "self_attn.o_proj",
+    "attention.q_norm": "self_attn.q_norm",
+    "attention.k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "feed_forward.w1": "mlp.gate_proj",
     "feed_forward.w3": "mlp.up_proj",
@@ -410,6 +444,21 @@ def weight_files(folder: Path) -> list[Path]:
             raise ModelLoadError(f"{index}: weight_map puts {tensor!r} in {name}, which is missing from {folder}")
         files.append(folder / name)
     return files
+
+
+def model_digest(folder: Path) -> str:
+    """SHA-256 over a model folder's config.json and weight files (in name order): which model it is exactly."""
+    folder = Path(folder)
+    digest = hashlib.sha256()
+    for path in [folder / MODEL_CONFIG_FILE, *weight_files(folder)]:
+        digest.update(path.name.encode() + b"\0")
+        try:
+            with path.open("rb") as handle:
+                while chunk := handle.read(1 << 23):
+                    digest.update(chunk)
+        except OSError as error:
+            raise ModelLoadError(f"{path}: cannot be read ({error.strerror})") from None
+    return digest.hexdigest()
 
 
 def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:

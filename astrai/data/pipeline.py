@@ -30,18 +30,30 @@ import sys
 import tempfile
 import threading
 import time
+from array import array
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.contract import DATA_MANIFEST_FILE, TOKENIZER_FILES
-from astrai.common.data_folder import DTYPES, FORMAT, SHARD_PATTERN, DataError, TokenData
+from astrai.common.data_folder import (
+    DTYPES,
+    FORMAT,
+    KINDS,
+    SHARD_PATTERN,
+    DataError,
+    TokenData,
+    mask_file_name,
+    records_file_name,
+)
 from astrai.common.paths import PathError, output_folder
 from astrai.common.values import format_duration
+from astrai.data.chat import ChatTemplate, RecordEncoder, RecordError
 from astrai.data.sources import (
     Bad,
     Piece,
+    Record,
     Source,
     available_cpus,
     describe_where,
@@ -95,6 +107,7 @@ def prepare(
     skip_bad: bool = False,
     progress: bool = False,
     say=None,
+    kind: str = "seq",
 ) -> dict:
     """Tokenize ``inputs`` into shards in ``out_dir``; returns the manifest.
 
@@ -106,12 +119,21 @@ def prepare(
         raise DataError(f"shard_tokens must be at least 2, got {shard_tokens}")
     if workers < 1:
         raise DataError(f"--workers must be at least 1, got {workers}")
+    if kind not in KINDS:
+        raise DataError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     fields = field.split(".")
     if not field or not all(fields):
         raise DataError(f"--field: {field!r} is not a field name (dotted for a nested field, such as meta.content)")
     sources, notes = find_sources([Path(path) for path in inputs])
     if not sources:
         raise DataError("no input files: name the files or folders to prepare")
+    if kind != "seq":
+        fields = None  # a post-training example is the whole record
+        text = [source.name for source in sources if source.kind == "text"]
+        if text:
+            raise DataError(
+                f"{text[0]}: --kind {kind} reads records (JSON Lines, JSON, Parquet, save_to_disk), not text files"
+            )
     for note in notes:
         (say or _stderr)(f"note: {note}")
     created = not out_dir.exists()
@@ -121,7 +143,7 @@ def prepare(
     except OSError as error:
         raise DataError(f"cannot write {out_dir}: {error.strerror}") from None
     try:
-        manifest = _prepare_into(staging, sources, shard_tokens, tokenizer, fields, workers, skip_bad, progress)
+        manifest = _prepare_into(staging, sources, shard_tokens, tokenizer, fields, workers, skip_bad, progress, kind)
         _publish(staging, out_dir, manifest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -137,18 +159,19 @@ def _prepare_into(
     sources: list[Source],
     shard_tokens: int,
     tokenizer: HFTokenizer | None,
-    fields: list[str],
+    fields: list[str] | None,
     workers: int,
     skip_bad: bool,
     progress: bool,
+    kind: str = "seq",
 ) -> dict:
     chosen = tokenizer or ByteTokenizer()
     dtype = "uint16" if chosen.vocab_size <= 1 << 16 else "uint32"
-    shards = _ShardWriter(staging, shard_tokens, DTYPES[dtype])
+    shards = _ShardWriter(staging, shard_tokens, DTYPES[dtype], group=2 if kind == "dpo" else 1 if kind == "sft" else 0)
     stats = [_SourceStats() for _ in sources]
     checksums = _Checksums(sources)
     meter = _Progress(total_bytes(sources)) if progress else None
-    setup = (chosen.spec(), sources, fields, staging, skip_bad)
+    setup = (chosen.spec(), sources, fields, staging, skip_bad, kind)
     try:
         for result in _run(setup, pieces(sources), workers):
             entry = stats[result.source]
@@ -163,7 +186,6 @@ def _prepare_into(
             entry.tokens += result.tokens
             entry.skipped += result.skipped
             shards.append(result.tokens_file)
-            result.tokens_file.unlink()
             if meter is not None:
                 meter.add(result.documents, result.tokens, result.bytes_read)
     finally:
@@ -176,6 +198,7 @@ def _prepare_into(
     manifest = {
         "format": FORMAT,
         "version": 2,
+        "kind": kind,
         "tokenizer": chosen.name,
         "vocab_size": chosen.vocab_size,
         "end_of_text": chosen.end_of_text,
@@ -184,7 +207,7 @@ def _prepare_into(
         "num_tokens": shards.total,
         "documents": sum(entry.documents for entry in stats),
         "skipped": sum(entry.skipped for entry in stats),
-        "field": ".".join(fields),
+        "field": ".".join(fields) if fields else None,
         "shards": shards.shards,
         "sources": [
             {
@@ -241,14 +264,25 @@ def _run(setup: tuple, work, workers: int):
 _WORKER: dict = {}
 
 
-def _init_worker(spec: tuple, sources: list[Source], fields: list[str], staging: Path, skip_bad: bool) -> None:
+def _init_worker(
+    spec: tuple, sources: list[Source], fields: list[str] | None, staging: Path, skip_bad: bool, kind: str = "seq"
+) -> None:
     # One tokenizer per worker, one worker per core: the library's own thread pool would only fight the others.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(tokenizer=from_spec(spec), sources=sources, fields=fields, staging=staging, skip_bad=skip_bad)
+    tokenizer = from_spec(spec)
+    encoder = None
+    if kind != "seq":
+        template = ChatTemplate.of_folder(tokenizer.file.parent) if isinstance(tokenizer, HFTokenizer) else None
+        encoder = RecordEncoder(tokenizer, template, kind)
+    _WORKER.update(
+        tokenizer=tokenizer, sources=sources, fields=fields, staging=staging, skip_bad=skip_bad, encoder=encoder
+    )
 
 
 def _run_piece(piece: Piece) -> PieceResult:
     """Tokenize one piece into a file of its own in the staging folder."""
+    if _WORKER["encoder"] is not None:
+        return _run_records(piece)
     tokenizer = _WORKER["tokenizer"]
     source = _WORKER["sources"][piece.source]
     end_of_text = _token_bytes(tokenizer)
@@ -294,6 +328,44 @@ def _run_piece(piece: Piece) -> PieceResult:
     return PieceResult(piece.index, piece.source, out, documents, tokens, skipped, first_bad, _piece_bytes(piece))
 
 
+def _run_records(piece: Piece) -> PieceResult:
+    """Post-training records into token ids, a supervision mask per token and the length of each sequence."""
+    tokenizer, encoder = _WORKER["tokenizer"], _WORKER["encoder"]
+    source = _WORKER["sources"][piece.source]
+    typecode = "H" if tokenizer.vocab_size <= 1 << 16 else "I"
+    out = _WORKER["staging"] / f".piece-{piece.index:09d}.bin"
+    records = skipped = tokens = 0
+    first_bad = None
+    with open(out, "wb") as ids_file, open(_mask_of(out), "wb") as mask_file, open(_lengths_of(out), "wb") as lengths:
+        for item in read_piece(source, piece, None):
+            if isinstance(item, Record):
+                try:
+                    sequences = encoder.encode(item.value)
+                except RecordError as error:
+                    item = Bad(item.where, str(error))
+            if isinstance(item, Bad):
+                first_bad = first_bad or (item.where, item.problem)
+                skipped += 1
+                if not _WORKER["skip_bad"]:
+                    break
+                continue
+            for ids, mask in sequences:
+                ids_file.write(array(typecode, ids).tobytes())
+                mask_file.write(bytes(mask))
+                lengths.write(len(ids).to_bytes(4, "little"))
+                tokens += len(ids)
+            records += 1
+    return PieceResult(piece.index, piece.source, out, records, tokens, skipped, first_bad, _piece_bytes(piece))
+
+
+def _mask_of(path: Path) -> Path:
+    return path.with_suffix(".mask")
+
+
+def _lengths_of(path: Path) -> Path:
+    return path.with_suffix(".len")
+
+
 def _encode_text_chunk(tokenizer, chunk: bytes, source: Source) -> bytes:
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.encode_bytes_uint16le(chunk)
@@ -319,36 +391,77 @@ def _piece_bytes(piece: Piece) -> int:
 
 
 class _ShardWriter:
-    """Appends token files to shard files of ``shard_tokens`` tokens each, in order."""
+    """Appends pieces' tokens to shard files of about ``shard_tokens`` tokens each, in order.
 
-    def __init__(self, folder: Path, shard_tokens: int, width: int):
-        self.folder, self.shard_tokens, self.width = folder, shard_tokens, width
+    ``group`` 0 writes one stream of tokens (pre-training data, cut anywhere). Post-training data keeps
+    its sequences whole, with a mask file and a file of lengths beside each shard: ``group`` 1 keeps each
+    sequence in one shard (SFT), 2 each pair of them (DPO's chosen and rejected).
+    """
+
+    def __init__(self, folder: Path, shard_tokens: int, width: int, group: int = 0):
+        self.folder, self.shard_tokens, self.width, self.group = folder, shard_tokens, width, group
         self.shards: list[dict] = []
         self.total = 0
-        self._handle = None
+        self._handles: list = []
 
     def append(self, path: Path) -> None:
-        with open(path, "rb") as source:
-            while block := source.read(self.width << 18):
-                self._write(memoryview(block))
+        try:
+            if self.group:
+                self._append_sequences(path)
+            else:
+                with open(path, "rb") as source:
+                    while block := source.read(self.width << 18):
+                        self._write(memoryview(block))
+        finally:
+            for leftover in (path, _mask_of(path), _lengths_of(path)):
+                leftover.unlink(missing_ok=True)
 
     def _write(self, data: memoryview) -> None:
         while len(data):
-            if self._handle is None or self.shards[-1]["num_tokens"] == self.shard_tokens:
-                self.close()
-                self.shards.append({"file": SHARD_PATTERN.format(len(self.shards)), "num_tokens": 0})
-                self._handle = open(self.folder / self.shards[-1]["file"], "wb")
+            if not self._handles or self.shards[-1]["num_tokens"] == self.shard_tokens:
+                self._next_shard()
             room = self.shard_tokens - self.shards[-1]["num_tokens"]
             part, data = data[: self.width * room], data[self.width * room :]
-            self._handle.write(part)
-            count = len(part) // self.width
-            self.shards[-1]["num_tokens"] += count
-            self.total += count
+            self._handles[0].write(part)
+            self._count(len(part) // self.width)
+
+    def _append_sequences(self, path: Path) -> None:
+        lengths = array("I")
+        lengths.frombytes(_lengths_of(path).read_bytes())
+        if sys.byteorder == "big":
+            lengths.byteswap()
+        with open(path, "rb") as ids, open(_mask_of(path), "rb") as mask:
+            for first in range(0, len(lengths), self.group):
+                unit = lengths[first : first + self.group]
+                count = sum(unit)
+                shard = self.shards[-1] if self._handles else None
+                if shard is None or (shard["num_tokens"] and shard["num_tokens"] + count > self.shard_tokens):
+                    self._next_shard()
+                tokens, masks, records = self._handles
+                tokens.write(ids.read(count * self.width))
+                masks.write(mask.read(count))
+                records.write(b"".join(length.to_bytes(4, "little") for length in unit))
+                self.shards[-1]["num_records"] += len(unit)
+                self._count(count)
+
+    def _next_shard(self) -> None:
+        self.close()
+        name = SHARD_PATTERN.format(len(self.shards))
+        entry = {"file": name, "num_tokens": 0}
+        if self.group:
+            entry.update(mask=mask_file_name(name), records=records_file_name(name), num_records=0)
+        self.shards.append(entry)
+        files = [name, *([entry["mask"], entry["records"]] if self.group else [])]
+        self._handles = [open(self.folder / file, "wb") for file in files]
+
+    def _count(self, tokens: int) -> None:
+        self.shards[-1]["num_tokens"] += tokens
+        self.total += tokens
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        for handle in self._handles:
+            handle.close()
+        self._handles = []
 
 
 class _Checksums:
@@ -410,13 +523,15 @@ def _publish(staging: Path, out_dir: Path, manifest: dict) -> None:
     From the first shard moved until the new manifest is in place, out_dir has no manifest and reads as
     not prepared; shards and tokenizer files of an earlier data set that the new one does not have go.
     """
-    names = [shard["file"] for shard in manifest["shards"]] + list(manifest.get("tokenizer_files", []))
+    names = [name for shard in manifest["shards"] for name in _shard_files(shard)]
+    names += list(manifest.get("tokenizer_files", []))
     (out_dir / DATA_MANIFEST_FILE).unlink(missing_ok=True)
     for name in names:
         os.replace(staging / name, out_dir / name)
-    for stale in sorted(out_dir.glob("shard_*.bin")):
-        if stale.name not in names:
-            stale.unlink()
+    for pattern in ("shard_*.bin", "mask_*.bin", "records_*.bin"):
+        for stale in sorted(out_dir.glob(pattern)):
+            if stale.name not in names:
+                stale.unlink()
     for name in TOKENIZER_FILES:
         if name not in names:
             (out_dir / name).unlink(missing_ok=True)
@@ -425,11 +540,21 @@ def _publish(staging: Path, out_dir: Path, manifest: dict) -> None:
     os.replace(tmp, out_dir / DATA_MANIFEST_FILE)
 
 
+def _shard_files(shard: dict) -> list[str]:
+    return [shard["file"], *(shard[key] for key in ("mask", "records") if key in shard)]
+
+
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
 # --- info -----------------------------------------------------------------------------------------------------------
+
+
+def _supervised(folder: Path) -> int:
+    """Tokens the loss covers in a post-training data folder (mask bytes set)."""
+    data = TokenData.open(folder)
+    return sum(data.mask_file(shard).read_bytes().count(1) for shard in range(len(data.shard_files)))
 
 
 def describe_folder(folder: Path) -> str:
@@ -444,6 +569,10 @@ def describe_folder(folder: Path) -> str:
         f"tokenizer   {data.tokenizer_description}, vocabulary {data.vocab_size}, end of text "
         f"{manifest.get('end_of_text_token', manifest.get('end_of_text'))!r}",
     ]
+    if data.kind != "seq":
+        sequences = sum(data.record_counts)
+        units = f"{sequences:,} SFT sequences" if data.kind == "sft" else f"{sequences // 2:,} DPO pairs"
+        lines.append(f"kind        {data.kind}: {units}, {_supervised(folder):,} tokens supervised")
     if manifest.get("field"):
         lines.append(f"field       {manifest['field']}")
     sources = manifest.get("sources", [])
@@ -487,6 +616,13 @@ def main(argv: list[str] | None = None) -> int:
         "--workers", default=None, metavar="N", help="processes that tokenize (default: the CPUs this process may use)"
     )
     prep.add_argument("--skip_bad", action="store_true", help="skip records without text instead of stopping")
+    prep.add_argument(
+        "--kind",
+        default="seq",
+        choices=KINDS,
+        help="seq: text for pre-training; sft: chat (messages) or prompt/completion records; dpo: prompt, chosen, "
+        "rejected",
+    )
     prep.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
     prep.add_argument(
         "inputs", type=Path, nargs="+", metavar="INPUT", help="text, JSON Lines, JSON, Parquet files or folders"
@@ -530,12 +666,17 @@ def _prepare_command(args) -> int:
         workers=workers,
         skip_bad=args.skip_bad,
         progress=sys.stderr.isatty(),
+        kind=args.kind,
     )
     for entry in manifest["sources"]:
         if entry["skipped"]:
             print(f"skipped {entry['skipped']:,} bad record(s) in {entry['file']} (first: {entry['first_skipped']})")
+    what = f"{manifest['documents']:,} documents"
+    if args.kind != "seq":
+        records = "records" if args.kind == "sft" else "pairs"
+        what = f"{manifest['documents']:,} {records}, {_supervised(out):,} tokens supervised"
     print(
-        f"wrote {manifest['num_tokens']:,} tokens ({manifest['documents']:,} documents) from "
+        f"wrote {manifest['num_tokens']:,} tokens ({what}) from "
         f"{len(manifest['sources'])} file(s) in {len(manifest['shards'])} shard(s) to {out} "
         f"(tokenizer {manifest['tokenizer']}, vocab {manifest['vocab_size']}, {manifest['dtype']}, "
         f"end of text {manifest.get('end_of_text_token', manifest['end_of_text'])!r}, {workers} worker(s))"

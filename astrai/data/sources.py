@@ -341,11 +341,20 @@ class Bad:
     problem: str
 
 
-def read_piece(source: Source, piece: Piece, fields: list[str]) -> Iterator[str | bytes | Bad]:
+@dataclass
+class Record:
+    """A whole record (post-training data) and where it is, for messages."""
+
+    where: str
+    value: object
+
+
+def read_piece(source: Source, piece: Piece, fields: list[str] | None) -> Iterator[str | dict | bytes | Bad]:
     """The piece's documents in order: text (str), raw bytes of a text file's range, or a Bad record.
 
     A text file's piece yields its bytes in chunks of about 1 MiB cut at line ends (one document
-    continues across chunks and pieces); every other kind yields one item per record.
+    continues across chunks and pieces); every other kind yields one item per record: its text field,
+    or with ``fields`` None the whole record (post-training data).
     """
     if piece.kind == "text":
         yield from _text_chunks(source.path, piece.start, piece.stop)
@@ -410,7 +419,9 @@ def _reason(error: ValueError) -> str:
     return error.msg if isinstance(error, json.JSONDecodeError) else str(error)
 
 
-def _field(record, fields: list[str], where: str) -> str | Bad:
+def _field(record, fields: list[str] | None, where: str) -> str | dict | Bad:
+    if fields is None:
+        return Record(where, record)  # a post-training record: the whole of it (astrai.data.chat reads it)
     dotted = ".".join(fields)
     value = record
     for part in fields:
@@ -448,7 +459,11 @@ def _nested(value, fields: list[str]):
     return value
 
 
-def _table_records(table, fields: list[str], first_row: int, path: Path) -> Iterator[str | Bad]:
+def _table_records(table, fields: list[str] | None, first_row: int, path: Path) -> Iterator[str | dict | Bad]:
+    if fields is None:
+        for offset, row in enumerate(table.to_pylist()):
+            yield Record(f"row {first_row + offset}", row)
+        return
     dotted = ".".join(fields)
     values = _column(table, fields)
     if values is None:
@@ -471,7 +486,7 @@ def _parquet_records(path: Path, group: int, fields: list[str]) -> Iterator[str 
     def read():
         handle = pq.ParquetFile(path)
         first = sum(handle.metadata.row_group(i).num_rows for i in range(group))
-        columns = [fields[0]] if fields[0] in handle.schema_arrow.names else None
+        columns = [fields[0]] if fields and fields[0] in handle.schema_arrow.names else None
         return handle.read_row_group(group, columns=columns), first
 
     table, first = _arrow_call(path, read)

@@ -43,6 +43,9 @@ class ByteTokenizer:
         """Each text's token ids as little-endian uint16 bytes."""
         return [self.encode_bytes_uint16le(text.encode("utf-8")) for text in texts]
 
+    def ids(self, texts: list[str]) -> list[list[int]]:
+        return [list(text.encode("utf-8")) for text in texts]
+
     def spec(self) -> tuple:
         """What a worker process needs to make the same tokenizer."""
         return ("byte",)
@@ -131,6 +134,15 @@ class HFTokenizer:
                 ids.byteswap()
             out.append(ids.tobytes())
         return out
+
+    def ids(self, texts: list[str]) -> list[list[int]]:
+        """Each text's token ids, without special tokens added."""
+        return [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def ids_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The token ids of ``text`` and each token's (start, end) in its characters."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
     @property
     def typecode(self) -> str:

@@ -24,7 +24,7 @@ from astrai.common.checkpoints import estimate_checkpoint_bytes, folder_bytes, l
 from astrai.common.config import TrainerConfig, resolve_grad_accum_steps
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import LABEL_CUDA_TAG, LABEL_TORCH, MODEL_CONFIG_FILE, TORCH_VERSION, WEIGHTS_INDEX_FILE
-from astrai.common.data_folder import DataError, TokenData
+from astrai.common.data_folder import DataError, TokenData, describe_units, training_units
 from astrai.common.fit import BatchShape, SetupError, check_fit, check_same_tokenizer
 from astrai.common.model_folder import ModelConfig, ModelLoadError, describe, inspect_weights, num_parameters
 from astrai.common.paths import folder_problem, length_problem, nearest_existing, read_only
@@ -70,6 +70,8 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = ()) -> list[Check]:
     checks.append(check)
     if runtime.node == 0:
         checks.append(_fit_check(runtime, config, data, model))
+        if config is not None and config.training.train_type == "dpo":
+            checks.append(_reference_check(runtime, config, model))
     checks.append(_disk_space_check(runtime))
     if runtime.multi_node:
         checks += node_checks(runtime)
@@ -155,7 +157,10 @@ def _data_check(runtime: Runtime, config: TrainerConfig | None) -> tuple[list[To
         if unreadable is not None:
             return None, unreadable
         try:
-            datas.append(TokenData.open(folder))
+            data = TokenData.open(folder)
+            if config is not None:
+                data.check_kind(config.training.train_type, f"--tokenizer {shlex.quote(str(runtime.model_dir))}")
+            datas.append(data)
         except DataError as error:
             return None, Check(
                 FAIL, "data", f"{place}: {error}", "prepare the data with `python -m astrai.data prepare`"
@@ -273,8 +278,20 @@ def _fit_check(
     try:
         grad_accum = resolve_grad_accum_steps(training, world)
         batch = BatchShape(training.batch_per_device, grad_accum, world)
+        window, kind = config.data.window_size, training.train_type
+        units = None
+        if kind != "seq":
+            units = training_units(datas[0], kind, window, config.data.overlong)
         splits = [
-            check_fit(data, *model, config.data.window_size, config.data.val_fraction, batch, repeated=mixture)
+            check_fit(
+                data,
+                *model,
+                window,
+                config.data.val_fraction,
+                batch,
+                repeated=mixture,
+                units=None if units is None else len(units),
+            )
             for data in datas
         ]
     except (SetupError, ModelLoadError, ConfigError) as error:
@@ -282,11 +299,37 @@ def _fit_check(
     counted = "" if runtime.world_size is not None else " (world size from nvidia-smi)"
     windows = sum(split.num_train for split in splits)
     steps = "" if mixture else f", {windows // batch.global_batch:,} steps per epoch"
+    what = {"seq": f"windows of {window}+1 tokens", "sft": f"packed windows of {window}", "dpo": "pairs"}[kind]
+    detail = (
+        ""
+        if units is None
+        else f" ({describe_units(units, sum(datas[0].record_counts), window, config.data.overlong)})"
+    )
     return Check(
         PASS,
         "data fits model",
-        f"{windows:,} training windows of {config.data.window_size}+1 tokens{steps} at world size {world}{counted}",
+        f"{windows:,} training {what}{steps} at world size {world}{counted}{detail}",
     )
+
+
+def _reference_check(runtime: Runtime, config: TrainerConfig, model: tuple[ModelConfig, Path] | None) -> Check:
+    """DPO's frozen reference model: readable, with the vocabulary of the model it trains."""
+    container = config.ckpt.reference_path or config.ckpt.param_path
+    folder = host_path(runtime, container) or runtime.model_dir
+    key = "ckpt.reference_path" if config.ckpt.reference_path else "ckpt.param_path (the reference by default)"
+    try:
+        reference = ModelConfig.load(folder)
+        inspect_weights(folder, reference)
+    except ModelLoadError as error:
+        return Check(FAIL, "dpo reference", f"{key}: {error}", "point it at a model folder (config.json + weights)")
+    if model is not None and reference.vocab_size != model[0].vocab_size:
+        return Check(
+            FAIL,
+            "dpo reference",
+            f"{key}: {folder} has a vocabulary of {reference.vocab_size}, the trained model {model[0].vocab_size}: "
+            "the reference must score the same tokens",
+        )
+    return Check(PASS, "dpo reference", f"{folder}, frozen, beta {config.training.dpo_beta}")
 
 
 def _visible_gpus() -> int:

@@ -20,6 +20,10 @@ from astrai.common.contract import (
     METRIC_MAX_ALLOCATED_GIB,
     METRIC_MAX_STEPS,
     METRIC_MFU,
+    METRIC_REWARDS_ACCURACY,
+    METRIC_REWARDS_CHOSEN,
+    METRIC_REWARDS_MARGIN,
+    METRIC_REWARDS_REJECTED,
     METRIC_STEP,
     METRIC_TIME,
     METRIC_TOKENS_PER_S,
@@ -93,6 +97,9 @@ def job_status(runtime: Runtime) -> JobStatus:
     )
 
 
+DPO_METRICS = (METRIC_REWARDS_CHOSEN, METRIC_REWARDS_REJECTED, METRIC_REWARDS_MARGIN, METRIC_REWARDS_ACCURACY)
+
+
 def format_status(status: JobStatus) -> list[str]:
     """The lines `invoke status` prints for ``status``."""
     runtime = status.runtime
@@ -114,7 +121,14 @@ def format_status(status: JobStatus) -> list[str]:
     loss = _loss_summary(status)
     if loss:
         lines.append(f"loss        {loss}")
-    per_source = (status.latest_record or {}).get(METRIC_TOKENS_PER_SOURCE)
+    record = status.latest_record or {}
+    if all(_number(record, key) for key in DPO_METRICS):
+        chosen, rejected, margin, accuracy = (record[key] for key in DPO_METRICS)
+        lines.append(
+            f"dpo         rewards chosen {chosen:+.4f}, rejected {rejected:+.4f}, margin {margin:.4f}, "
+            f"accuracy {accuracy:.1%}"
+        )
+    per_source = record.get(METRIC_TOKENS_PER_SOURCE)
     if isinstance(per_source, dict) and per_source:
         total = sum(value for value in per_source.values() if isinstance(value, int)) or 1
         shown = ", ".join(

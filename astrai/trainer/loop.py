@@ -21,6 +21,7 @@ In-process use (benchmarks, tests)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import time
@@ -28,16 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.common.config import TrainerConfig, describe, parse_args, resolve_grad_accum_steps
 from astrai.common.contract import REASON_EMERGENCY, REASON_FINAL, REASON_PERIODIC
-from astrai.common.data_folder import DataError, TokenData
+from astrai.common.data_folder import DataError, TokenData, describe_units, training_units
 from astrai.common.errors import AstraiError
-from astrai.common.fit import BatchShape, check_fit, check_same_tokenizer
+from astrai.common.fit import BatchShape, SetupError, check_fit, check_same_tokenizer
 from astrai.trainer.checkpoint.files import LoadedCheckpoint, NonFiniteWeights, Progress
 from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
 from astrai.trainer.distributed import (
@@ -54,8 +54,11 @@ from astrai.trainer.distributed import (
     world_from_environment,
 )
 from astrai.trainer.health import Diverged, DivergenceRecord
-from astrai.trainer.model import ModelLoadError, Transformer, describe_folder, load_base_model
+from astrai.trainer.model import ModelLoadError, Transformer, describe_folder, load_base_model, model_digest
+from astrai.trainer.objectives import NextToken, Preference, Supervised
 from astrai.trainer.optim import Schedule, apply_settings, build_optimizer, describe_changes, set_lr
+from astrai.trainer.records import DPOPairs, PackedSFT, RecordIndex
+from astrai.trainer.reference import reference_table
 from astrai.trainer.report import ProgressReporter, ReportError, StepReport, flops_per_token, peak_tflops, print_line
 from astrai.trainer.validation import Validator
 from astrai.trainer.windows import (
@@ -157,8 +160,30 @@ class Trainer:
                 env, lambda: load_base_model(model_source), errors=(ModelLoadError,)
             )
         fraction = config.data.val_fraction
+        self.train_type = training.train_type
+        if loaded is not None and (loaded.meta.train_type or "seq") != self.train_type:
+            raise SetupError(
+                f"{loaded.checkpoint.path} is a checkpoint of a {loaded.meta.train_type or 'seq'} run, and this "
+                f"config trains {self.train_type}: a job dir holds one run. To train {self.train_type} from that "
+                f"checkpoint, start a new job (its own ckpt_dir) with ckpt.param_path set to it"
+            )
+        # DPO trains each pair as two rows: a chosen and a rejected sequence.
+        rows = 2 if self.train_type == "dpo" else 1
+        self.tokens_per_step = self.global_batch * self.window_size * rows
+        for data in datas:
+            data.check_kind(self.train_type, f"--tokenizer {config.ckpt.param_path}")
+        units = self._post_training_units(datas[0]) if self.train_type != "seq" else None
         splits = [
-            check_fit(data, self.model_config, model_source, self.window_size, fraction, batch, repeated=bool(sources))
+            check_fit(
+                data,
+                self.model_config,
+                model_source,
+                self.window_size,
+                fraction,
+                batch,
+                repeated=bool(sources),
+                units=units,
+            )
             for data in datas
         ]
 
@@ -170,7 +195,7 @@ class Trainer:
             for layer in model.layers:
                 layer.compile()
         self.model = parallelize(model, env)
-        self.optimizer = build_optimizer(self.model, training, env.device)
+        self.optimizer = build_optimizer(self.model, training, env.device, env.parallel_mode)
         self.schedule = Schedule.of(training)
         self.checkpointer = CheckpointManager(
             self.job_dir,
@@ -180,7 +205,7 @@ class Trainer:
             optimizer=self.optimizer,
             schedule=self.schedule,
             model_config=self.model_config,
-            facts=RunFacts(config.config_hash(), self.max_steps, self.window_size, self.global_batch),
+            facts=RunFacts(config.config_hash(), self.max_steps, self.window_size, self.global_batch, self.train_type),
             interval=config.ckpt.ckpt_interval,
             keep_last=config.ckpt.keep_last,
             # A checkpoint is a complete model folder: the data's tokenizer goes into each one.
@@ -205,7 +230,20 @@ class Trainer:
                 )
 
         self.source_names = names
-        if sources:
+        if self.train_type != "seq":
+            make = PackedSFT if self.train_type == "sft" else DPOPairs
+            self.dataset = make(self._records, self._units, self.window_size, splits[0])
+            self.sampler = WindowBatchSampler(
+                splits[0].num_train,
+                training.batch_per_device,
+                self.grad_accum,
+                env.rank,
+                env.world_size,
+                training.random_seed,
+            )
+            eval_windows = splits[0].eval_windows(config.log.eval_max_windows)
+            self.mixture = None
+        elif sources:
             weights = [source.weight for source in sources]
             self.mixture = MixtureOrder([split.num_train for split in splits], weights, training.random_seed)
             self.dataset = MixtureDataset(datas, self.window_size, splits)
@@ -255,8 +293,10 @@ class Trainer:
             torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else contextlib.nullcontext()
         )
         self.health = DivergenceRecord(config.log.log_interval, env, self.grad_accum, self.job_dir, self.progress.step)
+        self.objective = self._objective(loaded)
         self.validator = Validator(
             self.dataset,
+            self.objective,
             eval_windows,
             training.batch_per_device,
             env,
@@ -268,7 +308,7 @@ class Trainer:
             self.job_dir,
             master=env.master_process,
             max_steps=self.max_steps,
-            tokens_per_step=self.global_batch * self.window_size,
+            tokens_per_step=self.tokens_per_step,
             world_size=env.world_size,
             flops_per_token_=flops_per_token(self.model_config, self.window_size),
             peak=peak_tflops(device_name, config.log.peak_tflops),
@@ -278,6 +318,78 @@ class Trainer:
         self._loss_sum = torch.zeros((), device=env.device)
         self._step_loss = torch.zeros((), device=env.device)
         self._warmed_up = False
+
+    def _post_training_units(self, data) -> int:
+        """Post-training data in training units: SFT sequences packed into windows, DPO pairs."""
+        self._records = RecordIndex(data)
+        overlong = self.config.data.overlong
+        self._units = training_units(data, self.train_type, self.window_size, overlong)
+        self.log(f"{self.train_type}: {describe_units(self._units, len(self._records), self.window_size, overlong)}")
+        return len(self._units)
+
+    def _objective(self, loaded):
+        vocab = self.model_config.vocab_size
+        if self.train_type == "seq":
+            return NextToken(self.env, vocab)
+        if self.train_type == "sft":
+            return Supervised(self.env, vocab)
+        return Preference(self.env, vocab, self._reference(loaded), self.config.training.dpo_beta)
+
+    def _reference(self, loaded):
+        """DPO's frozen reference (ckpt.reference_path, or the base model), live or as its table of log-probabilities.
+
+        A resume must keep the same reference: meta.json records its checksum.
+        """
+        training = self.config.training
+        path = Path(self.config.ckpt.reference_path or self.config.ckpt.param_path)
+        config, weights, digest = broadcast_from_master(
+            self.env, lambda: (*load_base_model(path), model_digest(path)), errors=(ModelLoadError,)
+        )
+        if config.vocab_size != self.model_config.vocab_size:
+            raise SetupError(
+                f"the DPO reference {path} has a vocabulary of {config.vocab_size}, the trained model "
+                f"{self.model_config.vocab_size}: the reference must score the same tokens"
+            )
+        if loaded is not None and loaded.meta.reference is not None and loaded.meta.reference.get("sha256") != digest:
+            raise SetupError(
+                f"this run's DPO reference {path} (sha256 {digest[:12]}) is not the one its checkpoint "
+                f"{loaded.checkpoint.path} was trained against ({loaded.meta.reference.get('path')}, sha256 "
+                f"{loaded.meta.reference.get('sha256', '')[:12]}); set ckpt.reference_path back to it"
+            )
+        self.checkpointer.facts = dataclasses.replace(
+            self.checkpointer.facts, reference={"path": str(path), "sha256": digest}
+        )
+        reference = Transformer(config)
+        reference.load_state_dict(weights)
+        del weights
+        reference.to(self.env.device).eval().requires_grad_(False)
+        if self.env.parallel_mode == "fsdp":
+            reference = parallelize(reference, self.env)
+        self.log(
+            f"dpo: reference model {path} (sha256 {digest[:12]}), frozen, beta {training.dpo_beta}, "
+            f"{training.dpo_reference}"
+        )
+        if training.dpo_reference == "live":
+            return reference
+        facts = {
+            "reference_sha256": digest,
+            "data": self._records.data.fingerprint(),
+            "window_size": str(self.window_size),
+            "overlong": self.config.data.overlong,
+            "device_type": self.env.device.type,
+        }
+        return reference_table(
+            reference,
+            self.dataset,
+            len(self._units),
+            facts,
+            self.job_dir,
+            self.env,
+            training.batch_per_device,
+            self.autocast,
+            self.model_config.vocab_size,
+            self.log,
+        )
 
     def _note_mixture(self, splits) -> None:
         """Each source's share, its size, and how often this run goes over it."""
@@ -331,18 +443,17 @@ class Trainer:
         Leaves the step's summed micro-batch loss in the divergence record and in the report's running sum;
         nothing here waits for the device.
         """
-        accum, vocab_size = self.grad_accum, self.model_config.vocab_size
+        accum = self.grad_accum
         lr = self.schedule.lr(self.progress.step)
         set_lr(self.optimizer, lr)
-        for micro in range(accum):
-            batch = next(self._batches).to(self.env.device, non_blocking=True)
-            inputs, targets = batch[:, :-1], batch[:, 1:]
+        batches = [next(self._batches) for _ in range(accum)]
+        scale = self.objective.step_scale(batches)
+        for micro, batch in enumerate(batches):
             set_gradient_sync(self.model, self.env, micro == accum - 1)
             with self.autocast:
-                logits = self.model(inputs)
-            loss = F.cross_entropy(logits.float().view(-1, vocab_size), targets.reshape(-1))
-            (loss / accum).backward()
-            self._step_loss += loss.detach()
+                loss, reported = self.objective.micro(self.model, batch, scale, accum)
+            loss.backward()
+            self._step_loss += reported
         grad_norm = None
         max_norm = self.config.training.max_grad_norm
         if max_norm > 0:
@@ -360,7 +471,7 @@ class Trainer:
         """Train until max_steps, a stop signal, or ``steps`` more optimizer steps; checkpoints as configured."""
         end = self.max_steps if steps is None else min(self.max_steps, self.progress.step + steps)
         first_step = self.progress.step
-        tokens_per_step = self.global_batch * self.window_size
+        tokens_per_step = self.tokens_per_step
         self.model.train()
         # Progress reports average over the steps of this call.
         started = time.perf_counter()
@@ -406,7 +517,7 @@ class Trainer:
             self._start_epoch()
 
     def _validate(self) -> float:
-        return self.validator.run(self.model, self.model_config.vocab_size)
+        return self.validator.run(self.model)
 
     def _synchronize(self) -> None:
         if self.env.device.type == "cuda":
@@ -442,6 +553,7 @@ class Trainer:
             val_loss=val_loss,
             max_allocated_gib=memory,
             tokens_per_source=self.tokens_per_source(),
+            extra=self.objective.metrics(),
         )
         try:
             self.reporter.report(

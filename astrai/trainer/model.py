@@ -48,6 +48,7 @@ from astrai.common.model_folder import (
 from astrai.common.model_folder import (
     check_window as check_window,
 )
+from astrai.common.model_folder import model_digest as model_digest
 from astrai.common.model_folder import num_parameters as num_parameters
 from astrai.common.paths import PathError, output_folder
 
@@ -92,7 +93,8 @@ def rotary_tables(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Rotate the two halves of each head as pairs (the GPT-NeoX layout); x is (B, H, T, D).
+    # Rotate the two halves of each head as pairs (the GPT-NeoX layout); x is (B, H, T, D), cos and sin
+    # (T, D/2) or, with positions of their own per sequence, (B, 1, T, D/2).
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
@@ -103,18 +105,32 @@ class Attention(nn.Module):
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_size
-        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        bias = config.attention_bias
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        # Qwen3: every query and key head is normalised before the rotary embedding.
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
-        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin)
+        gqa = self.n_kv_heads != self.n_heads
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            # Under autocast the mask must be in the queries' dtype.
+            mask = mask if mask.dtype == q.dtype else mask.to(q.dtype)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -139,8 +155,10 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -166,7 +184,9 @@ class Transformer(nn.Module):
         """GPT-2 style init: N(0, 0.02), with residual output projections scaled down by depth."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, param in self.named_parameters():
-            if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            if name.endswith(".bias"):
+                nn.init.zeros_(param)
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
                 nn.init.normal_(param, std=residual_std, generator=generator)
             elif param.dim() >= 2:
                 nn.init.normal_(param, std=0.02, generator=generator)
@@ -179,7 +199,14 @@ class Transformer(nn.Module):
         cos, sin = self._rope
         return cos[:seq_len], sin[:seq_len]
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, segments: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits of ``tokens`` (B, T); with ``segments`` (B, T) several records packed in one row.
+
+        ``segments`` confines attention to each record (a token sees the earlier tokens of its own segment
+        only); ``positions`` (B, T) restarts the rotary positions at each record.
+        """
         seq_len = tokens.shape[1]
         if seq_len > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}")
@@ -187,12 +214,20 @@ class Transformer(nn.Module):
             # Attention here is plain causal: longer sequences would need the sliding window mask.
             raise ValueError(f"sequence length {seq_len} exceeds sliding_window {self.config.sliding_window}")
         cos, sin = self._rotary(seq_len, tokens.device)
+        if positions is not None:
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        mask = None
+        if segments is not None:
+            causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=tokens.device).tril()
+            allowed = (segments.unsqueeze(2) == segments.unsqueeze(1)).logical_and(causal).unsqueeze(1)
+            # Additive (0 / -inf), built once for every layer: attention with a float mask is the faster path.
+            mask = torch.zeros(allowed.shape, device=tokens.device).masked_fill_(~allowed, float("-inf"))
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             if self.activation_checkpointing and self.training:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, mask)
         x = self.norm(x)
         if self.output is None:
             return F.linear(x, self.tok_embeddings.weight)
@@ -289,18 +324,26 @@ def describe_folder(folder: Path) -> str:
 
 def write_base_model(folder: Path, config: ModelConfig, seed: int = 0) -> int:
     """Initialise a model from ``seed`` and write it to ``folder``; returns the parameter count."""
-    folder.mkdir(parents=True, exist_ok=True)
     model = Transformer(config)
     model.init_weights(torch.Generator().manual_seed(seed))
-    state = hf_state_dict(model.state_dict())
-    # Write under temporary names and rename, so an interrupted init never leaves a half-written model.
+    return save_model_folder(folder, config, model.state_dict())
+
+
+def save_model_folder(folder: Path, config: ModelConfig, state: dict[str, torch.Tensor]) -> int:
+    """Write ``config.json`` and ``model.safetensors`` (Hugging Face names) into ``folder``; the parameter count.
+
+    Both go under temporary names first and are renamed, so an interrupted write never leaves half a model.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = hf_state_dict(state)
     weights_tmp = folder / f".{WEIGHTS_FILE}.tmp"
     config_tmp = folder / f".{MODEL_CONFIG_FILE}.tmp"
-    save_tensors(state, weights_tmp, metadata={"format": "pt"})
+    save_tensors(tensors, weights_tmp, metadata={"format": "pt"})
     config_tmp.write_text(config.to_json(), encoding="utf-8")
     os.replace(weights_tmp, folder / WEIGHTS_FILE)
     os.replace(config_tmp, folder / MODEL_CONFIG_FILE)
-    return sum(t.numel() for t in state.values())
+    return sum(t.numel() for t in tensors.values())
 
 
 def _parse_bool(text: str) -> bool:

@@ -13,6 +13,15 @@ Schedules (``training.schedule``), each after a linear warmup of ``warmup_ratio 
   ``decay_ratio`` of the steps to ``max_lr * min_lr_ratio``; extending a run before its decay
   began only lengthens the plateau;
 - ``constant``: flat at ``max_lr`` to the end; extending changes nothing.
+
+Optimizers (``training.optimizer``):
+
+- ``adamw``: AdamW over every parameter; matrices and embeddings decay, 1-D weights (norms, biases) do not.
+- ``muon``: torch's Muon for the 2-D weight matrices of the transformer blocks (attention and MLP
+  projections), AdamW for the rest (embeddings, the output head, norms, biases). Muon's learning rate
+  is scaled per matrix to match AdamW's update size (``adjust_lr_fn="match_rms_adamw"``), so one
+  ``max_lr`` and one schedule serve both. Muon orthogonalises each whole matrix, so it cannot run
+  where a process holds only a shard of it (FSDP): that is refused with the reason.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from astrai.common.config import TrainingSection
+from astrai.common.errors import AstraiError
 
 
 @dataclass(frozen=True)
@@ -88,25 +98,79 @@ class Schedule:
 
 # The optimizer settings a resume takes from the config; the checkpoint's are only compared with them.
 _GROUP_SETTINGS = ("weight_decay", "betas", "eps")
+MUON_MOMENTUM = 0.95
 
 
-def build_optimizer(model: torch.nn.Module, training: TrainingSection, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters: matrices and embeddings decay, norm weights (1-D) do not."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2]}, {"params": [p for p in params if p.dim() < 2]}]
-    optimizer = torch.optim.AdamW(groups, lr=training.max_lr, fused=device.type == "cuda")
+class Optimizers:
+    """The run's optimizers as one: AdamW alone, or AdamW and Muon side by side over disjoint parameters.
+
+    ``parts`` go to torch's distributed state-dict functions, which save and load several optimizers as
+    one state keyed by parameter name; ``param_groups`` are every part's groups, AdamW's first.
+    """
+
+    def __init__(self, parts: list[torch.optim.Optimizer]):
+        self.parts = tuple(parts)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for part in self.parts for group in part.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {param: values for part in self.parts for param, values in part.state.items()}
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+
+class MuonUnavailable(AstraiError):
+    """training.optimizer muon where it cannot run."""
+
+
+def build_optimizer(
+    model: torch.nn.Module, training: TrainingSection, device: torch.device, parallel_mode: str = "none"
+) -> Optimizers:
+    """The optimizers of ``training.optimizer`` over the trainable parameters, with the config's settings."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    muon = [p for name, p in named if training.optimizer == "muon" and _is_block_matrix(name, p)]
+    taken = {id(p) for p in muon}
+    rest = [p for _, p in named if id(p) not in taken]
+    groups = [{"params": [p for p in rest if p.dim() >= 2]}, {"params": [p for p in rest if p.dim() < 2]}]
+    parts = [torch.optim.AdamW(groups, lr=training.max_lr, fused=device.type == "cuda")]
+    if training.optimizer == "muon":
+        if parallel_mode == "fsdp":
+            raise MuonUnavailable(
+                "training.optimizer: muon orthogonalises each weight matrix whole, and under FSDP every process "
+                "holds only a shard of it; use parallel.parallel_mode ddp (or none), or training.optimizer adamw"
+            )
+        parts.append(torch.optim.Muon(muon, lr=training.max_lr, adjust_lr_fn="match_rms_adamw"))
+    optimizer = Optimizers(parts)
     apply_settings(optimizer, training)
     return optimizer
 
 
-def apply_settings(optimizer: torch.optim.Optimizer, training: TrainingSection) -> None:
+def _is_block_matrix(name: str, param: torch.Tensor) -> bool:
+    """A 2-D weight inside a transformer block (not an embedding, not the output head)."""
+    return param.dim() == 2 and name.split(".")[-1] == "weight" and ".layers." in f".{name}"
+
+
+def apply_settings(optimizer: Optimizers, training: TrainingSection) -> None:
     """Give every parameter group the config's settings (after a checkpoint's state was loaded, too)."""
+    adamw, *muon = optimizer.parts
     decays = (training.weight_decay, 0.0)
-    for group, decay in zip(optimizer.param_groups, decays, strict=True):
+    for group, decay in zip(adamw.param_groups, decays, strict=True):
         group.update(weight_decay=decay, betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_eps)
+    for part in muon:
+        for group in part.param_groups:
+            group.update(weight_decay=training.weight_decay, momentum=MUON_MOMENTUM)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer: Optimizers, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
 

@@ -27,6 +27,8 @@ from astrai.common.contract import (
     METRIC_MAX_ALLOCATED_GIB,
     METRIC_MAX_STEPS,
     METRIC_MFU,
+    METRIC_REWARDS_ACCURACY,
+    METRIC_REWARDS_MARGIN,
     METRIC_STEP,
     METRIC_TIME,
     METRIC_TOKENS_PER_S,
@@ -298,6 +300,11 @@ class ProgressReporter:
             line += f" | grad_norm {report.grad_norm:.3f}"
         if report.val_loss is not None:
             line += f" | val_loss {report.val_loss:.4f}"
+        if report.extra and METRIC_REWARDS_MARGIN in report.extra:
+            line += (
+                f" | margin {report.extra[METRIC_REWARDS_MARGIN]:.3f}"
+                f" | accuracy {report.extra[METRIC_REWARDS_ACCURACY]:.2f}"
+            )
         line += f" | {tokens_per_s:,.0f} tokens/s | mfu {'n/a' if utilization is None else f'{utilization:.1%}'}"
         if report.max_allocated_gib is not None:
             line += f" | mem {report.max_allocated_gib:.2f} GiB"

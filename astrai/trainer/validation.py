@@ -13,18 +13,22 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch.utils.data import default_collate
 
 from astrai.trainer.distributed import DistEnv
-from astrai.trainer.windows import WindowDataset
 
 
 class Validator:
-    """Evaluates a model on the fixed held-out windows; every rank gets the same result."""
+    """Evaluates a model on the fixed held-out windows; every rank gets the same result.
+
+    ``dataset.item(n)`` is held-out unit n (a window, a packed SFT window, a DPO pair) and
+    ``objective.eval_sums`` its summed loss and count, so the mean is over tokens (seq, sft) or pairs (dpo).
+    """
 
     def __init__(
         self,
-        dataset: WindowDataset,
+        dataset,
+        objective,
         windows: list[int],
         batch_size: int,
         env: DistEnv,
@@ -32,6 +36,7 @@ class Validator:
         interval: int,
     ):
         self.dataset = dataset
+        self.objective = objective
         self.windows = windows
         self.batch_size = batch_size
         self.env = env
@@ -51,8 +56,8 @@ class Validator:
         """Validations still to come after ``step``."""
         return max_steps // self.interval - step // self.interval if self.enabled else 0
 
-    def run(self, model: torch.nn.Module, vocab_size: int) -> float:
-        """Mean loss per token over the held-out windows (the model is put back in training mode)."""
+    def run(self, model: torch.nn.Module) -> float:
+        """Mean held-out loss (the model is put back in training mode)."""
         windows, ranks = self.windows, self.env.world_size
         mine = windows[self.env.rank :: ranks]
         batches = math.ceil(math.ceil(len(windows) / ranks) / self.batch_size)
@@ -63,14 +68,12 @@ class Validator:
                 chunk = mine[index * self.batch_size : (index + 1) * self.batch_size]
                 # Every rank runs the same number of forward passes (FSDP gathers weights in each one);
                 # a rank out of windows computes one stand-in window and does not count it.
-                tokens = torch.stack([self.dataset.window(w) for w in chunk or windows[:1]]).to(self.env.device)
+                batch = default_collate([self.dataset.item(w) for w in chunk or windows[:1]])
                 with self.autocast:
-                    logits = model(tokens[:, :-1])
-                loss = F.cross_entropy(logits.float().view(-1, vocab_size), tokens[:, 1:].reshape(-1), reduction="sum")
+                    sums = self.objective.eval_sums(model, batch)
                 if chunk:
-                    totals[0] += loss.double()
-                    totals[1] += tokens[:, 1:].numel()
+                    totals += sums
         model.train()
         if self.env.distributed:
             dist.all_reduce(totals)
-        return (totals[0] / totals[1]).item()
+        return (totals[0] / totals[1].clamp(min=1)).item()

@@ -35,9 +35,9 @@ class WindowDataset(Dataset):
         return self.split.num_train
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        return self.window(self.split.train_window(index))
+        return self.item(self.split.train_window(index))
 
-    def window(self, index: int) -> torch.Tensor:
+    def item(self, index: int) -> torch.Tensor:
         """Corpus window ``index``, training or held out."""
         if self._shards is None:
             # shared=False maps the file copy-on-write: read-only files work and pages load on demand.
@@ -200,10 +200,10 @@ class MixtureDataset(Dataset):
         source = bisect.bisect_right(self.train_offsets, index) - 1
         return self.parts[source][index - self.train_offsets[source]]
 
-    def window(self, index: int) -> torch.Tensor:
+    def item(self, index: int) -> torch.Tensor:
         """Corpus window ``index`` of the concatenated sources (held-out ones included)."""
         source = bisect.bisect_right(self.corpus_offsets, index) - 1
-        return self.parts[source].window(index - self.corpus_offsets[source])
+        return self.parts[source].item(index - self.corpus_offsets[source])
 
 
 def _offsets(counts: list[int]) -> list[int]:

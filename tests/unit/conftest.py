@@ -130,3 +130,44 @@ def run_trainer(make_trainer):
             trainer.close()
 
     return run
+
+
+@pytest.fixture(scope="session")
+def chat_world(tmp_path_factory):
+    """The post-training tests' world (tests/unit/chat_data.py), with its SFT and DPO records prepared.
+
+    Returns (world, sft data folder, dpo data folder).
+    """
+    from chat_data import make_chat_world
+
+    from astrai.data.pipeline import prepare
+    from astrai.data.tokenizing import HFTokenizer
+
+    root = tmp_path_factory.mktemp("chat_world")
+    world = make_chat_world(root)
+    sft, dpo = root / "sft-data", root / "dpo-data"
+    tokenizer = HFTokenizer(world.tokenizer)
+    prepare(sft, [world.sft_file], tokenizer=tokenizer, kind="sft")
+    prepare(dpo, [world.dpo_file], tokenizer=tokenizer, kind="dpo")
+    return world, sft, dpo
+
+
+@pytest.fixture(scope="session")
+def post_yaml(train_yaml, chat_world):
+    """post_yaml(path, kind, **flat_keys): a train.yaml training ``kind`` (sft, dpo) on the chat world."""
+    world, sft, dpo = chat_world
+
+    def write(path: Path, kind: str, **keys) -> Path:
+        values = {
+            "train_type": kind,
+            "data_root_path": str(sft if kind == "sft" else dpo),
+            "param_path": str(world.model),
+            "window_size": 96 if kind == "sft" else 48,
+            "val_fraction": 0.0,
+            "max_steps": 30,
+            "ckpt_interval": 10,
+            **keys,
+        }
+        return train_yaml(path, **values)
+
+    return write

@@ -40,11 +40,11 @@ def make_hf_model(
     Weights are drawn wider than transformers' init (std 0.02) and norm weights are not all ones, so
     that a wrong rotation, head grouping or norm shows up in the logits.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    import transformers
 
-    config_class, model_class = (
-        (MistralConfig, MistralForCausalLM) if model_type == "mistral" else (LlamaConfig, LlamaForCausalLM)
-    )
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
+    config_class = getattr(transformers, f"{prefix}Config")
+    model_class = getattr(transformers, f"{prefix}ForCausalLM")
     config = config_class(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -115,4 +115,51 @@ def make_tokenizer(
     tokenizer.save(str(folder / "tokenizer.json"))
     if eos_in_config is not None:
         (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_in_config}))
+    return folder
+
+
+# Two chat templates of different shapes, written for these tests: ChatML-style turns closed by
+# <|im_end|>, and header-style turns after a begin-of-text token, closed by <|eot_id|>, with a default
+# system prompt and a role check.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+HEADER_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\\n\\nYou are concise.<|eot_id|>' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{ message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+CHAT_SPECIALS = {
+    "chatml": ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    "header": ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+}
+
+
+def make_chat_tokenizer(folder: Path, texts: list[str], style: str = "chatml", in_config: bool = True) -> Path:
+    """A tokenizer folder with a chat template that AutoTokenizer loads: in tokenizer_config.json, or as
+    chat_template.jinja when ``in_config`` is False."""
+    folder = make_tokenizer(folder, texts, special=CHAT_SPECIALS[style])
+    template = CHATML_TEMPLATE if style == "chatml" else HEADER_TEMPLATE
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096}
+    if style == "chatml":
+        config.update(eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    else:
+        config.update(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    if in_config:
+        config["chat_template"] = template
+    else:
+        (folder / "chat_template.jinja").write_text(template)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder

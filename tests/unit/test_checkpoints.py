@@ -32,7 +32,7 @@ from astrai.trainer.checkpoint.files import CheckpointError, Progress, first_non
 from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
 from astrai.trainer.distributed import init_distributed
 from astrai.trainer.model import PRESETS, Transformer
-from astrai.trainer.optim import Schedule
+from astrai.trainer.optim import Optimizers, Schedule
 from bench.common import placeholder_checkpoint as _fake_checkpoint
 
 # The shared folder rules.
@@ -145,7 +145,7 @@ def test_publish_replaces_an_existing_folder_and_remove_is_atomic(tmp_path_facto
 def training_state(one_thread):
     torch.manual_seed(0)
     model = Transformer(PRESETS["tiny"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = Optimizers([torch.optim.AdamW(model.parameters(), lr=1e-3)])
     tokens = torch.randint(0, 257, (2, 9))
     torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
     optimizer.step()

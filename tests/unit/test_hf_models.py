@@ -192,3 +192,32 @@ def test_a_sequence_longer_than_the_sliding_window_is_refused(tmp_path):
     # Without the key, transformers' Mistral default applies.
     _edit_config(folder, sliding_window=None)
     assert ModelConfig.load(folder).sliding_window == 4096
+
+
+@pytest.mark.parametrize(
+    ("model_type", "tie", "extra"),
+    [("qwen2", False, {}), ("qwen2", True, {}), ("qwen3", False, {}), ("qwen3", True, {})],
+)
+def test_qwen_families_match_transformers_and_are_written_back_as_themselves(tmp_path, model_type, tie, extra):
+    """Qwen2 (biases on q, k and v) and Qwen3 (per-head q and k norms): the bases people fine-tune."""
+    from transformers import AutoModelForCausalLM
+
+    folder = make_hf_model(tmp_path / "base", model_type=model_type, heads=4, kv_heads=2, tie=tie, **extra)
+    tokens = _tokens(2, 13)
+    ours = load_pretrained(folder)
+    with torch.no_grad():
+        assert torch.allclose(ours(tokens), hf_logits(folder, tokens), atol=1e-4)
+    write_back = tmp_path / "written"
+    from astrai.trainer.model import save_model_folder
+
+    save_model_folder(write_back, ours.config, ours.state_dict())
+    assert json.loads((write_back / "config.json").read_text())["model_type"] == model_type
+    loaded = AutoModelForCausalLM.from_pretrained(write_back, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(loaded(tokens).logits, hf_logits(folder, tokens), atol=1e-4)
+
+
+def test_a_qwen3_with_attention_biases_is_refused_naming_the_key(tmp_path):
+    folder = make_hf_model(tmp_path / "base", model_type="qwen3", attention_bias=True)
+    with pytest.raises(ModelLoadError, match="attention_bias true is not supported; expected false"):
+        load_pretrained(folder)

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 from test_metrics import event_scalars
-from test_train_resume import TRAINER, Run, _wait_for
+from trainer_runs import TRAINER, Run, wait_for
 
 from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.common.contract import METRICS_FILE, TAG_TRAIN_LOSS, TAG_VAL_LOSS, TENSORBOARD_DIR
@@ -39,13 +39,13 @@ def test_killed_twice_and_stopped_logs_each_step_once_with_the_uninterrupted_val
     for kill_after in (50, 80):
         run = Run([*TRAINER, "--config", config], trainer_env, tmp_path / "run.log")
         try:
-            _wait_for(lambda after=kill_after: _logged_step(job) >= after, run)
+            wait_for(lambda after=kill_after: _logged_step(job) >= after, run)
         finally:
             run.kill()
         assert latest_complete_checkpoint(job).step < _logged_step(job)
     run = Run([*TRAINER, "--config", config], trainer_env, tmp_path / "run.log")
     try:
-        _wait_for(lambda: _logged_step(job) >= 100, run)
+        wait_for(lambda: _logged_step(job) >= 100, run)
         os.killpg(run.proc.pid, signal.SIGTERM)
         assert run.proc.wait(timeout=60) == 0, run.output()
     finally:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train_resume import TRAINER, Run, _metrics_step, _wait_for
+from trainer_runs import TRAINER, Run, metrics_step, wait_for
 
 from astrai.common.checkpoints import latest_complete_checkpoint, list_complete_checkpoints
 
@@ -89,7 +89,7 @@ def test_a_resume_on_another_world_size_trains_the_same_steps(tmp_path, train_ya
     command = _two_process_ddp(path)
     run = Run(command, trainer_env, tmp_path / "two.log")
     try:
-        _wait_for(lambda: _metrics_step(resumed_dir) >= 10, run)
+        wait_for(lambda: metrics_step(resumed_dir) >= 10, run)
         os.kill(run.workers()[0], signal.SIGTERM)
         assert run.proc.wait(timeout=60) == 0, run.output()
     finally:
@@ -138,7 +138,7 @@ def test_two_nodes_need_checkpoints_and_model_on_node_0_only_and_survive_no_lost
     try:
         # The periodic checkpoint of step 20 is agreed by both nodes and written in the background; wait until
         # it is published, so that the restart below has something to resume from.
-        _wait_for(lambda: latest_complete_checkpoint(ckpt_dir) is not None, runs[0], timeout=180)
+        wait_for(lambda: latest_complete_checkpoint(ckpt_dir) is not None, runs[0], timeout=180)
         assert not (tmp_path / "absent").exists()
         # Node 1 dies at once (a host reboot): node 0 names it and exits non-zero within the timeout.
         runs[1].kill()
@@ -185,7 +185,7 @@ def test_a_stop_on_node_1_stops_both_nodes_with_one_emergency_checkpoint(tmp_pat
         for node in (1, 0)
     }
     try:
-        _wait_for(lambda: _metrics_step(ckpt_dir) >= 20, runs[0], timeout=180)
+        wait_for(lambda: metrics_step(ckpt_dir) >= 20, runs[0], timeout=180)
         (worker,) = runs[1].workers().values()
         os.kill(worker, signal.SIGTERM)
         codes = [runs[node].proc.wait(timeout=60) for node in (0, 1)]

@@ -10,92 +10,18 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from trainer_runs import TORCHRUN, TRAINER, Run, final_weights, metrics_step, metrics_steps, staging, wait_for
 
-from astrai.common.checkpoints import STAGING_PREFIX, latest_complete_checkpoint
-from astrai.trainer.entrypoint import child_pids
+from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.trainer.model import ModelConfig, read_weights
 
 pytestmark = pytest.mark.slow
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-TRAINER = [sys.executable, "-m", "astrai.train"]
-
-
-class Run:
-    """One trainer launch (plain or torchrun) in its own session, with its output in a file."""
-
-    def __init__(self, command: list[str], env: dict, log: Path):
-        self.log = log
-        with open(log, "ab") as handle:
-            self.proc = subprocess.Popen(
-                command, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-
-    def workers(self) -> dict[int, int]:
-        """rank -> pid of the torchrun workers (they run in sessions of their own)."""
-        ranks = {}
-        for pid in child_pids(self.proc.pid):
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            for item in environ:
-                if item.startswith(b"RANK="):
-                    ranks[int(item[5:])] = pid
-        return ranks
-
-    def kill(self) -> None:
-        """SIGKILL everything this run started: the launcher, its session, torchrun's workers."""
-        for pid in [*self.workers().values(), self.proc.pid]:
-            for kill in (os.killpg, os.kill):
-                try:
-                    kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        self.proc.wait(timeout=30)
-
-    def wait(self, timeout: float = 240) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            self.kill()
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-def _metrics_steps(ckpt_dir: Path) -> list[int]:
-    """Steps of the progress records so far, in the order they were written (restarts append)."""
-    try:
-        lines = (ckpt_dir / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
-
-
-def _metrics_step(ckpt_dir: Path) -> int:
-    return max(_metrics_steps(ckpt_dir), default=0)
-
-
-def _wait_for(condition, run: Run, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert run.proc.poll() is None, f"trainer exited early:\n{run.output()}"
-        assert time.monotonic() < deadline, f"timed out:\n{run.output()}"
-        time.sleep(0.02)
-
-
-def _final_weights(ckpt_dir: Path, step: int) -> bytes:
-    latest = latest_complete_checkpoint(ckpt_dir)
-    assert latest is not None and latest.step == step
-    return (latest.path / "model.safetensors").read_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +38,7 @@ def references(tmp_path_factory, train_yaml):
             extra = [] if kind == "single" else ["--parallel_mode", "ddp"]
             run = Run([*command, "--config", str(path), *extra], env, root / f"{kind}.log")
             assert run.wait() == 0, run.output()
-            cache[kind] = _final_weights(root / kind, 200)
+            cache[kind] = final_weights(root / kind, 200)
         return cache[kind]
 
     return get
@@ -127,20 +53,18 @@ def test_sigkill_at_random_moments_then_restart_ends_bitwise_equal(tmp_path, tra
         run = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "run.log")
         try:
             if attempt < 6:
-                reported = len(_metrics_steps(ckpt_dir))
+                reported = len(metrics_steps(ckpt_dir))
                 deadline = time.monotonic() + 60
                 # Once this run trains, kill it at a random moment, or (every other time) while it writes a checkpoint.
                 while (
-                    run.proc.poll() is None
-                    and len(_metrics_steps(ckpt_dir)) <= reported
-                    and time.monotonic() < deadline
+                    run.proc.poll() is None and len(metrics_steps(ckpt_dir)) <= reported and time.monotonic() < deadline
                 ):
                     time.sleep(0.01)
                 if attempt % 2:
                     deadline = time.monotonic() + 3
-                    while run.proc.poll() is None and time.monotonic() < deadline and not _staging(ckpt_dir):
+                    while run.proc.poll() is None and time.monotonic() < deadline and not staging(ckpt_dir):
                         time.sleep(0.0005)
-                    kills_during_save += bool(_staging(ckpt_dir))
+                    kills_during_save += bool(staging(ckpt_dir))
                 else:
                     time.sleep(rng.uniform(0.0, 0.5))
                 if run.proc.poll() is None:
@@ -153,12 +77,8 @@ def test_sigkill_at_random_moments_then_restart_ends_bitwise_equal(tmp_path, tra
             run.kill()
     assert kills == 6, run.output()
     print(f"{kills} kills, {kills_during_save} of them while a checkpoint was being written")
-    assert _final_weights(ckpt_dir, 200) == references("single")
-    assert not _staging(ckpt_dir)
-
-
-def _staging(ckpt_dir: Path) -> list[str]:
-    return [name for name in os.listdir(ckpt_dir) if name.startswith(STAGING_PREFIX)] if ckpt_dir.exists() else []
+    assert final_weights(ckpt_dir, 200) == references("single")
+    assert not staging(ckpt_dir)
 
 
 def test_sigterm_stops_within_a_step_and_a_save_and_resumes_bitwise_equal(
@@ -169,7 +89,7 @@ def test_sigterm_stops_within_a_step_and_a_save_and_resumes_bitwise_equal(
     ckpt_dir = tmp_path / "ckpt"
     run = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "run.log")
     try:
-        _wait_for(lambda: _metrics_step(ckpt_dir) >= 50, run)
+        wait_for(lambda: metrics_step(ckpt_dir) >= 50, run)
         started = time.monotonic()
         os.killpg(run.proc.pid, signal.SIGTERM)
         time.sleep(0.05)
@@ -190,7 +110,7 @@ def test_sigterm_stops_within_a_step_and_a_save_and_resumes_bitwise_equal(
     rerun = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "rerun.log")
     assert rerun.wait() == 0, rerun.output()
     assert f"resumed from {latest.path}" in rerun.output()
-    assert _final_weights(ckpt_dir, 200) == references("single")
+    assert final_weights(ckpt_dir, 200) == references("single")
 
 
 def test_a_stop_that_comes_while_the_trainer_starts_is_kept_and_honoured(tmp_path, train_yaml, trainer_env):
@@ -225,7 +145,7 @@ def test_ddp_two_processes_killed_and_stopped_ends_bitwise_equal(tmp_path, train
     # SIGKILL everything at a random moment after the first checkpoint.
     run = Run(command, trainer_env, tmp_path / "run1.log")
     try:
-        _wait_for(lambda: _metrics_step(ckpt_dir) >= 30, run)
+        wait_for(lambda: metrics_step(ckpt_dir) >= 30, run)
         time.sleep(rng.uniform(0.0, 1.0))
     finally:
         run.kill()
@@ -234,10 +154,10 @@ def test_ddp_two_processes_killed_and_stopped_ends_bitwise_equal(tmp_path, train
 
     # SIGTERM to rank 1 only: both ranks agree on the stop step and exit 0.
     run = Run(command, trainer_env, tmp_path / "run2.log")
-    reported = len(_metrics_steps(ckpt_dir))
+    reported = len(metrics_steps(ckpt_dir))
     try:
         # Records of the killed run may be ahead of its last checkpoint: wait for two records of this run.
-        _wait_for(lambda: len(_metrics_steps(ckpt_dir)) >= reported + 2, run)
+        wait_for(lambda: len(metrics_steps(ckpt_dir)) >= reported + 2, run)
         os.kill(run.workers()[1], signal.SIGTERM)
         assert run.proc.wait(timeout=60) == 0, run.output()
     finally:
@@ -249,7 +169,7 @@ def test_ddp_two_processes_killed_and_stopped_ends_bitwise_equal(tmp_path, train
 
     run = Run(command, trainer_env, tmp_path / "run3.log")
     assert run.wait() == 0, run.output()
-    assert _final_weights(ckpt_dir, 200) == references("ddp")
+    assert final_weights(ckpt_dir, 200) == references("ddp")
 
 
 def test_fsdp_two_processes_train_checkpoint_and_resume(tmp_path, train_yaml, trainer_env):
@@ -259,7 +179,7 @@ def test_fsdp_two_processes_train_checkpoint_and_resume(tmp_path, train_yaml, tr
 
     run = Run(command, trainer_env, tmp_path / "run1.log")
     try:
-        _wait_for(lambda: _metrics_step(ckpt_dir) >= 30, run)
+        wait_for(lambda: metrics_step(ckpt_dir) >= 30, run)
         os.kill(run.workers()[0], signal.SIGTERM)
         assert run.proc.wait(timeout=60) == 0, run.output()
     finally:

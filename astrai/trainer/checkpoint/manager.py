@@ -41,7 +41,7 @@ from astrai.trainer.checkpoint.files import (
 )
 from astrai.trainer.distributed import DistEnv, broadcast_from_master
 from astrai.trainer.model import ModelConfig
-from astrai.trainer.optim import Schedule
+from astrai.trainer.optim import Optimizers, Schedule
 
 
 def load_latest(job_dir: Path, env: DistEnv, log: Callable[[str], None]) -> LoadedCheckpoint | None:
@@ -77,6 +77,9 @@ class RunFacts:
     max_steps: int
     window_size: int
     global_batch: int
+    train_type: str = "seq"
+    reference: dict | None = None
+    """DPO: the frozen reference (path, sha256), never saved itself."""
 
 
 class CheckpointManager:
@@ -94,7 +97,7 @@ class CheckpointManager:
         log: Callable[[str], None],
         *,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Optimizers,
         schedule: Schedule,
         model_config: ModelConfig,
         facts: RunFacts,
@@ -143,7 +146,7 @@ class CheckpointManager:
         instead: nothing blocks the resume, and it is reproducible.
         """
         set_optimizer_state_dict(
-            self.model, self.optimizer, loaded.optimizer_state, options=StateDictOptions(full_state_dict=True)
+            self.model, self.optimizer.parts, loaded.optimizer_state, options=StateDictOptions(full_state_dict=True)
         )
         cpu_key, cuda_key = f"rank{self.env.rank}.cpu", f"rank{self.env.rank}.cuda"
         saved_world = loaded.meta.world_size
@@ -174,7 +177,7 @@ class CheckpointManager:
         # Full (unsharded) state. FSDP gathers it into fresh CPU tensors on rank 0 (other ranks get empty
         # dicts); otherwise the tensors are the live parameters and optimizer moments themselves.
         model_state, optimizer_state = get_state_dict(
-            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=fsdp)
+            self.model, self.optimizer.parts, options=StateDictOptions(full_state_dict=True, cpu_offload=fsdp)
         )
         rng_state = self._gather_rng_state()
         if self.env.master_process:
@@ -199,6 +202,8 @@ class CheckpointManager:
                 max_steps=self.facts.max_steps,
                 window_size=self.facts.window_size,
                 global_batch=self.facts.global_batch,
+                train_type=self.facts.train_type,
+                reference=self.facts.reference,
             )
             files = CheckpointFiles(
                 model_state,

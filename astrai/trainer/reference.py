@@ -1,0 +1,107 @@
+"""DPO's frozen reference: loaded and checked, then kept live or turned into a table of log-probabilities.
+
+With ``training.dpo_reference: precomputed`` (the default) the reference scores every pair of the data
+once, before the first step: each rank scores its share, the shares are summed into one table
+``(pairs, 2)`` of summed log-probabilities (chosen, rejected), and the reference model is freed. Rank 0
+keeps the table in the job dir (``reference_logps.safetensors``), with what it was computed from
+(the reference's checksum, the data's fingerprint, the window, ``data.overlong``, the device type), so
+a resume reads it back instead of scoring again; a table from anything else is computed afresh.
+With ``live`` the reference stays in memory and scores each micro-batch as it trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch.utils.data import default_collate
+
+from astrai.common.checkpoints import fsync_path
+from astrai.common.contract import REFERENCE_LOG_PROBS_FILE
+from astrai.trainer.distributed import DistEnv, broadcast_from_master
+from astrai.trainer.model import save_tensors
+
+TABLE_KEY = "log_probs"
+
+
+def summed_log_probs(model, vocab_size: int, inputs, targets, weights) -> torch.Tensor:
+    """Summed log-probability of each row's supervised tokens under ``model``: (pairs, 2) for (pairs, 2, T) rows."""
+    logits = model(inputs.view(-1, inputs.shape[-1]))
+    token = -torch.nn.functional.cross_entropy(
+        logits.float().view(-1, vocab_size), targets.reshape(-1), reduction="none"
+    )
+    return (token * weights.reshape(-1)).view(-1, 2, inputs.shape[-1]).sum(-1)
+
+
+def reference_table(
+    reference,
+    dataset,
+    count: int,
+    facts: dict[str, str],
+    job_dir: Path,
+    env: DistEnv,
+    batch_size: int,
+    autocast: contextlib.AbstractContextManager,
+    vocab_size: int,
+    log,
+) -> torch.Tensor:
+    """The (count, 2) table of the reference's log-probabilities of pairs 0..count-1, on ``env.device``.
+
+    Read from the job dir when a table of the same ``facts`` is there; otherwise every rank scores its
+    share (the same number of forward passes on each, as FSDP needs) and rank 0 writes the table.
+    """
+    path = Path(job_dir) / REFERENCE_LOG_PROBS_FILE
+    cached = broadcast_from_master(env, lambda: _read(path, facts, count))
+    if cached is not None:
+        log(f"dpo: reference log-probabilities of {count:,} pairs read from {path}")
+        return cached.to(env.device)
+    table = torch.zeros(count, 2, dtype=torch.float32, device=env.device)
+    mine = list(range(env.rank, count, env.world_size))
+    batches = math.ceil(math.ceil(count / env.world_size) / batch_size)
+    reference.eval()
+    with torch.no_grad():
+        for index in range(batches):
+            chunk = mine[index * batch_size : (index + 1) * batch_size]
+            batch = default_collate([dataset.item(number) for number in chunk or [0]])
+            inputs, targets, weights = (part.to(env.device) for part in batch[:3])
+            with autocast:
+                scores = summed_log_probs(reference, vocab_size, inputs, targets, weights)
+            if chunk:
+                table[torch.tensor(chunk, device=env.device)] = scores.float()
+    if env.distributed:
+        dist.all_reduce(table)
+    if env.master_process:
+        _write(path, table, facts)
+    log(f"dpo: reference log-probabilities of {count:,} pairs computed and kept in {path}")
+    return table
+
+
+def _read(path: Path, facts: dict[str, str], count: int) -> torch.Tensor | None:
+    """The table at ``path`` if it was computed from ``facts`` (and is whole), else None."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError):
+        return None
+    table = tensors.get(TABLE_KEY)
+    if metadata != facts or table is None or tuple(table.shape) != (count, 2) or not torch.isfinite(table).all():
+        return None
+    return table
+
+
+def _write(path: Path, table: torch.Tensor, facts: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.tmp")
+    save_tensors({TABLE_KEY: table.cpu().contiguous()}, staging, metadata=facts)
+    fsync_path(staging)
+    os.replace(staging, path)
+    fsync_path(path.parent)

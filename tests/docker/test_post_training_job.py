@@ -1,0 +1,95 @@
+"""Fine-tuning in the container as the README walks it: SFT on chat data, then DPO from the SFT result.
+
+The data is prepared on the host with the base model's chat template; both jobs run in the real
+engine, preflight and status say what a user needs to see, a stop is honoured, and the final
+checkpoint chats in transformers with its own template.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from astrai.common.checkpoints import latest_complete_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from chat_data import SYSTEM_PROMPT, make_chat_world  # noqa: E402
+
+pytestmark = pytest.mark.docker
+
+
+def _prepare(kind: str, tokenizer: Path, out: Path, records: Path) -> None:
+    command = [sys.executable, "-m", "astrai.data", "prepare", "--kind", kind, "--tokenizer", str(tokenizer)]
+    subprocess.run([*command, "--out", str(out), str(records)], check=True, capture_output=True)
+
+
+def test_sft_then_dpo_jobs_run_in_the_container_and_end_as_a_chat_model(make_job, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    world = make_chat_world(tmp_path / "world")
+    sft = make_job(
+        trainer={
+            "data": {"window_size": 96},
+            "training": {"train_type": "sft", "max_steps": 1000, "max_lr": 3e-3, "batch_per_device": 4},
+            "ckpt": {"ckpt_interval": 1000},
+        }
+    )
+    for name in ("params", "data"):
+        shutil.rmtree(sft.folder / name)
+    shutil.copytree(world.model, sft.folder / "params")
+    _prepare("sft", world.tokenizer, sft.folder / "data", world.sft_file)
+
+    sft.invoke("init")
+    checklist = sft.invoke("preflight").stdout
+    fit = next(line for line in checklist.splitlines() if "data fits model" in line)
+    assert fit.startswith("✓") and "packed windows of 96" in fit, checklist
+    assert "240 sequences as" in fit and "0 cut to the window (data.overlong: truncate)" in fit, fit
+    sft.invoke("start")
+    sft.wait_for("step 10", lambda: sft.progress_step() >= 10)
+    assert "emergency checkpoint" in sft.invoke("stop").stdout
+    stopped, reason = sft.checkpoints()[-1]
+    assert reason == "emergency"
+    sft.invoke("start", "--", "--max_steps", str(stopped + 10))
+    assert sft.wait_for_exit().exit_code == 0, sft.logs()
+    assert f"_step_{stopped} (epoch" in sft.logs() and "sft: 240 sequences as" in sft.logs()
+    tuned = latest_complete_checkpoint(sft.job_dir)
+    assert tuned.meta.train_type == "sft" and tuned.step == stopped + 10
+
+    # DPO from the SFT result: the reference is the model the run starts from.
+    dpo = make_job(
+        runtime={"paths": {"model": str(tuned.path)}},
+        trainer={
+            "data": {"window_size": 48},
+            "training": {"train_type": "dpo", "max_steps": 12, "max_lr": 1e-3, "batch_per_device": 4},
+            "ckpt": {"ckpt_interval": 1000},
+            "log": {"log_interval": 4},
+        },
+    )
+    shutil.rmtree(dpo.folder / "data")
+    _prepare("dpo", world.tokenizer, dpo.folder / "data", world.dpo_file)
+    dpo.invoke("init")
+    checklist = dpo.invoke("preflight").stdout
+    reference = next(line for line in checklist.splitlines() if "dpo reference" in line)
+    assert reference.startswith("✓") and str(tuned.path) in reference, checklist
+    dpo.invoke("start")
+    assert dpo.wait_for_exit().exit_code == 0, dpo.logs()
+    logs = dpo.logs()
+    assert "dpo: reference log-probabilities of 160 pairs computed" in logs, logs
+    assert (dpo.job_dir / "reference_logps.safetensors").is_file()
+    status = dpo.invoke("status").stdout
+    line = next(line for line in status.splitlines() if line.startswith("dpo"))
+    assert "rewards chosen" in line and "margin" in line and "accuracy" in line, status
+    final = latest_complete_checkpoint(dpo.job_dir)
+    assert final.meta.train_type == "dpo" and final.meta.reference["path"] == "/models/base"
+    assert len(final.meta.reference["sha256"]) == 64
+
+    tokenizer = AutoTokenizer.from_pretrained(final.path)
+    model = AutoModelForCausalLM.from_pretrained(final.path)
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "cat sat"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    assert model.generate(prompt, max_new_tokens=4, do_sample=False).shape[1] > prompt.shape[1]
