@@ -207,8 +207,11 @@ def table(results: dict) -> str:
 def summary(results: dict) -> str:
     info = results["machine"]
     sections = results.get("sections", {})
+    # In the order the bench runs them, whatever order results.json keeps them in.
+    order = [name for name in SECTIONS if name in sections] + sorted(set(sections) - set(SECTIONS))
     timed = ", ".join(
-        f"{name} {entry['seconds'] / 60:.1f} min ({entry['date']} {entry['mode']})" for name, entry in sections.items()
+        f"{name} {sections[name]['seconds'] / 60:.1f} min ({sections[name]['date']} {sections[name]['mode']})"
+        for name in order
     )
     return (
         f"Measured with `invoke bench` on {info['cores']} cores ({info['cpu']}), Python {info['python']}, "
