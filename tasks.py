@@ -2,7 +2,7 @@
 
 Each task parses its arguments, calls one plain function from ``astrai/`` and
 turns expected failures into a message and an exit code (never a traceback).
-Arguments after ``--`` on `start`, `restart` and `render` go to the trainer:
+Arguments after ``--`` on `start`, `restart`, `submit` and `render` go to the trainer:
 
     invoke start --config train.yaml -- --max_steps 500 --max_lr 1e-3
 """
@@ -90,14 +90,27 @@ def preflight(c, config=DEFAULT_CONFIG, node="0"):
         run_preflight(runtime, _trainer_args(c))
 
 
-@task(help={"config": CONFIG_HELP, "node": NODE_HELP})
-def render(c, config=DEFAULT_CONFIG, node="0"):
-    """Print the generated Compose override of a job (arguments after -- become the trainer's)."""
+@task(
+    help={
+        "config": CONFIG_HELP,
+        "node": NODE_HELP,
+        "kubernetes": "print the job as Kubernetes manifests (ConfigMap, headless Service, Indexed Job) instead",
+        "trainjob": "with --kubernetes: a Kubeflow Trainer v2.3.0 TrainJob instead of the Service and Job",
+    }
+)
+def render(c, config=DEFAULT_CONFIG, node="0", kubernetes=False, trainjob=False):
+    """Print the generated Compose override of a job, or its Kubernetes manifests (-- ARGS go to the trainer)."""
     from astrai.host.jobs import render as render_override
+    from astrai.host.jobs import render_kubernetes
 
+    if trainjob and not kubernetes:
+        raise Exit("error: --trainjob goes with --kubernetes", code=2)
     with _user_errors():
         _, runtime = _load(config, node)
-        print(render_override(runtime, _trainer_args(c)), end="")
+        if kubernetes:
+            print(render_kubernetes(runtime, _trainer_args(c), trainjob), end="")
+        else:
+            print(render_override(runtime, _trainer_args(c)), end="")
 
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
@@ -126,6 +139,16 @@ def start(c, config=DEFAULT_CONFIG, node="0", foreground=False):
         code = start_job(runtime, _trainer_args(c), foreground=foreground)
     if code:
         raise Exit(code=code)
+
+
+@task(help={"config": CONFIG_HELP, "dry_run": "print the sbatch script; write and submit nothing"})
+def submit(c, config=DEFAULT_CONFIG, dry_run=False):
+    """Submit the job to Slurm (runtime.slurm): check, write the sbatch script, sbatch it (-- ARGS to the trainer)."""
+    from astrai.host.jobs import submit_job
+
+    with _user_errors():
+        _, runtime = _load(config)
+        submit_job(runtime, _trainer_args(c), dry_run)
 
 
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP})
@@ -300,6 +323,7 @@ namespace = Collection(
     render,
     build,
     start,
+    submit,
     stop,
     restart,
     logs,

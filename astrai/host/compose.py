@@ -44,7 +44,9 @@ from astrai.common.contract import (
     ENV_PROCESSES,
     ENV_RDZV_BACKEND,
     ENV_RDZV_ENDPOINT,
+    ENV_RDZV_ID,
     ENV_STOP_TIMEOUT_SECONDS,
+    ENV_SUPERVISOR_PID,
     LABEL_CONFIG,
     LABEL_JOB,
     LABEL_NODE,
@@ -164,11 +166,16 @@ def container_environment(runtime: Runtime) -> dict[str, str | None]:
             {
                 ENV_NODES: str(runtime.node_count),
                 ENV_NODE_RANK: str(runtime.node),
-                ENV_RDZV_ENDPOINT: runtime.rendezvous,
                 ENV_RDZV_BACKEND: runtime.rdzv_backend,
                 ENV_FAILURE_TIMEOUT_SECONDS: str(runtime.failure_timeout_seconds),
             }
         )
+        if runtime.rendezvous is not None:  # a job for a scheduler gets it from its allocation
+            env[ENV_RDZV_ENDPOINT] = runtime.rendezvous
+    if runtime.rdzv_id is not None:
+        env[ENV_RDZV_ID] = runtime.rdzv_id
+    if runtime.supervisor_pid is not None:
+        env[ENV_SUPERVISOR_PID] = str(runtime.supervisor_pid)
     if runtime.network_interface is not None:
         env.update({name: runtime.network_interface for name in INTERFACE_VARIABLES})
     return env
@@ -230,7 +237,11 @@ def render_override(
         # with host networking, its name) would each run torchrun as the same pid of a fresh PID namespace, and
         # the rendezvous would wait forever; the host's PID namespace keeps their pids apart.
         service["pid"] = "host"
-    if runtime.max_restarts:
+    if runtime.supervisor_pid is not None:
+        # The entrypoint watches the Slurm task that started it (a host pid) and stops when it is gone.
+        service["pid"] = "host"
+    if runtime.max_restarts and runtime.supervisor_pid is None:
+        # Under Slurm the allocation decides: a restart after the job ended would outlive it.
         # Docker restarts a non-zero exit only: a graceful stop exits 0 (and `docker stop` never restarts).
         service["restart"] = f"on-failure:{runtime.max_restarts}"
     if runtime.uses_gpu:
@@ -243,7 +254,7 @@ def render_override(
     return _escape_dollars({"name": job_project(runtime), "services": {SERVICE: service}})
 
 
-class _QuotingDumper(yaml.SafeDumper):
+class QuotingDumper(yaml.SafeDumper):
     """Writes every string value double-quoted, so no reader can take one for a number, boolean or null.
 
     Keys (Compose's own words and environment names) stay plain where plain reads back as the same string.
@@ -256,14 +267,14 @@ class _QuotingDumper(yaml.SafeDumper):
         return node
 
 
-_QuotingDumper.add_representer(
+QuotingDumper.add_representer(
     str, lambda dumper, text: dumper.represent_scalar("tag:yaml.org,2002:str", text, style='"')
 )
 
 
 def dump_override(runtime: Runtime, document: dict) -> str:
     """Deterministic YAML text of an override, starting with the generated-file line."""
-    body = yaml.dump(document, Dumper=_QuotingDumper, sort_keys=True, default_flow_style=False, allow_unicode=True)
+    body = yaml.dump(document, Dumper=QuotingDumper, sort_keys=True, default_flow_style=False, allow_unicode=True)
     return GENERATED_HEADER.format(config=runtime.config_path) + body
 
 

@@ -38,7 +38,7 @@ from astrai.common.configfile import ConfigError
 from astrai.common.contract import METRIC_TIME, METRICS_FILE, REASON_EMERGENCY
 from astrai.common.errors import AstraiError
 from astrai.common.metrics import MetricsFile
-from astrai.host import compose, engine, preflight, timer
+from astrai.host import compose, engine, preflight, slurm, timer
 from astrai.host.hostuser import make_dirs
 from astrai.host.runtime import Runtime, check_paths
 from astrai.host.trainer_config import fix_hint, read_trainer_config
@@ -99,6 +99,37 @@ def render(runtime: Runtime, trainer_args: list[str]) -> str:
     return compose.dump_override(runtime, compose.render_override(runtime, trainer_args))
 
 
+def submit_job(runtime: Runtime, trainer_args: list[str], dry_run: bool) -> None:
+    """`invoke submit`: the sbatch script of the job, checked, written under the job dir and submitted."""
+    check_trainer_config(runtime, trainer_args)
+    script = slurm.render_script(runtime, trainer_args)
+    if dry_run:
+        _say(script.rstrip("\n"))
+        _say(f"# dry run: nothing was written or submitted; `{runtime.command('submit', per_node=False)}` submits it")
+        return
+    check_paths(runtime, ("checkpoints",), need="create")
+    checks = preflight.run_checks(runtime, list(trainer_args))
+    if runtime.slurm.launcher != "docker":
+        checks = [check for check in checks if check.name not in preflight.DOCKER_CHECKS]
+    checks += slurm.submit_checks(runtime)
+    _say(preflight.format_checklist(checks))
+    if any(check.failed for check in checks):
+        raise JobError(f"fix the ✗ lines above, then run `{runtime.command('submit', per_node=False)}` again")
+    if runtime.slurm.launcher == "docker":
+        compose.check_build_context()
+    record, line = slurm.submit(runtime, trainer_args)
+    _say(line)
+    _say(f"script {record.script}; follow it: {runtime.command('logs')}    stop it: {runtime.command('stop')}")
+
+
+def render_kubernetes(runtime: Runtime, trainer_args: list[str], trainjob: bool) -> str:
+    """The manifests `invoke render --kubernetes` prints, after the same checks of the trainer's config as `start`."""
+    from astrai.host import kubernetes
+
+    check_trainer_config(runtime, trainer_args)
+    return kubernetes.dump_manifests(runtime, kubernetes.render_manifests(runtime, trainer_args, trainjob=trainjob))
+
+
 # --- start, stop, restart ---------------------------------------------------------------------
 
 
@@ -112,6 +143,13 @@ def check_trainer_config(runtime: Runtime, trainer_args: list[str]) -> None:
 
 def start_job(runtime: Runtime, trainer_args: list[str], *, foreground: bool) -> int:
     """Preflight, build, then start (or resume) the job; returns the exit code for the task."""
+    if runtime.multi_node and runtime.rendezvous is None:
+        raise JobError(
+            f"job {runtime.job_name} spans {runtime.node_count} nodes and has no runtime.nodes.rendezvous: its "
+            f"scheduler gives one; submit it with `{runtime.command('submit', per_node=False)}`"
+            ", or set runtime.nodes.rendezvous to start each node by hand",
+            code=2,
+        )
     check_trainer_config(runtime, trainer_args)  # bad input: refused before anything is created
     check_paths(runtime, ("checkpoints",), need="create")
     began = time.time()
@@ -281,8 +319,14 @@ def stop_job(runtime: Runtime) -> None:
     """Graceful stop: SIGTERM, `stop_timeout_seconds` of grace, then report the emergency checkpoint.
 
     A start in progress loses: the stop is recorded first, then waits for the start's lock.
+    A job submitted to Slurm that is still queued or running is stopped through Slurm.
     """
     check_paths(runtime, ("checkpoints",))
+    if runtime.supervisor_pid is None:
+        submitted = slurm.active_job(runtime)
+        if submitted is not None:
+            slurm.stop_submitted(runtime, submitted, _say)
+            return
     request = _stop_request(runtime)
     try:
         make_dirs(request.parent)
@@ -363,6 +407,8 @@ def _progress_since(runtime: Runtime, container: engine.Container) -> bool:
 
 def show_logs(runtime: Runtime, tail: str, follow: bool) -> None:
     check_paths(runtime, ("checkpoints",))
+    if slurm.follow_output(runtime, tail, follow):
+        return  # a submitted job: its Slurm output holds every node's lines, allocation after allocation
     if job_container(runtime) is None:
         raise JobError(f"job {runtime.job_name} has no container yet; start it with `{runtime.command('start')}`")
     if not compose.override_path(runtime).exists():

@@ -83,6 +83,10 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = ()) -> list[Check]:
     return checks
 
 
+DOCKER_CHECKS = ("docker CLI", "docker daemon", "compose v2", "compose config", "gpu runtime", "image torch")
+"""What only a job on the host's Docker engine needs (not one that pyxis or apptainer runs under Slurm)."""
+
+
 def format_checklist(checks: list[Check]) -> str:
     width = max(len(check.name) for check in checks)
     lines = []
@@ -399,6 +403,19 @@ def _size(count: int) -> str:
 
 def node_checks(runtime: Runtime) -> list[Check]:
     """The rendezvous resolves, the interface exists; node 0 can listen on the port, the others can reach it."""
+    if runtime.rendezvous is None and (runtime.slurm is not None or runtime.kubernetes is not None):
+        return [Check(PASS, "rendezvous", "taken from the scheduler's allocation (`invoke submit` / Kubernetes)")]
+    if runtime.rendezvous is None:
+        return [
+            Check(
+                FAIL,
+                "rendezvous",
+                f"runtime.nodes.rendezvous is not set: job {runtime.job_name} spans {runtime.node_count} nodes and "
+                "leaves the meeting point to its scheduler",
+                "submit it with `invoke submit` (runtime.slurm), or set runtime.nodes.rendezvous to node 0's "
+                "host:port to start each node by hand",
+            )
+        ]
     host, port = split_endpoint(runtime.rendezvous)
     try:
         addresses = sorted({info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})

@@ -64,6 +64,15 @@ _EXPECTED = {
     "environment.*": "a string, number or boolean, or null to pass the variable through from the invoking shell",
     "nodes.rendezvous": "host:port of node 0, such as 10.0.0.1:29500 or node0.example:29500",
     "nodes.network_interface": "a network interface name such as eth0 or ib0, or null",
+    "slurm.time": "Slurm's time limit [D-]HH:MM:SS such as 04:00:00 or 1-12:00:00, or null for the partition's",
+    "slurm.partition": "a partition name (letters, digits, '_', '.', '-'), or null",
+    "slurm.account": "an account name (letters, digits, '_', '.', '-'), or null",
+    "slurm.qos": "a QOS name (letters, digits, '_', '.', '-'), or null",
+    "slurm.image": "an image reference without spaces, or null for runtime.kubernetes.image",
+    "slurm.extra.*": "an sbatch option on one line, starting with - or --, such as --constraint=a100",
+    "kubernetes.namespace": "a namespace name: lowercase letters, digits and '-', at most 63",
+    "kubernetes.image": "an image reference without spaces such as registry.example/astrai-train:v1, or null",
+    "kubernetes.claims.*": "the name of a persistent volume claim (lowercase letters, digits, '-', '.'), or null",
 }
 _TYPE_WORDS = {
     "object": "a mapping",
@@ -116,6 +125,14 @@ class Runtime:
     rdzv_backend: str = "static"
     network_interface: str | None = None
     failure_timeout_seconds: int = 300
+    rdzv_id: str | None = None
+    """The c10d rendezvous id when a scheduler gives one (its job id); None: derived from the job name."""
+    supervisor_pid: int | None = None
+    """A host process the container may not outlive (the Slurm task that starts it); None for `invoke start`."""
+    slurm: SlurmSettings | None = None
+    """runtime.slurm with its defaults, when the block is given."""
+    kubernetes: KubernetesSettings | None = None
+    """runtime.kubernetes with its defaults, when the block is given."""
 
     @property
     def uses_gpu(self) -> bool:
@@ -125,15 +142,39 @@ class Runtime:
     def multi_node(self) -> bool:
         return self.node_count > 1
 
-    def command(self, verb: str) -> str:
-        """The invoke command line for ``verb`` on this job and node, quoted so that it can be pasted into a shell."""
-        node = f" --node {self.node}" if self.multi_node else ""
+    def command(self, verb: str, *, per_node: bool = True) -> str:
+        """The invoke command line for ``verb`` on this job (and node), quoted so that it can be pasted into a shell.
+
+        ``per_node`` False: a command for the whole job (`submit`, or `stop` of a submitted job).
+        """
+        node = f" --node {self.node}" if self.multi_node and per_node else ""
         return f"invoke {verb} --config {shlex.quote(str(self.config_path))}{node}"
 
     @property
     def world_size(self) -> int | None:
         """Processes over all nodes, or None when each node counts its own GPUs (devices: all)."""
         return None if self.processes is None else self.processes * self.node_count
+
+
+@dataclass(frozen=True)
+class SlurmSettings:
+    partition: str | None
+    account: str | None
+    qos: str | None
+    time: str | None
+    requeue: bool
+    launcher: str
+    image: str | None
+    extra: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class KubernetesSettings:
+    namespace: str
+    image: str | None
+    claims: dict[str, str | None]
+    node_selector: dict[str, str]
+    tolerations: tuple[dict, ...]
 
 
 def load_job_config(config_path, node: int = 0) -> tuple[dict, Runtime]:
@@ -330,7 +371,7 @@ def _rule_problems(raw: dict, broken: set[str]) -> list[tuple[str, str]]:
     if hours is not None and not math.isfinite(hours):
         problems.append(("runtime.container.max_duration_hours", f"expected a finite number of hours, got {hours}"))
     if usable("nodes.count", "nodes.rendezvous"):
-        problems += _node_problems(runtime["nodes"])
+        problems += _node_problems(runtime["nodes"], scheduled=runtime["slurm"] is not None or runtime["kubernetes"] is not None)
     if (
         usable("nodes.network_interface")
         and runtime["nodes"]["network_interface"] is not None
@@ -385,7 +426,7 @@ def _gpu_problems(gpu: dict, processes_given: bool, nodes: int = 1) -> list[tupl
     return problems
 
 
-def _node_problems(nodes: dict) -> list[tuple[str, str]]:
+def _node_problems(nodes: dict, scheduled: bool = False) -> list[tuple[str, str]]:
     endpoint = nodes["rendezvous"]
     if endpoint is not None:
         port = split_endpoint(endpoint)[1]
@@ -396,12 +437,13 @@ def _node_problems(nodes: dict) -> list[tuple[str, str]]:
                     f"port {port} is out of range; use a port from 1 to 65535, such as 29500, in {_show(endpoint)}",
                 )
             ]
-    elif nodes["count"] > 1:
+    elif nodes["count"] > 1 and not scheduled:
         return [
             (
                 "runtime.nodes.rendezvous",
                 f"missing: runtime.nodes.count is {nodes['count']}, so the nodes need "
-                "a meeting point: host:port of node 0 that every node can reach, such as 10.0.0.1:29500",
+                "a meeting point: host:port of node 0 that every node can reach, such as 10.0.0.1:29500 "
+                "(or add a runtime.slurm or runtime.kubernetes block: a scheduler gives it)",
             )
         ]
     return []
@@ -468,6 +510,31 @@ def _build_runtime(raw: dict, config_path: Path) -> Runtime:
         rdzv_backend=nodes["backend"],
         network_interface=nodes["network_interface"],
         failure_timeout_seconds=int(nodes["failure_timeout_seconds"]),
+        slurm=None if runtime["slurm"] is None else _slurm_settings(runtime["slurm"]),
+        kubernetes=None if runtime["kubernetes"] is None else _kubernetes_settings(runtime["kubernetes"]),
+    )
+
+
+def _slurm_settings(block: dict) -> SlurmSettings:
+    return SlurmSettings(
+        partition=block["partition"],
+        account=block["account"],
+        qos=block["qos"],
+        time=block["time"],
+        requeue=bool(block["requeue"]),
+        launcher=block["launcher"],
+        image=block["image"],
+        extra=tuple(block["extra"]),
+    )
+
+
+def _kubernetes_settings(block: dict) -> KubernetesSettings:
+    return KubernetesSettings(
+        namespace=block["namespace"],
+        image=block["image"],
+        claims={name: block["claims"].get(name) for name in ("data", "model", "checkpoints")},
+        node_selector=dict(block["node_selector"]),
+        tolerations=tuple(block["tolerations"]),
     )
 
 

@@ -33,7 +33,7 @@ from astrai.common.contract import (
 )
 from astrai.common.metrics import MetricsFile
 from astrai.common.values import format_duration
-from astrai.host import compose, engine, preflight, timer
+from astrai.host import compose, engine, preflight, slurm, timer
 from astrai.host.runtime import Runtime, check_paths
 
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
@@ -59,6 +59,8 @@ class JobStatus:
     checkpoints: int
     not_checkpoints: int
     timer: timer.TimerState | None
+    slurm: str | None = None
+    """The submitted Slurm job's state in words, for a job with runtime.slurm that was submitted."""
 
     @property
     def running(self) -> bool:
@@ -94,6 +96,7 @@ def job_status(runtime: Runtime) -> JobStatus:
         checkpoints=len(scan.complete),
         not_checkpoints=len(scan.damaged),
         timer=timer.read_timer(compose.state_dir(runtime)),
+        slurm=slurm.status_line(runtime),
     )
 
 
@@ -104,6 +107,8 @@ def format_status(status: JobStatus) -> list[str]:
     """The lines `invoke status` prints for ``status``."""
     runtime = status.runtime
     lines = [f"job         {runtime.job_name}  ({runtime.config_path})", f"node        {_placement(runtime)}"]
+    if status.slurm is not None:
+        lines.append(f"slurm       {status.slurm}")
     container = status.container
     if status.container_problem is not None:
         state = f"unknown: {status.container_problem}"

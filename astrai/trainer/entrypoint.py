@@ -13,6 +13,8 @@ It reads only the environment that the rendered Compose override sets
     ASTRAI_NODE_RANK              this host's node index (--node)
     ASTRAI_RDZV_ENDPOINT          host:port of node 0
     ASTRAI_RDZV_BACKEND           static | c10d
+    ASTRAI_RDZV_ID                c10d rendezvous id (absent: derived from the job name)
+    ASTRAI_SUPERVISOR_PID         a host process (the Slurm task) the container must not outlive
 
 SIGTERM and SIGINT are held (blocked, pending) from the start, so a stop that
 comes while the container is still starting is not lost (astrai/trainer/signals.py).
@@ -21,9 +23,17 @@ reaches it directly. Several: ``torchrun --standalone`` runs them (on several
 hosts, ``torchrun --nnodes`` joins the rendezvous on node 0); this process
 stays as their parent and forwards SIGTERM/SIGINT straight to each worker, so
 every rank finishes its step and the job exits 0 once the emergency checkpoint
-is written. torchrun's own shutdown timeout (30 s by default, after which it
+is written. Under a scheduler (ASTRAI_SUPERVISOR_PID) this process always stays
+as the parent, and watches the host process that started the container: once it
+is gone (its Slurm job was cancelled, timed out or lost a node), the trainer
+stops gracefully, and after the stop timeout it is killed, so no container
+outlives its Slurm job. torchrun's own shutdown timeout (30 s by default, after which it
 SIGKILLs the workers) is raised to the stop timeout for the case it is signalled
 itself.
+
+Under Kubeflow Trainer the runtime sets torchrun's PET_NNODES, PET_NODE_RANK and
+PET_MASTER_ADDR/PET_MASTER_PORT instead; each stands in for its ASTRAI_ name
+when that is unset.
 
 Arguments are passed on to the trainer. ``--print-plan`` as the first argument
 prints the launch decision as JSON and exits without checking GPUs or mounts.
@@ -31,6 +41,7 @@ prints the launch decision as JSON and exits without checking GPUs or mounts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -56,7 +67,9 @@ from astrai.common.contract import (
     ENV_PROCESSES,
     ENV_RDZV_BACKEND,
     ENV_RDZV_ENDPOINT,
+    ENV_RDZV_ID,
     ENV_STOP_TIMEOUT_SECONDS,
+    ENV_SUPERVISOR_PID,
     MODEL_CONFIG_FILE,
     TRAINER_MODULE,
     WEIGHTS_FILE,
@@ -126,6 +139,7 @@ def plan_launch(
     python: str = sys.executable,
 ) -> LaunchPlan:
     """Decide how to start the trainer from the container's environment."""
+    env = scheduler_fallbacks(env)
     job_name = env.get(ENV_JOB_NAME)
     if not job_name:
         raise EntrypointError(f"{ENV_JOB_NAME} is not set; start the job with `invoke start`")
@@ -177,6 +191,18 @@ def plan_launch(
     return LaunchPlan(processes, mode, str(job_dir), command, nodes, node)
 
 
+def scheduler_fallbacks(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with Kubeflow Trainer's PET_ variables standing in for the ASTRAI_ ones it lacks."""
+    env = dict(env)
+    if ENV_NODES not in env and env.get("PET_NNODES", "").isdigit():
+        env[ENV_NODES] = env["PET_NNODES"]
+    if ENV_NODE_RANK not in env and "PET_NODE_RANK" in env:
+        env[ENV_NODE_RANK] = env["PET_NODE_RANK"]
+    if ENV_RDZV_ENDPOINT not in env and env.get("PET_MASTER_ADDR") and env.get("PET_MASTER_PORT"):
+        env[ENV_RDZV_ENDPOINT] = f"{env['PET_MASTER_ADDR']}:{env['PET_MASTER_PORT']}"
+    return env
+
+
 def _rendezvous_args(env: Mapping[str, str], job_name: str, nodes: int, node: int) -> list[str]:
     """torchrun's rendezvous on node 0: static ranks nodes by --node; c10d lets node 0 host the store.
 
@@ -197,7 +223,7 @@ def _rendezvous_args(env: Mapping[str, str], job_name: str, nodes: int, node: in
         "--rdzv-endpoint",
         endpoint,
         "--rdzv-id",
-        rendezvous_id(job_name),
+        env.get(ENV_RDZV_ID) or rendezvous_id(job_name),
     ]
     if backend == "static":
         return [*args, "--node-rank", str(node)]
@@ -290,12 +316,23 @@ def _catches(pid: int, signum: int) -> bool:
     return False
 
 
-def supervise_workers(command: list[str], poll_seconds: float = 0.1) -> int:
+def supervise_workers(
+    command: list[str],
+    poll_seconds: float = 0.1,
+    *,
+    direct: bool = False,
+    supervisor: Supervisor | None = None,
+    stop_timeout: float = 600,
+) -> int:
     """Run the launcher (torchrun) and hand each stop signal to its workers; return its exit code.
 
     The ranks are signalled themselves: torchrun, once signalled, tears the group
     down and exits non-zero even when every rank stopped cleanly. A signal that
     comes before the workers exist, or before they handle it, waits until they do.
+    ``direct``: the command is the trainer itself (one process), which starts with the
+    stop signals still blocked and takes a pending one when it is ready.
+    ``supervisor``: once that host process is gone, stop as if signalled, and kill
+    the launcher and its workers ``stop_timeout`` seconds later.
     """
     pending: list[int] = []
 
@@ -304,9 +341,33 @@ def supervise_workers(command: list[str], poll_seconds: float = 0.1) -> int:
 
     for signum in signals.STOP_SIGNALS:
         signal.signal(signum, record)
-    signals.release()  # main() held them; the launcher must start with them unblocked
-    launcher = subprocess.Popen(command)
+    if direct:
+        launcher = subprocess.Popen(command)  # inherits the blocked stop signals, as across exec
+        signals.release()
+    else:
+        signals.release()  # main() held them; the launcher must start with them unblocked
+        launcher = subprocess.Popen(command)
+    deadline = None
     while (status := launcher.poll()) is None:
+        if deadline is None and supervisor is not None and not supervisor.alive():
+            print(
+                f"astrai entrypoint: {supervisor.what} (host pid {supervisor.pid}) is gone: stopping gracefully, "
+                f"killed in {stop_timeout:.0f} s if not stopped by then",
+                file=sys.stderr,
+                flush=True,
+            )
+            pending.append(signal.SIGTERM)
+            deadline = time.monotonic() + stop_timeout
+        if deadline is not None and time.monotonic() > deadline:
+            for pid in [*child_pids(launcher.pid), launcher.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            launcher.wait()
+            return 128 + signal.SIGKILL
+        if direct and pending:
+            with contextlib.suppress(ProcessLookupError):
+                launcher.send_signal(pending.pop(0))
+            continue
         workers = child_pids(launcher.pid) if pending else []
         # A worker still starting up would die of the signal: wait until each one catches it.
         if workers and all(_catches(pid, pending[0]) for pid in workers):
@@ -319,6 +380,32 @@ def supervise_workers(command: list[str], poll_seconds: float = 0.1) -> int:
         else:
             time.sleep(poll_seconds)
     return 128 - status if status < 0 else status
+
+
+@dataclass(frozen=True)
+class Supervisor:
+    """A host process, told apart from a later one with the same pid by its start time."""
+
+    pid: int
+    started: str | None
+    what: str = "the Slurm task that started this container"
+
+    @classmethod
+    def of(cls, pid: int) -> Supervisor:
+        return cls(pid, _start_time(pid))
+
+    def alive(self) -> bool:
+        return self.started is not None and _start_time(self.pid) == self.started
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat (start time in clock ticks since boot); None when no such live process."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if not fields or fields[0] in ("Z", "X") else fields[19]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,9 +432,22 @@ def main(argv: list[str] | None = None) -> int:
         f"parallel_mode {plan.parallel_mode}",
         flush=True,
     )
-    if plan.processes == 1 and plan.nodes == 1:
+    supervisor = _supervisor(os.environ)
+    direct = plan.processes == 1 and plan.nodes == 1
+    if direct and supervisor is None:
         os.execv(plan.command[0], plan.command)
-    return supervise_workers(plan.command)
+    stop_timeout = float(os.environ.get(ENV_STOP_TIMEOUT_SECONDS, "600"))
+    return supervise_workers(plan.command, direct=direct, supervisor=supervisor, stop_timeout=stop_timeout)
+
+
+def _supervisor(env: Mapping[str, str]) -> Supervisor | None:
+    text = env.get(ENV_SUPERVISOR_PID)
+    if not text:
+        return None
+    supervisor = Supervisor.of(whole_number(text, 1))
+    if supervisor.started is None:
+        print(f"astrai entrypoint: the supervisor (host pid {text}) is not running", file=sys.stderr, flush=True)
+    return supervisor
 
 
 if __name__ == "__main__":

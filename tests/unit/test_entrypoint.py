@@ -342,3 +342,94 @@ def test_only_node_0_needs_the_base_model(tmp_path):
     with pytest.raises(EntrypointError, match="base model file"):
         check_mounts(job, data, model, node=0)
     check_mounts(job, data, model, node=1)
+
+
+def test_a_schedulers_rendezvous_id_replaces_the_one_from_the_job_name():
+    plan = plan_launch({**_node_env(1, "c10d"), "ASTRAI_RDZV_ID": "slurm-4711"}, [], _no_gpu, python=PY)
+    assert plan.command[plan.command.index("--rdzv-id") + 1] == "slurm-4711"
+
+
+def test_kubeflow_trainers_pet_variables_stand_in_for_unset_astrai_ones():
+    env = _env(ASTRAI_GPU_DEVICES="none", PET_NNODES="3", PET_NODE_RANK="2", PET_MASTER_ADDR="job-node-0-0.job")
+    env["PET_MASTER_PORT"] = "29400"
+    plan = plan_launch(env, [], _no_gpu, python=PY)
+    assert (plan.nodes, plan.node) == (3, 2)
+    assert plan.command[plan.command.index("--rdzv-endpoint") + 1] == "job-node-0-0.job:29400"
+    # The product's own names win where both are set.
+    plan = plan_launch({**env, "ASTRAI_NODE_RANK": "0"}, [], _no_gpu, python=PY)
+    assert plan.node == 0
+
+
+_FAKE_TRAINER = textwrap.dedent(
+    """
+    import signal, sys, time
+    from astrai.trainer import signals
+    out, mode = sys.argv[1], sys.argv[2]
+    signals.catch()  # as the trainer does first: takes a stop held since the entrypoint
+    while signals.received() is None:
+        time.sleep(0.01)
+    open(out + "/stopping", "w").close()
+    if mode == "hang":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            time.sleep(1)
+    open(out + "/saved", "w").close()
+    """
+)
+
+
+def _supervised(tmp_path: Path, mode: str, stop_timeout: float) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """The entrypoint's loop over one direct trainer, watching a supervisor process the test can kill."""
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(_FAKE_TRAINER)
+    supervisor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    code = (
+        "import sys\n"
+        "from astrai.trainer import signals\n"
+        "from astrai.trainer.entrypoint import Supervisor, supervise_workers\n"
+        "signals.hold()\n"
+        f"watched = Supervisor.of({supervisor.pid})\n"
+        f"sys.exit(supervise_workers([sys.executable, {str(trainer)!r}, {str(tmp_path)!r}, {mode!r}], direct=True,"
+        f" supervisor=watched, stop_timeout={stop_timeout}))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    entry = subprocess.Popen([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    return supervisor, entry
+
+
+def test_when_the_supervisor_is_gone_the_trainer_stops_gracefully(tmp_path):
+    supervisor, entry = _supervised(tmp_path, "save", stop_timeout=30)
+    try:
+        time.sleep(1.5)
+        assert entry.poll() is None and not (tmp_path / "stopping").exists()  # watched and alive: it trains on
+        supervisor.kill()
+        supervisor.wait()
+        assert entry.wait(timeout=30) == 0
+        assert (tmp_path / "saved").exists()
+    finally:
+        for process in (supervisor, entry):
+            process.kill()
+            process.wait()
+
+
+def test_a_trainer_that_does_not_stop_in_time_is_killed_once_its_supervisor_is_gone(tmp_path):
+    supervisor, entry = _supervised(tmp_path, "hang", stop_timeout=2)
+    try:
+        time.sleep(1.5)
+        supervisor.kill()
+        supervisor.wait()
+        started = time.monotonic()
+        assert entry.wait(timeout=30) == 128 + signal.SIGKILL
+        assert (tmp_path / "stopping").exists() and not (tmp_path / "saved").exists()
+        assert time.monotonic() - started < 10
+    finally:
+        for process in (supervisor, entry):
+            process.kill()
+            process.wait()
+
+
+def test_a_supervisor_is_told_apart_from_a_later_process_with_its_pid():
+    watched = entrypoint.Supervisor.of(os.getpid())
+    assert watched.alive()
+    assert not entrypoint.Supervisor(os.getpid(), "0").alive()  # same pid, another start time
+    assert not entrypoint.Supervisor.of(2**22 + 7).alive()

@@ -1,0 +1,316 @@
+"""Kubernetes: the job as manifests (`invoke render --kubernetes`), for any cluster or for Kubeflow Trainer.
+
+Without an operator: a ConfigMap holding train.yaml, a headless Service and an
+Indexed Job with one pod per node (``runtime.nodes.count``). A pod's node rank
+is its completion index; node 0 is reached at ``<job>-0.<service>`` (the
+Service gives the pods DNS names), and the rendezvous id is the Job's uid, so a
+Job created again under the same name never meets the old one's store.
+
+With ``--trainjob``: a Kubeflow Trainer ``TrainJob`` (API
+``trainer.kubeflow.org/v1alpha1`` as Kubeflow Trainer v2.3.0 serves it, on its
+``torch-distributed`` ClusterTrainingRuntime) plus the ConfigMap. The runtime
+gives each pod PET_NODE_RANK, PET_NNODES and PET_MASTER_ADDR/PORT, which the
+entrypoint takes when the ASTRAI_ names are unset.
+
+Both carry what the Docker job has: GPU limits (``nvidia.com/gpu``), a grace
+period of ``stop_grace_period`` (Kubernetes' 30 s default would cut the
+emergency checkpoint short), ``/dev/shm`` in memory, a non-root user without
+capabilities on a read-only root file system with writable scratch, and
+``max_restarts`` as the Job's back-off limit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from astrai.common.contract import (
+    CONTAINER_CHECKPOINTS,
+    CONTAINER_CONFIG,
+    CONTAINER_DATA,
+    CONTAINER_HOME,
+    CONTAINER_MODEL,
+    ENV_GPU_DEVICES,
+    ENV_NODE_RANK,
+    ENV_NODES,
+    ENV_RDZV_ENDPOINT,
+    ENV_RDZV_ID,
+    LABEL_JOB,
+)
+from astrai.common.errors import AstraiError
+from astrai.host import compose
+from astrai.host.hostuser import host_user_ids
+from astrai.host.runtime import Runtime
+
+RENDEZVOUS_PORT = 29500
+TRAINJOB_API = "trainer.kubeflow.org/v1alpha1"
+TRAINER_VERSION = "v2.3.0"
+"""The Kubeflow Trainer release whose TrainJob schema the manifests are checked against (schema/)."""
+TRAINJOB_RUNTIME = "torch-distributed"
+TRAINJOB_SCHEMA_PATH = Path(__file__).parent / f"trainjob-{TRAINER_VERSION}.schema.json"
+INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+CONTROLLER_UID_LABEL = "batch.kubernetes.io/controller-uid"
+CONTAINER_NAME = "trainer"
+TRAINJOB_CONTAINER = "node"
+"""The container torch-distributed's pods run the trainer in."""
+SHM_SIZE = "16Gi"
+"""Ceiling of the in-memory /dev/shm (counts against the pod's memory)."""
+DEFAULT_UID = 1000
+"""The pod's user when the manifests are rendered as root (a pod may not run as root here)."""
+
+
+MOUNTS = (("data", CONTAINER_DATA), ("model", CONTAINER_MODEL), ("checkpoints", CONTAINER_CHECKPOINTS))
+
+
+class KubernetesError(AstraiError):
+    exit_code = 2
+
+
+def object_name(job_name: str) -> str:
+    """A DNS label for the job's objects (at most 52 characters, so ``<name>-<index>`` stays a valid host name)."""
+    cleaned = re.sub(r"[^a-z0-9-]+", "-", job_name.lower()).strip("-")
+    name = f"astrai-{cleaned}"
+    if cleaned != job_name or len(name) > 52:
+        digest = hashlib.sha256(job_name.encode()).hexdigest()[:8]
+        name = f"{name[:43].rstrip('-')}-{digest}"
+    return name
+
+
+def render_manifests(runtime: Runtime, trainer_args: list[str] = (), *, trainjob: bool = False) -> list[dict]:
+    """Every object of the job, in the order `kubectl apply` should create them."""
+    settings = _settings(runtime)
+    name = object_name(runtime.job_name)
+    config = _config_map(runtime, name)
+    if trainjob:
+        return [config, _trainjob(runtime, name, list(trainer_args))]
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(runtime, name),
+        "spec": {
+            "clusterIP": "None",
+            # Node 0's name must resolve before its pod is ready: the others look it up while it starts.
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_JOB: runtime.job_name},
+            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT}],
+        },
+    }
+    env = _environment(runtime)
+    env += [
+        _from_field(ENV_NODE_RANK, f"metadata.annotations['{INDEX_ANNOTATION}']"),
+        {"name": ENV_RDZV_ENDPOINT, "value": f"{name}-0.{name}.{settings.namespace}.svc:{RENDEZVOUS_PORT}"},
+        _from_field(ENV_RDZV_ID, f"metadata.labels['{CONTROLLER_UID_LABEL}']"),
+    ]
+    pod = _pod_spec(runtime, name, CONTAINER_NAME, env, list(trainer_args))
+    pod["subdomain"] = name
+    pod["restartPolicy"] = "Never"
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _metadata(runtime, name),
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": runtime.node_count,
+            "parallelism": runtime.node_count,
+            # A failed pod is replaced (and resumes from the newest checkpoint) at most max_restarts times.
+            "backoffLimit": runtime.max_restarts,
+            "template": {"metadata": {"labels": {LABEL_JOB: runtime.job_name}}, "spec": pod},
+        },
+    }
+    return [config, service, job]
+
+
+def _from_field(name: str, path: str) -> dict:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def dump_manifests(runtime: Runtime, objects: list[dict]) -> str:
+    header = f"# Generated by `invoke render --kubernetes` from {runtime.config_path}; apply with kubectl apply -f.\n"
+    # Every string double-quoted: no reader may take an argument such as 1e-3 for a number.
+    body = yaml.dump_all(
+        objects, Dumper=compose.QuotingDumper, sort_keys=False, allow_unicode=True, explicit_start=True, width=1000
+    )
+    return header + body
+
+
+def _settings(runtime: Runtime):
+    settings = runtime.kubernetes
+    if settings is None:
+        raise KubernetesError(
+            f"{runtime.config_path}: runtime.kubernetes: missing: add a runtime.kubernetes block with image and "
+            "claims (data, model, checkpoints) to render this job for Kubernetes"
+        )
+    problems = []
+    if settings.image is None:
+        problems.append(
+            "runtime.kubernetes.image: missing: the image in your registry (push what `invoke build` makes), "
+            "such as registry.example/astrai-train:v1"
+        )
+    problems += [
+        f"runtime.kubernetes.claims.{key}: missing: the persistent volume claim mounted at {target}"
+        for key, target in MOUNTS
+        if settings.claims.get(key) is None
+    ]
+    if runtime.devices == "all":
+        problems.append(
+            "runtime.gpu.devices: all cannot be a Kubernetes GPU request; list the GPUs each pod takes, "
+            "such as [0, 1, 2, 3] for four"
+        )
+    if problems:
+        raise KubernetesError("\n".join(f"{runtime.config_path}: {problem}" for problem in problems))
+    return settings
+
+
+def _metadata(runtime: Runtime, name: str) -> dict:
+    return {"name": name, "namespace": runtime.kubernetes.namespace, "labels": {LABEL_JOB: runtime.job_name}}
+
+
+def _config_map(runtime: Runtime, name: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(runtime, f"{name}-config"),
+        "data": {"train.yaml": runtime.config_path.read_text(encoding="utf-8")},
+    }
+
+
+def _environment(runtime: Runtime) -> list[dict]:
+    """The container's environment as the Docker job has it, minus what each pod takes from Kubernetes."""
+    env = compose.container_environment(runtime)
+    for name in (ENV_NODE_RANK, ENV_RDZV_ENDPOINT, ENV_RDZV_ID, "CUDA_VISIBLE_DEVICES"):
+        env.pop(name, None)  # the device plugin decides which GPUs a pod sees
+    if runtime.uses_gpu:
+        env[ENV_GPU_DEVICES] = "all"
+    env[ENV_NODES] = str(runtime.node_count)
+    passed = [key for key, value in env.items() if value is None]
+    if passed:
+        raise KubernetesError(
+            f"{runtime.config_path}: runtime.environment.{passed[0]}: null passes a variable through from your shell, "
+            "which a pod does not have; give it a value (or a Secret by editing the manifest)"
+        )
+    return [{"name": key, "value": value} for key, value in sorted(env.items())]
+
+
+def _resources(runtime: Runtime) -> dict:
+    if not runtime.uses_gpu:
+        return {}
+    count = str(len(runtime.devices))
+    return {"limits": {"nvidia.com/gpu": count}}
+
+
+def _pod_spec(runtime: Runtime, name: str, container: str, env: list[dict], trainer_args: list[str]) -> dict:
+    settings = runtime.kubernetes
+    uid, gid = host_user_ids()
+    if uid == 0:
+        uid, gid = DEFAULT_UID, DEFAULT_UID
+    scratch = [("tmp", "/tmp"), ("home", CONTAINER_HOME)]
+    trainer = {
+        "name": container,
+        "image": settings.image,
+        "env": env,
+        "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+        },
+        "volumeMounts": [
+            {"name": "data", "mountPath": CONTAINER_DATA, "readOnly": True},
+            {"name": "model", "mountPath": CONTAINER_MODEL, "readOnly": True},
+            {"name": "checkpoints", "mountPath": CONTAINER_CHECKPOINTS},
+            {"name": "config", "mountPath": CONTAINER_CONFIG, "subPath": "train.yaml", "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            *({"name": volume, "mountPath": path} for volume, path in scratch),
+        ],
+    }
+    if trainer_args:
+        trainer["args"] = trainer_args
+    resources = _resources(runtime)
+    if resources:
+        trainer["resources"] = resources
+    claims = settings.claims
+    pod = {
+        # Kubernetes waits this long after SIGTERM before SIGKILL: the emergency checkpoint's time.
+        "terminationGracePeriodSeconds": runtime.stop_grace_seconds,
+        "securityContext": {"runAsUser": uid, "runAsGroup": gid, "fsGroup": gid, "runAsNonRoot": True},
+        "containers": [trainer],
+        "volumes": [
+            {"name": "data", "persistentVolumeClaim": {"claimName": claims["data"], "readOnly": True}},
+            {"name": "model", "persistentVolumeClaim": {"claimName": claims["model"], "readOnly": True}},
+            {"name": "checkpoints", "persistentVolumeClaim": {"claimName": claims["checkpoints"]}},
+            {"name": "config", "configMap": {"name": f"{name}-config"}},
+            # Docker's 64 MB /dev/shm default breaks NCCL and DataLoader workers; Kubernetes' is no bigger.
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}},
+            *({"name": volume, "emptyDir": {}} for volume, _ in scratch),
+        ],
+    }
+    if settings.node_selector:
+        pod["nodeSelector"] = dict(settings.node_selector)
+    if settings.tolerations:
+        pod["tolerations"] = [dict(item) for item in settings.tolerations]
+    return pod
+
+
+def _trainjob(runtime: Runtime, name: str, trainer_args: list[str]) -> dict:
+    """A TrainJob on torch-distributed: its trainer is our entrypoint, its pods patched like the Job's."""
+    pod = _pod_spec(runtime, name, TRAINJOB_CONTAINER, [], trainer_args)
+    container = pod["containers"][0]
+    trainer = {
+        "image": runtime.kubernetes.image,
+        "command": ["python3", "-m", "astrai.trainer.entrypoint"],
+        "numNodes": runtime.node_count,
+        "env": _environment(runtime),
+    }
+    if trainer_args:
+        trainer["args"] = trainer_args
+    if container.get("resources"):
+        trainer["resourcesPerNode"] = container["resources"]
+    patch = {
+        key: pod[key]
+        for key in ("terminationGracePeriodSeconds", "securityContext", "volumes", "nodeSelector", "tolerations")
+        if key in pod
+    }
+    patch["containers"] = [
+        {
+            "name": TRAINJOB_CONTAINER,
+            "securityContext": container["securityContext"],
+            "volumeMounts": container["volumeMounts"],
+        }
+    ]
+    return {
+        "apiVersion": TRAINJOB_API,
+        "kind": "TrainJob",
+        "metadata": _metadata(runtime, name),
+        "spec": {
+            "runtimeRef": {
+                "name": TRAINJOB_RUNTIME,
+                "kind": "ClusterTrainingRuntime",
+                "apiGroup": "trainer.kubeflow.org",
+            },
+            "trainer": trainer,
+            "runtimePatches": [
+                {
+                    "manager": "astrai.ai/invoke-render",
+                    "trainingRuntimeSpec": {
+                        "template": {
+                            "spec": {
+                                "replicatedJobs": [
+                                    {"name": "node", "template": {"spec": {"template": {"spec": patch}}}}
+                                ]
+                            }
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def trainjob_schema() -> dict:
+    """The openAPIV3Schema of Kubeflow Trainer's TrainJob CRD at TRAINER_VERSION (vendored under schema/)."""
+    return json.loads(TRAINJOB_SCHEMA_PATH.read_text(encoding="utf-8"))
