@@ -164,11 +164,12 @@ def stop(c, config=DEFAULT_CONFIG, node="0"):
 @task(help={"config": CONFIG_HELP, "node": NODE_HELP, "foreground": "stay attached to the logs after starting"})
 def restart(c, config=DEFAULT_CONFIG, node="0", foreground=False):
     """Stop the job gracefully, then start it again (it resumes from the emergency checkpoint)."""
-    from astrai.host.jobs import check_trainer_config, start_job, stop_job
+    from astrai.host.jobs import check_startable, check_trainer_config, start_job, stop_job
 
     with _user_errors():
         _, runtime = _load(config, node)
-        check_trainer_config(runtime, _trainer_args(c))  # before the stop: a typo must not end the running job
+        check_startable(runtime)  # before the stop: what cannot start again must not be stopped
+        check_trainer_config(runtime, _trainer_args(c))  # nor after a typo
         stop_job(runtime)
         code = start_job(runtime, _trainer_args(c), foreground=foreground)
     if code:

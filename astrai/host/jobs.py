@@ -141,8 +141,8 @@ def check_trainer_config(runtime: Runtime, trainer_args: list[str]) -> None:
         raise JobError(f"{error}\n  → {fix_hint(error, runtime)}", code=2) from None
 
 
-def start_job(runtime: Runtime, trainer_args: list[str], *, foreground: bool) -> int:
-    """Preflight, build, then start (or resume) the job; returns the exit code for the task."""
+def check_startable(runtime: Runtime) -> None:
+    """A job that spans several nodes and leaves the rendezvous to a scheduler cannot be started by hand."""
     if runtime.multi_node and runtime.rendezvous is None:
         raise JobError(
             f"job {runtime.job_name} spans {runtime.node_count} nodes and has no runtime.nodes.rendezvous: its "
@@ -150,6 +150,11 @@ def start_job(runtime: Runtime, trainer_args: list[str], *, foreground: bool) ->
             ", or set runtime.nodes.rendezvous to start each node by hand",
             code=2,
         )
+
+
+def start_job(runtime: Runtime, trainer_args: list[str], *, foreground: bool) -> int:
+    """Preflight, build, then start (or resume) the job; returns the exit code for the task."""
+    check_startable(runtime)
     check_trainer_config(runtime, trainer_args)  # bad input: refused before anything is created
     check_paths(runtime, ("checkpoints",), need="create")
     began = time.time()

@@ -371,7 +371,8 @@ def _rule_problems(raw: dict, broken: set[str]) -> list[tuple[str, str]]:
     if hours is not None and not math.isfinite(hours):
         problems.append(("runtime.container.max_duration_hours", f"expected a finite number of hours, got {hours}"))
     if usable("nodes.count", "nodes.rendezvous"):
-        problems += _node_problems(runtime["nodes"], scheduled=runtime["slurm"] is not None or runtime["kubernetes"] is not None)
+        scheduled = runtime["slurm"] is not None or runtime["kubernetes"] is not None
+        problems += _node_problems(runtime["nodes"], scheduled=scheduled)
     if (
         usable("nodes.network_interface")
         and runtime["nodes"]["network_interface"] is not None

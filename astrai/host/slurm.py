@@ -63,7 +63,7 @@ from astrai.common.contract import (
 from astrai.common.errors import AstraiError
 from astrai.host import compose
 from astrai.host.hostuser import make_dirs
-from astrai.host.preflight import FAIL, PASS, Check
+from astrai.host.preflight import FAIL, PASS, WARN, Check
 from astrai.host.runtime import Runtime, load_job_config, split_endpoint
 
 SLURM_DIR_NAME = "slurm"
@@ -128,7 +128,7 @@ def gpus_per_node(runtime: Runtime) -> int | None:
 
 
 def sbatch_options(runtime: Runtime) -> list[str]:
-    """The ``#SBATCH`` options of the job, in order; paths are given on sbatch's command line too."""
+    """The ``#SBATCH`` options of the job, in order."""
     settings = _settings(runtime)
     options = [
         f"--job-name={runtime.job_name}",
@@ -148,8 +148,9 @@ def sbatch_options(runtime: Runtime) -> list[str]:
         f"--signal=B:USR1@{signal_lead_seconds(runtime)}",
         "--requeue" if settings.requeue else "--no-requeue",
         "--open-mode=append",
-        f"--output={slurm_dir(runtime) / OUTPUT_NAME}",
-        f"--chdir={runtime.config_path.parent}",
+        # Quoted: sbatch splits a directive at spaces otherwise (it expands nothing inside the quotes).
+        f'--output="{slurm_dir(runtime) / OUTPUT_NAME}"',
+        f'--chdir="{runtime.config_path.parent}"',
     ]
     return options + list(settings.extra)
 
@@ -314,6 +315,12 @@ def _image(runtime: Runtime) -> str:
 def check_script_paths(runtime: Runtime) -> None:
     """Refuse paths the script cannot carry: % is a pattern in --output, ',' and ':' split container mounts."""
     problems = []
+    for where, path in (("runtime.paths.checkpoints", runtime.job_dir), ("the config file", runtime.config_path)):
+        if re.search(r'["\n\r]', str(path)):
+            problems.append(
+                f"{runtime.config_path}: {where}: {path} holds a double quote or a line break, which an #SBATCH "
+                "line cannot carry; choose a path without them"
+            )
     if "%" in str(runtime.job_dir):
         problems.append(
             f"{runtime.config_path}: runtime.paths.checkpoints: {runtime.job_dir} holds '%', which Slurm reads as a "
@@ -395,7 +402,7 @@ def submit(runtime: Runtime, trainer_args: list[str]) -> tuple[Submission, str]:
                 )
         path = folder / SCRIPT_NAME
         _write_atomically(path, script, 0o700)
-        result = _slurm(["sbatch", *(f"{option}" for option in _command_line_options(runtime)), str(path)])
+        result = _slurm(["sbatch", str(path)])
         if result.returncode != 0:
             raise SlurmError(f"sbatch refused the job (exit {result.returncode}): {result.stderr.strip()}")
         line = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
@@ -405,11 +412,6 @@ def submit(runtime: Runtime, trainer_args: list[str]) -> tuple[Submission, str]:
         record = Submission(int(match.group(1)), time.time(), str(path))
         _write_atomically(folder / SUBMITTED_NAME, json.dumps(dataclasses.asdict(record)) + "\n", 0o600)
     return record, line
-
-
-def _command_line_options(runtime: Runtime) -> list[str]:
-    """Options with paths go on sbatch's command line too: #SBATCH lines cannot quote a path with spaces."""
-    return [f"--output={slurm_dir(runtime) / OUTPUT_NAME}", f"--chdir={runtime.config_path.parent}"]
 
 
 @contextlib.contextmanager
@@ -576,6 +578,13 @@ def stop_submitted(runtime: Runtime, job: SlurmJob, say=print) -> None:
 
 def submit_checks(runtime: Runtime):
     """The Slurm side of a submit: the commands answer, the partition exists, the time and GPUs fit it."""
+    try:
+        return _submit_checks(runtime)
+    except SlurmError as error:
+        return [Check(FAIL, "slurm", str(error), "check SLURM_CONF and that the controller is up (`scontrol ping`)")]
+
+
+def _submit_checks(runtime: Runtime):
     settings = _settings(runtime)
     checks = []
     missing = [name for name in ("sbatch", "squeue", "scontrol", "scancel") if shutil.which(name) is None]
@@ -588,7 +597,7 @@ def submit_checks(runtime: Runtime):
                 "submit from a login node of the cluster, where the Slurm client commands are installed",
             )
         ]
-    reply = _slurm(["scontrol", "ping"])
+    reply = _slurm(["scontrol", "ping"], timeout=15)
     if reply.returncode != 0 or "UP" not in reply.stdout:
         return [
             Check(
@@ -625,6 +634,7 @@ def submit_checks(runtime: Runtime):
     else:
         checks.append(Check(PASS, "partition", f"{pname}: {nodes} node(s), the job takes {runtime.node_count}"))
     checks.append(_time_check(runtime, settings.time, partition))
+    checks.append(_kill_wait_check(runtime))
     gpus = gpus_per_node(runtime)
     if gpus:
         checks.append(_gpu_check(pname, gpus))
@@ -674,6 +684,25 @@ def _time_check(runtime: Runtime, time_limit: str | None, partition: dict):
         PASS,
         "time limit",
         f"{source}: the stop signal comes {lead} s before the end, after at least {limit - lead} s of training",
+    )
+
+
+def _kill_wait_check(runtime: Runtime):
+    """A plain scancel leaves the stop KillWait seconds before SIGKILL: say so when the stop may need longer."""
+    config = _slurm(["scontrol", "show", "config"]).stdout
+    match = re.search(r"^KillWait\s*=\s*(\d+)", config, re.MULTILINE)
+    if match is None:
+        return Check(PASS, "kill wait", "KillWait unknown; `invoke stop` leaves the stop its whole time")
+    kill_wait = int(match.group(1))
+    if kill_wait >= runtime.stop_timeout_seconds:
+        return Check(PASS, "kill wait", f"KillWait {kill_wait} s: even a plain scancel leaves the stop its time")
+    return Check(
+        WARN,
+        "kill wait",
+        f"a plain scancel kills the job {kill_wait} s after its SIGTERM (KillWait), but the stop may take up to "
+        f"{runtime.stop_timeout_seconds} s (runtime.container.stop_timeout_seconds)",
+        f"stop it with `{runtime.command('stop', per_node=False)}` (or scancel --batch --signal=USR2), which leaves "
+        "the stop its whole time",
     )
 
 

@@ -24,10 +24,12 @@ from pathlib import Path
 
 import pytest
 import slurm_cluster
+from conftest import _tear_down
+from test_nodes import _NodeView
 
 from astrai.common.checkpoints import list_complete_checkpoints
 from astrai.common.contract import WEIGHTS_FILE
-from astrai.host import compose, slurm
+from astrai.host import compose, engine, slurm
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -86,23 +88,11 @@ def slurm_job(make_job, cluster):
     for job in made:
         _cancel_all(cluster, job)
         for node in (0, 1):
-            _tear_down_node(job, node)
+            _tear_down(_NodeView(job, node))
 
 
 def _cancel_all(cluster, job) -> None:
     cluster.run("scancel", f"--name={job.name}", check=False)
-
-
-def _tear_down_node(job, node: int) -> None:
-    project = compose.project_name(job.name, node)
-    ids = subprocess.run(
-        ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}"],
-        capture_output=True,
-        text=True,
-    ).stdout.split()
-    if ids:
-        subprocess.run(["docker", "rm", "-f", *ids], capture_output=True)
-    subprocess.run(["docker", "image", "rm", "--force", f"{project}-{compose.SERVICE}"], capture_output=True)
 
 
 def _submit(job) -> int:
@@ -248,13 +238,9 @@ def test_a_task_killed_outright_takes_its_container_with_it(slurm_job, cluster):
 
 
 def _container_logs(job, node: int) -> str:
-    project = compose.project_name(job.name, node)
-    ids = subprocess.run(
-        ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}"],
-        capture_output=True,
-        text=True,
-    ).stdout.split()
-    done = subprocess.run(["docker", "logs", *ids[:1]], capture_output=True, text=True)
+    found = engine.find_container(compose.project_name(job.name, node))
+    assert found is not None, f"no container of node {node}"
+    done = subprocess.run(["docker", "logs", found.id], capture_output=True, text=True)
     return done.stdout + done.stderr
 
 

@@ -98,6 +98,10 @@ def test_what_the_script_cannot_carry_is_refused(tmp_path):
     with pytest.raises(slurm.SlurmError, match=r"runtime\.paths\.data: .*','"):
         _script(_runtime(tmp_path / "a,b", "apptainer"))
     assert "srun" in _script(_runtime(tmp_path / "a,b", "docker"))  # docker mounts take any path
+    with pytest.raises(slurm.SlurmError, match=r"runtime\.paths\.checkpoints: .*double quote"):
+        _script(_runtime(tmp_path / 'say "hi"', "docker"))
+    spaced = _script(_runtime(tmp_path / "a b $x ü", "docker"))
+    assert f'#SBATCH --output="{tmp_path}/a b $x ü/checkpoints/llm-7b/.astrai/slurm/slurm-%j.out"' in spaced
 
 
 @pytest.mark.parametrize(
@@ -126,8 +130,11 @@ def test_submit_dry_run_prints_the_script_and_writes_nothing(tmp_path):
 def test_a_multi_node_job_left_to_its_scheduler_cannot_be_started_by_hand(tmp_path):
     runtime = _runtime(tmp_path, "docker", gpu={"devices": "none"}, nodes=2)
     task = [sys.executable, "-m", "invoke", "--search-root", str(REPO), "start", "--config", str(runtime.config_path)]
-    done = subprocess.run(task, capture_output=True, text=True)
-    assert done.returncode == 2 and "invoke submit" in done.stderr and "Traceback" not in done.stderr
+    for verb in ("start", "restart"):  # restart refuses before it would stop anything
+        task[task.index("--config") - 1] = verb
+        done = subprocess.run(task, capture_output=True, text=True)
+        assert done.returncode == 2 and "invoke submit" in done.stderr and "Traceback" not in done.stderr
+        assert "stopping" not in done.stdout
     assert not (tmp_path / "checkpoints").exists()
 
 
