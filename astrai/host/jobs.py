@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,6 +109,7 @@ def submit_job(runtime: Runtime, trainer_args: list[str], dry_run: bool) -> None
         _say(f"# dry run: nothing was written or submitted; `{runtime.command('submit', per_node=False)}` submits it")
         return
     check_paths(runtime, ("checkpoints",), need="create")
+    slurm.check_not_submitted(runtime)
     checks = preflight.run_checks(runtime, list(trainer_args))
     if runtime.slurm.launcher != "docker":
         checks = [check for check in checks if check.name not in preflight.DOCKER_CHECKS]
@@ -119,7 +121,10 @@ def submit_job(runtime: Runtime, trainer_args: list[str], dry_run: bool) -> None
         compose.check_build_context()
     record, line = slurm.submit(runtime, trainer_args)
     _say(line)
-    _say(f"script {record.script}; follow it: {runtime.command('logs')}    stop it: {runtime.command('stop')}")
+    _say(
+        f"script {record.script}; follow it: {runtime.command('logs', per_node=False)}    "
+        f"stop it: {runtime.command('stop', per_node=False)}"
+    )
 
 
 def render_kubernetes(runtime: Runtime, trainer_args: list[str], trainjob: bool) -> str:
@@ -253,7 +258,7 @@ def _start_container(runtime: Runtime, trainer_args: list[str], began: float) ->
     )
     if runtime.node != 0:
         origin = f"node {runtime.node} of {runtime.node_count}, meeting the others at {runtime.rendezvous}"
-    elif runtime.multi_node:
+    elif runtime.multi_node and runtime.supervisor_pid is None:
         origin += f"; node 0 of {runtime.node_count}: start the other nodes with `invoke start --node N`"
     _say(f"started job {runtime.job_name} (container {container.name}), {origin}")
     if runtime.max_duration_hours:
@@ -308,16 +313,41 @@ def passthrough_unset(runtime: Runtime) -> list[str]:
 
 def _follow_until_exit(runtime: Runtime, container: engine.Container) -> int:
     """Stream the logs until the container exits; Ctrl-C stops the job gracefully."""
+    command = compose.compose_command(runtime, "logs", "--follow", "--no-log-prefix", compose.SERVICE)
     try:
-        subprocess.run(compose.compose_command(runtime, "logs", "--follow", "--no-log-prefix", compose.SERVICE))
+        if sys.stdout.isatty():
+            subprocess.run(command)
+        else:
+            _copy_without_terminal_codes(command)
     except KeyboardInterrupt:
-        _say("\nCtrl-C: stopping the job gracefully (the trainer writes an emergency checkpoint)")
+        why = "a stop signal" if runtime.supervisor_pid is not None else "Ctrl-C"
+        _say(f"\n{why}: stopping the job gracefully (the trainer writes an emergency checkpoint)")
         with _ignoring_ctrl_c():
             stop_job(runtime)
     final = engine.wait_for_exit(container.id)
     if final.exit_code != 0:
         _say(f"the trainer exited with code {final.exit_code}")
     return final.exit_code
+
+
+TERMINAL_CODES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _copy_without_terminal_codes(command: list[str]) -> None:
+    """Copy a command's output line by line, minus the colour and line-erase codes Compose writes anyway.
+
+    Into a file (a Slurm job's output) they would only be noise.
+    """
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        for line in process.stdout:
+            sys.stdout.write(TERMINAL_CODES.sub("", line.decode("utf-8", "replace")))
+            sys.stdout.flush()
+        process.wait()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def stop_job(runtime: Runtime) -> None:

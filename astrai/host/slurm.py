@@ -392,14 +392,7 @@ def submit(runtime: Runtime, trainer_args: list[str]) -> tuple[Submission, str]:
     folder = slurm_dir(runtime)
     make_dirs(folder)
     with _submit_lock(runtime):
-        earlier = submission(runtime)
-        if earlier is not None:
-            job = query_job(earlier.job_id)
-            if job.active:
-                raise SlurmError(
-                    f"job {runtime.job_name} is already submitted: Slurm job {job.job_id} is {job.state}; "
-                    f"see `{runtime.command('status')}`, or stop it with `{runtime.command('stop')}`"
-                )
+        check_not_submitted(runtime)
         path = folder / SCRIPT_NAME
         _write_atomically(path, script, 0o700)
         result = _slurm(["sbatch", str(path)])
@@ -412,6 +405,20 @@ def submit(runtime: Runtime, trainer_args: list[str]) -> tuple[Submission, str]:
         record = Submission(int(match.group(1)), time.time(), str(path))
         _write_atomically(folder / SUBMITTED_NAME, json.dumps(dataclasses.asdict(record)) + "\n", 0o600)
     return record, line
+
+
+def check_not_submitted(runtime: Runtime) -> None:
+    """Refuse a second submit of a job Slurm still queues or runs."""
+    earlier = submission(runtime)
+    if earlier is None:
+        return
+    job = query_job(earlier.job_id)
+    if job.active:
+        status, stop = runtime.command("status", per_node=False), runtime.command("stop", per_node=False)
+        raise SlurmError(
+            f"job {runtime.job_name} is already submitted: Slurm job {job.job_id} is {job.state}; "
+            f"see `{status}`, or stop it with `{stop}`"
+        )
 
 
 @contextlib.contextmanager

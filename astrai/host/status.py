@@ -185,7 +185,8 @@ def _placement(runtime: Runtime) -> str:
         world = f"world size {runtime.world_size} ({each})"
     else:
         world = f"one process per GPU on each of {runtime.node_count} node(s)"
-    where = f"; rendezvous {runtime.rendezvous} ({runtime.rdzv_backend})" if runtime.multi_node else ""
+    meeting = runtime.rendezvous or "from the scheduler's allocation"
+    where = f"; rendezvous {meeting} ({runtime.rdzv_backend})" if runtime.multi_node else ""
     return f"{runtime.node} of {runtime.node_count}, {world}{where}"
 
 

@@ -150,8 +150,28 @@ def _wait_requeued(cluster, job, job_id: int, timeout: float) -> dict:
 
 
 def _skip_the_requeue_delay(cluster, job_id: int) -> None:
-    """Slurm makes a requeued job wait about two minutes before it is eligible again; the test does not."""
+    """Slurm makes a requeued job wait about two minutes before it is eligible again; the test waits only
+    until the first allocation's step daemons are gone (started any sooner, the job fails to launch)."""
+    deadline = time.monotonic() + 120
+    while _step_daemons(job_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _step_daemons(job_id), f"the first allocation of job {job_id} did not end"
+    time.sleep(2)
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
+
+def _step_daemons(job_id: int) -> list[int]:
+    """Pids of the slurmstepd processes of ``job_id`` (their titles read "slurmstepd: [ID.STEP]")."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                title = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if title.startswith(f"slurmstepd: [{job_id}.".encode()):
+                found.append(int(entry.name))
+    return found
 
 
 def test_a_two_node_job_trains_to_the_end_and_status_logs_know_it(slurm_job, cluster):
