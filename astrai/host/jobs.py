@@ -110,9 +110,13 @@ def submit_job(runtime: Runtime, trainer_args: list[str], dry_run: bool) -> None
         return
     check_paths(runtime, ("checkpoints",), need="create")
     slurm.check_not_submitted(runtime)
-    checks = preflight.run_checks(runtime, list(trainer_args))
-    if runtime.slurm.launcher != "docker":
-        checks = [check for check in checks if check.name not in preflight.DOCKER_CHECKS]
+    # What runs on this (login) host's engine and GPUs says nothing of the compute nodes: each node's task runs
+    # the whole preflight there before it starts; here the Slurm checks stand for them.
+    checks = [
+        check
+        for check in preflight.run_checks(runtime, list(trainer_args))
+        if check.name not in (*preflight.DOCKER_CHECKS, *preflight.GPU_CHECKS)
+    ]
     checks += slurm.submit_checks(runtime)
     _say(preflight.format_checklist(checks))
     if any(check.failed for check in checks):
@@ -147,7 +151,19 @@ def check_trainer_config(runtime: Runtime, trainer_args: list[str]) -> None:
 
 
 def check_startable(runtime: Runtime) -> None:
-    """A job that spans several nodes and leaves the rendezvous to a scheduler cannot be started by hand."""
+    """Refuse a start by hand of a job that Slurm queues or runs, or that leaves its rendezvous to a scheduler.
+
+    The task Slurm runs on each node (``supervisor_pid`` set) is the start of the submitted job itself.
+    """
+    if runtime.supervisor_pid is None:
+        submitted = slurm.active_job(runtime)
+        if submitted is not None:
+            raise JobError(
+                f"job {runtime.job_name} is submitted to Slurm (job {submitted.job_id}, {submitted.state}); "
+                f"a second trainer would write into the same job dir: stop it with "
+                f"`{runtime.command('stop', per_node=False)}`, then `{runtime.command('submit', per_node=False)}`",
+                code=2,
+            )
     if runtime.multi_node and runtime.rendezvous is None:
         raise JobError(
             f"job {runtime.job_name} spans {runtime.node_count} nodes and has no runtime.nodes.rendezvous: its "

@@ -85,6 +85,8 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = ()) -> list[Check]:
 
 DOCKER_CHECKS = ("docker CLI", "docker daemon", "compose v2", "compose config", "gpu runtime", "image torch")
 """What only a job on the host's Docker engine needs (not one that pyxis or apptainer runs under Slurm)."""
+GPU_CHECKS = ("gpu runtime", "gpu devices")
+"""What a host's own GPUs answer (not a Slurm login node's, whose jobs run elsewhere)."""
 
 
 def format_checklist(checks: list[Check]) -> str:

@@ -76,9 +76,24 @@ SIGNAL_MARGIN_SECONDS = 30
 """The warning signal comes this long before the stop timeout would run past the time limit."""
 MIN_WORK_SECONDS = 60
 """An allocation must leave at least this long for training before the warning signal."""
-PORT_BASE, PORT_SPAN = 20000, 20000
-"""The rendezvous port is PORT_BASE + job id % PORT_SPAN: the same on every node and in every allocation."""
-ACTIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "STOPPED")
+PORT_BASE, PORT_SPAN = 20000, 10000
+"""The rendezvous port is PORT_BASE + job id % PORT_SPAN: the same on every node and in every allocation, and
+below Linux's ephemeral ports (from 32768), which outgoing connections take."""
+ACTIVE_STATES = (
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "SPECIAL_EXIT",
+    "RESIZING",
+    "SUSPENDED",
+    "STOPPED",
+)
+NOT_STARTED_STATES = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT")
+"""States in which no allocation runs: a stop is a plain scancel."""
 REQUEUE_EXIT_MESSAGE = "requeued"
 
 
@@ -188,7 +203,7 @@ stop_tasks() {{
     scancel --signal=TERM "$SLURM_JOB_ID"
 }}
 trap 'stop_tasks time-limit "the time limit is near (or the job is preempted)"' USR1
-trap 'stop_tasks stop "invoke stop"' USR2
+trap 'requeue=false; stop_tasks stop "invoke stop"' USR2
 trap 'stop_tasks cancel "scancel: Slurm kills what still runs after its KillWait"' TERM INT
 
 {task} &
@@ -286,7 +301,8 @@ def _exports(runtime: Runtime) -> str:
     if _settings(runtime).launcher == "docker":
         return ""
     env = compose.container_environment(dataclasses.replace(runtime, node=0))
-    env.pop(ENV_NODE_RANK, None)  # per task, from SLURM_NODEID
+    for name in (ENV_NODE_RANK, ENV_RDZV_ENDPOINT, ENV_RDZV_ID):
+        env.pop(name, None)  # the rank per task from SLURM_NODEID, the rendezvous from the allocation (above)
     if runtime.uses_gpu:
         env[ENV_GPU_DEVICES] = "all"
         env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -547,7 +563,7 @@ def follow_output(runtime: Runtime, tail: str, follow: bool, poll: float = 0.5) 
 
 def stop_submitted(runtime: Runtime, job: SlurmJob, say=print) -> None:
     """`invoke stop` of a submitted job: a graceful stop on every node, no requeue; wait until it ended."""
-    if job.state == "PENDING" or job.state == "REQUEUED":
+    if job.state in NOT_STARTED_STATES:
         result = _slurm(["scancel", str(job.job_id)])
         if result.returncode != 0:
             raise SlurmError(f"scancel {job.job_id} failed: {result.stderr.strip()}")

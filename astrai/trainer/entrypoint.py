@@ -71,6 +71,7 @@ from astrai.common.contract import (
     ENV_STOP_TIMEOUT_SECONDS,
     ENV_SUPERVISOR_PID,
     MODEL_CONFIG_FILE,
+    REASON_EMERGENCY,
     TRAINER_MODULE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
@@ -323,6 +324,7 @@ def supervise_workers(
     direct: bool = False,
     supervisor: Supervisor | None = None,
     stop_timeout: float = 600,
+    job_dir: Path | None = None,
 ) -> int:
     """Run the launcher (torchrun) and hand each stop signal to its workers; return its exit code.
 
@@ -333,6 +335,9 @@ def supervise_workers(
     stop signals still blocked and takes a pending one when it is ready.
     ``supervisor``: once that host process is gone, stop as if signalled, and kill
     the launcher and its workers ``stop_timeout`` seconds later.
+    ``job_dir``: where a scheduler signalled torchrun too (Slurm's scancel reaches every
+    process of a step), torchrun exits non-zero although the ranks stopped cleanly; an
+    emergency checkpoint written since the stop makes the exit 0 again.
     """
     pending: list[int] = []
 
@@ -348,6 +353,7 @@ def supervise_workers(
         signals.release()  # main() held them; the launcher must start with them unblocked
         launcher = subprocess.Popen(command)
     deadline = None
+    forwarded = None
     while (status := launcher.poll()) is None:
         if deadline is None and supervisor is not None and not supervisor.alive():
             print(
@@ -367,11 +373,13 @@ def supervise_workers(
         if direct and pending:
             with contextlib.suppress(ProcessLookupError):
                 launcher.send_signal(pending.pop(0))
+            forwarded = forwarded or time.time()
             continue
         workers = child_pids(launcher.pid) if pending else []
         # A worker still starting up would die of the signal: wait until each one catches it.
         if workers and all(_catches(pid, pending[0]) for pid in workers):
             signum = pending.pop(0)
+            forwarded = forwarded or time.time()
             for pid in workers:
                 try:
                     os.kill(pid, signum)
@@ -379,7 +387,21 @@ def supervise_workers(
                     pass
         else:
             time.sleep(poll_seconds)
-    return 128 - status if status < 0 else status
+    code = 128 - status if status < 0 else status
+    if code != 0 and forwarded is not None and job_dir is not None and _emergency_since(job_dir, forwarded):
+        print(
+            f"astrai entrypoint: the launcher exited with {code} after the stop, but the emergency checkpoint is "
+            "written: the stop succeeded",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 0
+    return code
+
+
+def _emergency_since(job_dir: Path, moment: float) -> bool:
+    newest = latest_complete_checkpoint(job_dir)
+    return newest is not None and newest.meta.reason == REASON_EMERGENCY and newest.path.stat().st_mtime >= moment - 1
 
 
 @dataclass(frozen=True)
@@ -437,7 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     if direct and supervisor is None:
         os.execv(plan.command[0], plan.command)
     stop_timeout = float(os.environ.get(ENV_STOP_TIMEOUT_SECONDS, "600"))
-    return supervise_workers(plan.command, direct=direct, supervisor=supervisor, stop_timeout=stop_timeout)
+    return supervise_workers(
+        plan.command, direct=direct, supervisor=supervisor, stop_timeout=stop_timeout, job_dir=Path(plan.job_dir)
+    )
 
 
 def _supervisor(env: Mapping[str, str]) -> Supervisor | None:

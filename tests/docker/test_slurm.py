@@ -182,6 +182,8 @@ def test_a_two_node_job_trains_to_the_end_and_status_logs_know_it(slurm_job, clu
     job.wait_for("training on both nodes", lambda: job.progress_step() >= 5, timeout=300)
     status = job.invoke("status").stdout
     assert re.search(rf"slurm\s+job {job_id} RUNNING on n\[1-2\]", status), status
+    by_hand = job.invoke("start", check=False)  # a second trainer on the same job dir
+    assert by_hand.returncode == 2 and f"submitted to Slurm (job {job_id}" in by_hand.stderr, by_hand
     _wait_state(cluster, job, job_id, ("COMPLETED", "FAILED", "CANCELLED"), 600)
     output = _output(job, job_id)
     assert _state(cluster, job_id)["JobState"] == "COMPLETED", output

@@ -433,3 +433,54 @@ def test_a_supervisor_is_told_apart_from_a_later_process_with_its_pid():
     assert watched.alive()
     assert not entrypoint.Supervisor(os.getpid(), "0").alive()  # same pid, another start time
     assert not entrypoint.Supervisor.of(2**22 + 7).alive()
+
+
+_LAUNCHER_SIGNALLED_TOO = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    out, save = sys.argv[1], sys.argv[2] == "save"
+    # Like torchrun under Slurm's scancel: the launcher is signalled too and exits 1 once its worker is done.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    worker = (
+        "import signal, sys, time\\n"
+        "stop = []\\n"
+        "signal.signal(signal.SIGTERM, lambda *_: stop.append(1))\\n"
+        "open(sys.argv[1] + '/ready', 'w').close()\\n"
+        "while not stop: time.sleep(0.01)\\n"
+        + ("from bench.common import placeholder_checkpoint\\n"
+           "from pathlib import Path\\n"
+           "placeholder_checkpoint(Path(sys.argv[1]) / 'job', 0, 7, reason='emergency')\\n" if save else "")
+    )
+    subprocess.Popen([sys.executable, "-c", worker, out]).wait()
+    sys.exit(1)
+    """
+)
+
+
+@pytest.mark.parametrize("saved", [True, False], ids=["emergency-checkpoint", "none"])
+def test_a_launcher_signalled_with_its_ranks_exits_0_when_the_emergency_checkpoint_is_written(tmp_path, saved):
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(_LAUNCHER_SIGNALLED_TOO)
+    (tmp_path / "job").mkdir()
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from astrai.trainer import signals\n"
+        "from astrai.trainer.entrypoint import supervise_workers\n"
+        "signals.hold()\n"
+        f"command = [sys.executable, {str(launcher)!r}, {str(tmp_path)!r}, {'save' if saved else 'none'!r}]\n"
+        f"sys.exit(supervise_workers(command, job_dir=Path({str(tmp_path / 'job')!r})))\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ready").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.3)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == (0 if saved else 1)
+    finally:
+        process.kill()
+        process.wait()

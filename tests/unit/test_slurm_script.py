@@ -90,6 +90,19 @@ def test_in_image_launchers_take_gpus_and_rank_from_slurm(tmp_path):
     assert "export ASTRAI_PROCESSES=2" in cpu and "--nv" not in cpu
 
 
+def test_the_allocations_rendezvous_wins_over_one_left_in_the_yaml(tmp_path):
+    runtime = dataclasses.replace(_runtime(tmp_path, "pyxis"), rendezvous="10.9.9.9:29500", rdzv_id="old")
+    text = _script(runtime)
+    assert "10.9.9.9" not in text and "old" not in text
+    assert text.count("export ASTRAI_RDZV_ENDPOINT=") == text.count("export ASTRAI_RDZV_ID=") == 1
+
+
+def test_invoke_stop_after_the_time_limit_warning_still_means_no_requeue(tmp_path):
+    text = _script(_runtime(tmp_path, "docker"))
+    assert "trap 'requeue=false; stop_tasks stop" in text
+    assert '[ "$requeue" = true ]' in text
+
+
 def test_what_the_script_cannot_carry_is_refused(tmp_path):
     with pytest.raises(slurm.SlurmError, match=r"runtime\.slurm\.image: missing"):
         _script(_runtime(tmp_path / "a", "pyxis", slurm_block={"image": None}))
