@@ -230,20 +230,7 @@ class Trainer:
                 )
 
         self.source_names = names
-        if self.train_type != "seq":
-            make = PackedSFT if self.train_type == "sft" else DPOPairs
-            self.dataset = make(self._records, self._units, self.window_size, splits[0])
-            self.sampler = WindowBatchSampler(
-                splits[0].num_train,
-                training.batch_per_device,
-                self.grad_accum,
-                env.rank,
-                env.world_size,
-                training.random_seed,
-            )
-            eval_windows = splits[0].eval_windows(config.log.eval_max_windows)
-            self.mixture = None
-        elif sources:
+        if sources and self.train_type == "seq":
             weights = [source.weight for source in sources]
             self.mixture = MixtureOrder([split.num_train for split in splits], weights, training.random_seed)
             self.dataset = MixtureDataset(datas, self.window_size, splits)
@@ -263,7 +250,11 @@ class Trainer:
             self._note_mixture(splits)
         else:
             self.mixture = None
-            self.dataset = WindowDataset(datas[0], self.window_size, splits[0])
+            if self.train_type == "seq":
+                self.dataset = WindowDataset(datas[0], self.window_size, splits[0])
+            else:
+                make = PackedSFT if self.train_type == "sft" else DPOPairs
+                self.dataset = make(self._records, self._units, self.window_size, splits[0])
             self.sampler = WindowBatchSampler(
                 splits[0].num_train,
                 training.batch_per_device,
