@@ -38,6 +38,7 @@ from bench import (
     host_commands,
     image_build,
     post_training,
+    sharded_checkpoints,
     stop_latency,
     trainer_speed,
     two_nodes,
@@ -116,6 +117,17 @@ TARGETS = {
     "dpo_step_vs_two_seq": ("DPO step over a pre-training step of the chosen and rejected rows (default)", "<=", 1.3),
     "dpo_live_step_vs_two_seq": ("the same with training.dpo_reference live", None, None),
     "dpo_precomputed_step_vs_two_seq": ("the same with training.dpo_reference precomputed", None, None),
+    "sharded_save_vs_full": ("sharded checkpoint save over the gathered (full) one, `base`, FSDP x 4", "<=", 0.5),
+    "sharded_load_vs_full": ("sharded resume load over the full one, `base`, FSDP x 4", "<=", 0.5),
+    "sharded_peak_mem_vs_share": (
+        "peak extra host memory of any rank during a sharded save, over its share of the state",
+        "<=",
+        1.25,
+    ),
+    "full_peak_mem_vs_share": ("the same for a full save (rank 0 gathers everything)", None, None),
+    "sharded_stall_vs_full": ("loop pause of a periodic sharded save over a full one's", "<=", 1.0),
+    "sharded_save_s": ("sharded save of `base` on 4 processes, seconds (state 1.5 GB)", None, None),
+    "full_save_s": ("full save of the same, seconds", None, None),
 }
 
 
@@ -130,6 +142,7 @@ SECTIONS = {
     "own model and tokenizer": lambda quick, image: hf_io.run(quick),
     "corpora": lambda quick, image: corpora.run(quick),
     "post-training": lambda quick, image: post_training.run(quick),
+    "sharded checkpoints": lambda quick, image: sharded_checkpoints.run(quick),
 }
 
 

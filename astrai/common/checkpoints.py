@@ -16,7 +16,9 @@ file of ``REQUIRED_FILES`` as a regular file, its ``meta.json`` is a readable
 record whose epoch and step agree with the name, and the files it holds are
 whole: the weights' safetensors headers describe exactly the bytes on disk,
 ``optimizer.pt`` and ``scheduler.pt`` are whole zip archives (what
-``torch.save`` writes), ``config.json`` is a model config we can read. Every
+``torch.save`` writes), ``config.json`` is a model config we can read, and a
+checkpoint whose ``meta.json`` says ``"format": "sharded"`` holds a whole
+``optimizer.safetensors`` (the optimizer's moments) too. Every
 check reads file headers only, so listing a thousand checkpoints stays fast.
 
 A folder with the name that fails a check is *not a checkpoint* for any
@@ -43,8 +45,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from astrai.common.contract import (
+    CKPT_FORMAT_SHARDED,
+    CKPT_FORMATS,
     META_FILE,
     OPTIMIZER_FILE,
+    OPTIMIZER_TENSORS_FILE,
     REASONS,
     REQUIRED_FILES,
     RNG_FILE,
@@ -100,6 +105,8 @@ class CheckpointMeta:
     """seq, sft or dpo (absent in checkpoints older than post-training: seq)."""
     reference: dict | None = None
     """DPO only: the frozen reference model it was trained against, ``{"path": ..., "sha256": ...}``."""
+    format: str | None = None
+    """How it was written: full or sharded (absent in checkpoints older than the sharded format: full)."""
 
     def to_dict(self) -> dict:
         values = dataclasses.asdict(self)
@@ -133,12 +140,17 @@ class CheckpointMeta:
             "global_batch": _count(raw, "global_batch", default=None, minimum=1),
             "train_type": raw.get("train_type"),
             "reference": raw.get("reference"),
+            "format": raw.get("format"),
         }
         if values["reason"] not in REASONS:
             allowed = ", ".join(REASONS)
             raise DamagedCheckpoint(f"{META_FILE}: reason must be one of {allowed}, got {raw.get('reason')!r}")
         if not isinstance(values["parallel_mode"], str) or not isinstance(values["config_hash"], (str, type(None))):
             raise DamagedCheckpoint(f"{META_FILE}: parallel_mode and config_hash must be strings")
+        if values["format"] not in (None, *CKPT_FORMATS):
+            raise DamagedCheckpoint(
+                f"{META_FILE}: format must be one of {', '.join(CKPT_FORMATS)}, got {values['format']!r}"
+            )
         if not isinstance(values["train_type"], (str, type(None))):
             raise DamagedCheckpoint(f"{META_FILE}: train_type must be a string, got {values['train_type']!r}")
         reference = values["reference"]
@@ -251,6 +263,10 @@ def examine(path: Path) -> Checkpoint:
         read_header(path / WEIGHTS_FILE)
         if RNG_FILE in present:
             read_header(path / RNG_FILE)
+        if meta.format == CKPT_FORMAT_SHARDED:
+            if OPTIMIZER_TENSORS_FILE not in present:
+                raise DamagedCheckpoint(f"incomplete: {OPTIMIZER_TENSORS_FILE} missing (a sharded checkpoint)")
+            read_header(path / OPTIMIZER_TENSORS_FILE)
     except ModelLoadError as error:
         raise DamagedCheckpoint(str(error).replace(f"{path}/", "").replace(f"{path}: ", "")) from None
     for name in (OPTIMIZER_FILE, SCHEDULER_FILE):

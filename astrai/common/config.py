@@ -22,7 +22,15 @@ from pathlib import Path
 import yaml
 
 from astrai.common.configfile import ConfigError, load_yaml, show_value, unknown
-from astrai.common.contract import CONTAINER_DATA, CONTAINER_MODEL, PARALLEL_MODES, container_job_dir
+from astrai.common.contract import (
+    CKPT_FORMAT_FULL,
+    CKPT_FORMAT_SHARDED,
+    CKPT_FORMATS,
+    CONTAINER_DATA,
+    CONTAINER_MODEL,
+    PARALLEL_MODES,
+    container_job_dir,
+)
 from astrai.common.data_folder import KINDS
 
 HOST_SECTION = "runtime"
@@ -252,6 +260,13 @@ def resolve_grad_accum_steps(training: TrainingSection, world_size: int) -> int:
     )
 
 
+def resolve_ckpt_format(requested: str | None, parallel_mode: str) -> str:
+    """The checkpoint format a run writes: ``ckpt.format``, or by default sharded under FSDP and full otherwise."""
+    if requested is not None:
+        return requested
+    return CKPT_FORMAT_SHARDED if parallel_mode == "fsdp" else CKPT_FORMAT_FULL
+
+
 @dataclass(frozen=True)
 class CkptSection:
     ckpt_interval: int = 500
@@ -264,9 +279,17 @@ class CkptSection:
     """Keep only this many newest checkpoints (the newest is never deleted); null keeps all."""
     reference_path: str | None = None
     """DPO's frozen reference model (a model folder); null: the base model (param_path)."""
+    format: str | None = None
+    """full (rank 0 gathers and writes) | sharded (every rank writes its own rows); null: sharded under fsdp."""
 
     def __post_init__(self) -> None:
         _check(self.ckpt_interval >= 1, "ckpt.ckpt_interval", self.ckpt_interval, "an integer >= 1")
+        _check(
+            self.format is None or self.format in CKPT_FORMATS,
+            "ckpt.format",
+            self.format,
+            " | ".join(CKPT_FORMATS) + ", or null (sharded under fsdp, full otherwise)",
+        )
         _check(
             self.keep_last is None or self.keep_last >= 1,
             "ckpt.keep_last",

@@ -110,6 +110,15 @@ REQUIRED_FILES = (META_FILE, MODEL_CONFIG_FILE, WEIGHTS_FILE, OPTIMIZER_FILE, SC
 """The files every checkpoint holds (more are allowed); astrai/common/checkpoints.py says what else makes one whole."""
 RNG_FILE = "rng_state.safetensors"
 """Every rank's RNG states. Optional: without it a resume seeds each rank from random_seed, step and rank."""
+OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"
+"""Sharded format: the optimizer's parameter-shaped tensors (AdamW's moments), laid out whole like the weights;
+``optimizer.pt`` then holds the rest of the optimizer state and names this file."""
+CKPT_FORMAT_FULL = "full"
+CKPT_FORMAT_SHARDED = "sharded"
+CKPT_FORMATS = (CKPT_FORMAT_FULL, CKPT_FORMAT_SHARDED)
+"""``ckpt.format``: ``full`` gathers the state on rank 0, which writes it; ``sharded``: every rank writes its rows."""
+SHARED_FS_CHECK_PREFIX = ".shared-fs-check-"
+"""A file rank 0 writes into the job dir at start, which every node must read (sharded format on several nodes)."""
 
 REASON_PERIODIC = "periodic"
 REASON_FINAL = "final"

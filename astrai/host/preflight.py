@@ -21,9 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.checkpoints import estimate_checkpoint_bytes, folder_bytes, latest_complete_checkpoint
-from astrai.common.config import TrainerConfig, resolve_grad_accum_steps
+from astrai.common.config import TrainerConfig, resolve_ckpt_format, resolve_grad_accum_steps
 from astrai.common.configfile import ConfigError
-from astrai.common.contract import LABEL_CUDA_TAG, LABEL_TORCH, MODEL_CONFIG_FILE, TORCH_VERSION, WEIGHTS_INDEX_FILE
+from astrai.common.contract import (
+    CKPT_FORMAT_SHARDED,
+    LABEL_CUDA_TAG,
+    LABEL_TORCH,
+    MODEL_CONFIG_FILE,
+    TORCH_VERSION,
+    WEIGHTS_INDEX_FILE,
+)
 from astrai.common.data_folder import DataError, TokenData, describe_units, training_units
 from astrai.common.fit import BatchShape, SetupError, check_fit, check_same_tokenizer
 from astrai.common.model_folder import ModelConfig, ModelLoadError, describe, inspect_weights, num_parameters
@@ -75,6 +82,8 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = ()) -> list[Check]:
     checks.append(_disk_space_check(runtime))
     if runtime.multi_node:
         checks += node_checks(runtime)
+        if config is not None:
+            checks.append(shared_checkpoints_check(runtime, config))
     if runtime.uses_gpu:
         checks.append(_gpu_runtime_check())
         checks.append(_gpu_indices_check(runtime))
@@ -435,6 +444,58 @@ def node_checks(runtime: Runtime) -> list[Check]:
         checks.append(_interface_check(runtime.network_interface))
     checks.append(_port_free_check(port) if runtime.node == 0 else _reachable_check(host, port, runtime.rendezvous))
     return checks
+
+
+# File systems one machine's disk or memory holds: a folder on them is never the same folder on two hosts.
+LOCAL_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "overlay", "vfat"})
+MOUNTINFO = Path("/proc/self/mountinfo")
+
+
+def shared_checkpoints_check(runtime: Runtime, config: TrainerConfig) -> Check:
+    """Sharded checkpoints on several nodes: every node writes into the checkpoints folder, so it must be shared."""
+    format = resolve_ckpt_format(config.ckpt.format, runtime.parallel_mode)
+    if format != CKPT_FORMAT_SHARDED:
+        return Check(PASS, "shared checkpoints", f"ckpt.format {format}: only node 0 writes checkpoints")
+    kind = file_system_type(runtime.checkpoints_dir)
+    said = (
+        f"ckpt.format sharded: every node writes its part of each checkpoint into runtime.paths.checkpoints "
+        f"({runtime.checkpoints_dir}), so it must be one shared file system on all {runtime.node_count} nodes"
+    )
+    if kind is not None and kind in LOCAL_FILE_SYSTEMS:
+        return Check(
+            WARN,
+            "shared checkpoints",
+            f"{said}; here it is on a local {kind} file system (the trainer refuses to start if a node does not "
+            "see node 0's files)",
+            "mount a shared file system there on every node (NFS, Lustre, a cloud file store), or set ckpt.format: "
+            "full, with which only node 0 writes checkpoints",
+        )
+    found = f" (here: {kind})" if kind is not None else ""
+    return Check(PASS, "shared checkpoints", f"{said}{found}; the trainer checks at start that every node sees it")
+
+
+def file_system_type(path: Path) -> str | None:
+    """The type of the file system ``path`` (or the folder it will be created in) is on; None if unknown."""
+    existing = nearest_existing(Path(path))
+    if isinstance(existing, str):
+        return None
+    target = os.path.realpath(existing)
+    best, kind = "", None
+    try:
+        lines = MOUNTINFO.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not rest:
+            continue
+        # Mount points escape spaces and other odd bytes as octal (\040).
+        point = re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), parts[4])
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, rest.split()[0]
+    return kind
 
 
 def _interface_check(name: str) -> Check:

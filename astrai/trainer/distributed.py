@@ -54,6 +54,9 @@ class DistEnv:
     """Processes on each node."""
     watch: NodeWatch | None = None
     """Heartbeats of the other ranks, on a multi-node job."""
+    checkpoint_group: dist.ProcessGroup | None = None
+    """CPU (gloo) group of the checkpoint writer threads only (a sharded save's ranks agree on it while
+    training goes on); None with one process."""
 
     def node_of(self, rank: int) -> int:
         return rank // self.local_world_size
@@ -134,6 +137,7 @@ def init_distributed(parallel_mode: str, device_preference: str) -> DistEnv:
         else:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         env.control_group = dist.new_group(backend="gloo")
+        env.checkpoint_group = dist.new_group(backend="gloo")
         timeout = os.environ.get(ENV_FAILURE_TIMEOUT_SECONDS)
         if node is not None and timeout is not None:
             env.watch = NodeWatch(env, int(timeout))
@@ -153,7 +157,7 @@ def shutdown_distributed(env: DistEnv) -> None:
     if env.distributed and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
-        env.control_group = None
+        env.control_group = env.checkpoint_group = None
         gc.collect()
 
 
@@ -211,17 +215,19 @@ class GracefulStop:
     def requested(self) -> bool:
         return self.signal_name is not None
 
-    def agree(self, env: DistEnv) -> bool:
-        """True on every rank when any rank was asked to stop.
+    def agree(self, env: DistEnv, *others: bool) -> tuple[bool, ...]:
+        """(stop?, *others) each true on every rank when it is true on any rank.
 
         Every rank calls this once per step, so the all-reduce lines up even when
-        only some ranks got the signal, or got it at different moments.
+        only some ranks got the signal, or got it at different moments. ``others``
+        are more flags agreed on in the same all-reduce (a failed background save).
         """
+        flags = (self.requested, *others)
         if not env.distributed:
-            return self.requested
-        flag = torch.tensor([int(self.requested)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=env.control_group)
-        return bool(flag.item())
+            return flags
+        agreed = torch.tensor([int(flag) for flag in flags], dtype=torch.int32)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=env.control_group)
+        return tuple(bool(flag) for flag in agreed.tolist())
 
 
 # --- State from rank 0 ------------------------------------------------------------------------------

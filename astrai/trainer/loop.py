@@ -33,8 +33,14 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from astrai.common.checkpoints import latest_complete_checkpoint
-from astrai.common.config import TrainerConfig, describe, parse_args, resolve_grad_accum_steps
-from astrai.common.contract import REASON_EMERGENCY, REASON_FINAL, REASON_PERIODIC
+from astrai.common.config import (
+    TrainerConfig,
+    describe,
+    parse_args,
+    resolve_ckpt_format,
+    resolve_grad_accum_steps,
+)
+from astrai.common.contract import CKPT_FORMAT_SHARDED, REASON_EMERGENCY, REASON_FINAL, REASON_PERIODIC
 from astrai.common.data_folder import DataError, TokenData, describe_units, training_units
 from astrai.common.errors import AstraiError
 from astrai.common.fit import BatchShape, SetupError, check_fit, check_same_tokenizer
@@ -115,7 +121,12 @@ def open_trainer(config: TrainerConfig, env: DistEnv, stop: GracefulStop | None 
     """
     # Checked before anything is loaded: a world size that does not fit the global batch fails at once.
     resolve_grad_accum_steps(config.training, env.world_size)
-    loaded = load_latest(Path(config.ckpt.ckpt_dir), env, _logger(env))
+    # Under FSDP in the sharded format each rank reads its own rows of the weights and moments (after the
+    # model is built and sharded); otherwise rank 0 reads the whole checkpoint and every rank receives it.
+    rows = resolve_ckpt_format(config.ckpt.format, env.parallel_mode) == CKPT_FORMAT_SHARDED and (
+        env.parallel_mode == "fsdp"
+    )
+    loaded = load_latest(Path(config.ckpt.ckpt_dir), env, _logger(env), whole=not rows)
     max_steps = config.training.max_steps
     if loaded is not None and loaded.progress.step >= max_steps:
         _logger(env)(
@@ -187,14 +198,23 @@ class Trainer:
             for data in datas
         ]
 
-        model = Transformer(self.model_config, activation_checkpointing=config.model.activation_checkpointing)
-        model.load_state_dict(weights)
+        checkpointing = config.model.activation_checkpointing
+        if weights is None:
+            # Resuming a sharded run: the model is built without memory, sharded, and only then given this rank's
+            # share of it, which the checkpoint's rows fill (CheckpointManager.restore). No rank holds it whole.
+            with torch.device("meta"):
+                model = Transformer(self.model_config, activation_checkpointing=checkpointing)
+        else:
+            model = Transformer(self.model_config, activation_checkpointing=checkpointing)
+            model.load_state_dict(weights)
+            model.to(env.device)
         del weights
-        model.to(env.device)
         if config.model.compile:
             for layer in model.layers:
                 layer.compile()
         self.model = parallelize(model, env)
+        if loaded is not None and loaded.model_state is None:
+            self.model.to_empty(device=env.device)
         self.optimizer = build_optimizer(self.model, training, env.device, env.parallel_mode)
         self.schedule = Schedule.of(training)
         self.checkpointer = CheckpointManager(
@@ -210,6 +230,7 @@ class Trainer:
             keep_last=config.ckpt.keep_last,
             # A checkpoint is a complete model folder: the data's tokenizer goes into each one.
             extra_files=tuple(datas[0].root / name for name in datas[0].tokenizer_files),
+            format=resolve_ckpt_format(config.ckpt.format, env.parallel_mode),
         )
         if env.watch is not None and env.master_process:
             # A node lost while a periodic save is being written: publish it before this process exits.
@@ -478,12 +499,13 @@ class Trainer:
                 self.reporter.clock.pause(time.perf_counter() - started, steps=1)
                 self._warmed_up = True
             self._advance(tokens_per_step)
-            stopping = self.stop.agree(self.env)
+            # A failed background save stops the run now, on every rank at the same step, not at the next save.
+            stopping, save_failed = self.stop.agree(self.env, self.checkpointer.failed)
+            if save_failed:
+                self.checkpointer.raise_failure()
             if stopping:
                 who = self.stop.signal_name or "on another rank"
                 self.log(f"stop requested ({who}): stopping after step {self.progress.step}")
-            # A failed background save stops the run now, not at the next save (no device sync: a Python flag).
-            self.checkpointer.raise_if_failed()
             step = self.progress.step
             val_loss = None
             if self.validator.due(step):

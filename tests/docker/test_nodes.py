@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,8 +17,9 @@ import time
 
 import pytest
 import yaml
-from conftest import REPO, _tear_down
+from conftest import REPO, Job, _tear_down
 
+from astrai.common.checkpoints import list_complete_checkpoints
 from astrai.host import compose, engine
 
 pytestmark = pytest.mark.docker
@@ -225,3 +227,36 @@ def _trainer_pid(container_id: str) -> int:
     pids = [int(line.split()[0]) for line in listing if "astrai.train" in line]
     assert pids, listing
     return pids[0]
+
+
+def test_sharded_checkpoints_on_two_nodes_need_one_shared_folder(node_jobs, tmp_path):
+    runtime = {"nodes": _nodes(), "environment": ONE_THREAD, "gpu": {"parallel_mode": "fsdp"}}
+    trainer = {"training": {"max_steps": 20}, "ckpt": {"ckpt_interval": 10}}
+    # Both nodes' containers bind-mount the same host folder: the shared file system.
+    shared = node_jobs(runtime=runtime, trainer=trainer)
+    shared.invoke("init")
+    checklist = shared.invoke("preflight", "--node", "1", check=False).stdout
+    assert "shared checkpoints" in checklist and "one shared file system on all 2 nodes" in checklist, checklist
+    _start_both(shared)
+    finals = [_wait_exit(shared, node, 600) for node in (0, 1)]
+    assert [f.exit_code for f in finals] == [0, 0], _logs(shared, 0) + _logs(shared, 1)
+    written = list_complete_checkpoints(shared.job_dir)
+    assert [c.step for c in written] == [10, 20] and {c.meta.format for c in written} == {"sharded"}
+
+    # Node 1 on a host of its own: its checkpoints folder is another one, and the job refuses before any step.
+    apart = node_jobs(runtime={**runtime, "nodes": _nodes()}, trainer=trainer)
+    other = Job(apart.name, tmp_path / "other-host" / apart.name, apart.env)
+    other.folder.mkdir(parents=True)
+    for name in ("params", "data"):
+        shutil.copytree(apart.folder / name, other.folder / name)
+    shutil.copyfile(apart.config, other.config)
+    apart.invoke("init")
+    other.invoke("init")
+    assert "node 1 of 2" in other.invoke("start", "--node", "1").stdout
+    apart.invoke("start", "--node", "0")
+    finals = [_wait_exit(apart, node, 300) for node in (0, 1)]
+    output = _logs(apart, 0) + _logs(apart, 1)
+    assert all(f.exit_code != 0 for f in finals), output
+    assert "ckpt.format sharded: node(s) 1 do not see the job dir /checkpoints/" in output, output
+    assert "ckpt.format: full" in output
+    assert not list_complete_checkpoints(apart.job_dir) and not list_complete_checkpoints(other.job_dir)

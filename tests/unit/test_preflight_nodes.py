@@ -78,3 +78,37 @@ def test_status_names_the_node_and_the_world_size(tmp_path, monkeypatch):
         "node        1 of 2, world size 2 (1 process(es) on each of 2 node(s)); rendezvous 10.0.0.1:29500 "
         "(static)" in lines
     )
+
+
+def test_sharded_checkpoints_on_several_nodes_ask_for_a_shared_file_system(tmp_path, monkeypatch):
+    from astrai.common.config import CkptSection, ParallelSection, TrainerConfig
+
+    def runtime(mode: str):
+        path = tmp_path / "train.yaml"
+        gpu = {"devices": "none", "processes": 2, "parallel_mode": mode}
+        nodes = {"count": 2, "rendezvous": "127.0.0.1:29400"}
+        path.write_text(yaml.safe_dump({"runtime": {"gpu": gpu, "container": {"cuda_tag": "cpu"}, "nodes": nodes}}))
+        return resolve_runtime(path, 0)
+
+    fsdp, ddp = runtime("fsdp"), runtime("ddp")
+    default, full = TrainerConfig(), TrainerConfig(ckpt=CkptSection(format="full"))
+    # The runtime's mode decides the default format, as the entrypoint passes it on to the trainer.
+    assert preflight.shared_checkpoints_check(ddp, default).detail.startswith("ckpt.format full: only node 0")
+    assert preflight.shared_checkpoints_check(fsdp, full).mark == preflight.PASS
+    sharded = TrainerConfig(parallel=ParallelSection(parallel_mode="ddp"), ckpt=CkptSection(format="sharded"))
+    for config in (default, sharded):
+        check = preflight.shared_checkpoints_check(fsdp if config is default else ddp, config)
+        assert check.mark == preflight.WARN and not check.failed
+        assert "one shared file system on all 2 nodes" in check.detail and "local" in check.detail
+        assert "ckpt.format: full" in check.hint
+    # On a network file system it passes, still saying what it needs.
+    mountinfo = tmp_path / "mountinfo"
+    where = fsdp.checkpoints_dir
+    where.mkdir(parents=True, exist_ok=True)
+    mountinfo.write_text(
+        f"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+        f"90 22 0:51 / {str(where).replace(' ', chr(92) + '040')} rw - nfs4 server:/ckpt rw\n"
+    )
+    monkeypatch.setattr(preflight, "MOUNTINFO", mountinfo)
+    check = preflight.shared_checkpoints_check(fsdp, default)
+    assert check.mark == preflight.PASS and "(here: nfs4)" in check.detail

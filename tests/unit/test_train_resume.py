@@ -172,10 +172,10 @@ def test_ddp_two_processes_killed_and_stopped_ends_bitwise_equal(tmp_path, train
     assert final_weights(ckpt_dir, 200) == references("ddp")
 
 
-def test_fsdp_two_processes_train_checkpoint_and_resume(tmp_path, train_yaml, trainer_env):
+def test_fsdp_two_processes_train_checkpoint_and_resume_in_the_full_format(tmp_path, train_yaml, trainer_env):
     path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), max_steps=60)
     ckpt_dir = tmp_path / "ckpt"
-    command = [*TORCHRUN, "-m", "astrai.train", "--config", str(path), "--parallel_mode", "fsdp"]
+    command = [*TORCHRUN, "-m", "astrai.train", "--config", str(path), "--parallel_mode", "fsdp", "--format", "full"]
 
     run = Run(command, trainer_env, tmp_path / "run1.log")
     try:

@@ -8,7 +8,9 @@ checkpoint folder holds::
     meta.json              progress, data position, reason, config hash (astrai.common.checkpoints.CheckpointMeta)
     config.json            the model architecture (Hugging Face Llama form)
     model.safetensors      the full model, even under FSDP, under Hugging Face's tensor names
-    optimizer.pt           full optimizer state keyed by parameter name (tensors and plain values only)
+    optimizer.pt           full optimizer state keyed by parameter name (tensors and plain values only);
+                           in the sharded format its parameter-shaped tensors are in optimizer.safetensors
+                           (astrai.trainer.checkpoint.sharded), and join_optimizer_tensors puts them back
     scheduler.pt           the learning-rate schedule's settings and step (plain values only)
     rng_state.safetensors  every rank's torch RNG states (optional)
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import math
 import os
 import pickle
 import shutil
@@ -44,11 +47,13 @@ from astrai.common.contract import (
     META_FILE,
     MODEL_CONFIG_FILE,
     OPTIMIZER_FILE,
+    OPTIMIZER_TENSORS_FILE,
     RNG_FILE,
     SCHEDULER_FILE,
     WEIGHTS_FILE,
 )
 from astrai.common.errors import AstraiError
+from astrai.common.model_folder import inspect_weights
 from astrai.trainer.model import ModelConfig, ModelLoadError, hf_state_dict, read_weights
 
 # What a damaged checkpoint file raises when read: truncated zip or safetensors, bad JSON,
@@ -85,7 +90,8 @@ class LoadedCheckpoint:
     meta: CheckpointMeta
     progress: Progress
     model_config: ModelConfig
-    model_state: dict[str, torch.Tensor]
+    model_state: dict[str, torch.Tensor] | None
+    """None when each rank reads its own rows of the weights and moments (``read_checkpoint(whole=False)``)."""
     optimizer_state: dict
     scheduler_state: dict
     rng_state: dict[str, torch.Tensor] | None
@@ -118,15 +124,8 @@ class CheckpointFiles:
         overlaps the other's serialization. Tensors are written straight from their memory, never copied
         into an intermediate buffer.
         """
-        small = {
-            SCHEDULER_FILE: (self.scheduler_state, torch.save),
-            RNG_FILE: (self.rng_state, _write_safetensors),
-            MODEL_CONFIG_FILE: (self.model_config.to_json(), _write_text),
-        }
-        for name, (content, write) in small.items():
-            _write_file(folder / name, content, write, durable=False)
-        for source in self.extra_files:
-            shutil.copyfile(source, folder / source.name)
+        small = self.small_files()
+        written = write_small_files(folder, small, self.extra_files)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-model") as pool:
             # Hugging Face names and config.json: the folder loads in transformers as it is.
             model = pool.submit(
@@ -138,10 +137,32 @@ class CheckpointFiles:
             )
             _write_file(folder / OPTIMIZER_FILE, self.optimizer_state, torch.save)
             model.result()
-        for name in [*small, *(source.name for source in self.extra_files)]:
-            fsync_path(folder / name)
-        _write_file(folder / META_FILE, self.meta.to_json(), _write_text)
-        fsync_path(folder)
+        finish_folder(folder, written, self.meta)
+
+    def small_files(self) -> dict:
+        """The small files by name: (content, writer)."""
+        return {
+            SCHEDULER_FILE: (self.scheduler_state, torch.save),
+            RNG_FILE: (self.rng_state, _write_safetensors),
+            MODEL_CONFIG_FILE: (self.model_config.to_json(), _write_text),
+        }
+
+
+def write_small_files(folder: Path, small: dict, extra_files: tuple[Path, ...]) -> list[str]:
+    """Write the small files and copy the extra ones, handing them to the disk without waiting; their names."""
+    for name, (content, write) in small.items():
+        _write_file(folder / name, content, write, durable=False)
+    for source in extra_files:
+        shutil.copyfile(source, folder / source.name)
+    return [*small, *(source.name for source in extra_files)]
+
+
+def finish_folder(folder: Path, written: list[str], meta: CheckpointMeta) -> None:
+    """Flush the files named ``written``, then write ``meta.json`` and flush the folder: the last step of a save."""
+    for name in written:
+        fsync_path(folder / name)
+    _write_file(folder / META_FILE, meta.to_json(), _write_text)
+    fsync_path(folder)
 
 
 def _tree_bytes(tree) -> int:
@@ -214,6 +235,41 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+def safetensors_layout(
+    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, dict[str, int]]:
+    """The start of a safetensors file holding tensors of these (dtype, shape), and where each one's data begins.
+
+    Layout: an 8-byte little-endian header length, the JSON header (names, dtypes, shapes, byte ranges;
+    padded with spaces to a multiple of 8), then the raw little-endian data. Wider dtypes come first, so
+    every tensor starts aligned to its itemsize. The offsets count from the start of the file; the file
+    is ``len(head)`` plus every tensor's bytes long.
+    """
+    ordered = sorted(shapes.items(), key=lambda item: (-item[1][0].itemsize, item[0]))
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    begins, offset = {}, 0
+    for name, (dtype, shape) in ordered:
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: dtype {dtype} cannot be stored in safetensors")
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        begins[name] = offset
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    head = len(encoded).to_bytes(8, "little") + encoded
+    return head, {name: len(head) + begin for name, begin in begins.items()}
+
+
+def tensor_bytes(tensor: torch.Tensor):
+    """A (CPU, contiguous) tensor's memory as a buffer, without a copy."""
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+
+
 def _write_safetensors(
     tensors: dict[str, torch.Tensor], out: io.RawIOBase, metadata: dict[str, str] | None = None
 ) -> None:
@@ -221,30 +277,15 @@ def _write_safetensors(
 
     ``safetensors.torch.save_file`` opens the file itself; written into a :class:`_WritebackFile`
     instead, the start of the model is on its way to the disk while the rest is still being written.
-    The file is the same format (readable by ``safetensors.safe_open``, Hugging Face included).
-    Layout: an 8-byte little-endian header length, the JSON header (names, dtypes, shapes, byte
-    ranges; padded with spaces to a multiple of 8), then the raw little-endian data. Wider dtypes come
-    first, so every tensor starts aligned to its itemsize.
+    The file is the same format (readable by ``safetensors.safe_open``, Hugging Face included), laid
+    out by :func:`safetensors_layout`.
     """
-    ordered = sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0]))
-    header: dict = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name, tensor in ordered:
-        if tensor.dtype not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"{name}: dtype {tensor.dtype} cannot be stored in safetensors")
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    encoded += b" " * (-len(encoded) % 8)
-    out.write(len(encoded).to_bytes(8, "little") + encoded)
-    for _, tensor in ordered:
+    head, offsets = safetensors_layout({name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}, metadata)
+    out.write(head)
+    for name in sorted(offsets, key=offsets.__getitem__):
+        tensor = tensors[name]
         if tensor.numel():
-            out.write(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            out.write(tensor_bytes(tensor.contiguous()))
 
 
 def _submit_for_writeback(fd: int, offset: int = 0, length: int = 0) -> None:
@@ -301,19 +342,68 @@ def first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
-def read_checkpoint(checkpoint: Checkpoint) -> LoadedCheckpoint:
+OPTIMIZER_TENSORS_KEY = "tensors_in"
+"""optimizer.pt of a sharded checkpoint: ``{parameter: {key: name in optimizer.safetensors}}``."""
+
+
+def _is_rows(value) -> bool:
+    """Whether an optimizer state value goes to optimizer.safetensors (a tensor with rows), not optimizer.pt."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 1
+
+
+def small_optimizer_state(folder: Path) -> dict:
+    """optimizer.pt without its parameter-shaped tensors: what rank 0 reads and hands to every rank.
+
+    A full checkpoint's optimizer.pt holds the moments too; it is mapped (``mmap=True``), so they are not read.
+    """
+    state = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(state, dict) or not isinstance(state.get("state"), dict):
+        raise ValueError(f"{OPTIMIZER_FILE}: not an optimizer state")
+    return {
+        "state": {
+            param: {key: value for key, value in values.items() if not _is_rows(value)}
+            for param, values in state["state"].items()
+        },
+        "param_groups": state["param_groups"],
+        OPTIMIZER_TENSORS_KEY: state.get(OPTIMIZER_TENSORS_KEY),
+    }
+
+
+def join_optimizer_tensors(optimizer_state: dict, folder: Path) -> dict:
+    """A sharded checkpoint's optimizer state made whole (its moments read from optimizer.safetensors)."""
+    names = optimizer_state.pop(OPTIMIZER_TENSORS_KEY, None)
+    if names is None:
+        return optimizer_state
+    tensors = load_file(folder / OPTIMIZER_TENSORS_FILE, device="cpu")
+    for param, keys in names.items():
+        for key, name in keys.items():
+            optimizer_state["state"].setdefault(param, {})[key] = tensors[name]
+    return optimizer_state
+
+
+def read_checkpoint(checkpoint: Checkpoint, whole: bool = True) -> LoadedCheckpoint:
     """Read and check every file of a checkpoint; anything damaged raises CheckpointError with the reason.
 
     The folder rule the host applies comes first (astrai.common.checkpoints.examine), so a folder
-    the host does not list is never resumed; then every tensor is read and checked.
+    the host does not list is never resumed; then every tensor is read and checked. With ``whole``
+    false, the weights and the optimizer's parameter-shaped tensors are left out (``model_state`` is
+    None): each rank reads its own rows of them (:func:`astrai.trainer.checkpoint.sharded.read_rows`).
     """
     path = checkpoint.path
     try:
         found = examine(path)
         model_config = ModelConfig.load(path)
-        model_state = read_weights(path, model_config)
-        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-        if not isinstance(optimizer_state, dict) or not set(optimizer_state.get("state", {})) <= set(model_state):
+        if whole:
+            model_state = read_weights(path, model_config)
+            optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+            if isinstance(optimizer_state, dict):
+                optimizer_state = join_optimizer_tensors(optimizer_state, path)
+            names = set(model_state)
+        else:
+            model_state, optimizer_state = None, small_optimizer_state(path)
+            # The weights' headers checked against the config, as read_weights checks them.
+            names = {ours for names in inspect_weights(path, model_config).names.values() for ours in names.values()}
+        if not isinstance(optimizer_state, dict) or not set(optimizer_state.get("state", {})) <= names:
             raise ValueError("optimizer.pt: not an optimizer state keyed by this model's parameter names")
         scheduler_state = torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True)
         if not isinstance(scheduler_state, dict):

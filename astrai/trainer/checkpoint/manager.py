@@ -1,9 +1,10 @@
 """Checkpoint policy for one run: when to save, the background writer, the collectives, resuming with fallback.
 
-The file format is :mod:`astrai.trainer.checkpoint.files`; the folder rules are
-:mod:`astrai.common.checkpoints`. Only rank 0 (on node 0) reads and writes the files; the
-other ranks take part in the collectives that gather the full state, and receive the
-state of a resume from rank 0.
+The file format is :mod:`astrai.trainer.checkpoint.files` (and, for ``ckpt.format: sharded``,
+:mod:`astrai.trainer.checkpoint.sharded`); the folder rules are :mod:`astrai.common.checkpoints`.
+In the full format only rank 0 (on node 0) reads and writes the files; the other ranks take part
+in the collectives that gather the full state, and receive the state of a resume from rank 0. In
+the sharded format every rank writes and reads its own rows, and rank 0 the small files.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 from astrai.common.checkpoints import (
     CheckpointMeta,
@@ -28,37 +34,51 @@ from astrai.common.checkpoints import (
     remove_job_entry,
     scan_job_dir,
 )
-from astrai.common.contract import REASON_EMERGENCY, REASON_FINAL, REASON_PERIODIC, REASONS
+from astrai.common.contract import (
+    CKPT_FORMAT_FULL,
+    CKPT_FORMAT_SHARDED,
+    OPTIMIZER_FILE,
+    REASON_EMERGENCY,
+    REASON_FINAL,
+    REASON_PERIODIC,
+    REASONS,
+)
 from astrai.trainer.checkpoint.files import (
     CheckpointError,
     CheckpointFiles,
     LoadedCheckpoint,
     NonFiniteWeights,
     Progress,
+    finish_folder,
     first_non_finite,
     read_checkpoint,
     write_failure,
+    write_small_files,
 )
+from astrai.trainer.checkpoint.files import _write_file as write_file
+from astrai.trainer.checkpoint.sharded import ShardedState, check_shared_job_dir, failed_ranks, read_rows
 from astrai.trainer.distributed import DistEnv, broadcast_from_master
 from astrai.trainer.model import ModelConfig
 from astrai.trainer.optim import Optimizers, Schedule
 
 
-def load_latest(job_dir: Path, env: DistEnv, log: Callable[[str], None]) -> LoadedCheckpoint | None:
+def load_latest(job_dir: Path, env: DistEnv, log: Callable[[str], None], whole: bool = True) -> LoadedCheckpoint | None:
     """The newest checkpoint that loads; ones that fail are skipped with a warning. None means start fresh.
 
     Rank 0 reads it (only node 0 needs the checkpoint folder); every other rank receives it from rank 0.
+    With ``whole`` false only the small files travel: each rank then reads its own rows of the weights and
+    the optimizer's moments (:meth:`CheckpointManager.restore`).
     """
-    return broadcast_from_master(env, lambda: _read_latest(Path(job_dir), log))
+    return broadcast_from_master(env, lambda: _read_latest(Path(job_dir), log, whole))
 
 
-def _read_latest(job_dir: Path, log: Callable[[str], None]) -> LoadedCheckpoint | None:
+def _read_latest(job_dir: Path, log: Callable[[str], None], whole: bool) -> LoadedCheckpoint | None:
     scan = scan_job_dir(job_dir)
     for folder in scan.damaged:
         log(f"warning: skipping {folder.path}: not a checkpoint ({folder.reason})")
     for checkpoint in reversed(scan.complete):
         try:
-            return read_checkpoint(checkpoint)
+            return read_checkpoint(checkpoint, whole)
         except CheckpointError as error:
             log(f"warning: skipping {checkpoint.path}: {error}")
     return None
@@ -104,6 +124,7 @@ class CheckpointManager:
         interval: int,
         keep_last: int | None = None,
         extra_files: tuple[Path, ...] = (),
+        format: str = CKPT_FORMAT_FULL,
     ):
         self.job_dir = Path(job_dir)
         self.env = env
@@ -117,6 +138,8 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.extra_files = extra_files
         """Files copied into every checkpoint as they are (the data's tokenizer files)."""
+        self.format = format
+        """full: rank 0 gathers the state and writes it; sharded: every rank writes its own rows."""
         self._host_copy = _HostCopy(pin=env.device.type == "cuda")
         self._writer: threading.Thread | None = None
         self._write_error: Exception | None = None
@@ -125,6 +148,8 @@ class CheckpointManager:
             # Staging and trash folders an interrupted save or delete left behind.
             for path in scan_job_dir(self.job_dir).staging:
                 remove_job_entry(self.job_dir, path)
+        if format == CKPT_FORMAT_SHARDED and env.distributed:
+            check_shared_job_dir(self.job_dir, env)
 
     def reason_for(self, step: int, stopping: bool) -> str | None:
         """Why a checkpoint is due after ``step``, or None."""
@@ -145,9 +170,12 @@ class CheckpointManager:
         folder without rng_state.safetensors, each rank's RNG is seeded from (seed, step, rank)
         instead: nothing blocks the resume, and it is reproducible.
         """
-        set_optimizer_state_dict(
-            self.model, self.optimizer.parts, loaded.optimizer_state, options=StateDictOptions(full_state_dict=True)
-        )
+        if loaded.model_state is None:
+            self._read_rows(loaded)
+        else:
+            set_optimizer_state_dict(
+                self.model, self.optimizer.parts, loaded.optimizer_state, options=StateDictOptions(full_state_dict=True)
+            )
         cpu_key, cuda_key = f"rank{self.env.rank}.cpu", f"rank{self.env.rank}.cuda"
         saved_world = loaded.meta.world_size
         rng = loaded.rng_state
@@ -165,6 +193,28 @@ class CheckpointManager:
         if cuda_key in rng and self.env.device.type == "cuda":
             torch.cuda.set_rng_state(rng[cuda_key], self.env.device)
 
+    def _read_rows(self, loaded: LoadedCheckpoint) -> None:
+        """Every rank reads its own rows of the weights and the optimizer's moments, and loads them."""
+        model_state, optimizer_state = get_state_dict(
+            self.model, self.optimizer.parts, options=StateDictOptions(full_state_dict=False)
+        )
+        error = None
+        try:
+            read_rows(loaded.checkpoint.path, loaded.optimizer_state, model_state, optimizer_state)
+        except (CheckpointError, OSError, ValueError, RuntimeError) as failure:
+            error = failure
+        failed = failed_ranks(self.env, error is not None, self.env.control_group)
+        if failed:
+            detail = f": {error}" if error is not None else f" (rank {failed[0]} could not read its part)"
+            raise CheckpointError(f"reading {loaded.checkpoint.path} failed{detail}")
+        set_state_dict(
+            self.model,
+            self.optimizer.parts,
+            model_state_dict=model_state,
+            optim_state_dict=optimizer_state,
+            options=StateDictOptions(full_state_dict=False),
+        )
+
     # Saving
 
     def save(self, progress: Progress, reason: str, wait: bool) -> Path:
@@ -173,6 +223,9 @@ class CheckpointManager:
             raise ValueError(f"reason must be one of {REASONS}, got {reason!r}")
         self.wait()
         final = self.job_dir / checkpoint_name(progress.epoch, progress.step)
+        if self.format == CKPT_FORMAT_SHARDED:
+            self._save_sharded(progress, reason, wait, final)
+            return final
         fsdp = self.env.parallel_mode == "fsdp"
         # Full (unsharded) state. FSDP gathers it into fresh CPU tensors on rank 0 (other ranks get empty
         # dicts); otherwise the tensors are the live parameters and optimizer moments themselves.
@@ -189,29 +242,13 @@ class CheckpointManager:
             # Live tensors must be copied when training goes on during the write, or when they sit on a GPU.
             if not fsdp and (not wait or self.env.device.type != "cpu"):
                 model_state, optimizer_state = self._host_copy.copy((model_state, optimizer_state))
-            meta = CheckpointMeta(
-                epoch=progress.epoch,
-                step=progress.step,
-                reason=reason,
-                world_size=self.env.world_size,
-                tokens_seen=progress.tokens_seen,
-                samples_in_epoch=progress.samples_in_epoch,
-                parallel_mode=self.env.parallel_mode,
-                time=time.time(),
-                config_hash=self.facts.config_hash,
-                max_steps=self.facts.max_steps,
-                window_size=self.facts.window_size,
-                global_batch=self.facts.global_batch,
-                train_type=self.facts.train_type,
-                reference=self.facts.reference,
-            )
             files = CheckpointFiles(
                 model_state,
                 optimizer_state,
                 self.schedule.state_dict(progress.step),
                 rng_state,
                 self.model_config,
-                meta,
+                self._meta(progress, reason),
                 self.extra_files,
             )
             self._write_error = None
@@ -225,6 +262,127 @@ class CheckpointManager:
             # No rank reports or exits before the checkpoint is on disk.
             dist.barrier(group=self.env.control_group)
         return final
+
+    def host_copy_bytes(self) -> int:
+        """Host memory the periodic saves keep for their copies of the state (reused from one save to the next)."""
+        return sum(buffer.numel() * buffer.element_size() for buffer in self._host_copy.buffers.values())
+
+    def _meta(self, progress: Progress, reason: str) -> CheckpointMeta:
+        return CheckpointMeta(
+            epoch=progress.epoch,
+            step=progress.step,
+            reason=reason,
+            world_size=self.env.world_size,
+            tokens_seen=progress.tokens_seen,
+            samples_in_epoch=progress.samples_in_epoch,
+            parallel_mode=self.env.parallel_mode,
+            time=time.time(),
+            config_hash=self.facts.config_hash,
+            max_steps=self.facts.max_steps,
+            window_size=self.facts.window_size,
+            global_batch=self.facts.global_batch,
+            train_type=self.facts.train_type,
+            reference=self.facts.reference,
+            format=self.format,
+        )
+
+    def _save_sharded(self, progress: Progress, reason: str, wait: bool, final: Path) -> None:
+        """Every rank writes its own rows of the weights and moments; rank 0 the rest, then publishes.
+
+        The state is this rank's shard (FSDP) or its chunk of rows; a periodic save copies it to host memory
+        (this rank's share, nothing more) and returns while the writer threads write and agree.
+        """
+        model_state, optimizer_state = get_state_dict(
+            self.model, self.optimizer.parts, options=StateDictOptions(full_state_dict=False)
+        )
+        state = ShardedState(model_state, optimizer_state, self.env.rank, self.env.world_size)
+        bad = first_non_finite(state.model_rows())
+        if failed_ranks(self.env, bad is not None, self.env.control_group):
+            raise NonFiniteWeights(f"{bad or 'a weight'} holds NaN or infinity")
+        rng_state = self._gather_rng_state()
+        if not wait or self.env.device.type != "cpu":
+            state.copy_rows(self._host_copy.copy)
+        small = None
+        created = [None]
+        if self.env.master_process:
+            staging = None
+            try:
+                staging = new_staging_dir(self.job_dir, final.name)
+                state.create_files(staging)
+                created[0] = str(staging)
+            except Exception as error:  # every rank raises it below
+                if staging is not None:
+                    remove_job_entry(self.job_dir, staging)
+                created[0] = write_failure(error, final, state.nbytes() * self.env.world_size)
+            small = CheckpointFiles(
+                {},
+                state.optimizer_rest,
+                self.schedule.state_dict(progress.step),
+                rng_state,
+                self.model_config,
+                self._meta(progress, reason),
+                self.extra_files,
+            )
+        if self.env.distributed:
+            dist.broadcast_object_list(created, src=0, group=self.env.control_group)
+        if not isinstance(created[0], str):  # rank 0 could not create the staging folder: nothing was written
+            raise created[0]
+        self._write_error = None
+        self._writer = threading.Thread(
+            target=self._write_sharded,
+            args=(state, small, Path(created[0]), final, reason),
+            name="checkpoint-writer",
+            daemon=False,
+        )
+        self._writer.start()
+        if wait:
+            self.wait()
+
+    def _write_sharded(
+        self, state: ShardedState, small: CheckpointFiles | None, staging: Path, final: Path, reason: str
+    ) -> None:
+        """The writer thread of every rank: its rows, then agreement, then (rank 0) the small files and publish."""
+        error: Exception | None = None
+        failed: list[int] = []
+        try:
+            state.write_rows(staging)
+        except Exception as failure:  # every rank learns of it below
+            error = failure
+        try:
+            failed = failed_ranks(self.env, error is not None, self.env.checkpoint_group)
+            if not failed:
+                if small is not None:
+                    try:
+                        written = write_small_files(staging, small.small_files(), small.extra_files)
+                        write_file(staging / OPTIMIZER_FILE, small.optimizer_state, torch.save)
+                        finish_folder(staging, [*written, OPTIMIZER_FILE], small.meta)
+                        publish(staging, final)
+                    except Exception as failure:  # rank 0 could not finish: the others learn of it below
+                        error = failure
+                failed = failed_ranks(self.env, error is not None, self.env.checkpoint_group)
+        except Exception as failure:  # the agreement itself failed: a rank is gone
+            error = error or failure
+            failed = failed or [self.env.rank]
+        if not failed:
+            if small is not None:
+                try:
+                    if self.keep_last is not None:
+                        self._apply_retention((small.meta.epoch, small.meta.step))
+                except OSError as failure:
+                    self._write_error = CheckpointError(f"removing old checkpoints failed: {failure}")
+                if reason == REASON_PERIODIC:
+                    self.log(f"saved periodic checkpoint {final}")
+            return
+        try:
+            if small is not None and staging.exists():
+                remove_job_entry(self.job_dir, staging)
+        finally:
+            if error is not None:
+                self._write_error = write_failure(error, final, state.nbytes() * self.env.world_size)
+            else:
+                self._write_error = CheckpointError(
+                    f"writing checkpoint {final} failed on rank {failed[0]}; nothing was published"
+                )
 
     def wait(self) -> None:
         """Block until the save in progress (if any) is published; re-raise its error."""
@@ -245,10 +403,18 @@ class CheckpointManager:
         if writer is not None:
             writer.join(timeout)
 
-    def raise_if_failed(self) -> None:
-        """Raise a background save's error as soon as it happened; never waits for a save that is running."""
-        if self._write_error is not None:
-            self.wait()
+    @property
+    def failed(self) -> bool:
+        """Whether a background save on this rank has failed (a Python flag: never waits, never syncs)."""
+        return self._write_error is not None
+
+    def raise_failure(self) -> None:
+        """A background save failed on some rank: raise this rank's error, or say which save failed elsewhere."""
+        self.wait()
+        raise CheckpointError(
+            "a background checkpoint failed on another rank (its error is in that rank's output); "
+            "the run stops here, the earlier checkpoints are untouched"
+        )
 
     def _gather_rng_state(self) -> dict[str, torch.Tensor]:
         local = {"cpu": torch.get_rng_state()}

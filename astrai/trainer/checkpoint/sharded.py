@@ -1,0 +1,320 @@
+"""The sharded checkpoint format (``ckpt.format: sharded``): every rank writes and reads only its own rows.
+
+A sharded checkpoint is the same folder as a full one, file for file, plus one file::
+
+    model.safetensors      the whole model under Hugging Face's names: one ordinary safetensors file,
+                           into which each rank wrote the rows it holds, at their offsets
+    optimizer.safetensors  every parameter-shaped optimizer tensor (AdamW's two moments) as
+                           ``<parameter>/<key>``, laid out whole and written the same way
+    optimizer.pt           the rest of the optimizer state (steps, parameter groups) and, under
+                           OPTIMIZER_TENSORS_KEY, which tensors optimizer.safetensors holds
+
+FSDP shards every parameter along its first dimension as ``torch.chunk`` does (:func:`row_range`), so
+each rank knows where its rows go in a file every rank lays out alike (the header follows from the
+full shapes alone): no rank ever holds another rank's rows, in a save or in a load. Under DDP or one
+process, where every rank holds everything, each still writes only its own chunk of rows.
+
+A save: rank 0 creates the staging folder and both files at their full size (header written, data
+not yet); each rank writes its rows and flushes them; the ranks agree that every one of them
+succeeded; rank 0 writes the small files and ``meta.json`` and renames the folder into place. A
+rank that fails its write fails the save on every rank and the staging folder is removed; a rank
+that dies leaves it behind, unpublished, and the next start removes it.
+
+A load reads, for each tensor, the rows this rank holds straight into its shard, from a sharded
+folder or a full one (whose optimizer.pt is mapped, never read whole), so a checkpoint resumes on
+any world size and in either format.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from astrai.common.contract import OPTIMIZER_FILE, OPTIMIZER_TENSORS_FILE, SHARED_FS_CHECK_PREFIX, WEIGHTS_FILE
+from astrai.common.model_folder import WEIGHT_DTYPES, read_layout
+from astrai.trainer.checkpoint.files import (
+    OPTIMIZER_TENSORS_KEY,
+    CheckpointError,
+    _is_rows,
+    _submit_for_writeback,
+    safetensors_layout,
+    tensor_bytes,
+)
+from astrai.trainer.distributed import DistEnv, gather_objects
+from astrai.trainer.model import hf_name
+
+_CHUNK = 64 << 20
+"""Bytes per write or read call; each written chunk is handed to the disk at once."""
+
+
+def row_range(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of a ``rows``-row tensor that ``rank`` of ``world`` holds (torch.chunk's split)."""
+    chunk = math.ceil(rows / world)
+    start = min(rank * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+def _held_rows(value: torch.Tensor, rank: int, world: int) -> tuple[int, torch.Tensor]:
+    """(first row, the rows) of ``value`` this rank writes: its FSDP shard, or its chunk of a whole tensor."""
+    if isinstance(value, DTensor):
+        if tuple(value.placements) != (Shard(0),):
+            raise CheckpointError(f"a tensor placed {value.placements} cannot be saved sharded (only Shard(0))")
+        mesh = value.device_mesh
+        start, stop = row_range(value.shape[0], mesh.get_local_rank(), mesh.size())
+        local = value.to_local()
+        if tuple(local.shape) != (stop - start, *value.shape[1:]):
+            raise CheckpointError(f"a shard of shape {tuple(local.shape)} is not rows {start}:{stop} of {value.shape}")
+        return start, local
+    start, stop = row_range(value.shape[0], rank, world)
+    return start, value[start:stop]
+
+
+@dataclass
+class _Piece:
+    file: str
+    name: str
+    start: int
+    """First row held."""
+    rows: torch.Tensor
+    row_bytes: int
+
+
+class ShardedState:
+    """This rank's rows of the model and optimizer state, placed in the files of a sharded checkpoint.
+
+    ``model_state`` and ``optimizer_state`` are what ``get_state_dict(full_state_dict=False)`` returns:
+    DTensor shards under FSDP, whole tensors otherwise.
+    """
+
+    def __init__(self, model_state: dict, optimizer_state: dict, rank: int, world: int):
+        self.rank = rank
+        self.pieces: list[_Piece] = []
+        shapes: dict[str, dict] = {WEIGHTS_FILE: {}, OPTIMIZER_TENSORS_FILE: {}}
+        for name, value in model_state.items():
+            self._add(shapes, WEIGHTS_FILE, hf_name(name), value, rank, world)
+        rest, names = {}, {}
+        for param, values in optimizer_state["state"].items():
+            rest[param] = {key: value for key, value in values.items() if not _is_rows(value)}
+            names[param] = {}
+            for key, value in values.items():
+                if _is_rows(value):
+                    names[param][key] = f"{param}/{key}"
+                    self._add(shapes, OPTIMIZER_TENSORS_FILE, names[param][key], value, rank, world)
+        self.optimizer_rest = {
+            "state": rest,
+            "param_groups": optimizer_state["param_groups"],
+            OPTIMIZER_TENSORS_KEY: names,
+        }
+        """What optimizer.pt holds (rank 0 writes it)."""
+        self.layouts = {
+            file: safetensors_layout(entries, {"format": "pt"} if file == WEIGHTS_FILE else None)
+            for file, entries in shapes.items()
+        }
+        self.file_sizes = {
+            file: len(self.layouts[file][0])
+            + sum(math.prod(shape) * dtype.itemsize for dtype, shape in entries.values())
+            for file, entries in shapes.items()
+        }
+
+    def _add(self, shapes: dict, file: str, name: str, value: torch.Tensor, rank: int, world: int) -> None:
+        shapes[file][name] = (value.dtype, tuple(value.shape))
+        start, rows = _held_rows(value, rank, world)
+        row_bytes = math.prod(value.shape[1:]) * value.dtype.itemsize
+        self.pieces.append(_Piece(file, name, start, rows, row_bytes))
+
+    def model_rows(self) -> dict[str, torch.Tensor]:
+        return {piece.name: piece.rows for piece in self.pieces if piece.file == WEIGHTS_FILE}
+
+    def nbytes(self) -> int:
+        """This rank's bytes to write."""
+        return sum(piece.rows.numel() * piece.rows.element_size() for piece in self.pieces)
+
+    def copy_rows(self, copy) -> None:
+        """Replace the rows by host copies (``copy`` maps a list of tensors to their copies), so training may go on."""
+        for piece, copied in zip(self.pieces, copy([piece.rows for piece in self.pieces]), strict=True):
+            piece.rows = copied
+
+    def create_files(self, folder: Path) -> None:
+        """Rank 0: each file with its header, at its full size; the data is written by every rank."""
+        for file, (head, _) in self.layouts.items():
+            with open(folder / file, "wb") as out:
+                out.write(head)
+                out.truncate(self.file_sizes[file])
+
+    def write_rows(self, folder: Path) -> None:
+        """Write this rank's rows at their offsets and flush them to disk."""
+        for file, (_, offsets) in self.layouts.items():
+            fd = os.open(folder / file, os.O_WRONLY)
+            try:
+                for piece in self.pieces:
+                    if piece.file == file and piece.rows.numel():
+                        rows = piece.rows if piece.rows.is_contiguous() else piece.rows.contiguous()
+                        _pwrite_all(fd, tensor_bytes(rows), offsets[piece.name] + piece.start * piece.row_bytes)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        count = os.pwrite(fd, view[done : done + _CHUNK], offset + done)
+        _submit_for_writeback(fd, offset + done, count)
+        done += count
+
+
+# --- Reading -----------------------------------------------------------------------------------------
+
+
+class _RowReader:
+    """Reads rows of the tensors of one safetensors file into tensors given, one bounded piece at a time."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.start, self.layout = read_layout(path)
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def read_into(self, name: str, start: int, target: torch.Tensor) -> None:
+        if name not in self.layout:
+            raise CheckpointError(f"{self.path}: holds no tensor {name}")
+        dtype, shape, (begin, end) = self.layout[name]
+        if tuple(shape[1:]) != tuple(target.shape[1:]) or start + target.shape[0] > shape[0]:
+            raise CheckpointError(
+                f"{self.path}: {name} is {list(shape)}, rows {start}:{start + target.shape[0]} of "
+                f"{list(target.shape)} do not fit it"
+            )
+        if not target.numel():
+            return
+        stored = getattr(torch, WEIGHT_DTYPES[dtype])
+        row_bytes = math.prod(shape[1:]) * stored.itemsize
+        offset = self.start + begin + start * row_bytes
+        direct = target.device.type == "cpu" and target.dtype == stored and target.is_contiguous()
+        buffer = target if direct else torch.empty(target.shape, dtype=stored)
+        view = memoryview(tensor_bytes(buffer)).cast("B")
+        done = 0
+        while done < len(view):
+            count = os.preadv(self.fd, [view[done : done + _CHUNK]], offset + done)
+            if not count:
+                raise CheckpointError(f"{self.path}: ends inside {name}")
+            done += count
+        if not direct:
+            target.copy_(buffer)
+
+
+def _local_target(value: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(first row, the tensor to fill) for reading ``value``: its shard under FSDP, all of it otherwise."""
+    if isinstance(value, DTensor):
+        mesh = value.device_mesh
+        return row_range(value.shape[0], mesh.get_local_rank(), mesh.size())[0], value.to_local()
+    return 0, value
+
+
+def read_rows(folder: Path, small_optimizer: dict, model_state: dict, optimizer_state: dict) -> None:
+    """Fill ``model_state`` and ``optimizer_state`` (this rank's ``get_state_dict`` of the built model) in place.
+
+    Each tensor gets only the rows this rank holds, from a sharded or a full checkpoint; the optimizer's
+    other values and its parameter groups come from ``small_optimizer`` (:func:`small_optimizer_state`).
+    """
+    weights = _RowReader(folder / WEIGHTS_FILE)
+    try:
+        with torch.no_grad():
+            for name, value in model_state.items():
+                start, target = _local_target(value)
+                weights.read_into(hf_name(name), start, target)
+    finally:
+        weights.close()
+    saved = small_optimizer["state"]
+    missing = sorted(set(optimizer_state["state"]) - set(saved))
+    if missing:
+        raise CheckpointError(f"{OPTIMIZER_FILE}: holds no state for {', '.join(missing[:3])}")
+    names = small_optimizer.get(OPTIMIZER_TENSORS_KEY)
+    if names is not None:
+        moments = _RowReader(folder / OPTIMIZER_TENSORS_FILE)
+        read = moments.read_into
+    else:
+        whole = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True, mmap=True)["state"]
+        moments = None
+
+        def read(name: str, start: int, target: torch.Tensor) -> None:
+            param, key = name.rsplit("/", 1)
+            source = whole[param][key]
+            target.copy_(source[start : start + target.shape[0]])
+
+    try:
+        with torch.no_grad():
+            for param, values in optimizer_state["state"].items():
+                for key, value in list(values.items()):
+                    if _is_rows(value):
+                        start, target = _local_target(value)
+                        name = names[param][key] if names is not None else f"{param}/{key}"
+                        read(name, start, target)
+                    elif key in saved[param]:
+                        values[key] = saved[param][key]
+    except KeyError as error:
+        raise CheckpointError(f"{folder}: the optimizer state holds no {error}") from None
+    finally:
+        if moments is not None:
+            moments.close()
+    optimizer_state["param_groups"] = small_optimizer["param_groups"]
+
+
+# --- Agreeing ----------------------------------------------------------------------------------------
+
+
+def failed_ranks(env: DistEnv, failed: bool, group) -> list[int]:
+    """Every rank's answer to "did yours fail?", on every rank: the ranks that did (no rank alone decides)."""
+    if not env.distributed:
+        return [env.rank] if failed else []
+    flags = torch.zeros(env.world_size, dtype=torch.int32)
+    flags[env.rank] = int(failed)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+
+
+def check_shared_job_dir(job_dir: Path, env: DistEnv) -> None:
+    """On several nodes, refuse to start unless every node sees the job dir node 0 writes to.
+
+    Rank 0 writes a file with a fresh token into the job dir; the first rank of each other node must
+    read that very token there. A folder each node mounts from its own disk fails the check.
+    """
+    nodes = env.world_size // max(env.local_world_size, 1)
+    if nodes <= 1:
+        return
+    token = [secrets.token_hex(16) if env.master_process else None]
+    path = None
+    if env.master_process:
+        path = job_dir / f"{SHARED_FS_CHECK_PREFIX}{token[0]}"
+        with open(path, "w", encoding="ascii") as out:
+            out.write(token[0])
+            out.flush()
+            os.fsync(out.fileno())
+    dist.broadcast_object_list(token, src=0, group=env.control_group)
+    seen = True
+    if env.local_rank == 0 and not env.master_process:
+        try:
+            seen = (job_dir / f"{SHARED_FS_CHECK_PREFIX}{token[0]}").read_text(encoding="ascii") == token[0]
+        except (OSError, UnicodeDecodeError):
+            seen = False
+    answers = gather_objects(env, (env.node, seen))
+    if path is not None:
+        path.unlink(missing_ok=True)
+    blind = sorted({node for node, ok in answers if not ok})
+    if blind:
+        raise CheckpointError(
+            f"ckpt.format sharded: node(s) {', '.join(map(str, blind))} do not see the job dir {job_dir} that "
+            f"node 0 writes to (a file node 0 wrote there is not on their side). In this format every rank "
+            "writes its own part of each checkpoint into that folder, so runtime.paths.checkpoints must be one "
+            "shared file system mounted on every node (NFS, Lustre, a cloud file store); or set "
+            "ckpt.format: full, with which only node 0 writes checkpoints"
+        )
