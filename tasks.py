@@ -287,6 +287,43 @@ def clean(c, config=DEFAULT_CONFIG, node="0", keep=None, force=False, damaged=Fa
 
 @task(
     help={
+        "config": CONFIG_HELP,
+        "node": NODE_HELP,
+        "checkpoint": "a checkpoint folder, a checkpoint name in the job dir (epoch_0_step_200), or any model folder "
+        "(default: the newest checkpoint)",
+        "out": "the folder to write (required; must be new or empty; missing parents are created)",
+        "dtype": "float32, bfloat16 or float16 (fp32, bf16, fp16) (default: as stored)",
+        "max_shard_size": "largest weight file, e.g. 5GB, 500MB, 2GiB or bytes; beyond it, shards and an index "
+        "(default: 5GB)",
+    }
+)
+def export(c, config=DEFAULT_CONFIG, node="0", checkpoint=None, out=None, dtype=None, max_shard_size=None):
+    """Write a checkpoint as a standalone Hugging Face model folder (weights, config, tokenizer; no training state)."""
+    from pathlib import Path
+
+    from astrai.host import export as ex
+
+    if not out:
+        raise Exit("error: --out is required: the folder to write the model into", code=2)
+    try:
+        dtype = ex.parse_dtype(dtype)
+    except ValueError as error:
+        raise Exit(f"error: --dtype {error}", code=2) from None
+    try:
+        max_shard_bytes = ex.parse_size(ex.DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
+    except ValueError as error:
+        raise Exit(f"error: --max-shard-size {error}", code=2) from None
+    with _user_errors():
+        if ex.needs_job_dir(checkpoint):
+            _, runtime = _load(config, node)
+            source = ex.job_checkpoint(runtime, checkpoint)
+        else:
+            source = Path(checkpoint)
+        print(ex.export_checkpoint(source, Path(out), dtype, max_shard_bytes).summary())
+
+
+@task(
+    help={
         "workdir": "where the demo writes its model, data, config and checkpoints (default: ./demo)",
         "fresh": "delete the demo job dir of an earlier run first",
         "job_name": "the demo job's name (default: astrai-demo)",
@@ -333,6 +370,7 @@ namespace = Collection(
     latest,
     list_,
     clean,
+    export,
     demo,
     bench,
 )

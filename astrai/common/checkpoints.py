@@ -17,7 +17,7 @@ record whose epoch and step agree with the name, and the files it holds are
 whole: the weights' safetensors headers describe exactly the bytes on disk,
 ``optimizer.pt`` and ``scheduler.pt`` are whole zip archives (what
 ``torch.save`` writes), ``config.json`` is a model config we can read, and a
-checkpoint whose ``meta.json`` says ``"format": "sharded"`` holds a whole
+checkpoint whose ``meta.json`` names the sharded format holds a whole
 ``optimizer.safetensors`` (the optimizer's moments) too. Every
 check reads file headers only, so listing a thousand checkpoints stays fast.
 
