@@ -125,6 +125,8 @@ TARGETS = {
         1.25,
     ),
     "full_peak_mem_vs_share": ("the same for a full save (rank 0 gathers everything)", None, None),
+    "sharded_load_peak_mem_vs_share": ("the same during a sharded resume load", None, None),
+    "full_load_peak_mem_vs_share": ("the same during a full resume load (every rank gets the whole state)", None, None),
     "sharded_stall_vs_full": ("loop pause of a periodic sharded save over a full one's", "<=", 1.0),
     "sharded_save_s": ("sharded save of `base` on 4 processes, seconds (state 1.5 GB)", None, None),
     "full_save_s": ("full save of the same, seconds", None, None),

@@ -12,7 +12,8 @@ done) and the largest rank's memory:
 - ``sharded_peak_mem_vs_share``: the largest peak resident memory of any rank during a save (periodic
   or final), above what it used just before (counting the host copy a periodic save keeps for the next),
   over that rank's share of the state (its shard of the weights and both AdamW moments);
-  ``full_peak_mem_vs_share`` the same in the full format;
+  ``full_peak_mem_vs_share`` the same in the full format; ``sharded_load_peak_mem_vs_share`` and
+  ``full_load_peak_mem_vs_share`` the same during a resume load;
 - ``sharded_stall_vs_full``: how long a periodic save pauses the loop, sharded over full.
 
 ``python -m bench.sharded_checkpoints PRESET WINDOW BATCH REPEATS PARAMS DATA JOB_DIR`` is the worker the
@@ -68,7 +69,7 @@ def worker(preset: str, window: str, batch: str, repeats: str, params: str, data
     from astrai.common.checkpoints import list_complete_checkpoints
     from astrai.common.contract import CKPT_FORMATS
     from astrai.trainer.checkpoint.manager import load_latest
-    from astrai.trainer.distributed import init_distributed
+    from astrai.trainer.distributed import init_distributed, shutdown_distributed
     from astrai.trainer.loop import open_trainer
     from bench.trainer_speed import trainer_config
 
@@ -97,11 +98,11 @@ def worker(preset: str, window: str, batch: str, repeats: str, params: str, data
                 shutil.rmtree(checkpoint.path)
         dist.barrier()
 
-    def measured(work) -> tuple[float, int]:
+    def measured(work, save: bool = True) -> tuple[float, int]:
         """(seconds, peak extra bytes) of ``work()`` on this rank, every rank starting together.
 
         The extra bytes are the peak resident memory above what was in use just before, plus the host
-        copy a periodic save keeps for the next one (allocated once, so it would not show as new).
+        copy a periodic save keeps for the next one (allocated once, so it would not show as new), for saves.
         """
         gc.collect()
         libc.malloc_trim(0)
@@ -115,7 +116,8 @@ def worker(preset: str, window: str, batch: str, repeats: str, params: str, data
         work()
         seconds = time.perf_counter() - start
         # Under FSDP only the sharded format copies the state to host buffers; the full one gathers fresh tensors.
-        kept = trainer.checkpointer.host_copy_bytes() if trainer.checkpointer.format == "sharded" else 0
+        sharded = trainer.checkpointer.format == "sharded"
+        kept = trainer.checkpointer.host_copy_bytes() if save and sharded else 0
         return seconds, (_status_kib("VmHWM") - before) * 1024 + kept
 
     def load(format: str) -> None:
@@ -133,7 +135,7 @@ def worker(preset: str, window: str, batch: str, repeats: str, params: str, data
             dist.barrier()
             if env.master_process:
                 _drop_from_page_cache(trainer.job_dir)
-            figures["load"] = measured(lambda format=format: load(format))
+            figures["load"] = measured(lambda format=format: load(format), save=False)
             clear()
             figures["stall"] = measured(lambda: trainer.save_checkpoint("periodic"))
             _, waited = measured(trainer.checkpointer.wait)
@@ -150,7 +152,9 @@ def worker(preset: str, window: str, batch: str, repeats: str, params: str, data
     dist.all_gather_object(shares, share_bytes)
     trainer.close()
     if env.master_process:
-        print(json.dumps({"samples": samples, "share_bytes": max(shares), "world_size": env.world_size}))
+        print(json.dumps({"samples": samples, "share_bytes": max(shares), "world_size": env.world_size}), flush=True)
+    # The process groups go while the interpreter is whole (a group torn down at exit can abort the process).
+    shutdown_distributed(env)
 
 
 def measure(preset: str, window: int, batch: int, processes: int, repeats: int, work: Path) -> dict:
@@ -203,6 +207,7 @@ def run(quick: bool) -> dict:
     share = measured["share_bytes"]
     for format, samples in (("sharded", sharded), ("full", full)):
         figures.fraction(f"{format}_peak_mem_vs_share", peak_bytes(samples), share)
+        figures.fraction(f"{format}_load_peak_mem_vs_share", max(bytes_ for _, bytes_ in samples["load"]), share)
     return figures
 
 

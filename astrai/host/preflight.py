@@ -456,22 +456,26 @@ def shared_checkpoints_check(runtime: Runtime, config: TrainerConfig) -> Check:
     format = resolve_ckpt_format(config.ckpt.format, runtime.parallel_mode)
     if format != CKPT_FORMAT_SHARDED:
         return Check(PASS, "shared checkpoints", f"ckpt.format {format}: only node 0 writes checkpoints")
-    kind = file_system_type(runtime.checkpoints_dir)
+    kind = file_system_type(runtime.job_dir)
     said = (
         f"ckpt.format sharded: every node writes its part of each checkpoint into runtime.paths.checkpoints "
         f"({runtime.checkpoints_dir}), so it must be one shared file system on all {runtime.node_count} nodes"
     )
-    if kind is not None and kind in LOCAL_FILE_SYSTEMS:
+    if kind is not None and (kind in LOCAL_FILE_SYSTEMS or kind.startswith("fuse")):
+        what = (
+            f"a local {kind} file system"
+            if kind in LOCAL_FILE_SYSTEMS
+            else f"a {kind} mount (object stores mounted through FUSE keep one writer's copy of a file)"
+        )
         return Check(
             WARN,
             "shared checkpoints",
-            f"{said}; here it is on a local {kind} file system (the trainer refuses to start if a node does not "
-            "see node 0's files)",
-            "mount a shared file system there on every node (NFS, Lustre, a cloud file store), or set ckpt.format: "
-            "full, with which only node 0 writes checkpoints",
+            f"{said}; here it is on {what}; the trainer refuses to start if a node's writes do not reach node 0",
+            "mount a shared file system there on every node (NFS, Lustre, a parallel file system), or set "
+            "ckpt.format: full, with which only node 0 writes checkpoints",
         )
     found = f" (here: {kind})" if kind is not None else ""
-    return Check(PASS, "shared checkpoints", f"{said}{found}; the trainer checks at start that every node sees it")
+    return Check(PASS, "shared checkpoints", f"{said}{found}; the trainer checks at start that every node shares it")
 
 
 def file_system_type(path: Path) -> str | None:

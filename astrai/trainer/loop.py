@@ -40,7 +40,13 @@ from astrai.common.config import (
     resolve_ckpt_format,
     resolve_grad_accum_steps,
 )
-from astrai.common.contract import CKPT_FORMAT_SHARDED, REASON_EMERGENCY, REASON_FINAL, REASON_PERIODIC
+from astrai.common.contract import (
+    CKPT_FORMAT_SHARDED,
+    REASON_EMERGENCY,
+    REASON_FINAL,
+    REASON_PERIODIC,
+    resolve_parallel_mode,
+)
 from astrai.common.data_folder import DataError, TokenData, describe_units, training_units
 from astrai.common.errors import AstraiError
 from astrai.common.fit import BatchShape, SetupError, check_fit, check_same_tokenizer
@@ -233,7 +239,8 @@ class Trainer:
             format=resolve_ckpt_format(config.ckpt.format, env.parallel_mode),
         )
         if env.watch is not None and env.master_process:
-            # A node lost while a periodic save is being written: publish it before this process exits.
+            # A node lost while a periodic save is being written: publish it before this process exits (the full
+            # format's; a sharded save needs every rank's part, so it stays an unpublished staging folder).
             env.watch.before_exit = self.checkpointer.finish_pending
         if loaded is not None:
             self.checkpointer.restore(loaded, training.random_seed)
@@ -633,6 +640,11 @@ def dry_run(config: TrainerConfig) -> int:
         f" * world_size({world_size}) = {training.batch_per_device * grad_accum * world_size} sequences per step"
     )
     print(f"device: {device}")
+    format = resolve_ckpt_format(config.ckpt.format, resolve_parallel_mode(config.parallel.parallel_mode, world_size))
+    how = (
+        "every rank writes its own rows" if format == CKPT_FORMAT_SHARDED else "rank 0 gathers the state and writes it"
+    )
+    print(f"checkpoints: {format} format ({how})")
     print(f"resume decision: {_resume_decision(config)}")
     return 0
 

@@ -257,6 +257,6 @@ def test_sharded_checkpoints_on_two_nodes_need_one_shared_folder(node_jobs, tmp_
     finals = [_wait_exit(apart, node, 300) for node in (0, 1)]
     output = _logs(apart, 0) + _logs(apart, 1)
     assert all(f.exit_code != 0 for f in finals), output
-    assert "ckpt.format sharded: node(s) 1 do not see the job dir /checkpoints/" in output, output
+    assert "ckpt.format sharded: node(s) 1 do not share the job dir /checkpoints/" in output, output
     assert "ckpt.format: full" in output
     assert not list_complete_checkpoints(apart.job_dir) and not list_complete_checkpoints(other.job_dir)

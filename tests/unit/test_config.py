@@ -142,6 +142,7 @@ def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "max_steps: 10" in out and "runtime" not in out
     assert "world size: 1" in out and "device: cpu" in out
+    assert "checkpoints: full format (rank 0 gathers the state and writes it)" in out
     assert "global batch: batch_per_device(8) * grad_accum_steps(1) * world_size(1) = 8 sequences per step" in out
     assert "start from base model /models/p" in out
     assert not ckpt_dir.exists()

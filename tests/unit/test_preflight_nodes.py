@@ -112,3 +112,6 @@ def test_sharded_checkpoints_on_several_nodes_ask_for_a_shared_file_system(tmp_p
     monkeypatch.setattr(preflight, "MOUNTINFO", mountinfo)
     check = preflight.shared_checkpoints_check(fsdp, default)
     assert check.mark == preflight.PASS and "(here: nfs4)" in check.detail
+    mountinfo.write_text(f"90 22 0:51 / {where} rw - fuse.gcsfuse bucket rw\n")
+    check = preflight.shared_checkpoints_check(fsdp, default)
+    assert check.mark == preflight.WARN and "fuse.gcsfuse mount" in check.detail

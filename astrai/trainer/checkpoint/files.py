@@ -53,7 +53,7 @@ from astrai.common.contract import (
     WEIGHTS_FILE,
 )
 from astrai.common.errors import AstraiError
-from astrai.common.model_folder import inspect_weights
+from astrai.common.model_folder import inspect_weights, read_layout
 from astrai.trainer.model import ModelConfig, ModelLoadError, hf_state_dict, read_weights
 
 # What a damaged checkpoint file raises when read: truncated zip or safetensors, bad JSON,
@@ -129,13 +129,13 @@ class CheckpointFiles:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-model") as pool:
             # Hugging Face names and config.json: the folder loads in transformers as it is.
             model = pool.submit(
-                _write_file,
+                write_file,
                 folder / WEIGHTS_FILE,
                 hf_state_dict(self.model_state),
                 _write_safetensors,
                 {"format": "pt"},
             )
-            _write_file(folder / OPTIMIZER_FILE, self.optimizer_state, torch.save)
+            write_file(folder / OPTIMIZER_FILE, self.optimizer_state, torch.save)
             model.result()
         finish_folder(folder, written, self.meta)
 
@@ -151,7 +151,7 @@ class CheckpointFiles:
 def write_small_files(folder: Path, small: dict, extra_files: tuple[Path, ...]) -> list[str]:
     """Write the small files and copy the extra ones, handing them to the disk without waiting; their names."""
     for name, (content, write) in small.items():
-        _write_file(folder / name, content, write, durable=False)
+        write_file(folder / name, content, write, durable=False)
     for source in extra_files:
         shutil.copyfile(source, folder / source.name)
     return [*small, *(source.name for source in extra_files)]
@@ -161,7 +161,7 @@ def finish_folder(folder: Path, written: list[str], meta: CheckpointMeta) -> Non
     """Flush the files named ``written``, then write ``meta.json`` and flush the folder: the last step of a save."""
     for name in written:
         fsync_path(folder / name)
-    _write_file(folder / META_FILE, meta.to_json(), _write_text)
+    write_file(folder / META_FILE, meta.to_json(), _write_text)
     fsync_path(folder)
 
 
@@ -206,14 +206,14 @@ def _mib(count: int) -> str:
     return f"{count / (1 << 20):.1f} MiB"
 
 
-def _write_file(path: Path, content, write, *args, durable: bool = True) -> None:
+def write_file(path: Path, content, write, *args, durable: bool = True) -> None:
     """``write(content, file, *args)`` into a new file at ``path``; then fsync it, or only start its writeback."""
     with _WritebackFile(path) as out:
         write(content, out, *args)
         if durable:
             os.fsync(out.fileno())
         else:
-            _submit_for_writeback(out.fileno())
+            submit_for_writeback(out.fileno())
 
 
 def _write_text(text: str, out: io.RawIOBase) -> None:
@@ -288,7 +288,7 @@ def _write_safetensors(
             out.write(tensor_bytes(tensor.contiguous()))
 
 
-def _submit_for_writeback(fd: int, offset: int = 0, length: int = 0) -> None:
+def submit_for_writeback(fd: int, offset: int = 0, length: int = 0) -> None:
     """Hand a range of a file's dirty pages (length 0: to the end) to the disk without waiting for them."""
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
@@ -318,7 +318,7 @@ class _WritebackFile(io.FileIO):
         while count < len(view):
             count += super().write(view[count : count + self.CHUNK])
             if self._written + count - self._submitted >= self.CHUNK:
-                _submit_for_writeback(self.fileno(), self._submitted, self._written + count - self._submitted)
+                submit_for_writeback(self.fileno(), self._submitted, self._written + count - self._submitted)
                 self._submitted = self._written + count
         self._written += count
         return count
@@ -346,26 +346,54 @@ OPTIMIZER_TENSORS_KEY = "tensors_in"
 """optimizer.pt of a sharded checkpoint: ``{parameter: {key: name in optimizer.safetensors}}``."""
 
 
-def _is_rows(value) -> bool:
+def own_copy(value):
+    """A CPU copy of a tensor that is not a view of anything (other values as they are)."""
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+
+def has_rows(value) -> bool:
     """Whether an optimizer state value goes to optimizer.safetensors (a tensor with rows), not optimizer.pt."""
     return isinstance(value, torch.Tensor) and value.dim() >= 1
 
 
-def small_optimizer_state(folder: Path) -> dict:
+def small_optimizer_state(folder: Path, shapes: dict[str, tuple[int, ...]]) -> dict:
     """optimizer.pt without its parameter-shaped tensors: what rank 0 reads and hands to every rank.
 
     A full checkpoint's optimizer.pt holds the moments too; it is mapped (``mmap=True``), so they are not read.
+    Where the moments are (optimizer.pt, or a sharded checkpoint's optimizer.safetensors) is checked against
+    ``shapes`` (each parameter's, by our name) from the headers alone, so a folder that would fail to load
+    fails here, where the resume can still fall back to an older checkpoint.
     """
     state = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(state, dict) or not isinstance(state.get("state"), dict):
         raise ValueError(f"{OPTIMIZER_FILE}: not an optimizer state")
+    names = state.get(OPTIMIZER_TENSORS_KEY)
+    if names is not None:
+        layout = read_layout(folder / OPTIMIZER_TENSORS_FILE)[1]
+        found = {
+            (param, key): tuple(layout[name][1]) if name in layout else None
+            for param, keys in names.items()
+            for key, name in keys.items()
+        }
+    else:
+        found = {
+            (param, key): tuple(value.shape)
+            for param, values in state["state"].items()
+            for key, value in values.items()
+            if has_rows(value)
+        }
+    for (param, key), shape in found.items():
+        if shape != shapes.get(param):
+            held = "is missing" if shape is None else f"is {list(shape)}"
+            raise ValueError(f"the optimizer's {key} of {param} {held}; the model's {param} is {shapes.get(param)}")
     return {
+        # Copies: a value read from the mapped file would keep all of it mapped for as long as the run holds it.
         "state": {
-            param: {key: value for key, value in values.items() if not _is_rows(value)}
+            param: {key: own_copy(value) for key, value in values.items() if not has_rows(value)}
             for param, values in state["state"].items()
         },
         "param_groups": state["param_groups"],
-        OPTIMIZER_TENSORS_KEY: state.get(OPTIMIZER_TENSORS_KEY),
+        OPTIMIZER_TENSORS_KEY: names,
     }
 
 
@@ -400,9 +428,15 @@ def read_checkpoint(checkpoint: Checkpoint, whole: bool = True) -> LoadedCheckpo
                 optimizer_state = join_optimizer_tensors(optimizer_state, path)
             names = set(model_state)
         else:
-            model_state, optimizer_state = None, small_optimizer_state(path)
             # The weights' headers checked against the config, as read_weights checks them.
-            names = {ours for names in inspect_weights(path, model_config).names.values() for ours in names.values()}
+            summary = inspect_weights(path, model_config)
+            shapes = {
+                ours: tuple(summary.layouts[file][1][stored][1])
+                for file, names in summary.names.items()
+                for stored, ours in names.items()
+            }
+            model_state, optimizer_state = None, small_optimizer_state(path, shapes)
+            names = set(shapes)
         if not isinstance(optimizer_state, dict) or not set(optimizer_state.get("state", {})) <= names:
             raise ValueError("optimizer.pt: not an optimizer state keyed by this model's parameter names")
         scheduler_state = torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True)

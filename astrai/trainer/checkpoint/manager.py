@@ -51,11 +51,13 @@ from astrai.trainer.checkpoint.files import (
     Progress,
     finish_folder,
     first_non_finite,
+    has_rows,
+    own_copy,
     read_checkpoint,
     write_failure,
+    write_file,
     write_small_files,
 )
-from astrai.trainer.checkpoint.files import _write_file as write_file
 from astrai.trainer.checkpoint.sharded import ShardedState, check_shared_job_dir, failed_ranks, read_rows
 from astrai.trainer.distributed import DistEnv, broadcast_from_master
 from astrai.trainer.model import ModelConfig
@@ -201,7 +203,7 @@ class CheckpointManager:
         error = None
         try:
             read_rows(loaded.checkpoint.path, loaded.optimizer_state, model_state, optimizer_state)
-        except (CheckpointError, OSError, ValueError, RuntimeError) as failure:
+        except Exception as failure:  # every rank learns of it below, so none waits for the others alone
             error = failure
         failed = failed_ranks(self.env, error is not None, self.env.control_group)
         if failed:
@@ -221,7 +223,7 @@ class CheckpointManager:
         """Snapshot the training state now and write it as ``epoch_<E>_step_<S>`` (all ranks call this)."""
         if reason not in REASONS:
             raise ValueError(f"reason must be one of {REASONS}, got {reason!r}")
-        self.wait()
+        self._wait_everywhere()
         final = self.job_dir / checkpoint_name(progress.epoch, progress.step)
         if self.format == CKPT_FORMAT_SHARDED:
             self._save_sharded(progress, reason, wait, final)
@@ -242,6 +244,16 @@ class CheckpointManager:
             # Live tensors must be copied when training goes on during the write, or when they sit on a GPU.
             if not fsdp and (not wait or self.env.device.type != "cpu"):
                 model_state, optimizer_state = self._host_copy.copy((model_state, optimizer_state))
+            elif fsdp:
+                # FSDP gathered fresh copies of the sharded tensors, but not of the step counters, which the
+                # optimizer goes on updating in place while a periodic save is written.
+                optimizer_state = {
+                    **optimizer_state,
+                    "state": {
+                        param: {key: value if has_rows(value) else own_copy(value) for key, value in values.items()}
+                        for param, values in optimizer_state["state"].items()
+                    },
+                }
             files = CheckpointFiles(
                 model_state,
                 optimizer_state,
@@ -266,6 +278,22 @@ class CheckpointManager:
     def host_copy_bytes(self) -> int:
         """Host memory the periodic saves keep for their copies of the state (reused from one save to the next)."""
         return sum(buffer.numel() * buffer.element_size() for buffer in self._host_copy.buffers.values())
+
+    def _wait_everywhere(self) -> None:
+        """Wait for the save in progress; if it failed on any rank, raise on every rank (before any collective)."""
+        error = None
+        try:
+            self.wait()
+        except CheckpointError as failure:
+            error = failure
+        failed = failed_ranks(self.env, error is not None, self.env.control_group)
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(
+                f"the background checkpoint failed on rank {failed[0]} (its error is in that rank's output); "
+                "the run stops here"
+            )
 
     def _meta(self, progress: Progress, reason: str) -> CheckpointMeta:
         return CheckpointMeta(
@@ -307,22 +335,25 @@ class CheckpointManager:
         if self.env.master_process:
             staging = None
             try:
+                small = CheckpointFiles(
+                    {},
+                    state.optimizer_rest,
+                    self.schedule.state_dict(progress.step),
+                    rng_state,
+                    self.model_config,
+                    self._meta(progress, reason),
+                    self.extra_files,
+                )
                 staging = new_staging_dir(self.job_dir, final.name)
                 state.create_files(staging)
                 created[0] = str(staging)
             except Exception as error:  # every rank raises it below
-                if staging is not None:
-                    remove_job_entry(self.job_dir, staging)
                 created[0] = write_failure(error, final, state.nbytes() * self.env.world_size)
-            small = CheckpointFiles(
-                {},
-                state.optimizer_rest,
-                self.schedule.state_dict(progress.step),
-                rng_state,
-                self.model_config,
-                self._meta(progress, reason),
-                self.extra_files,
-            )
+                if staging is not None:
+                    try:
+                        remove_job_entry(self.job_dir, staging)
+                    except OSError:
+                        pass  # left as a staging folder, which the next start removes
         if self.env.distributed:
             dist.broadcast_object_list(created, src=0, group=self.env.control_group)
         if not isinstance(created[0], str):  # rank 0 could not create the staging folder: nothing was written
@@ -368,8 +399,10 @@ class CheckpointManager:
                 try:
                     if self.keep_last is not None:
                         self._apply_retention((small.meta.epoch, small.meta.step))
-                except OSError as failure:
-                    self._write_error = CheckpointError(f"removing old checkpoints failed: {failure}")
+                except Exception as failure:  # the checkpoint is published; the run stops at the next step
+                    self._write_error = CheckpointError(
+                        f"checkpoint {final} is written, but removing older ones (ckpt.keep_last) failed: {failure}"
+                    )
                 if reason == REASON_PERIODIC:
                     self.log(f"saved periodic checkpoint {final}")
             return
@@ -381,7 +414,7 @@ class CheckpointManager:
                 self._write_error = write_failure(error, final, state.nbytes() * self.env.world_size)
             else:
                 self._write_error = CheckpointError(
-                    f"writing checkpoint {final} failed on rank {failed[0]}; nothing was published"
+                    f"writing checkpoint {final} failed on rank {failed[0]} (its error is in that rank's output)"
                 )
 
     def wait(self) -> None:
@@ -412,8 +445,7 @@ class CheckpointManager:
         """A background save failed on some rank: raise this rank's error, or say which save failed elsewhere."""
         self.wait()
         raise CheckpointError(
-            "a background checkpoint failed on another rank (its error is in that rank's output); "
-            "the run stops here, the earlier checkpoints are untouched"
+            "a background checkpoint failed on another rank (its error is in that rank's output); the run stops here"
         )
 
     def _gather_rng_state(self) -> dict[str, torch.Tensor]:

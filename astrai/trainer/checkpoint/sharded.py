@@ -27,6 +27,7 @@ any world size and in either format.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import secrets
@@ -42,9 +43,10 @@ from astrai.common.model_folder import WEIGHT_DTYPES, read_layout
 from astrai.trainer.checkpoint.files import (
     OPTIMIZER_TENSORS_KEY,
     CheckpointError,
-    _is_rows,
-    _submit_for_writeback,
+    has_rows,
+    own_copy,
     safetensors_layout,
+    submit_for_writeback,
     tensor_bytes,
 )
 from astrai.trainer.distributed import DistEnv, gather_objects
@@ -101,10 +103,11 @@ class ShardedState:
             self._add(shapes, WEIGHTS_FILE, hf_name(name), value, rank, world)
         rest, names = {}, {}
         for param, values in optimizer_state["state"].items():
-            rest[param] = {key: value for key, value in values.items() if not _is_rows(value)}
+            # Copied now: the optimizer updates its step counters in place while a periodic save is written.
+            rest[param] = {key: own_copy(value) for key, value in values.items() if not has_rows(value)}
             names[param] = {}
             for key, value in values.items():
-                if _is_rows(value):
+                if has_rows(value):
                     names[param][key] = f"{param}/{key}"
                     self._add(shapes, OPTIMIZER_TENSORS_FILE, names[param][key], value, rank, world)
         self.optimizer_rest = {
@@ -167,7 +170,7 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
     done = 0
     while done < len(view):
         count = os.pwrite(fd, view[done : done + _CHUNK], offset + done)
-        _submit_for_writeback(fd, offset + done, count)
+        submit_for_writeback(fd, offset + done, count)
         done += count
 
 
@@ -175,7 +178,7 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 
 
 class _RowReader:
-    """Reads rows of the tensors of one safetensors file into tensors given, one bounded piece at a time."""
+    """Reads rows of the tensors of one safetensors file into tensors given, at most _CHUNK bytes at a time."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -185,31 +188,39 @@ class _RowReader:
     def close(self) -> None:
         os.close(self.fd)
 
-    def read_into(self, name: str, start: int, target: torch.Tensor) -> None:
+    def read_into(self, name: str, start: int, target: torch.Tensor, shape: tuple[int, ...]) -> None:
+        """Rows ``start:start + len(target)`` of tensor ``name``, which must have exactly ``shape``, into ``target``."""
         if name not in self.layout:
             raise CheckpointError(f"{self.path}: holds no tensor {name}")
-        dtype, shape, (begin, end) = self.layout[name]
-        if tuple(shape[1:]) != tuple(target.shape[1:]) or start + target.shape[0] > shape[0]:
-            raise CheckpointError(
-                f"{self.path}: {name} is {list(shape)}, rows {start}:{start + target.shape[0]} of "
-                f"{list(target.shape)} do not fit it"
-            )
+        dtype, stored_shape, (begin, _) = self.layout[name]
+        if tuple(stored_shape) != tuple(shape):
+            raise CheckpointError(f"{self.path}: {name} is {list(stored_shape)}, this run's is {list(shape)}")
         if not target.numel():
             return
-        stored = getattr(torch, WEIGHT_DTYPES[dtype])
+        stored = getattr(torch, WEIGHT_DTYPES[dtype]) if dtype in WEIGHT_DTYPES else None
+        if stored is None:
+            raise CheckpointError(f"{self.path}: {name} is stored as {dtype}, not a float dtype a checkpoint holds")
         row_bytes = math.prod(shape[1:]) * stored.itemsize
         offset = self.start + begin + start * row_bytes
-        direct = target.device.type == "cpu" and target.dtype == stored and target.is_contiguous()
-        buffer = target if direct else torch.empty(target.shape, dtype=stored)
-        view = memoryview(tensor_bytes(buffer)).cast("B")
+        if target.device.type == "cpu" and target.dtype == stored and target.is_contiguous():
+            self._read(tensor_bytes(target), offset, name)
+            return
+        # Another dtype or device: through a buffer of at most _CHUNK bytes' worth of rows.
+        step = max(1, _CHUNK // max(row_bytes, 1))
+        for first in range(0, target.shape[0], step):
+            rows = target[first : first + step]
+            buffer = torch.empty(rows.shape, dtype=stored)
+            self._read(tensor_bytes(buffer), offset + first * row_bytes, name)
+            rows.copy_(buffer)
+
+    def _read(self, into, offset: int, name: str) -> None:
+        view = memoryview(into).cast("B")
         done = 0
         while done < len(view):
             count = os.preadv(self.fd, [view[done : done + _CHUNK]], offset + done)
             if not count:
                 raise CheckpointError(f"{self.path}: ends inside {name}")
             done += count
-        if not direct:
-            target.copy_(buffer)
 
 
 def _local_target(value: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -223,21 +234,19 @@ def _local_target(value: torch.Tensor) -> tuple[int, torch.Tensor]:
 def read_rows(folder: Path, small_optimizer: dict, model_state: dict, optimizer_state: dict) -> None:
     """Fill ``model_state`` and ``optimizer_state`` (this rank's ``get_state_dict`` of the built model) in place.
 
-    Each tensor gets only the rows this rank holds, from a sharded or a full checkpoint; the optimizer's
-    other values and its parameter groups come from ``small_optimizer`` (:func:`small_optimizer_state`).
+    Each tensor gets only the rows this rank holds, from a sharded or a full checkpoint, and must have
+    exactly the shape of this run's; the optimizer's other values and its parameter groups come from
+    ``small_optimizer`` (:func:`small_optimizer_state`).
     """
     weights = _RowReader(folder / WEIGHTS_FILE)
     try:
         with torch.no_grad():
             for name, value in model_state.items():
                 start, target = _local_target(value)
-                weights.read_into(hf_name(name), start, target)
+                weights.read_into(hf_name(name), start, target, tuple(value.shape))
     finally:
         weights.close()
     saved = small_optimizer["state"]
-    missing = sorted(set(optimizer_state["state"]) - set(saved))
-    if missing:
-        raise CheckpointError(f"{OPTIMIZER_FILE}: holds no state for {', '.join(missing[:3])}")
     names = small_optimizer.get(OPTIMIZER_TENSORS_KEY)
     if names is not None:
         moments = _RowReader(folder / OPTIMIZER_TENSORS_FILE)
@@ -246,23 +255,25 @@ def read_rows(folder: Path, small_optimizer: dict, model_state: dict, optimizer_
         whole = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True, mmap=True)["state"]
         moments = None
 
-        def read(name: str, start: int, target: torch.Tensor) -> None:
+        def read(name: str, start: int, target: torch.Tensor, shape: tuple[int, ...]) -> None:
             param, key = name.rsplit("/", 1)
             source = whole[param][key]
+            if tuple(source.shape) != shape:
+                raise CheckpointError(f"{folder / OPTIMIZER_FILE}: {name} is {list(source.shape)}, not {list(shape)}")
             target.copy_(source[start : start + target.shape[0]])
 
     try:
         with torch.no_grad():
             for param, values in optimizer_state["state"].items():
                 for key, value in list(values.items()):
-                    if _is_rows(value):
+                    if has_rows(value):
                         start, target = _local_target(value)
                         name = names[param][key] if names is not None else f"{param}/{key}"
-                        read(name, start, target)
-                    elif key in saved[param]:
+                        read(name, start, target, tuple(value.shape))
+                    else:
                         values[key] = saved[param][key]
     except KeyError as error:
-        raise CheckpointError(f"{folder}: the optimizer state holds no {error}") from None
+        raise CheckpointError(f"{folder}: the optimizer state holds no {error} for this run's parameters") from None
     finally:
         if moments is not None:
             moments.close()
@@ -282,39 +293,87 @@ def failed_ranks(env: DistEnv, failed: bool, group) -> list[int]:
     return [rank for rank, flag in enumerate(flags.tolist()) if flag]
 
 
-def check_shared_job_dir(job_dir: Path, env: DistEnv) -> None:
-    """On several nodes, refuse to start unless every node sees the job dir node 0 writes to.
+_TOKEN_BYTES = 32
 
-    Rank 0 writes a file with a fresh token into the job dir; the first rank of each other node must
-    read that very token there. A folder each node mounts from its own disk fails the check.
+
+def check_shared_job_dir(job_dir: Path, env: DistEnv) -> None:
+    """On several nodes, refuse to start unless every node writes into the very folder node 0 reads.
+
+    What a save does, in small: rank 0 creates a file in the job dir, the first rank of each node
+    writes a token of its own into it at its node's offset and flushes it, and rank 0 reads every
+    token back. A folder each node has on its own disk, one a node may not write, or a file system
+    that keeps only one writer's copy of a file fails it, before any step is taken.
     """
     nodes = env.world_size // max(env.local_world_size, 1)
     if nodes <= 1:
         return
-    token = [secrets.token_hex(16) if env.master_process else None]
-    path = None
+    created = [None]
     if env.master_process:
-        path = job_dir / f"{SHARED_FS_CHECK_PREFIX}{token[0]}"
-        with open(path, "w", encoding="ascii") as out:
-            out.write(token[0])
-            out.flush()
-            os.fsync(out.fileno())
-    dist.broadcast_object_list(token, src=0, group=env.control_group)
-    seen = True
-    if env.local_rank == 0 and not env.master_process:
+        name = f"{SHARED_FS_CHECK_PREFIX}{secrets.token_hex(8)}"
         try:
-            seen = (job_dir / f"{SHARED_FS_CHECK_PREFIX}{token[0]}").read_text(encoding="ascii") == token[0]
-        except (OSError, UnicodeDecodeError):
-            seen = False
-    answers = gather_objects(env, (env.node, seen))
-    if path is not None:
-        path.unlink(missing_ok=True)
-    blind = sorted({node for node, ok in answers if not ok})
-    if blind:
+            with open(job_dir / name, "wb") as out:
+                out.truncate(nodes * _TOKEN_BYTES)
+                os.fsync(out.fileno())
+            created[0] = name
+        except OSError as error:
+            created[0] = OSError(error.errno, f"node 0 cannot write into the job dir {job_dir}: {error.strerror}")
+            with contextlib.suppress(OSError):
+                (job_dir / name).unlink(missing_ok=True)
+    dist.broadcast_object_list(created, src=0, group=env.control_group)
+    if not isinstance(created[0], str):
+        raise CheckpointError(f"ckpt.format sharded: {created[0].strerror}")
+    path = job_dir / created[0]
+    problems: list = [None]
+    try:
+        written = None
+        if env.local_rank == 0:
+            token = secrets.token_hex(_TOKEN_BYTES // 2).encode("ascii")
+            try:
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    os.pwrite(fd, token, env.node * _TOKEN_BYTES)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                written = token.decode("ascii")
+            except FileNotFoundError:
+                written = OSError("the file node 0 created there is not there")
+            except OSError as error:
+                written = OSError(f"it cannot write there ({error.strerror})")
+        answers = gather_objects(env, (env.node, written))
+        if env.master_process:
+            problems[0] = _unshared(path, answers)
+        dist.broadcast_object_list(problems, src=0, group=env.control_group)
+    finally:
+        if env.master_process:
+            path.unlink(missing_ok=True)
+    if problems[0]:
+        listed = "; ".join(f"node {node}: {why}" for node, why in problems[0])
         raise CheckpointError(
-            f"ckpt.format sharded: node(s) {', '.join(map(str, blind))} do not see the job dir {job_dir} that "
-            f"node 0 writes to (a file node 0 wrote there is not on their side). In this format every rank "
-            "writes its own part of each checkpoint into that folder, so runtime.paths.checkpoints must be one "
-            "shared file system mounted on every node (NFS, Lustre, a cloud file store); or set "
-            "ckpt.format: full, with which only node 0 writes checkpoints"
+            f"ckpt.format sharded: node(s) {', '.join(str(node) for node, _ in problems[0])} do not share the job "
+            f"dir {job_dir} with node 0 ({listed}). In this format every rank writes its own part of each "
+            "checkpoint into that folder, so runtime.paths.checkpoints must be one shared file system mounted "
+            "read-write on every node (NFS, Lustre, a parallel or cloud file system that takes writes at offsets "
+            "from several hosts); or set ckpt.format: full, with which only node 0 writes checkpoints"
         )
+
+
+def _unshared(path: Path, answers: list) -> list[tuple[int, str]]:
+    """(node, why) for each node whose token rank 0 does not read back from ``path``."""
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        return [(0, f"node 0 cannot read {path.name} back ({error.strerror})")]
+    problems = []
+    for node, written in answers:
+        if isinstance(written, OSError):
+            problems.append((node, str(written)))
+        elif written is not None and data[node * _TOKEN_BYTES : (node + 1) * _TOKEN_BYTES] != written.encode():
+            problems.append(
+                (
+                    node,
+                    "what it wrote there does not reach node 0 (a folder of its own, or a file system "
+                    "that keeps one writer's copy of a file)",
+                )
+            )
+    return problems
