@@ -58,7 +58,7 @@ from astrai.common.checkpoints import fsync_path, list_complete_checkpoints
 from astrai.trainer.checkpoint.manager import load_latest
 from astrai.trainer.distributed import init_distributed
 from astrai.trainer.loop import Trainer, open_trainer
-from bench.common import REPO, Figures, fix_threads
+from bench.common import REPO, Figures, drop_from_page_cache, fix_threads, status_kib
 from bench.trainer_speed import make_assets, trainer_config
 
 # preset: (window_size, batch_per_device). The state is made by one training step, then saved over and
@@ -72,17 +72,6 @@ REPEATS = {"small": (5, 9), "base": (None, 4)}
 def _clear(job_dir: Path) -> None:
     for checkpoint in list_complete_checkpoints(job_dir):
         shutil.rmtree(checkpoint.path)
-
-
-def _drop_from_page_cache(folder: Path) -> None:
-    """Evict a (flushed) folder's files from the page cache, so that reading them goes to the disk."""
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _raw_save(trainer: Trainer, target: Path, durable: bool) -> None:
@@ -173,8 +162,8 @@ def _load_times(trainer: Trainer, folder: Path, repeats: int) -> dict[str, list[
     ours, theirs = [], []
     for repeat in range(-1, repeats):  # -1: an uncounted warm-up, as for the saves
         for name in ("ours", "dcp") if repeat % 2 == 0 else ("dcp", "ours"):
-            _drop_from_page_cache(trainer.job_dir)
-            _drop_from_page_cache(folder / "dcp-resume")
+            drop_from_page_cache(trainer.job_dir)
+            drop_from_page_cache(folder / "dcp-resume")
             start = time.perf_counter()
             if name == "ours":
                 _our_load(trainer)
@@ -233,12 +222,12 @@ def _memory_child(params: str, data: str, job_dir: str, preset: str) -> None:
     for reason in ("final", "periodic"):
         gc.collect()
         libc.malloc_trim(0)
-        before = _status_kib("VmRSS")
+        before = status_kib("VmRSS")
         with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
             handle.write("5")  # resets the peak (VmHWM) to the current resident size
         trainer.save_checkpoint(reason)
         trainer.checkpointer.wait()
-        extra[reason] = (_status_kib("VmHWM") - before) * 1024
+        extra[reason] = (status_kib("VmHWM") - before) * 1024
         _clear(trainer.job_dir)
     _, optimizer_state = get_state_dict(trainer.model, trainer.optimizer.parts)
     tensors = [
@@ -248,14 +237,6 @@ def _memory_child(params: str, data: str, job_dir: str, preset: str) -> None:
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     trainer.close()
     print(json.dumps({"extra_bytes": extra, "state_bytes": state_bytes}))
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def _peak_memory(folder: Path, params: Path, data: Path, preset: str) -> dict:

@@ -170,3 +170,23 @@ def placeholder_checkpoint(
         else:
             (folder / name).write_bytes(contents[name])
     return folder
+
+
+def status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS: resident now, VmHWM: the peak since the last reset)."""
+    with open("/proc/self/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def drop_from_page_cache(folder: Path) -> None:
+    """Evict a (flushed) folder's files from the page cache, so that reading them goes to the disk."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)

@@ -33,29 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import REPO, Figures
+from bench.common import REPO, Figures, drop_from_page_cache, status_kib
 
 PRESET, WINDOW, BATCH, PROCESSES = "base", 32, 1, 4
 # repetitions with --quick, without
 REPEATS = (2, 4)
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _drop_from_page_cache(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def worker(preset: str, window: str, batch: str, repeats: str, params: str, data: str, job_dir: str) -> None:
@@ -106,7 +88,7 @@ def worker(preset: str, window: str, batch: str, repeats: str, params: str, data
         """
         gc.collect()
         libc.malloc_trim(0)
-        before = _status_kib("VmRSS")
+        before = status_kib("VmRSS")
         with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
             handle.write("5")  # resets the peak (VmHWM) to the current resident size
         if env.master_process:
@@ -118,7 +100,7 @@ def worker(preset: str, window: str, batch: str, repeats: str, params: str, data
         # Under FSDP only the sharded format copies the state to host buffers; the full one gathers fresh tensors.
         sharded = trainer.checkpointer.format == "sharded"
         kept = trainer.checkpointer.host_copy_bytes() if save and sharded else 0
-        return seconds, (_status_kib("VmHWM") - before) * 1024 + kept
+        return seconds, (status_kib("VmHWM") - before) * 1024 + kept
 
     def load(format: str) -> None:
         loaded = load_latest(trainer.job_dir, env, trainer.log, whole=format == "full")
@@ -134,7 +116,7 @@ def worker(preset: str, window: str, batch: str, repeats: str, params: str, data
             figures["save"] = measured(lambda: trainer.save_checkpoint("final"))
             dist.barrier()
             if env.master_process:
-                _drop_from_page_cache(trainer.job_dir)
+                drop_from_page_cache(trainer.job_dir)
             figures["load"] = measured(lambda format=format: load(format), save=False)
             clear()
             figures["stall"] = measured(lambda: trainer.save_checkpoint("periodic"))

@@ -9,57 +9,22 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from trainer_runs import TRAINER, Run, metrics_step, wait_for
+from trainer_runs import TRAINER, Run, free_port, metrics_step, node_command, wait_for
 
 from astrai.common.checkpoints import latest_complete_checkpoint, list_complete_checkpoints
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _records(ckpt_dir: Path) -> dict[int, dict]:
     """The last metrics record of each step (a resumed run repeats none, but take the newest anyway)."""
     lines = (ckpt_dir / "metrics.jsonl").read_text().splitlines()
     return {record["step"]: record for record in map(json.loads, lines)}
-
-
-def _node_command(node: int, port: int, backend: str = "static") -> list[str]:
-    rendezvous = (
-        ["--node-rank", str(node)]
-        if backend == "static"
-        else ["--rdzv-id", "test", "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}"]
-    )
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        backend,
-        "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
-        *rendezvous,
-        "--max-restarts",
-        "0",
-        "-m",
-        "astrai.train",
-        "--parallel_mode",
-        "ddp",
-    ]
 
 
 def _node_env(trainer_env: dict, node: int, timeout: int = 10) -> dict:
@@ -122,7 +87,7 @@ def test_without_global_batch_size_a_new_world_size_is_named_at_resume(tmp_path,
 def test_two_nodes_need_checkpoints_and_model_on_node_0_only_and_survive_no_lost_node(
     tmp_path, train_yaml, trainer_env
 ):
-    port = _free_port()
+    port = free_port()
     ckpt_dir = tmp_path / "ckpt"
     node0 = train_yaml(tmp_path / "node0.yaml", ckpt_dir=str(ckpt_dir), max_steps=200, log_interval=5)
     # Node 1 has neither the checkpoint folder nor the base model.
@@ -133,8 +98,8 @@ def test_two_nodes_need_checkpoints_and_model_on_node_0_only_and_survive_no_lost
         param_path=str(tmp_path / "no-model"),
         log_interval=5,
     )
-    runs = [Run([*_node_command(0, port), "--config", str(node0)], _node_env(trainer_env, 0), tmp_path / "n0.log")]
-    runs.append(Run([*_node_command(1, port), "--config", str(node1)], _node_env(trainer_env, 1), tmp_path / "n1.log"))
+    runs = [Run([*node_command(0, port), "--config", str(node0)], _node_env(trainer_env, 0), tmp_path / "n0.log")]
+    runs.append(Run([*node_command(1, port), "--config", str(node1)], _node_env(trainer_env, 1), tmp_path / "n1.log"))
     try:
         # The periodic checkpoint of step 20 is agreed by both nodes and written in the background; wait until
         # it is published, so that the restart below has something to resume from.
@@ -154,11 +119,11 @@ def test_two_nodes_need_checkpoints_and_model_on_node_0_only_and_survive_no_lost
     assert "starting from base model" in runs[0].output()
 
     # Both started again: node 0 resumes and sends the checkpoint to node 1, which still has none.
-    port = _free_port()
+    port = free_port()
     finish = ["--max_steps", "40"]
     runs = [
         Run(
-            [*_node_command(node, port), "--config", str(config), *finish],
+            [*node_command(node, port), "--config", str(config), *finish],
             _node_env(trainer_env, node),
             tmp_path / f"again{node}.log",
         )
@@ -172,13 +137,13 @@ def test_two_nodes_need_checkpoints_and_model_on_node_0_only_and_survive_no_lost
 
 @pytest.mark.parametrize("backend", ["static", "c10d"])
 def test_a_stop_on_node_1_stops_both_nodes_with_one_emergency_checkpoint(tmp_path, train_yaml, trainer_env, backend):
-    port = _free_port()
+    port = free_port()
     ckpt_dir = tmp_path / "ckpt"
     path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(ckpt_dir), max_steps=200, log_interval=5)
     # Node 1 starts first: nodes may start in any order.
     runs = {
         node: Run(
-            [*_node_command(node, port, backend), "--config", str(path)],
+            [*node_command(node, port, backend), "--config", str(path)],
             _node_env(trainer_env, node),
             tmp_path / f"n{node}.log",
         )

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import torch
 from hf_folders import hf_logits
 from safetensors.torch import load_file
-from trainer_runs import TRAINER, Run, metrics_step, staging, wait_for
+from trainer_runs import TRAINER, Run, free_port, metrics_step, node_command, staging, wait_for
 
 from astrai.common.checkpoints import (
     STAGING_PREFIX,
@@ -202,48 +201,14 @@ def test_no_rank_holds_more_than_its_share_during_a_sharded_save(tmp_path):
     assert loads["sharded"] <= 0.25 * share and loads["full"] >= 1.8 * share
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _node(node: int, port: int, config: Path, ckpt_dir: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "static",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
-        "--node-rank",
-        str(node),
-        "--max-restarts",
-        "0",
-        "-m",
-        "astrai.train",
-        "--config",
-        str(config),
-        "--parallel_mode",
-        "fsdp",
-        "--ckpt_dir",
-        str(ckpt_dir),
-    ]
-
-
 @pytest.mark.parametrize("shared", [True, False])
 def test_two_nodes_need_one_shared_job_dir_in_the_sharded_format(tmp_path, train_yaml, trainer_env, shared):
     config = train_yaml(tmp_path / "train.yaml", max_steps=20, ckpt_interval=10)
-    port = _free_port()
+    port = free_port()
     dirs = [tmp_path / "shared"] * 2 if shared else [tmp_path / "node0", tmp_path / "node1"]
     runs = [
         Run(
-            _node(node, port, config, dirs[node]),
+            [*node_command(node, port, parallel_mode="fsdp"), "--config", str(config), "--ckpt_dir", str(dirs[node])],
             {**trainer_env, "ASTRAI_NODE_RANK": str(node), "GLOO_SOCKET_IFNAME": "lo"},
             tmp_path / f"node{node}.log",
         )

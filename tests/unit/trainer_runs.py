@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -89,3 +90,38 @@ def final_weights(ckpt_dir: Path, step: int) -> bytes:
 
 def staging(ckpt_dir: Path) -> list[str]:
     return [name for name in os.listdir(ckpt_dir) if name.startswith(STAGING_PREFIX)] if ckpt_dir.exists() else []
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def node_command(node: int, port: int, backend: str = "static", parallel_mode: str = "ddp") -> list[str]:
+    """One node of a two-node torchrun launch (one process each) meeting at 127.0.0.1:``port``."""
+    rendezvous = (
+        ["--node-rank", str(node)]
+        if backend == "static"
+        else ["--rdzv-id", "test", "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}"]
+    )
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        *rendezvous,
+        "--max-restarts",
+        "0",
+        "-m",
+        "astrai.train",
+        "--parallel_mode",
+        parallel_mode,
+    ]
