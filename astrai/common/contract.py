@@ -99,7 +99,8 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 """A tokenizer folder's chat template as a file of its own (newer transformers write it there)."""
-TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", CHAT_TEMPLATE_FILE)
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE, CHAT_TEMPLATE_FILE)
 """A model folder's tokenizer files, which the data folder and every checkpoint carry along."""
 
 # --- Checkpoint folders (docs/checkpoints.md; the rule is astrai/common/checkpoints.py) ---------

@@ -18,11 +18,13 @@ messages, and the chosen and rejected assistant turns as a message or a list of 
 from __future__ import annotations
 
 import json
+import os.path
 from datetime import datetime
 from pathlib import Path
 
 from astrai.common.contract import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
 from astrai.common.data_folder import DataError
+from astrai.data.tokenizing import token_text, tokenizer_settings
 
 
 class RecordError(ValueError):
@@ -32,7 +34,7 @@ class RecordError(ValueError):
 class ChatTemplate:
     """A tokenizer folder's chat template, compiled once in a sandbox, with the special tokens it may use."""
 
-    def __init__(self, source: str, variables: dict[str, str]):
+    def __init__(self, source: str, variables: dict[str, str], origin: str = "chat template"):
         import jinja2
         from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -64,7 +66,12 @@ class ChatTemplate:
         environment.filters["tojson"] = tojson
         environment.globals["raise_exception"] = raise_exception
         environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
-        self._template = environment.from_string(source)
+        try:
+            self._template = environment.from_string(source)
+        except jinja2.TemplateSyntaxError as error:
+            raise DataError(
+                f"{origin}: the chat template does not compile (line {error.lineno}: {error.message})"
+            ) from None
         self._variables = variables
         self._errors = (jinja2.TemplateError,)
 
@@ -72,24 +79,21 @@ class ChatTemplate:
     def of_folder(cls, folder: Path) -> ChatTemplate | None:
         """The chat template of a tokenizer folder, or None when it has none."""
         folder = Path(folder)
-        config = _tokenizer_config(folder)
-        source = None
+        config = tokenizer_settings(folder)
+        source, origin = None, folder / TOKENIZER_CONFIG_FILE
         if (folder / CHAT_TEMPLATE_FILE).is_file():
-            source = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+            source, origin = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8"), folder / CHAT_TEMPLATE_FILE
         elif isinstance(config.get("chat_template"), str):
             source = config["chat_template"]
         elif isinstance(config.get("chat_template"), list):
-            named = {entry.get("name"): entry.get("template") for entry in config["chat_template"]}
+            named = {
+                entry.get("name"): entry.get("template") for entry in config["chat_template"] if isinstance(entry, dict)
+            }
             source = named.get("default")
         if not source:
             return None
-        variables = {}
-        for key, value in config.items():
-            if key.endswith("_token"):
-                text = value.get("content") if isinstance(value, dict) else value
-                if isinstance(text, str):
-                    variables[key] = text
-        return cls(source, variables)
+        variables = {key: token_text(value) for key, value in config.items() if key.endswith("_token")}
+        return cls(source, {key: text for key, text in variables.items() if text is not None}, str(origin))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         try:
@@ -102,17 +106,8 @@ class ChatTemplate:
             )
         except self._errors as error:
             raise RecordError(f"the chat template refused it: {error}") from None
-
-
-def _tokenizer_config(folder: Path) -> dict:
-    path = folder / TOKENIZER_CONFIG_FILE
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise DataError(f"{path}: unreadable ({error})") from None
-    return config if isinstance(config, dict) else {}
+        except Exception as error:  # the template is code from the tokenizer folder: any error is its own
+            raise RecordError(f"the chat template failed on it ({type(error).__name__}: {error})") from None
 
 
 class RecordEncoder:
@@ -122,7 +117,8 @@ class RecordEncoder:
         self.tokenizer = tokenizer
         self.template = template
         self.kind = kind
-        self._special = set(getattr(tokenizer, "special_tokens", {}).values())
+        # A template's markers (end-of-turn tokens among them) are the tokenizer's added tokens.
+        self._markers = frozenset(getattr(tokenizer, "added_ids", ())) | {tokenizer.end_of_text}
 
     def encode(self, record) -> list[tuple[list[int], list[int]]]:
         """One (ids, mask) sequence for an SFT record, two (chosen, rejected) for a DPO record."""
@@ -166,39 +162,82 @@ class RecordEncoder:
         text = self.template.render(messages)
         ids, offsets = self.tokenizer.ids_with_offsets(text)
         mask = [0] * len(ids)
-        cursor = 0
         for index, message in enumerate(messages):
-            content = message["content"]
-            if message["role"] != "assistant":
-                # Walked past, so that an assistant reply repeating an earlier turn's words is found as itself.
-                found = text.find(content, cursor) if content else -1
-                cursor = found + len(content) if found >= 0 else cursor
+            if message["role"] != "assistant" or index < supervise_from:
                 continue
-            start = text.find(content, cursor) if content else -1
-            if start < 0 and content.strip():
-                content = content.strip()
-                start = text.find(content, cursor)
-            if start < 0:
-                raise RecordError(f"the chat template does not show assistant message {index}'s content as written")
-            end = start + len(content)
-            cursor = end
-            if index < supervise_from:
-                continue
-            last = None
-            for position, (begin, _) in enumerate(offsets):
-                if start <= begin < end:
+            if not message["content"].strip():
+                raise RecordError(
+                    f"assistant message {index} is empty: there is no reply to learn; drop the turn or the record"
+                )
+            start, end = self._generated_span(messages, index, text)
+            for position, (begin, finish) in enumerate(offsets):
+                # A token overlapping the span is generated, also one that straddles its start.
+                if begin < end and (finish > start or (begin == finish and begin >= start)):
                     mask[position] = 1
-                    last = position
-            # The special token right after the content ends the turn: the model must learn to emit it.
-            following = (
-                (last + 1) if last is not None else next((p for p, (b, _) in enumerate(offsets) if b >= end), None)
-            )
-            if following is not None and following < len(ids) and ids[following] in self._special:
-                if not text[end : offsets[following][0]].strip():
-                    mask[following] = 1
         if not any(mask):
             raise RecordError("has no assistant turn to learn from")
         return ids, mask
+
+    def _generated_span(self, messages: list[dict], index: int, text: str) -> tuple[int, int]:
+        """The characters of ``text`` (the whole conversation rendered) that the model generates as turn ``index``.
+
+        They begin where the conversation before the turn, rendered with its generation prompt, ends, and end
+        with the turn's end-of-turn token: what a chat client sends is the prompt, what the model must write is
+        the rest, through the token that stops it. Found from rendered text, never by looking for the reply.
+        """
+        history, prompt = self._prompt_of(messages[:index])
+        if not text.startswith(history):
+            raise RecordError(
+                f"the chat template renders the turns before assistant message {index} differently when they "
+                "are followed by more; cannot tell which tokens the model generates"
+            )
+        # Most prompts are a prefix of the whole; a template may also open a block in the prompt (<think>) that a
+        # finished turn renders otherwise: then the turn begins where the two part.
+        start = max(len(history), _common_prefix(prompt, text))
+        turn = self.template.render(messages[: index + 1])
+        tail = turn[_common_prefix(prompt, turn) :]
+        length = self._through_end_of_turn(tail)
+        if text[start : start + length] == tail[:length]:
+            return start, start + length
+        # The template renders this turn otherwise when later turns follow (an earlier turn's reasoning
+        # dropped, say): it ends at the first end-of-turn token from its start.
+        ending = self._end_of_turn_id(tail[:length])
+        ids, offsets = self.tokenizer.ids_with_offsets(text)
+        for token, (begin, finish) in zip(ids, offsets, strict=True):
+            if begin >= start and token == ending:
+                return start, finish
+        raise RecordError(
+            f"the chat template renders assistant message {index} differently when later turns follow it, "
+            "and without an end-of-turn token; cannot tell which tokens the model generates"
+        )
+
+    def _prompt_of(self, before: list[dict]) -> tuple[str, str]:
+        """The turns before an assistant turn rendered, without and with the generation prompt."""
+        try:
+            return self.template.render(before), self.template.render(before, add_generation_prompt=True)
+        except RecordError:
+            if before:
+                raise
+            return "", ""  # a conversation that opens with the assistant: many templates cannot render none
+
+    def _through_end_of_turn(self, tail: str) -> int:
+        """How much of a turn's rendered text the model generates: through its last added token (the end of
+        the turn) when only whitespace follows it — a newline the template puts between turns is not the
+        model's to write — else all of it (a template with no end-of-turn token)."""
+        ids, offsets = self.tokenizer.ids_with_offsets(tail)
+        for token, (_, finish) in zip(reversed(ids), reversed(offsets), strict=True):
+            if token in self._markers:
+                return finish if not tail[finish:].strip() else len(tail)
+        return len(tail)
+
+    def _end_of_turn_id(self, generated: str) -> int | None:
+        ids, _ = self.tokenizer.ids_with_offsets(generated)
+        return ids[-1] if ids and ids[-1] in self._markers else None
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of two strings."""
+    return len(os.path.commonprefix([a, b]))
 
 
 def _keys(record: dict) -> str:

@@ -55,6 +55,7 @@ from astrai.data.sources import (
     Piece,
     Record,
     Source,
+    TextWindow,
     available_cpus,
     describe_where,
     find_sources,
@@ -309,8 +310,8 @@ def _run_piece(piece: Piece) -> PieceResult:
                 skipped += 1
                 if not _WORKER["skip_bad"]:
                     break
-            elif isinstance(item, bytes):
-                encoded = _encode_text_chunk(tokenizer, item, source)
+            elif isinstance(item, TextWindow):
+                encoded = _encode_text_window(tokenizer, item, source)
                 handle.write(encoded)
                 written += len(encoded)
             else:
@@ -366,14 +367,17 @@ def _lengths_of(path: Path) -> Path:
     return path.with_suffix(".len")
 
 
-def _encode_text_chunk(tokenizer, chunk: bytes, source: Source) -> bytes:
+def _encode_text_window(tokenizer, window: TextWindow, source: Source) -> bytes:
     if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer.encode_bytes_uint16le(chunk)
+        return tokenizer.encode_bytes_uint16le(window.chunk)
     try:
-        text = chunk.decode("utf-8")
+        chunk = window.chunk.decode("utf-8")
     except UnicodeDecodeError as error:
         raise DataError(f"{source.name}: not UTF-8 text ({error.reason}); --tokenizer reads UTF-8") from None
-    return tokenizer.encode_batch([text])[0]
+    # The context may begin or end inside a character; only the chunk's own text must be whole.
+    left = window.data[: window.low].decode("utf-8", errors="replace")
+    right = window.data[window.high :].decode("utf-8", errors="replace")
+    return tokenizer.encode_window(left + chunk + right, len(left), len(left) + len(chunk))
 
 
 def _token_bytes(tokenizer) -> bytes:
@@ -607,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument(
         "--eos",
         metavar="TOKEN",
-        help="end-of-text token between documents, when the tokenizer folder's tokenizer_config.json names none",
+        help="end-of-text token between documents, one of the tokenizer's special tokens (default: its eos_token)",
     )
     prep.add_argument(
         "--field", default=DEFAULT_FIELD, metavar="NAME", help="the records' text field, dotted if nested (text)"

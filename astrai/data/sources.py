@@ -350,14 +350,14 @@ class Record:
 
 
 def read_piece(source: Source, piece: Piece, fields: list[str] | None) -> Iterator[str | dict | bytes | Bad]:
-    """The piece's documents in order: text (str), raw bytes of a text file's range, or a Bad record.
+    """The piece's documents in order: text (str), a TextWindow of a text file's range, or a Bad record.
 
-    A text file's piece yields its bytes in chunks of about 1 MiB cut at line ends (one document
+    A text file's piece yields its bytes in windows of about 1 MiB cut at line ends (one document
     continues across chunks and pieces); every other kind yields one item per record: its text field,
     or with ``fields`` None the whole record (post-training data).
     """
     if piece.kind == "text":
-        yield from _text_chunks(source.path, piece.start, piece.stop)
+        yield from _text_windows(source.path, piece.start, piece.stop)
     elif piece.kind == "lines":
         if piece.lines:
             for offset, line in enumerate(piece.lines):
@@ -374,22 +374,47 @@ def read_piece(source: Source, piece: Piece, fields: list[str] | None) -> Iterat
 
 
 CHUNK_BYTES = 1 << 20
+CONTEXT_BYTES = 16 << 10
+"""Text of the neighbouring chunks a text file's chunk is tokenized with, on each side (TextWindow)."""
 
 
-def _text_chunks(path: Path, start: int, stop: int) -> Iterator[bytes]:
+@dataclass(frozen=True)
+class TextWindow:
+    """A chunk of a text file (``data[low:high]``) with some of the file's bytes around it for context."""
+
+    data: bytes
+    low: int
+    high: int
+
+    @property
+    def chunk(self) -> bytes:
+        return self.data[self.low : self.high]
+
+
+def _text_windows(path: Path, start: int, stop: int) -> Iterator[TextWindow]:
+    """The piece's bytes in chunks of about CHUNK_BYTES cut at line ends, each with CONTEXT_BYTES around it.
+
+    A text file is one document, so a chunk's neighbours are its context even across pieces: a tokenizer
+    that sees them gives the tokens near a cut that the whole document would.
+    """
+    size = path.stat().st_size
     with open(path, "rb") as handle:
-        handle.seek(start)
-        left = stop - start
-        while left > 0:
-            chunk = handle.read(min(CHUNK_BYTES, left))
+        position = start
+        while position < stop:
+            handle.seek(position)
+            chunk = handle.read(min(CHUNK_BYTES, stop - position))
             if not chunk:
                 break
-            left -= len(chunk)
-            if left > 0 and not chunk.endswith(b"\n"):
-                rest = handle.readline(left)  # pieces end at a line end: cut the chunk there too
-                chunk += rest
-                left -= len(rest)
-            yield chunk
+            if position + len(chunk) < stop and not chunk.endswith(b"\n"):
+                chunk += handle.readline(stop - position - len(chunk))  # pieces end at a line end: chunks too
+            end = position + len(chunk)
+            before = max(0, position - CONTEXT_BYTES)
+            handle.seek(before)
+            left = handle.read(position - before)
+            handle.seek(end)
+            right = handle.read(min(CONTEXT_BYTES, size - end))
+            yield TextWindow(left + chunk + right, len(left), len(left) + len(chunk))
+            position = end
 
 
 def _range_records(path: Path, start: int, stop: int, fields: list[str]) -> Iterator[str | Bad]:

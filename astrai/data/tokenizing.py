@@ -12,7 +12,12 @@ import sys
 from array import array
 from pathlib import Path
 
-from astrai.common.contract import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_FILES
+from astrai.common.contract import (
+    SPECIAL_TOKENS_MAP_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    TOKENIZER_FILES,
+)
 from astrai.common.data_folder import DataError
 
 _UINT32 = next(code for code in "IL" if array(code).itemsize == 4)
@@ -51,11 +56,39 @@ class ByteTokenizer:
         return ("byte",)
 
 
+def tokenizer_settings(folder: Path) -> dict:
+    """A tokenizer folder's settings as transformers reads them: ``tokenizer_config.json``, and where that file
+    has no ``added_tokens_decoder`` (an older folder), ``special_tokens_map.json``'s tokens over its own."""
+    config = _json_object(Path(folder) / TOKENIZER_CONFIG_FILE)
+    if "added_tokens_decoder" not in config:
+        for key, value in _json_object(Path(folder) / SPECIAL_TOKENS_MAP_FILE).items():
+            config[key] = value
+    return config
+
+
+def token_text(value) -> str | None:
+    """A special token's text, whether written as a string or as an AddedToken object."""
+    text = value.get("content") if isinstance(value, dict) else value
+    return text if isinstance(text, str) and text else None
+
+
+def _json_object(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise DataError(f"{path}: unreadable ({error})") from None
+    return value if isinstance(value, dict) else {}
+
+
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` tokenizer (``tokenizer.json``) and the end-of-text token that separates documents.
 
-    The end-of-text token is ``tokenizer_config.json``'s ``eos_token`` when the folder has one, else ``eos``
-    (``--eos``), else the one well-known end-of-text special token the tokenizer has.
+    The end-of-text token is ``eos`` (``--eos``) when given, else the folder's ``eos_token`` (from
+    ``tokenizer_config.json`` or ``special_tokens_map.json``, as transformers reads them), else the one
+    well-known end-of-text special token the tokenizer has. The truncation and padding a ``tokenizer.json``
+    may have saved are turned off: a document is always encoded whole.
     """
 
     name = "tokenizers"
@@ -75,12 +108,16 @@ class HFTokenizer:
             self.tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as error:  # the Rust library raises plain Exception for any parse problem
             raise DataError(f"{self.file}: not a tokenizers tokenizer.json ({error})") from None
+        # A saved "truncation": {"max_length": 50} would otherwise cut every document to 50 tokens, silently.
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
         self.sha256 = hashlib.sha256(raw).hexdigest()
         # Ids may have gaps; what matters for the model is the largest one.
         self.vocab_size = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
-        self.special_tokens = {
-            token.content: index for index, token in self.tokenizer.get_added_tokens_decoder().items() if token.special
-        }
+        added = self.tokenizer.get_added_tokens_decoder()
+        self.special_tokens = {token.content: index for index, token in added.items() if token.special}
+        self.added_ids = frozenset(added)
+        """Ids of every added token (special or not): the tokens a chat template's markers become."""
         # The folder's other tokenizer files travel with it (a lone tokenizer.json has none).
         self.files = [self.file] + [
             self.file.parent / name
@@ -91,20 +128,18 @@ class HFTokenizer:
         self.end_of_text = self.tokenizer.token_to_id(self.end_of_text_token)
 
     def _pick_end_of_text(self, eos: str | None) -> str:
-        config_path = self.file.parent / TOKENIZER_CONFIG_FILE
-        if self.file.name == TOKENIZER_FILE and config_path.is_file():
-            try:
-                token = json.loads(config_path.read_text(encoding="utf-8")).get("eos_token")
-            except (OSError, ValueError, AttributeError) as error:
-                raise DataError(f"{config_path}: unreadable ({error})") from None
-            if isinstance(token, dict):
-                token = token.get("content")
-            if token:
-                if eos is not None and eos != token:
-                    print(f"note: using {config_path.name}'s eos_token {token!r}, not --eos {eos!r}", file=sys.stderr)
-                return self._known(token, f"{config_path}: eos_token")
         if eos is not None:
-            return self._known(eos, "--eos")
+            if eos not in self.special_tokens and self.tokenizer.token_to_id(eos) not in self.added_ids:
+                listed = ", ".join(sorted(self.special_tokens)) or "none"
+                raise DataError(
+                    f"--eos {eos!r} is not one of the special tokens of {self.file}: an ordinary token would "
+                    f"also end documents wherever the text holds it; choose one of: {listed}"
+                )
+            return eos
+        settings = tokenizer_settings(self.file.parent) if self.file.name == TOKENIZER_FILE else {}
+        token = token_text(settings.get("eos_token"))
+        if token:
+            return self._known(token, f"{self.file.parent}: eos_token")
         found = [token for token in WELL_KNOWN_END_OF_TEXT if token in self.special_tokens]
         if len(found) == 1:
             return found[0]
@@ -143,6 +178,22 @@ class HFTokenizer:
         """The token ids of ``text`` and each token's (start, end) in its characters."""
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         return encoding.ids, encoding.offsets
+
+    def encode_window(self, text: str, low: int, high: int) -> bytes:
+        """The ids of the tokens of ``text`` that start in characters ``[low, high)``, as shard bytes.
+
+        A long document is encoded window by window, each with some text of its neighbours on both sides
+        (``text[:low]`` and ``text[high:]``): a token near a cut is then the token the whole document gives,
+        and the windows' tokens put together are ``encode`` of the whole document.
+        """
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = array(
+            self.typecode,
+            (i for i, (begin, _) in zip(encoding.ids, encoding.offsets, strict=True) if low <= begin < high),
+        )
+        if sys.byteorder == "big":
+            ids.byteswap()
+        return ids.tobytes()
 
     @property
     def typecode(self) -> str:

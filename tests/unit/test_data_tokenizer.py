@@ -74,10 +74,18 @@ def test_prepare_with_a_tokenizer_folder_writes_its_tokens_and_records_it(tmp_pa
 
 def test_end_of_text_token_rules(tmp_path, tokenizer_dir):
     texts = [CORPUS_FILES[0].read_text()]
-    # tokenizer_config.json's eos_token first (even over --eos) ...
+    # --eos first, over tokenizer_config.json's eos_token (an instruct model's eos is often its end of turn,
+    # while its documents were separated by another token) ...
     folder = make_tokenizer(tmp_path / "a", texts, special=("<s>", "</s>", "<|endoftext|>"), eos_in_config="</s>")
-    chosen = data_module.HFTokenizer(folder, eos="<|endoftext|>")
-    assert chosen.end_of_text_token == "</s>"
+    assert data_module.HFTokenizer(folder, eos="<|endoftext|>").end_of_text_token == "<|endoftext|>"
+    # ... then tokenizer_config.json's eos_token ...
+    assert data_module.HFTokenizer(folder).end_of_text_token == "</s>"
+    # ... overridden by special_tokens_map.json where transformers reads that file (no added_tokens_decoder) ...
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    assert data_module.HFTokenizer(folder).end_of_text_token == "<|endoftext|>"
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "added_tokens_decoder": {}}))
+    assert data_module.HFTokenizer(folder).end_of_text_token == "</s>"
+    (folder / "special_tokens_map.json").unlink()
     # ... as an AddedToken object too ...
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<s>", "special": True}}))
     assert data_module.HFTokenizer(folder).end_of_text_token == "<s>"
@@ -95,8 +103,16 @@ def test_end_of_text_token_rules(tmp_path, tokenizer_dir):
     plain = make_tokenizer(tmp_path / "b", texts, special=("<unk>",))
     with pytest.raises(data_module.DataError, match=r"none of the usual .*special tokens: <unk>"):
         data_module.HFTokenizer(plain)
-    with pytest.raises(data_module.DataError, match=r"--eos '<end>' is not in the vocabulary"):
+    with pytest.raises(data_module.DataError, match=r"--eos '<end>' is not one of the special tokens .*: <unk>"):
         data_module.HFTokenizer(plain, eos="<end>")
+    # An ordinary token would end a document wherever the text holds it.
+    ordinary = next(
+        token
+        for token in json.loads((plain / "tokenizer.json").read_text())["model"]["vocab"]
+        if len(token) > 2 and token.isalpha()
+    )
+    with pytest.raises(data_module.DataError, match=rf"--eos '{ordinary}' is not one of the special tokens"):
+        data_module.HFTokenizer(plain, eos=ordinary)
 
 
 def test_bad_tokenizer_paths_and_text_are_refused_clearly(tmp_path, tokenizer_dir, capsys):
