@@ -176,3 +176,47 @@ def test_the_trainer_refuses_data_whose_vocabulary_does_not_fit_the_model(tmp_pa
     assert "data vocabulary 70000 (tokenizer.json sha256" in err
     assert "does not fit the model's vocab_size 320" in err and "Traceback" not in err
     assert not list((tmp_path / "c").glob("epoch_*"))
+
+
+def test_a_tokenizer_s_saved_truncation_and_padding_never_cut_a_document(tmp_path, tokenizer_dir):
+    # A real GPT-2 tokenizer.json keeps "truncation": {"max_length": ...}; padding is saved the same way.
+    saved = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    saved.enable_truncation(max_length=50)
+    saved.enable_padding(length=64, pad_id=saved.token_to_id("<pad>"), pad_token="<pad>")
+    folder = tmp_path / "truncating"
+    folder.mkdir()
+    saved.save(str(folder / "tokenizer.json"))
+    assert json.loads((folder / "tokenizer.json").read_text())["truncation"]["max_length"] == 50
+    corpus = tmp_path / "corpus.jsonl"
+    texts = [path.read_text() for path in CORPUS_FILES]
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts) + '{"text": "short"}\n')
+    data_module.prepare(tmp_path / "data", [corpus], tokenizer=data_module.HFTokenizer(folder))
+    whole = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    eos = whole.token_to_id("<|endoftext|>")
+    expected = [i for text in [*texts, "short"] for i in [*whole.encode(text, add_special_tokens=False).ids, eos]]
+    assert _tokens(tmp_path / "data") == expected
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "sentencepiece", "llama3"])
+def test_a_long_document_s_ids_are_encode_of_the_whole_document_across_every_cut(tmp_path, monkeypatch, kind):
+    from real_chat_templates import train_tokenizer
+
+    from astrai.data import sources
+
+    # Small chunks and pieces, so that a document of 60 KB is cut many times, some cuts inside "\n\n" runs
+    # (one token to these tokenizers) and before words a SentencePiece tokenizer would prefix with ▁.
+    monkeypatch.setattr(sources, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(sources, "CONTEXT_BYTES", 200)
+    monkeypatch.setattr(sources, "PIECE_BYTES", 7000)
+    lines = [f"Line {n} says héllo to the world.\n" + "\n" * (n % 4) + " " * (n % 3) for n in range(1500)]
+    text = "".join(lines)
+    document = tmp_path / "long.txt"
+    document.write_text(text, encoding="utf-8")
+    tokenizer = train_tokenizer(kind, lines[:300], ("<|endoftext|>",))
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    data_module.prepare(tmp_path / "data", [document], tokenizer=data_module.HFTokenizer(folder))
+    expected = tokenizer.encode(text, add_special_tokens=False).ids + [tokenizer.token_to_id("<|endoftext|>")]
+    assert len(document.read_bytes()) > 8 * sources.PIECE_BYTES
+    assert _tokens(tmp_path / "data") == expected
