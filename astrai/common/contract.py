@@ -100,6 +100,8 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 """A tokenizer folder's chat template as a file of its own (newer transformers write it there)."""
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+"""A model folder's generation settings (stop tokens, sampling defaults): every checkpoint and export keeps it."""
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE, CHAT_TEMPLATE_FILE)
 """A model folder's tokenizer files, which the data folder and every checkpoint carry along."""
 

@@ -42,6 +42,7 @@ from astrai.common.config import (
 )
 from astrai.common.contract import (
     CKPT_FORMAT_SHARDED,
+    GENERATION_CONFIG_FILE,
     REASON_EMERGENCY,
     REASON_FINAL,
     REASON_PERIODIC,
@@ -234,8 +235,9 @@ class Trainer:
             facts=RunFacts(config.config_hash(), self.max_steps, self.window_size, self.global_batch, self.train_type),
             interval=config.ckpt.ckpt_interval,
             keep_last=config.ckpt.keep_last,
-            # A checkpoint is a complete model folder: the data's tokenizer goes into each one.
-            extra_files=tuple(datas[0].root / name for name in datas[0].tokenizer_files),
+            # A checkpoint is a complete model folder: the data's tokenizer goes into each one, and the model's
+            # generation settings (its stop tokens) stay with it.
+            extra_files=_carried_files(datas[0], model_source),
             format=resolve_ckpt_format(config.ckpt.format, env.parallel_mode),
         )
         if env.watch is not None and env.master_process:
@@ -699,3 +701,13 @@ def _train(config: TrainerConfig, env: DistEnv, stop: GracefulStop) -> None:
         trainer.train()
     finally:
         trainer.close()
+
+
+def _carried_files(data: TokenData, model_source: Path) -> dict[str, bytes]:
+    """What every checkpoint carries beside the model: the data's tokenizer files and the generation config of the
+    folder the run started from (a base model, or the checkpoint it resumed), read once."""
+    files = {name: (data.root / name).read_bytes() for name in data.tokenizer_files}
+    generation = model_source / GENERATION_CONFIG_FILE
+    if generation.is_file():  # on node 0; only global rank 0 writes these files
+        files[GENERATION_CONFIG_FILE] = generation.read_bytes()
+    return files

@@ -356,7 +356,12 @@ def _parse_bool(text: str) -> bool:
 
 
 # Fields a preset can be overridden with on the command line (RoPE scaling and token ids come from HF configs).
-_CLI_FIELDS = [f for f in dataclasses.fields(ModelConfig) if f.type in ("int", "float", "bool", "int | None")]
+# eos_token_id may be a list in a Hugging Face config; on this command line it is one id.
+_CLI_FIELDS = [
+    f
+    for f in dataclasses.fields(ModelConfig)
+    if f.type in ("int", "float", "bool", "int | None", "int | tuple[int, ...] | None")
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -375,6 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {f.name: getattr(args, f.name) for f in _CLI_FIELDS if getattr(args, f.name) is not None}
     try:
         config = dataclasses.replace(PRESETS[args.preset], **overrides)
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(config, name)
+            if value is not None and not 0 <= value < config.vocab_size:
+                raise ValueError(
+                    f"--{name} {value}: expected a token id from 0 to {config.vocab_size - 1} (vocab_size)"
+                )
         folder = output_folder(args.dir, "DIR")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

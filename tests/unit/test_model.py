@@ -95,6 +95,17 @@ def test_init_cli_writes_a_loadable_model_and_is_reproducible(tmp_path, capsys):
     Transformer(config).load_state_dict(state)
 
 
+def test_init_cli_sets_the_end_and_begin_token_ids_and_refuses_ids_outside_the_vocabulary(tmp_path, capsys):
+    argv = ["init", str(tmp_path / "m"), "--preset", "tiny", "--vocab_size", "300"]
+    assert model_module.main([*argv, "--eos_token_id", "256", "--bos_token_id", "1"]) == 0
+    written = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (written["eos_token_id"], written["bos_token_id"]) == (256, 1)
+    assert load_base_model(tmp_path / "m")[0].eos_token_id == 256
+    assert model_module.main([*argv, "--force", "--eos_token_id", "300"]) == 2
+    assert "--eos_token_id 300: expected a token id from 0 to 299 (vocab_size)" in capsys.readouterr().err
+    assert json.loads((tmp_path / "m" / "config.json").read_text()) == written
+
+
 def test_init_cli_does_not_overwrite_without_force(tmp_path, capsys):
     model_module.main(["init", str(tmp_path), "--preset", "tiny"])
     before = (tmp_path / "model.safetensors").read_bytes()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -413,3 +414,27 @@ def test_muon_takes_the_block_matrices_and_is_refused_under_fsdp(tmp_path, post_
         trainer.close()
     with pytest.raises(ConfigError, match="muon orthogonalises each weight matrix whole"):
         load_trainer_config(post_yaml(tmp_path / "fsdp.yaml", "sft", optimizer="muon"), [("parallel_mode", "fsdp")])
+
+
+def test_the_base_model_s_generation_config_travels_into_every_checkpoint_and_export(
+    tmp_path, post_yaml, make_trainer, chat_world, one_thread
+):
+    from astrai.host.export import export_checkpoint
+
+    world, _, _ = chat_world
+    base = tmp_path / "base"
+    shutil.copytree(world.model, base)
+    stops = {"eos_token_id": [3, 4], "max_new_tokens": 12, "do_sample": False}
+    (base / "generation_config.json").write_text(json.dumps(stops))
+    path = post_yaml(tmp_path / "sft.yaml", "sft", ckpt_dir=str(tmp_path / "ckpt"), param_path=str(base), max_steps=4)
+    for stop_at in (2, 4):  # the second run resumes from a checkpoint: it carries the file on
+        trainer = make_trainer(path, max_steps=stop_at, ckpt_interval=2)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        (base / "generation_config.json").unlink(missing_ok=True)
+    for folder in sorted((tmp_path / "ckpt").glob("epoch_*")):
+        assert transformers.GenerationConfig.from_pretrained(folder).eos_token_id == [3, 4], folder
+    export_checkpoint(latest_complete_checkpoint(tmp_path / "ckpt").path, tmp_path / "export", None, 1 << 30)
+    assert json.loads((tmp_path / "export" / "generation_config.json").read_text()) == stops

@@ -28,7 +28,7 @@ import os
 import pickle
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -108,7 +108,8 @@ class CheckpointFiles:
     rng_state: dict
     model_config: ModelConfig
     meta: CheckpointMeta
-    extra_files: tuple[Path, ...] = ()
+    extra_files: dict[str, bytes] = field(default_factory=dict)
+    """Files every checkpoint carries as they are, by name (the tokenizer's, the base model's generation config)."""
 
     def nbytes(self) -> int:
         """About how much disk the checkpoint takes: its tensors plus the small files."""
@@ -148,13 +149,13 @@ class CheckpointFiles:
         }
 
 
-def write_small_files(folder: Path, small: dict, extra_files: tuple[Path, ...]) -> list[str]:
-    """Write the small files and copy the extra ones, handing them to the disk without waiting; their names."""
+def write_small_files(folder: Path, small: dict, extra_files: dict[str, bytes]) -> list[str]:
+    """Write the small files and the extra ones, handing them to the disk without waiting; their names."""
     for name, (content, write) in small.items():
         write_file(folder / name, content, write, durable=False)
-    for source in extra_files:
-        shutil.copyfile(source, folder / source.name)
-    return [*small, *(source.name for source in extra_files)]
+    for name, content in extra_files.items():
+        (folder / name).write_bytes(content)
+    return [*small, *extra_files]
 
 
 def finish_folder(folder: Path, written: list[str], meta: CheckpointMeta) -> None:

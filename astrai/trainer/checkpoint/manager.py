@@ -125,7 +125,7 @@ class CheckpointManager:
         facts: RunFacts,
         interval: int,
         keep_last: int | None = None,
-        extra_files: tuple[Path, ...] = (),
+        extra_files: dict[str, bytes] | None = None,
         format: str = CKPT_FORMAT_FULL,
     ):
         self.job_dir = Path(job_dir)
@@ -138,8 +138,9 @@ class CheckpointManager:
         self.facts = facts
         self.interval = interval
         self.keep_last = keep_last
-        self.extra_files = extra_files
-        """Files copied into every checkpoint as they are (the data's tokenizer files)."""
+        self.extra_files = dict(extra_files or {})
+        """Files written into every checkpoint as they are, by name (the data's tokenizer files, the base model's
+        generation config): read once at start, so a data folder prepared again meanwhile changes nothing."""
         self.format = format
         """full: rank 0 gathers the state and writes it; sharded: every rank writes its own rows."""
         self._host_copy = _HostCopy(pin=env.device.type == "cuda")
