@@ -24,7 +24,10 @@ from pathlib import Path
 
 from astrai.common.contract import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
 from astrai.common.data_folder import DataError
+from astrai.data.sources import not_unicode_text
 from astrai.data.tokenizing import token_text, tokenizer_settings
+
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 
 
 class RecordError(ValueError):
@@ -113,10 +116,12 @@ class ChatTemplate:
 class RecordEncoder:
     """Records of one kind into (token ids, supervision mask) sequences, with one tokenizer and its template."""
 
-    def __init__(self, tokenizer, template: ChatTemplate | None, kind: str):
+    def __init__(self, tokenizer, template: ChatTemplate | None, kind: str, messages_field: str | None = None):
         self.tokenizer = tokenizer
         self.template = template
         self.kind = kind
+        self.messages_field = messages_field
+        """The field holding an SFT record's messages (``--field``); default ``messages`` or ``conversations``."""
         # A template's markers (end-of-turn tokens among them) are the tokenizer's added tokens.
         self._markers = frozenset(getattr(tokenizer, "added_ids", ())) | {tokenizer.end_of_text}
 
@@ -125,11 +130,22 @@ class RecordEncoder:
         if not isinstance(record, dict):
             raise RecordError(f"expected a JSON object, got {type(record).__name__}")
         if self.kind == "sft":
-            if "messages" in record:
-                return [self._conversation(_messages(record["messages"], "messages"))]
+            if self.messages_field is not None:
+                if self.messages_field not in record:
+                    raise RecordError(
+                        f"has no {self.messages_field!r} field (its keys: {_keys(record)}); --field names the "
+                        "field that holds each record's messages"
+                    )
+                return [self._conversation(_messages(record[self.messages_field], self.messages_field))]
+            for key in ("messages", "conversations"):
+                if key in record:
+                    return [self._conversation(_messages(record[key], key))]
             if "prompt" in record and "completion" in record:
                 return [self._plain(_text(record, "prompt"), _text(record, "completion"))]
-            raise RecordError(f"has neither messages nor prompt and completion (its keys: {_keys(record)})")
+            raise RecordError(
+                f"has neither messages (or ShareGPT conversations) nor prompt and completion (its keys: "
+                f"{_keys(record)}); --field NAME names another field holding the messages"
+            )
         for key in ("prompt", "chosen", "rejected"):
             if key not in record:
                 raise RecordError(
@@ -137,6 +153,7 @@ class RecordEncoder:
                 )
         prompt = record["prompt"]
         if isinstance(prompt, str):
+            prompt = _text(record, "prompt")
             return [self._plain(prompt, _text(record, "chosen")), self._plain(prompt, _text(record, "rejected"))]
         prompt_messages = _messages(prompt, "prompt")
         return [
@@ -248,6 +265,8 @@ def _text(record: dict, key: str) -> str:
     value = record[key]
     if not isinstance(value, str):
         raise RecordError(f"field {key!r} holds {type(value).__name__}, not text")
+    if problem := not_unicode_text(value):
+        raise RecordError(f"field {key!r} {problem}")
     return value
 
 
@@ -256,10 +275,16 @@ def _messages(value, key: str) -> list[dict]:
         raise RecordError(f"field {key!r} must be a non-empty list of {{role, content}}, got {type(value).__name__}")
     messages = []
     for index, message in enumerate(value):
+        if isinstance(message, dict) and "role" not in message and {"from", "value"} <= message.keys():
+            # ShareGPT's layout, as TRL and axolotl read it: {"from": "human" | "gpt" | "system", "value": ...}.
+            sender, rest = message["from"], {k: v for k, v in message.items() if k not in ("from", "value")}
+            message = {**rest, "role": SHAREGPT_ROLES.get(sender, sender), "content": message["value"]}
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RecordError(f"{key}[{index}] must be an object with a role and a content")
         if not isinstance(message.get("content"), str):
             raise RecordError(f"{key}[{index}].content must be text, got {type(message.get('content')).__name__}")
+        if problem := not_unicode_text(message["content"]):
+            raise RecordError(f"{key}[{index}].content {problem}")
         messages.append({**message})
     return messages
 

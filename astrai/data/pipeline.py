@@ -26,6 +26,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -87,6 +88,10 @@ class PieceResult:
     first_bad: tuple[str, str] | None = None
     """(where, problem) of the first bad record: the error without --skip_bad, the example with it."""
     bytes_read: int = 0
+    empty: int = 0
+    """Records whose text is empty: no document (one would be a lone end-of-text token)."""
+    failed: str | None = None
+    """Why the piece's source cannot be read to its end (with --skip_bad; the source is left out whole)."""
 
 
 @dataclass
@@ -94,7 +99,9 @@ class _SourceStats:
     documents: int = 0
     tokens: int = 0
     skipped: int = 0
+    empty: int = 0
     first_bad: str | None = None
+    failed: str | None = None
 
 
 def prepare(
@@ -123,12 +130,16 @@ def prepare(
     if kind not in KINDS:
         raise DataError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     fields = field.split(".")
+    messages_field = None
     if not field or not all(fields):
         raise DataError(f"--field: {field!r} is not a field name (dotted for a nested field, such as meta.content)")
-    sources, notes = find_sources([Path(path) for path in inputs])
+    sources, notes, left_out = find_sources([Path(path) for path in inputs], skip_bad)
     if not sources:
         raise DataError("no input files: name the files or folders to prepare")
     if kind != "seq":
+        if field != DEFAULT_FIELD and kind != "sft":
+            raise DataError(f"--field: a {kind} record is read whole (prompt, chosen, rejected); leave --field out")
+        messages_field = field if field != DEFAULT_FIELD else None
         fields = None  # a post-training example is the whole record
         text = [source.name for source in sources if source.kind == "text"]
         if text:
@@ -137,6 +148,8 @@ def prepare(
             )
     for note in notes:
         (say or _stderr)(f"note: {note}")
+    if kind != "seq" and tokenizer is not None:
+        ChatTemplate.of_folder(tokenizer.file.parent)  # a template that does not compile is refused here, once
     created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -144,7 +157,10 @@ def prepare(
     except OSError as error:
         raise DataError(f"cannot write {out_dir}: {error.strerror}") from None
     try:
-        manifest = _prepare_into(staging, sources, shard_tokens, tokenizer, fields, workers, skip_bad, progress, kind)
+        manifest = _prepare_into(
+            staging, sources, shard_tokens, tokenizer, fields, workers, skip_bad, progress, kind, messages_field
+        )
+        manifest["left_out"] = left_out + manifest["left_out"]
         _publish(staging, out_dir, manifest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -165,6 +181,7 @@ def _prepare_into(
     skip_bad: bool,
     progress: bool,
     kind: str = "seq",
+    messages_field: str | None = None,
 ) -> dict:
     chosen = tokenizer or ByteTokenizer()
     dtype = "uint16" if chosen.vocab_size <= 1 << 16 else "uint32"
@@ -172,13 +189,37 @@ def _prepare_into(
     stats = [_SourceStats() for _ in sources]
     checksums = _Checksums(sources)
     meter = _Progress(total_bytes(sources)) if progress else None
-    setup = (chosen.spec(), sources, fields, staging, skip_bad, kind)
+    setup = (chosen.spec(), sources, fields, staging, skip_bad, kind, messages_field)
+    # A source's pieces are held until it has been read to its end: one that turns out cut short or damaged
+    # is then left out whole (with --skip_bad), never half-read.
+    held: list[PieceResult] = []
+
+    def settle() -> None:
+        for result in held:
+            shards.append(result.tokens_file)
+            if meter is not None:
+                meter.add(result.documents, result.tokens, result.bytes_read)
+        held.clear()
+
     try:
-        for result in _run(setup, pieces(sources), workers):
+        for result in _run(setup, pieces(sources, skip_bad), workers):
+            if held and result.source != held[0].source:
+                settle()
             entry = stats[result.source]
+            if entry.failed is not None or result.failed is not None:
+                _discard(result)
+                if entry.failed is None:
+                    if not skip_bad:
+                        raise DataError(f"{result.failed}; nothing was written (--skip_bad leaves such a file out)")
+                    for earlier in held:
+                        _discard(earlier)
+                    held.clear()
+                    stats[result.source] = _SourceStats(failed=result.failed)
+                continue
             if result.first_bad is not None:
                 where = describe_where(sources[result.source], result.first_bad[0])
                 if not skip_bad:
+                    _discard(result)
                     raise DataError(
                         f"{where}: {result.first_bad[1]}; nothing was written (--skip_bad skips such records)"
                     )
@@ -186,14 +227,19 @@ def _prepare_into(
             entry.documents += result.documents
             entry.tokens += result.tokens
             entry.skipped += result.skipped
-            shards.append(result.tokens_file)
-            if meter is not None:
-                meter.add(result.documents, result.tokens, result.bytes_read)
+            entry.empty += result.empty
+            held.append(result)
+        settle()
     finally:
+        for result in held:
+            _discard(result)
         shards.close()
         if meter is not None:
             meter.done()
     if shards.total == 0 or all(entry.tokens == entry.documents for entry in stats):
+        failed = [entry.failed for entry in stats if entry.failed]
+        if failed:
+            raise DataError(f"nothing is left to train on: every input was left out (first: {failed[0]})")
         raise DataError("the inputs are empty: they hold no text to train on")
     copied = copy_tokenizer_files(tokenizer, staging)
     manifest = {
@@ -208,7 +254,9 @@ def _prepare_into(
         "num_tokens": shards.total,
         "documents": sum(entry.documents for entry in stats),
         "skipped": sum(entry.skipped for entry in stats),
-        "field": ".".join(fields) if fields else None,
+        "empty": sum(entry.empty for entry in stats),
+        "left_out": [entry.failed for entry in stats if entry.failed is not None],
+        "field": ".".join(fields) if fields else messages_field,
         "shards": shards.shards,
         "sources": [
             {
@@ -218,7 +266,9 @@ def _prepare_into(
                 "documents": entry.documents,
                 "tokens": entry.tokens,
                 "skipped": entry.skipped,
+                **({"empty": entry.empty} if entry.empty else {}),
                 **({"first_skipped": entry.first_bad} if entry.first_bad else {}),
+                **({"left_out": entry.failed} if entry.failed else {}),
             }
             for number, (source, entry) in enumerate(zip(sources, stats, strict=True))
         ],
@@ -250,14 +300,19 @@ def _run(setup: tuple, work, workers: int):
         return
     # forkserver: the workers start from a clean process, not a fork of this one with its checksum thread.
     context = multiprocessing.get_context("forkserver")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=setup) as pool:
-        pending = deque()
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=setup)
+    pending = deque()
+    try:
         for piece in work:
             pending.append(pool.submit(_run_piece, piece))
             while len(pending) >= workers * _IN_FLIGHT_PER_WORKER:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+    finally:
+        # On an error or a signal: no piece still queued is started, the running ones finish (a piece is a few
+        # MiB), every worker exits, and their files are removed with the staging folder.
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 # --- In a worker -----------------------------------------------------------------------------------------------
@@ -266,30 +321,53 @@ _WORKER: dict = {}
 
 
 def _init_worker(
-    spec: tuple, sources: list[Source], fields: list[str] | None, staging: Path, skip_bad: bool, kind: str = "seq"
+    spec: tuple,
+    sources: list[Source],
+    fields: list[str] | None,
+    staging: Path,
+    skip_bad: bool,
+    kind: str = "seq",
+    messages_field: str | None = None,
 ) -> None:
     # One tokenizer per worker, one worker per core: the library's own thread pool would only fight the others.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if multiprocessing.parent_process() is not None:
+        # Ctrl-C reaches the whole process group: the main process stops the pool; a worker stays quiet.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     tokenizer = from_spec(spec)
     encoder = None
     if kind != "seq":
         template = ChatTemplate.of_folder(tokenizer.file.parent) if isinstance(tokenizer, HFTokenizer) else None
-        encoder = RecordEncoder(tokenizer, template, kind)
+        encoder = RecordEncoder(tokenizer, template, kind, messages_field)
     _WORKER.update(
         tokenizer=tokenizer, sources=sources, fields=fields, staging=staging, skip_bad=skip_bad, encoder=encoder
     )
 
 
 def _run_piece(piece: Piece) -> PieceResult:
-    """Tokenize one piece into a file of its own in the staging folder."""
-    if _WORKER["encoder"] is not None:
-        return _run_records(piece)
+    """Tokenize one piece into a file of its own in the staging folder.
+
+    A piece whose source cannot be read (damaged, not UTF-8) is, with --skip_bad, a result that says so.
+    """
+    out = _WORKER["staging"] / f".piece-{piece.index:09d}.bin"
+    if piece.kind != "failed":
+        try:
+            return _run_records(piece) if _WORKER["encoder"] is not None else _run_text(piece)
+        except DataError as error:
+            if not _WORKER["skip_bad"]:
+                raise
+            piece.problem = str(error)
+    out.touch()
+    return PieceResult(piece.index, piece.source, out, 0, 0, 0, failed=piece.problem)
+
+
+def _run_text(piece: Piece) -> PieceResult:
     tokenizer = _WORKER["tokenizer"]
     source = _WORKER["sources"][piece.source]
     end_of_text = _token_bytes(tokenizer)
     out = _WORKER["staging"] / f".piece-{piece.index:09d}.bin"
     width = len(end_of_text)
-    documents = skipped = written = 0
+    documents = skipped = written = empty = 0
     first_bad = None
     texts: list[str] = []
     chars = 0
@@ -314,6 +392,8 @@ def _run_piece(piece: Piece) -> PieceResult:
                 encoded = _encode_text_window(tokenizer, item, source)
                 handle.write(encoded)
                 written += len(encoded)
+            elif not item:
+                empty += 1
             else:
                 texts.append(item)
                 documents += 1
@@ -322,11 +402,16 @@ def _run_piece(piece: Piece) -> PieceResult:
                     flush(handle)
         flush(handle)
         if piece.kind == "text" and piece.last:
-            handle.write(end_of_text)
-            written += width
-            documents += 1
+            if written or piece.stop > piece.start or piece.start:
+                handle.write(end_of_text)
+                written += width
+                documents += 1
+            else:
+                empty += 1  # an empty text file is no document
     tokens = written // width
-    return PieceResult(piece.index, piece.source, out, documents, tokens, skipped, first_bad, _piece_bytes(piece))
+    return PieceResult(
+        piece.index, piece.source, out, documents, tokens, skipped, first_bad, _piece_bytes(piece), empty
+    )
 
 
 def _run_records(piece: Piece) -> PieceResult:
@@ -357,6 +442,12 @@ def _run_records(piece: Piece) -> PieceResult:
                 tokens += len(ids)
             records += 1
     return PieceResult(piece.index, piece.source, out, records, tokens, skipped, first_bad, _piece_bytes(piece))
+
+
+def _discard(result: PieceResult) -> None:
+    """Remove a piece's files from the staging folder, unwritten."""
+    for path in (result.tokens_file, _mask_of(result.tokens_file), _lengths_of(result.tokens_file)):
+        path.unlink(missing_ok=True)
 
 
 def _mask_of(path: Path) -> Path:

@@ -23,7 +23,6 @@ the same for any number of workers. No file is ever read whole into memory.
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import os
 from collections.abc import Iterator
@@ -83,12 +82,16 @@ class Piece:
     """Line (from 1) or record (from 0) number of the piece's first record, for messages."""
     lines: list[bytes] = field(default_factory=list)
     """Raw lines (compressed JSON Lines) or parsed records (a JSON list) read by the main process."""
+    problem: str | None = None
+    """For kind "failed": why the source could not be read to its end (``--skip_bad`` leaves it out)."""
 
 
-def find_sources(inputs: list[Path]) -> tuple[list[Source], list[str]]:
-    """The files to read, in order, and notes on what a folder held that is not read."""
+def find_sources(inputs: list[Path], skip_bad: bool = False) -> tuple[list[Source], list[str], list[str]]:
+    """The files to read, in order; notes on what a folder held that is not read; and, with ``skip_bad``, the
+    entries of a folder that cannot be read (a broken link, a FIFO), each named with why (else an error)."""
     sources: list[Source] = []
     notes: list[str] = []
+    left_out: list[str] = []
     for given in inputs:
         path = Path(given)
         if path.is_dir():
@@ -101,7 +104,13 @@ def find_sources(inputs: list[Path]) -> tuple[list[Source], list[str]]:
                     f"{path}: a datasets DatasetDict (splits: {', '.join(splits)}); give one split's folder, "
                     f"such as {path / (splits[0] if splits else 'train')}"
                 )
-            found, skipped = _folder(path)
+            found, skipped, unreadable = _folder(path)
+            if unreadable and not skip_bad:
+                raise DataError(
+                    f"{unreadable[0]}; prepare reads every file of a folder it is given (remove it, or "
+                    "--skip_bad leaves it out)"
+                )
+            left_out += unreadable
             if not found:
                 raise DataError(f"{path}: holds no file prepare reads (it reads {', '.join(KNOWN[:9])})")
             sources += found
@@ -109,28 +118,44 @@ def find_sources(inputs: list[Path]) -> tuple[list[Source], list[str]]:
                 notes.append(f"{path}: left out {', '.join(skipped)} (text files beside record files)")
             continue
         if not path.is_file():
-            raise DataError(f"{path}: not a file or folder")
+            what = "a broken link" if path.is_symlink() and not path.exists() else "not a file or folder"
+            raise DataError(f"{path}: {what}")
         sources.append(_source(path, str(path)))
-    return sources, notes
+    return sources, notes, left_out
 
 
-def _folder(folder: Path) -> tuple[list[Source], list[str]]:
-    files = sorted(
-        path
-        for path in folder.rglob("*")
-        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(folder).parts)
+def _folder(folder: Path) -> tuple[list[Source], list[str], list[str]]:
+    """A folder's sources in name order, the text files left out beside record files, and what is unreadable.
+
+    A ``save_to_disk`` folder inside it is one data set, read as such.
+    """
+    entries = sorted(
+        path for path in folder.rglob("*") if not any(part.startswith(".") for part in path.relative_to(folder).parts)
     )
-    known = [path for path in files if _kind(path) is not None]
-    unknown = [path for path in files if _kind(path) is None]
-    if unknown:
-        raise DataError(
-            f"{unknown[0]}: prepare does not know this kind of file; it reads {', '.join(KNOWN[:9])} "
-            "(move it out of the folder, or name the files to read)"
-        )
-    records = [path for path in known if _kind(path) != "text"]
-    chosen = records or known
-    skipped = [str(path.relative_to(folder)) for path in known if path not in chosen]
-    return [_source(path, str(path)) for path in chosen], skipped
+    datasets = [path for path in entries if path.is_dir() and (path / SAVE_TO_DISK_STATE).is_file()]
+    found: list[tuple[Path, list[Source]]] = []
+    unreadable = []
+    for path in entries:
+        if any(path != dataset and path.is_relative_to(dataset) for dataset in datasets):
+            continue  # a data set's own files
+        if path in datasets:
+            found.append((path, _saved_dataset(path)))
+        elif path.is_file():
+            if _kind(path) is None:
+                raise DataError(
+                    f"{path}: prepare does not know this kind of file; it reads {', '.join(KNOWN[:9])} "
+                    "(move it out of the folder, or name the files to read)"
+                )
+            found.append((path, [_source(path, str(path))]))
+        elif not path.is_dir():
+            broken = path.is_symlink() and not path.exists()
+            unreadable.append(
+                f"{path}: {'a broken link' if broken else 'not a regular file (a FIFO, socket or device)'}"
+            )
+    records = [(path, items) for path, items in found if items[0].kind != "text"]
+    chosen = records or found
+    skipped = [str(path.relative_to(folder)) for path, items in found if (path, items) not in chosen]
+    return [source for _, items in chosen for source in items], skipped, unreadable
 
 
 def _saved_dataset(folder: Path) -> list[Source]:
@@ -182,14 +207,24 @@ def _first_char(path: Path) -> bytes:
 # --- Pieces -----------------------------------------------------------------------------------------------------
 
 
-def pieces(sources: list[Source]) -> Iterator[Piece]:
-    """Every piece of every source, in order; compressed files and JSON lists are read here as they go."""
+def pieces(sources: list[Source], skip_bad: bool = False) -> Iterator[Piece]:
+    """Every piece of every source, in order; compressed files and JSON lists are read here as they go.
+
+    A source that cannot be read to its end stops here with a DataError naming it; with ``skip_bad``, a
+    piece of kind "failed" says so instead, and the pieces after it are the next source's.
+    """
     index = 0
     for number, source in enumerate(sources):
-        for piece in _source_pieces(number, source):
-            piece.index = index
+        try:
+            for piece in _source_pieces(number, source):
+                piece.index = index
+                index += 1
+                yield piece
+        except DataError as error:
+            if not skip_bad:
+                raise
+            yield Piece(index, number, "failed", problem=str(error))
             index += 1
-            yield piece
 
 
 def _source_pieces(number: int, source: Source) -> Iterator[Piece]:
@@ -245,18 +280,51 @@ def _batches(number: int, kind: str, items: Iterator[tuple[int, bytes]], start: 
 
 
 def _decompressed_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(line number, line) of a .gz or .zst file, decompressed as it is read."""
-    if path.name.lower().endswith(".gz"):
-        stream = gzip.open(path, "rb")
-    else:
-        import zstandard
+    """(line number, line) of a .gz or .zst file, decompressed as it is read, to the end marker of its last
+    frame: a file cut short or damaged is a DataError naming it, never read as complete."""
+    import zstandard
 
-        stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
     try:
-        with stream:
-            yield from enumerate(stream, start=1)
-    except (OSError, EOFError, ValueError) as error:
-        raise DataError(f"{path}: cannot be decompressed ({error})") from None
+        if path.name.lower().endswith(".gz"):
+            with gzip.open(path, "rb") as stream:  # raises EOFError when the last member has no end
+                yield from enumerate(stream, start=1)
+            return
+        with open(path, "rb") as raw:
+            yield from enumerate(_lines(_zstd_blocks(raw)), start=1)
+    except (OSError, EOFError, ValueError, zstandard.ZstdError) as error:
+        raise DataError(f"{path}: cannot be decompressed to its end ({error})") from None
+
+
+def _zstd_blocks(raw) -> Iterator[bytes]:
+    """The decompressed bytes of every zstd frame in ``raw``; EOFError when the last frame has no end."""
+    import zstandard
+
+    decompressor = zstandard.ZstdDecompressor()
+    frame, inside = decompressor.decompressobj(), False
+    while data := raw.read(1 << 20):
+        while data:
+            out = frame.decompress(data)
+            inside = True
+            if out:
+                yield out
+            if frame.eof:  # this frame is whole; what follows it is the next frame
+                data, frame, inside = frame.unused_data, decompressor.decompressobj(), False
+            else:
+                data = b""
+    if inside:
+        raise EOFError("the file ends inside a zstd frame: it was cut short")
+
+
+def _lines(blocks: Iterator[bytes]) -> Iterator[bytes]:
+    """The lines (with their line ends) of a stream of byte blocks."""
+    rest = b""
+    for block in blocks:
+        parts = (rest + block).split(b"\n")
+        rest = parts.pop()
+        for part in parts:
+            yield part + b"\n"
+    if rest:
+        yield rest
 
 
 def _array_records(path: Path) -> Iterator[tuple[int, object]]:
@@ -291,6 +359,13 @@ def _array_records(path: Path) -> Iterator[tuple[int, object]]:
             while True:
                 skip_space()
                 if buffer[position : position + 1] == "]":
+                    position += 1
+                    skip_space()
+                    if position < len(buffer):
+                        raise DataError(
+                            f"{path}: holds more after the closing ] of its list of records "
+                            f"({show_value(buffer[position : position + 40], 40)}): not one JSON document"
+                        )
                     return
                 if index and buffer[position : position + 1] == ",":
                     position += 1
@@ -459,7 +534,22 @@ def _field(record, fields: list[str] | None, where: str) -> str | dict | Bad:
     if not isinstance(value, str):
         kind = "null" if value is None else type(value).__name__
         return Bad(where, f"field {dotted!r} holds {kind}, not text: {show_value(value, 80)}")
+    problem = not_unicode_text(value)
+    if problem:
+        return Bad(where, f"field {dotted!r} {problem}")
     return value
+
+
+def not_unicode_text(text: str) -> str | None:
+    """Why a string from JSON is no text a tokenizer can read (a lone surrogate escape such as "\\ud800", valid
+    JSON and common in scraped data), or None."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"holds a lone surrogate (\\u{ord(text[error.start]):04x} at character {error.start}), not text"
+    return None
 
 
 def _column(table, fields: list[str]):
