@@ -10,7 +10,6 @@ Arguments after ``--`` on `start`, `restart`, `submit` and `render` go to the tr
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 
 from invoke import Collection, Exit, task
@@ -26,7 +25,7 @@ def _user_errors():
 
     A reader that went away (`invoke status | head -5`) ends the command quietly.
     """
-    from astrai.common.errors import AstraiError
+    from astrai.common.errors import AstraiError, detach_stdout
 
     try:
         yield
@@ -34,8 +33,7 @@ def _user_errors():
     except AstraiError as error:
         raise Exit(error.show(), code=error.exit_code) from None
     except BrokenPipeError:
-        # Python would report the pipe again when it flushes stdout at exit; point stdout at nothing first.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        detach_stdout()
         raise Exit(code=1) from None
 
 

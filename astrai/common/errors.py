@@ -9,6 +9,9 @@ this one class.
 
 from __future__ import annotations
 
+import os
+import sys
+
 
 class AstraiError(Exception):
     """An expected failure; ``exit_code`` is what the command exits with (1 unless the class says otherwise)."""
@@ -19,3 +22,9 @@ class AstraiError(Exception):
 
     def show(self) -> str:
         return f"{self.prefix}{self}"
+
+
+def detach_stdout() -> None:
+    """After a BrokenPipeError (``... | head -1``): point stdout at nothing, so that Python's own flush at exit
+    does not report the closed pipe again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -34,6 +34,7 @@ import time
 from array import array
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,10 +49,12 @@ from astrai.common.data_folder import (
     mask_file_name,
     records_file_name,
 )
+from astrai.common.errors import detach_stdout
 from astrai.common.paths import PathError, output_folder
 from astrai.common.values import format_duration
 from astrai.data.chat import ChatTemplate, RecordEncoder, RecordError
 from astrai.data.sources import (
+    LEFT_OUT_HINT,
     Bad,
     Piece,
     Record,
@@ -210,7 +213,7 @@ def _prepare_into(
                 _discard(result)
                 if entry.failed is None:
                     if not skip_bad:
-                        raise DataError(f"{result.failed}; nothing was written (--skip_bad leaves such a file out)")
+                        raise DataError(f"{result.failed}; {LEFT_OUT_HINT}")
                     for earlier in held:
                         _discard(earlier)
                     held.clear()
@@ -355,7 +358,7 @@ def _run_piece(piece: Piece) -> PieceResult:
             return _run_records(piece) if _WORKER["encoder"] is not None else _run_text(piece)
         except DataError as error:
             if not _WORKER["skip_bad"]:
-                raise
+                raise DataError(f"{error}; {LEFT_OUT_HINT}") from None
             piece.problem = str(error)
     out.touch()
     return PieceResult(piece.index, piece.source, out, 0, 0, 0, failed=piece.problem)
@@ -652,6 +655,10 @@ def _supervised(folder: Path) -> int:
     return sum(data.mask_file(shard).read_bytes().count(1) for shard in range(len(data.shard_files)))
 
 
+UNIT_OF_KIND = {"seq": "documents", "sft": "records", "dpo": "pairs"}
+"""What one of a data folder's "documents" is, by its kind."""
+
+
 def describe_folder(folder: Path) -> str:
     """What ``python -m astrai.data info`` prints: the folder's totals, tokenizer and every source file."""
     data = TokenData.open(folder)
@@ -659,7 +666,7 @@ def describe_folder(folder: Path) -> str:
     documents = manifest.get("documents")
     lines = [
         f"{folder}: {data.num_tokens:,} tokens"
-        + (f" in {documents:,} documents" if isinstance(documents, int) else "")
+        + (f" in {documents:,} {UNIT_OF_KIND[data.kind]}" if isinstance(documents, int) else "")
         + f", {len(data.shard_files)} shard(s) of {data.dtype}",
         f"tokenizer   {data.tokenizer_description}, vocabulary {data.vocab_size}, end of text "
         f"{manifest.get('end_of_text_token', manifest.get('end_of_text'))!r}",
@@ -725,20 +732,42 @@ def main(argv: list[str] | None = None) -> int:
     info = commands.add_parser("info", help="describe a data folder: totals, tokenizer, every source file")
     info.add_argument("folder", type=Path, help="a data folder written by prepare")
     args = parser.parse_args(argv)
+    previous = {number: signal.signal(number, _raise_stopped) for number in (signal.SIGTERM, signal.SIGHUP)}
     try:
         if args.command == "info":
             print(describe_folder(args.folder))
+            sys.stdout.flush()
             return 0
-        return _prepare_command(args)
+        code = _prepare_command(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        detach_stdout()
+        return 1
     except (DataError, PathError) as error:
         print(error.show(), file=sys.stderr)
         return error.exit_code
     except OSError as error:
         print(f"error: {error.filename or ''}: {error.strerror}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted: nothing was written (an earlier data set in the folder is as it was)", file=sys.stderr)
-        return 130
+    except BrokenProcessPool as error:
+        print(f"error: a tokenizing worker process died ({error}); nothing was written", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as stop:
+        why = f"stopped by {stop.args[0]}" if isinstance(stop, _Stopped) else "interrupted"
+        print(f"\n{why}: nothing was written (an earlier data set in the folder is as it was)", file=sys.stderr)
+        return 128 + (stop.args[1] if isinstance(stop, _Stopped) else signal.SIGINT)
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP: unwinds like Ctrl-C, so the workers stop and the staging folder is removed."""
+
+
+def _raise_stopped(number, _frame) -> None:
+    raise _Stopped(signal.Signals(number).name, number)
 
 
 def _prepare_command(args) -> int:
@@ -763,6 +792,10 @@ def _prepare_command(args) -> int:
         progress=sys.stderr.isatty(),
         kind=args.kind,
     )
+    for problem in manifest["left_out"]:
+        print(f"left out {problem}")
+    if manifest["empty"]:
+        print(f"left out {manifest['empty']:,} empty record(s): no text, no document")
     for entry in manifest["sources"]:
         if entry["skipped"]:
             print(f"skipped {entry['skipped']:,} bad record(s) in {entry['file']} (first: {entry['first_skipped']})")

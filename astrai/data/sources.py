@@ -49,6 +49,7 @@ KNOWN = (
     "a datasets save_to_disk folder",
 )
 SAVE_TO_DISK_STATE = "state.json"
+LEFT_OUT_HINT = "nothing was written (--skip_bad leaves such a file out)"
 PIECE_BYTES = 16 << 20
 """Bytes of a text or JSON Lines file per piece (the piece then runs on to the next line end)."""
 BATCH_BYTES = 8 << 20
@@ -222,7 +223,7 @@ def pieces(sources: list[Source], skip_bad: bool = False) -> Iterator[Piece]:
                 yield piece
         except DataError as error:
             if not skip_bad:
-                raise
+                raise DataError(f"{error}; {LEFT_OUT_HINT}") from None
             yield Piece(index, number, "failed", problem=str(error))
             index += 1
 
