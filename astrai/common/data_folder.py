@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import sys
 from array import array
 from dataclasses import dataclass
@@ -218,12 +219,18 @@ class Packing:
     """Each window: (sequence, tokens taken from it)."""
     truncated: int
     dropped: int
+    unsupervised: int = 0
+    """Sequences left out because the window would cut away every token the loss covers (long prompts)."""
 
     def __len__(self) -> int:
         return len(self.windows)
 
 
-def pack(lengths: list[int], window: int, overlong: str) -> Packing:
+def _always(_sequence: int, _take: int) -> bool:
+    return True
+
+
+def pack(lengths: list[int], window: int, overlong: str, supervised=_always) -> Packing:
     """Sequences into windows of ``window`` predictions (L tokens take L - 1); overlong ones cut or left out.
 
     Best fit, longest first: each sequence goes into the open window it fills most tightly, or a new
@@ -232,7 +239,7 @@ def pack(lengths: list[int], window: int, overlong: str) -> Packing:
     resume computes the same windows; inside a window the sequences keep their file order.
     """
     takes: list[tuple[int, int]] = []
-    truncated = dropped = 0
+    truncated = dropped = unsupervised = 0
     for index, length in enumerate(lengths):
         if length < 2:
             dropped += 1  # nothing to predict
@@ -241,6 +248,9 @@ def pack(lengths: list[int], window: int, overlong: str) -> Packing:
         if length - 1 > window:
             if overlong == "drop":
                 dropped += 1
+                continue
+            if not supervised(index, window + 1):
+                unsupervised += 1  # the cut keeps only the prompt: it would train on nothing
                 continue
             take, truncated = window + 1, truncated + 1
         takes.append((index, take))
@@ -268,7 +278,7 @@ def pack(lengths: list[int], window: int, overlong: str) -> Packing:
     for sequences in windows:
         sequences.sort()
     windows.sort()
-    return Packing(windows, truncated, dropped)
+    return Packing(windows, truncated, dropped, unsupervised)
 
 
 @dataclass(frozen=True)
@@ -277,14 +287,16 @@ class Pairs:
     """Each pair: (chosen sequence, rejected sequence, tokens taken from each at most)."""
     truncated: int
     dropped: int
+    unsupervised: int = 0
+    """Pairs left out because the window would cut away every token the loss covers in one of their answers."""
 
     def __len__(self) -> int:
         return len(self.pairs)
 
 
-def pair_up(lengths: list[int], window: int, overlong: str) -> Pairs:
+def pair_up(lengths: list[int], window: int, overlong: str, supervised=_always) -> Pairs:
     """Consecutive sequences (chosen, rejected) as pairs that fit a window (cut to it, or left out)."""
-    pairs, truncated, dropped = [], 0, 0
+    pairs, truncated, dropped, unsupervised = [], 0, 0, 0
     for chosen in range(0, len(lengths) - 1, 2):
         longest = max(lengths[chosen], lengths[chosen + 1])
         take = longest
@@ -292,19 +304,82 @@ def pair_up(lengths: list[int], window: int, overlong: str) -> Pairs:
             if overlong == "drop":
                 dropped += 1
                 continue
-            take, truncated = window + 1, truncated + 1
+            take = window + 1
+            if not (
+                supervised(chosen, min(take, lengths[chosen]))
+                and supervised(chosen + 1, min(take, lengths[chosen + 1]))
+            ):
+                unsupervised += 1
+                continue
+            truncated += 1
         pairs.append((chosen, chosen + 1, take))
-    return Pairs(pairs, truncated, dropped)
+    return Pairs(pairs, truncated, dropped, unsupervised)
 
 
 def training_units(data: TokenData, train_type: str, window: int, overlong: str) -> Packing | Pairs:
-    """What a post-training folder trains on at ``window``: SFT sequences packed into windows, or DPO pairs."""
+    """What a post-training folder trains on at ``window``: SFT sequences packed into windows, or DPO pairs.
+
+    A record the window would cut to its prompt alone is left out (it would train on nothing); when that
+    leaves nothing, or leaves out most records, it is a DataError saying what window they need.
+    """
     lengths = [length for shard in range(len(data.shard_files)) for length in data.sequence_lengths(shard)]
-    return pack(lengths, window, overlong) if train_type == "sft" else pair_up(lengths, window, overlong)
+    with _Masks(data) as masks:
+        if train_type == "sft":
+            units = pack(lengths, window, overlong, masks.supervised)
+            records = len(lengths)
+        else:
+            units = pair_up(lengths, window, overlong, masks.supervised)
+            records = len(lengths) // 2
+        if units.unsupervised and (not len(units) or 2 * units.unsupervised > records):
+            what = "records" if train_type == "sft" else "pairs"
+            raise DataError(
+                f"{data.root}: data.window_size {window} cuts {units.unsupervised:,} of {records:,} {what} before "
+                f"their first supervised token (their prompts are longer than the window): they would train on "
+                f"nothing; raise data.window_size above {masks.latest_start:,} (where the latest of their first "
+                f"supervised tokens is), or leave such records out of the data"
+            )
+    return units
+
+
+class _Masks:
+    """The supervision masks of a post-training folder, mapped: does a sequence's start hold a supervised target?"""
+
+    def __init__(self, data: TokenData):
+        self.data = data
+        self.starts: list[tuple[int, int]] = []
+        for shard in range(len(data.shard_files)):
+            position = 0
+            for length in data.sequence_lengths(shard):
+                self.starts.append((shard, position))
+                position += length
+        self._maps: dict[int, mmap.mmap] = {}
+        self.latest_start = 0
+        """The latest position of a first supervised token among the sequences asked about."""
+
+    def supervised(self, sequence: int, take: int) -> bool:
+        """Whether the first ``take`` tokens of ``sequence`` hold a supervised target (positions 1..take-1)."""
+        shard, start = self.starts[sequence]
+        if shard not in self._maps:
+            with open(self.data.mask_file(shard), "rb") as handle:
+                self._maps[shard] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        found = self._maps[shard].find(b"\x01", start + 1, start + take)
+        if found < 0:
+            first = self._maps[shard].find(b"\x01", start + 1)
+            self.latest_start = max(self.latest_start, first - start)
+        return found >= 0
+
+    def __enter__(self) -> _Masks:
+        return self
+
+    def __exit__(self, *_) -> None:
+        for mapped in self._maps.values():
+            mapped.close()
 
 
 def describe_units(units: Packing | Pairs, sequences: int, window: int, overlong: str) -> str:
     """One line: the sequences, what they became, and how many were longer than the window."""
     made = f"{len(units):,} windows of {window}" if isinstance(units, Packing) else f"{len(units):,} pairs"
     what = f"{units.truncated:,} cut to the window" if overlong == "truncate" else f"{units.dropped:,} left out"
+    if units.unsupervised:
+        what += f", {units.unsupervised:,} left out as the cut keeps no supervised token"
     return f"{sequences:,} sequences as {made}; longer than the window: {what} (data.overlong: {overlong})"

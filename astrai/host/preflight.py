@@ -309,7 +309,7 @@ def _fit_check(
             )
             for data in datas
         ]
-    except (SetupError, ModelLoadError, ConfigError) as error:
+    except (SetupError, ModelLoadError, ConfigError, DataError) as error:
         return Check(FAIL, "data fits model", str(error))
     counted = "" if runtime.world_size is not None else " (world size from nvidia-smi)"
     windows = sum(split.num_train for split in splits)

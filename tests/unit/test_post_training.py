@@ -21,7 +21,7 @@ from hf_folders import make_tokenizer
 from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.common.config import load_trainer_config
 from astrai.common.configfile import ConfigError
-from astrai.common.data_folder import TokenData
+from astrai.common.data_folder import DataError, TokenData
 from astrai.common.fit import SetupError
 from astrai.data.pipeline import prepare
 from astrai.data.tokenizing import HFTokenizer
@@ -438,3 +438,26 @@ def test_the_base_model_s_generation_config_travels_into_every_checkpoint_and_ex
         assert transformers.GenerationConfig.from_pretrained(folder).eos_token_id == [3, 4], folder
     export_checkpoint(latest_complete_checkpoint(tmp_path / "ckpt").path, tmp_path / "export", None, 1 << 30)
     assert json.loads((tmp_path / "export" / "generation_config.json").read_text()) == stops
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_a_window_that_cuts_records_to_their_prompts_is_refused_in_preflight_and_the_trainer(
+    tmp_path, post_yaml, make_trainer, chat_world, kind
+):
+    from astrai.common.data_folder import training_units
+
+    world, sft, dpo = chat_world
+    folder = sft if kind == "sft" else dpo
+    first = min(mask.index(1) for _, mask in _sequences(folder))
+    window = first - 2  # shorter than every prompt: each cut keeps no supervised target
+    path = post_yaml(tmp_path / "post.yaml", kind, ckpt_dir=str(tmp_path / "ckpt"), window_size=window)
+    expected = rf"data.window_size {window} cuts .* before their first supervised token .* would train on nothing"
+    with pytest.raises(DataError, match=expected):
+        training_units(TokenData.open(folder), kind, window, "truncate")
+    with pytest.raises(DataError, match=expected):
+        make_trainer(path)
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").glob("epoch_*"))
+    # Records whose cut still holds a supervised token train as before, and the others are counted.
+    lengths = sorted(len(ids) for ids, _ in _sequences(folder))
+    units = training_units(TokenData.open(folder), kind, lengths[-1] - 3, "truncate")
+    assert units.unsupervised == 0 and units.truncated > 0
