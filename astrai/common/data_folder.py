@@ -60,6 +60,8 @@ class TokenData:
     shard_tokens: tuple[int, ...]
     dtype: str = "uint16"
     tokenizer_sha256: str | None = None
+    tokenizer_digest: str | None = None
+    """What the tokenizer does (tokenizer_digest()), recorded by prepare; None in older folders."""
     tokenizer_files: tuple[str, ...] = ()
     """Tokenizer files in the folder, copied into every checkpoint."""
     end_of_text: int | None = None
@@ -81,6 +83,12 @@ class TokenData:
     def tokenizer_identity(self) -> tuple:
         """What must agree for two folders' token ids to mean the same text."""
         return (self.tokenizer, self.tokenizer_sha256, self.vocab_size, self.end_of_text)
+
+    def tokenizer_meaning(self) -> str | None:
+        """The digest of what the data's tokenizer does (None: prepared byte by byte)."""
+        if self.tokenizer_sha256 is None:
+            return None
+        return self.tokenizer_digest or tokenizer_digest(self.root / TOKENIZER_FILE)
 
     @property
     def tokenizer_description(self) -> str:
@@ -114,6 +122,7 @@ class TokenData:
                 shard_tokens=tuple(count for _, count in shards),
                 dtype=manifest["dtype"],
                 tokenizer_sha256=manifest.get("tokenizer_sha256"),
+                tokenizer_digest=manifest.get("tokenizer_digest"),
                 tokenizer_files=tokenizer_files,
                 end_of_text=manifest.get("end_of_text"),
                 documents=manifest.get("documents"),
@@ -383,3 +392,23 @@ def describe_units(units: Packing | Pairs, sequences: int, window: int, overlong
     if units.unsupervised:
         what += f", {units.unsupervised:,} left out as the cut keeps no supervised token"
     return f"{sequences:,} sequences as {made}; longer than the window: {what} (data.overlong: {overlong})"
+
+
+def tokenizer_digest(path: Path) -> str:
+    """SHA-256 of what a ``tokenizer.json`` does — its vocabulary, merges, added tokens, normalizer and
+    pre-tokenizer — whatever version of the library saved it (merges as "a b" or ["a", "b"], key order)."""
+    try:
+        saved = json.loads(Path(path).read_text(encoding="utf-8"))
+        model = saved.get("model") or {}
+        merges = [merge.split(" ") if isinstance(merge, str) else list(merge) for merge in model.get("merges") or []]
+        meaning = {
+            "model": [model.get("type"), model.get("vocab"), merges],
+            "added": sorted(
+                (token["id"], token["content"], bool(token.get("special"))) for token in saved.get("added_tokens") or []
+            ),
+            "normalizer": saved.get("normalizer"),
+            "pre_tokenizer": saved.get("pre_tokenizer"),
+        }
+    except (OSError, ValueError, AttributeError, KeyError, TypeError) as error:
+        raise DataError(f"{path}: not a readable tokenizer.json ({error})") from None
+    return hashlib.sha256(json.dumps(meaning, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()

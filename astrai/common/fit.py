@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from astrai.common.contract import MODEL_CONFIG_FILE
-from astrai.common.data_folder import TokenData, WindowSplit
+from astrai.common.contract import MODEL_CONFIG_FILE, TOKENIZER_FILE
+from astrai.common.data_folder import TokenData, WindowSplit, tokenizer_digest
 from astrai.common.errors import AstraiError
 from astrai.common.model_folder import ModelConfig, check_window
 
@@ -90,6 +90,29 @@ def check_fit(
             f"grad_accum_steps({batch.grad_accum}) * world_size({batch.world_size}) = {batch.global_batch}"
         )
     return split
+
+
+def check_model_tokenizer(data: TokenData, model_folder: Path) -> None:
+    """Data must be tokenized by the model folder's own tokenizer, when the folder has one: another tokenizer
+    of the same vocabulary size gives ids that mean other text, and would replace the model's in checkpoints."""
+    model_file = Path(model_folder) / TOKENIZER_FILE
+    if not model_file.is_file():
+        return
+    ours = data.tokenizer_meaning()
+    if ours == tokenizer_digest(model_file):
+        return
+    what = "byte by byte" if ours is None else f"with another tokenizer ({data.tokenizer_description})"
+    raise SetupError(
+        f"{data.root} was prepared {what}, but the model {model_folder} has its own {TOKENIZER_FILE} "
+        f"(sha256 {_file_sha256(model_file)[:12]}): the same ids would mean other text; prepare the data with "
+        f"the model's tokenizer (python -m astrai.data prepare --tokenizer {model_folder} ...)"
+    )
+
+
+def _file_sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def check_same_tokenizer(datas: list[TokenData], names: list[str]) -> None:

@@ -48,6 +48,7 @@ from astrai.common.data_folder import (
     TokenData,
     mask_file_name,
     records_file_name,
+    tokenizer_digest,
 )
 from astrai.common.errors import detach_stdout
 from astrai.common.paths import PathError, output_folder
@@ -281,6 +282,7 @@ def _prepare_into(
             end_of_text_token=tokenizer.end_of_text_token,
             special_tokens=tokenizer.special_tokens,
             tokenizer_sha256=tokenizer.sha256,
+            tokenizer_digest=tokenizer_digest(tokenizer.file),
             tokenizer_files=copied,
         )
     return manifest

@@ -32,7 +32,7 @@ from astrai.common.contract import (
     WEIGHTS_INDEX_FILE,
 )
 from astrai.common.data_folder import DataError, TokenData, describe_units, training_units
-from astrai.common.fit import BatchShape, SetupError, check_fit, check_same_tokenizer
+from astrai.common.fit import BatchShape, SetupError, check_fit, check_model_tokenizer, check_same_tokenizer
 from astrai.common.model_folder import ModelConfig, ModelLoadError, describe, inspect_weights, num_parameters
 from astrai.common.paths import folder_problem, length_problem, nearest_existing, read_only
 from astrai.host import compose, engine
@@ -295,6 +295,7 @@ def _fit_check(
         batch = BatchShape(training.batch_per_device, grad_accum, world)
         window, kind = config.data.window_size, training.train_type
         units = None
+        check_model_tokenizer(datas[0], model[1])
         if kind != "seq":
             units = training_units(datas[0], kind, window, config.data.overlong)
         splits = [

@@ -50,7 +50,7 @@ from astrai.common.contract import (
 )
 from astrai.common.data_folder import DataError, TokenData, describe_units, training_units
 from astrai.common.errors import AstraiError
-from astrai.common.fit import BatchShape, SetupError, check_fit, check_same_tokenizer
+from astrai.common.fit import BatchShape, SetupError, check_fit, check_model_tokenizer, check_same_tokenizer
 from astrai.trainer.checkpoint.files import LoadedCheckpoint, NonFiniteWeights, Progress
 from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
 from astrai.trainer.distributed import (
@@ -171,12 +171,16 @@ class Trainer:
             check_same_tokenizer(datas, names)
         if loaded is not None:
             self.model_config, weights, model_source = loaded.model_config, loaded.model_state, loaded.checkpoint.path
+            broadcast_from_master(env, lambda: check_model_tokenizer(datas[0], model_source), errors=(SetupError,))
         else:
             model_source = Path(config.ckpt.param_path)
+
+            def read_base():
+                check_model_tokenizer(datas[0], model_source)
+                return load_base_model(model_source)
+
             # Only node 0 needs the base model: rank 0 reads it, the others receive it.
-            self.model_config, weights = broadcast_from_master(
-                env, lambda: load_base_model(model_source), errors=(ModelLoadError,)
-            )
+            self.model_config, weights = broadcast_from_master(env, read_base, errors=(ModelLoadError, SetupError))
         fraction = config.data.val_fraction
         self.train_type = training.train_type
         if loaded is not None and (loaded.meta.train_type or "seq") != self.train_type:

@@ -461,3 +461,41 @@ def test_a_window_that_cuts_records_to_their_prompts_is_refused_in_preflight_and
     lengths = sorted(len(ids) for ids, _ in _sequences(folder))
     units = training_units(TokenData.open(folder), kind, lengths[-1] - 3, "truncate")
     assert units.unsupervised == 0 and units.truncated > 0
+
+
+def test_data_of_another_tokenizer_than_the_model_s_own_is_refused_naming_both(
+    tmp_path, post_yaml, make_trainer, chat_world, one_thread
+):
+    from astrai.common.data_folder import tokenizer_digest
+    from astrai.common.fit import check_model_tokenizer
+
+    world, sft, _ = chat_world
+    model = tmp_path / "model"
+    shutil.copytree(world.model, model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(world.tokenizer / name, model / name)
+    check_model_tokenizer(TokenData.open(sft), model)  # its own tokenizer: fine
+    # The same tokenizer saved again (another key order) means the same ids.
+    saved = json.loads((model / "tokenizer.json").read_text())
+    (model / "tokenizer.json").write_text(json.dumps(dict(reversed(list(saved.items())))))
+    assert tokenizer_digest(model / "tokenizer.json") == TokenData.open(sft).tokenizer_meaning()
+    # Another tokenizer of the same vocabulary size: other ids for the same text.
+    vocab = len(saved["model"]["vocab"]) + len(saved["added_tokens"])
+    other = make_tokenizer(
+        tmp_path / "other",
+        ["entirely different words here"] * 50,
+        vocab_size=vocab,
+        special=("<|im_end|>", "<|im_start|>", "<|endoftext|>"),
+    )
+    shutil.copyfile(world.tokenizer / "tokenizer_config.json", other / "tokenizer_config.json")
+    data = tmp_path / "other-data"
+    prepare(data, [world.sft_file], tokenizer=HFTokenizer(other), kind="sft")
+    path = post_yaml(
+        tmp_path / "sft.yaml", "sft", ckpt_dir=str(tmp_path / "ckpt"), param_path=str(model), data_root_path=str(data)
+    )
+    with pytest.raises(
+        SetupError,
+        match=rf"{data} was prepared with another tokenizer .* but the model {model} has its own tokenizer.json",
+    ):
+        make_trainer(path)
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
