@@ -107,6 +107,10 @@ class CheckpointMeta:
     """DPO only: the frozen reference model it was trained against, ``{"path": ..., "sha256": ...}``."""
     format: str | None = None
     """How it was written: full or sharded (absent in checkpoints older than the sharded format: full)."""
+    optimizer: str | None = None
+    """adamw or muon: whose moments optimizer.pt holds (absent in older checkpoints)."""
+    data_digest: str | None = None
+    """Which prepared data it trained on: a digest of the data folders' manifests (absent in older checkpoints)."""
 
     def to_dict(self) -> dict:
         values = dataclasses.asdict(self)
@@ -141,6 +145,8 @@ class CheckpointMeta:
             "train_type": raw.get("train_type"),
             "reference": raw.get("reference"),
             "format": raw.get("format"),
+            "optimizer": raw.get("optimizer"),
+            "data_digest": raw.get("data_digest"),
         }
         if values["reason"] not in REASONS:
             allowed = ", ".join(REASONS)
@@ -151,8 +157,9 @@ class CheckpointMeta:
             raise DamagedCheckpoint(
                 f"{META_FILE}: format must be one of {', '.join(CKPT_FORMATS)}, got {values['format']!r}"
             )
-        if not isinstance(values["train_type"], (str, type(None))):
-            raise DamagedCheckpoint(f"{META_FILE}: train_type must be a string, got {values['train_type']!r}")
+        for key in ("train_type", "optimizer", "data_digest"):
+            if not isinstance(values[key], (str, type(None))):
+                raise DamagedCheckpoint(f"{META_FILE}: {key} must be a string, got {values[key]!r}")
         reference = values["reference"]
         if reference is not None and not (
             isinstance(reference, dict) and all(isinstance(reference.get(key), str) for key in ("path", "sha256"))

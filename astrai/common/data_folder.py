@@ -412,3 +412,12 @@ def tokenizer_digest(path: Path) -> str:
     except (OSError, ValueError, AttributeError, KeyError, TypeError) as error:
         raise DataError(f"{path}: not a readable tokenizer.json ({error})") from None
     return hashlib.sha256(json.dumps(meaning, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def data_digest(folders: list[Path]) -> str:
+    """A short digest of what data folders hold, from their manifests (which list every source's SHA-256): the
+    same for the same prepared data, another when a folder was prepared again from other files."""
+    digest = hashlib.sha256()
+    for folder in folders:
+        digest.update((Path(folder) / DATA_MANIFEST_FILE).read_bytes())
+    return digest.hexdigest()[:16]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from astrai.common.checkpoints import CheckpointMeta
 from astrai.common.contract import MODEL_CONFIG_FILE, TOKENIZER_FILE
 from astrai.common.data_folder import TokenData, WindowSplit, tokenizer_digest
 from astrai.common.errors import AstraiError
@@ -125,3 +126,29 @@ def check_same_tokenizer(datas: list[TokenData], names: list[str]) -> None:
                 f"{names[0]} with {first.tokenizer_description} (vocabulary {first.vocab_size}); prepare every source "
                 "with the same --tokenizer"
             )
+
+
+def check_resume(meta: CheckpointMeta, folder: Path, training, data_digest: str | None) -> list[str]:
+    """What a resume from checkpoint ``meta`` (in ``folder``) cannot carry over raises SetupError; what it carries
+    over differently comes back as notes to announce. One rule for the trainer and `invoke preflight`."""
+    train_type = meta.train_type or "seq"
+    if train_type != training.train_type:
+        raise SetupError(
+            f"{folder} is a checkpoint of a {train_type} run, and this config trains {training.train_type}: a job "
+            f"dir holds one run. To train {training.train_type} from that checkpoint, start a new job (its own "
+            "ckpt_dir) with ckpt.param_path set to it"
+        )
+    if meta.optimizer is not None and meta.optimizer != training.optimizer:
+        raise SetupError(
+            f"{folder} holds {meta.optimizer} moments, and this config asks for training.optimizer "
+            f"{training.optimizer}: they cannot carry over. Resume with training.optimizer: {meta.optimizer}, or "
+            f"start a new job (its own ckpt_dir) with ckpt.param_path set to that checkpoint"
+        )
+    notes = []
+    if meta.data_digest is not None and data_digest is not None and meta.data_digest != data_digest:
+        notes.append(
+            f"the data was prepared again since {folder.name} was written (data digest {meta.data_digest} -> "
+            f"{data_digest}): training goes on at the same position of another data set, whose windows differ "
+            "from those the run would have seen"
+        )
+    return notes

@@ -31,8 +31,15 @@ from astrai.common.contract import (
     TORCH_VERSION,
     WEIGHTS_INDEX_FILE,
 )
-from astrai.common.data_folder import DataError, TokenData, describe_units, training_units
-from astrai.common.fit import BatchShape, SetupError, check_fit, check_model_tokenizer, check_same_tokenizer
+from astrai.common.data_folder import DataError, TokenData, data_digest, describe_units, training_units
+from astrai.common.fit import (
+    BatchShape,
+    SetupError,
+    check_fit,
+    check_model_tokenizer,
+    check_resume,
+    check_same_tokenizer,
+)
 from astrai.common.model_folder import ModelConfig, ModelLoadError, describe, inspect_weights, num_parameters
 from astrai.common.paths import folder_problem, length_problem, nearest_existing, read_only
 from astrai.host import compose, engine
@@ -77,6 +84,9 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = ()) -> list[Check]:
     checks.append(check)
     if runtime.node == 0:
         checks.append(_fit_check(runtime, config, data, model))
+        latest = _latest_checkpoint(runtime)
+        if latest is not None and config is not None and data is not None:
+            checks.append(_resume_check(latest, config, data))
         if config is not None and config.training.train_type == "dpo":
             checks.append(_reference_check(runtime, config, model))
     checks.append(_disk_space_check(runtime))
@@ -326,6 +336,15 @@ def _fit_check(
         "data fits model",
         f"{windows:,} training {what}{steps} at world size {world}{counted}{detail}",
     )
+
+
+def _resume_check(latest, config: TrainerConfig, datas: list[TokenData]) -> Check:
+    """What the resume carries over: the trainer's own rule (a changed optimizer refused, other data announced)."""
+    try:
+        notes = check_resume(latest.meta, latest.path, config.training, data_digest([data.root for data in datas]))
+    except SetupError as error:
+        return Check(FAIL, "resume", str(error))
+    return Check(PASS, "resume", "; ".join([f"from {latest.path} (step {latest.step})", *notes]))
 
 
 def _reference_check(runtime: Runtime, config: TrainerConfig, model: tuple[ModelConfig, Path] | None) -> Check:

@@ -48,9 +48,16 @@ from astrai.common.contract import (
     REASON_PERIODIC,
     resolve_parallel_mode,
 )
-from astrai.common.data_folder import DataError, TokenData, describe_units, training_units
+from astrai.common.data_folder import DataError, TokenData, data_digest, describe_units, training_units
 from astrai.common.errors import AstraiError
-from astrai.common.fit import BatchShape, SetupError, check_fit, check_model_tokenizer, check_same_tokenizer
+from astrai.common.fit import (
+    BatchShape,
+    SetupError,
+    check_fit,
+    check_model_tokenizer,
+    check_resume,
+    check_same_tokenizer,
+)
 from astrai.trainer.checkpoint.files import LoadedCheckpoint, NonFiniteWeights, Progress
 from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
 from astrai.trainer.distributed import (
@@ -183,12 +190,14 @@ class Trainer:
             self.model_config, weights = broadcast_from_master(env, read_base, errors=(ModelLoadError, SetupError))
         fraction = config.data.val_fraction
         self.train_type = training.train_type
-        if loaded is not None and (loaded.meta.train_type or "seq") != self.train_type:
-            raise SetupError(
-                f"{loaded.checkpoint.path} is a checkpoint of a {loaded.meta.train_type or 'seq'} run, and this "
-                f"config trains {self.train_type}: a job dir holds one run. To train {self.train_type} from that "
-                f"checkpoint, start a new job (its own ckpt_dir) with ckpt.param_path set to it"
-            )
+        self.data_digest = data_digest([data.root for data in datas])
+        resume_notes = []
+        if loaded is not None:
+            meta = loaded.meta
+            groups = loaded.optimizer_state.get("param_groups", [])
+            if meta.optimizer is None and groups:  # an older checkpoint: AdamW has two groups, Muon adds a third
+                meta = dataclasses.replace(meta, optimizer="muon" if len(groups) == 3 else "adamw")
+            resume_notes = check_resume(meta, loaded.checkpoint.path, training, self.data_digest)
         # DPO trains each pair as two rows: a chosen and a rejected sequence.
         rows = 2 if self.train_type == "dpo" else 1
         self.tokens_per_step = self.global_batch * self.window_size * rows
@@ -236,7 +245,15 @@ class Trainer:
             optimizer=self.optimizer,
             schedule=self.schedule,
             model_config=self.model_config,
-            facts=RunFacts(config.config_hash(), self.max_steps, self.window_size, self.global_batch, self.train_type),
+            facts=RunFacts(
+                config.config_hash(),
+                self.max_steps,
+                self.window_size,
+                self.global_batch,
+                self.train_type,
+                optimizer=training.optimizer,
+                data_digest=self.data_digest,
+            ),
             interval=config.ckpt.ckpt_interval,
             keep_last=config.ckpt.keep_last,
             # A checkpoint is a complete model folder: the data's tokenizer goes into each one, and the model's
@@ -253,7 +270,7 @@ class Trainer:
             # The checkpoint brought the optimizer's moments; its settings are this run's config.
             apply_settings(self.optimizer, training)
             self.progress = loaded.progress
-            self._note_resume(loaded)
+            self._note_resume(loaded, resume_notes)
         else:
             torch.manual_seed(training.random_seed + env.rank)
             self.progress = Progress()
@@ -434,7 +451,7 @@ class Trainer:
         counts = self.mixture.drawn(self.progress.samples_in_epoch)
         return {name: count * self.window_size for name, count in zip(self.source_names, counts, strict=True)}
 
-    def _note_resume(self, loaded: LoadedCheckpoint) -> None:
+    def _note_resume(self, loaded: LoadedCheckpoint, notes: list[str]) -> None:
         p, meta = loaded.progress, loaded.meta
         self.log(
             f"resumed from {loaded.checkpoint.path} (epoch {p.epoch}, step {p.step}, reason {meta.reason}; "
@@ -447,8 +464,9 @@ class Trainer:
             self.config.training,
             p.step,
         )
-        if changes is not None:
-            self.log(f"note: {changes}")
+        for note in [changes, *notes]:
+            if note is not None:
+                self.log(f"note: {note}")
         if meta.global_batch is not None and meta.global_batch != self.global_batch:
             self.log(
                 f"note: the global batch changed since that checkpoint ({meta.global_batch} -> {self.global_batch} "

@@ -499,3 +499,38 @@ def test_data_of_another_tokenizer_than_the_model_s_own_is_refused_naming_both(
     ):
         make_trainer(path)
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+def test_a_resume_that_cannot_carry_the_optimizer_is_refused_and_other_data_is_announced(
+    tmp_path, post_yaml, make_trainer, chat_world, capsys, one_thread
+):
+    from astrai.common.fit import check_resume
+
+    world, sft, _ = chat_world
+    data = tmp_path / "data"
+    shutil.copytree(sft, data)
+    path = post_yaml(tmp_path / "sft.yaml", "sft", ckpt_dir=str(tmp_path / "ckpt"), data_root_path=str(data))
+    trainer = make_trainer(path, max_steps=2, ckpt_interval=2)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    latest = latest_complete_checkpoint(tmp_path / "ckpt")
+    assert latest.meta.optimizer == "adamw" and latest.meta.data_digest
+    with pytest.raises(SetupError, match=r"holds adamw moments, and this config asks for training.optimizer muon"):
+        make_trainer(path, max_steps=4, optimizer="muon")
+    # The same rule in preflight's hands (torch-free): the checkpoint's meta and the config.
+    config = load_trainer_config(path, [("optimizer", "muon")])
+    with pytest.raises(SetupError, match="cannot carry over"):
+        check_resume(latest.meta, latest.path, config.training, latest.meta.data_digest)
+    # The data folder prepared again from other records: the resume says so.
+    prepare(
+        data,
+        [write_jsonl(tmp_path / "more.jsonl", sft_records(90, seed=5))],
+        tokenizer=HFTokenizer(world.tokenizer),
+        kind="sft",
+    )
+    capsys.readouterr()
+    trainer = make_trainer(path, max_steps=3)
+    trainer.close()
+    assert "note: the data was prepared again since epoch_0_step_2 was written" in capsys.readouterr().out

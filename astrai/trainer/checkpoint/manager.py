@@ -102,6 +102,8 @@ class RunFacts:
     train_type: str = "seq"
     reference: dict | None = None
     """DPO: the frozen reference (path, sha256), never saved itself."""
+    optimizer: str | None = None
+    data_digest: str | None = None
 
 
 class CheckpointManager:
@@ -313,6 +315,8 @@ class CheckpointManager:
             train_type=self.facts.train_type,
             reference=self.facts.reference,
             format=self.format,
+            optimizer=self.facts.optimizer,
+            data_digest=self.facts.data_digest,
         )
 
     def _save_sharded(self, progress: Progress, reason: str, wait: bool, final: Path) -> None:
