@@ -8,10 +8,10 @@ with a larger ``max_steps`` follows the new schedule, which the trainer announce
 
 Schedules (``training.schedule``), each after a linear warmup of ``warmup_ratio * max_steps``:
 
-- ``cosine``: cosine decay to ``max_lr * min_lr_ratio`` at ``max_steps``;
+- ``cosine``: cosine decay to ``max_lr * min_lr_ratio``, which the last step (the ``max_steps``-th) runs at;
 - ``wsd`` (warmup-stable-decay): flat at ``max_lr``, then a linear decay over the last
-  ``decay_ratio`` of the steps to ``max_lr * min_lr_ratio``; extending a run before its decay
-  began only lengthens the plateau;
+  ``decay_ratio`` of the steps to ``max_lr * min_lr_ratio``, which the last step runs at; extending a
+  run before its decay began only lengthens the plateau;
 - ``constant``: flat at ``max_lr`` to the end; extending changes nothing.
 
 Optimizers (``training.optimizer``):
@@ -69,8 +69,10 @@ class Schedule:
             decay_start = self.max_steps - self.decay_steps
             if step < decay_start or self.decay_steps == 0:
                 return 1.0
-            return 1.0 - (1.0 - floor) * min((step - decay_start) / self.decay_steps, 1.0)
-        progress = min((step - self.warmup_steps) / max(self.max_steps - self.warmup_steps, 1), 1.0)
+            # The decay's steps are the last decay_steps ones: the last of them, step max_steps - 1, is at the floor.
+            return 1.0 - (1.0 - floor) * min((step - decay_start + 1) / self.decay_steps, 1.0)
+        # The last optimizer step (after max_steps - 1 completed ones) runs at the floor, as the docs say.
+        progress = min((step - self.warmup_steps) / max(self.max_steps - 1 - self.warmup_steps, 1), 1.0)
         return floor + 0.5 * (1.0 - floor) * (1.0 + math.cos(math.pi * progress))
 
     def lr(self, step: int) -> float:

@@ -66,8 +66,11 @@ def test_the_schedules_warm_up_then_decay_stay_or_decay_late():
     constant = Schedule("constant", 1.0, 0.1, 10, 100, 0)
     for schedule in (cosine, wsd, constant):
         assert schedule.lr(0) == pytest.approx(1 / 11) and schedule.lr(10) == 1.0
-    assert cosine.lr(55) == pytest.approx(0.55) and cosine.lr(100) == pytest.approx(0.1)
-    assert wsd.lr(79) == 1.0 and wsd.lr(90) == pytest.approx(0.55) and wsd.lr(100) == pytest.approx(0.1)
+    # The last step (after 99 completed ones) runs at max_lr * min_lr_ratio, for cosine and wsd alike.
+    assert cosine.lr(98) > cosine.lr(99) == pytest.approx(0.1) and cosine.lr(100) == pytest.approx(0.1)
+    assert cosine.lr(10 + 89 / 2) == pytest.approx(0.55)
+    assert wsd.lr(79) == 1.0 and wsd.lr(80) < 1.0 and wsd.lr(89) == pytest.approx(0.55)
+    assert wsd.lr(98) > wsd.lr(99) == pytest.approx(0.1)
     assert constant.lr(99) == constant.lr(10_000) == 1.0
     # A wsd run extended before its decay began only lengthens the plateau.
     assert Schedule("wsd", 1.0, 0.1, 10, 200, 40).lr(79) == 1.0
