@@ -103,6 +103,9 @@ def render(runtime: Runtime, trainer_args: list[str]) -> str:
 def submit_job(runtime: Runtime, trainer_args: list[str], dry_run: bool) -> None:
     """`invoke submit`: the sbatch script of the job, checked, written under the job dir and submitted."""
     check_trainer_config(runtime, trainer_args)
+    problems = slurm.config_problems(runtime)
+    if problems:
+        raise JobError("\nerror: ".join(problems), code=2)
     script = slurm.render_script(runtime, trainer_args)
     if dry_run:
         _say(script.rstrip("\n"))

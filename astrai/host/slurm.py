@@ -114,6 +114,51 @@ def signal_lead_seconds(runtime: Runtime) -> int:
     return runtime.stop_timeout_seconds + SIGNAL_MARGIN_SECONDS
 
 
+# sbatch options the script sets itself, each with what decides it: one in runtime.slurm.extra would override it.
+MANAGED_OPTIONS = {
+    ("--job-name", "-J"): "runtime.job_name",
+    ("--nodes", "-N"): "runtime.nodes.count",
+    ("--ntasks-per-node",): "invoke submit (one task per node)",
+    ("--gpus-per-node",): "runtime.gpu.devices",
+    ("--partition", "-p"): "runtime.slurm.partition",
+    ("--account", "-A"): "runtime.slurm.account",
+    ("--qos", "-q"): "runtime.slurm.qos",
+    ("--time", "-t"): "runtime.slurm.time",
+    ("--signal",): "runtime.container.stop_timeout_seconds (the stop signal comes that long + 30 s before the end)",
+    ("--requeue", "--no-requeue"): "runtime.slurm.requeue",
+    ("--open-mode",): "invoke submit (the job's output is appended to across allocations)",
+    ("--output", "-o", "--error", "-e"): "invoke submit (the job's one output file, which invoke logs follows)",
+    ("--chdir", "-D"): "invoke submit (the folder of the YAML)",
+}
+
+
+def config_problems(runtime: Runtime) -> list[str]:
+    """What the job's own settings make impossible, before any cluster is asked: an extra option that would
+    override one the script manages, a time limit shorter than the stop signal's lead plus a minute of work."""
+    settings = _settings(runtime)
+    problems = []
+    for index, option in enumerate(settings.extra):
+        name = re.split(r"[=\s]", option.strip(), maxsplit=1)[0]
+        if name.startswith("-") and not name.startswith("--") and len(name) > 2:
+            name = name[:2]  # -p gpu and -pgpu alike
+        for names, owner in MANAGED_OPTIONS.items():
+            if name in names:
+                problems.append(
+                    f"{runtime.config_path}: runtime.slurm.extra[{index}]: {option!r} would override the script's own "
+                    f"{names[0]}, which {owner} decides; set that instead"
+                )
+    limit = parse_time_limit(settings.time) if settings.time is not None else None
+    lead = signal_lead_seconds(runtime)
+    if limit is not None and limit < lead + MIN_WORK_SECONDS:
+        problems.append(
+            f"{runtime.config_path}: runtime.slurm.time: {settings.time} ({limit} s) leaves under {MIN_WORK_SECONDS} s "
+            f"before the stop signal, which comes {lead} s before the end (runtime.container.stop_timeout_seconds "
+            f"{runtime.stop_timeout_seconds} + {SIGNAL_MARGIN_SECONDS} s); make it at least "
+            f"{_clock(lead + MIN_WORK_SECONDS)}, or lower stop_timeout_seconds"
+        )
+    return problems
+
+
 def rendezvous_port(job_id: int) -> int:
     return PORT_BASE + job_id % PORT_SPAN
 

@@ -17,7 +17,13 @@ from pathlib import Path
 
 from astrai.common.config import TrainerConfig, parse_args, parse_overrides, trainer_sections
 from astrai.common.configfile import ConfigError
-from astrai.common.contract import CONTAINER_DATA, CONTAINER_MODEL, container_job_dir, trainer_arguments
+from astrai.common.contract import (
+    CONTAINER_DATA,
+    CONTAINER_MODEL,
+    container_job_dir,
+    resolve_parallel_mode,
+    trainer_arguments,
+)
 from astrai.host.runtime import Runtime
 
 _FLAGS = ("--dry-run",)
@@ -62,9 +68,33 @@ def read_trainer_config(runtime: Runtime, user_args: list[str]) -> TrainerConfig
     arguments = trainer_arguments(runtime.job_name, mode, user_args)
     arguments[arguments.index("--config") + 1] = str(path)
     try:
-        return parse_args(arguments)[0]
+        config = parse_args(arguments)[0]
     except ConfigError as error:
         raise ConfigError(f"after --: {line}" for line in error.messages) from None
+    problems = _container_problems(runtime, config, overrides)
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _container_problems(runtime: Runtime, config: TrainerConfig, overrides: dict) -> list[str]:
+    """What the trainer would refuse in this job's container though the config reads well: a parallel mode given
+    after ``--`` that the job's process count does not allow, a GPU asked for in a container without one."""
+    problems = []
+    if "parallel_mode" in overrides.get("parallel", {}) and runtime.world_size is not None:
+        # The entrypoint passes the runtime's mode; an argument after -- comes later and wins.
+        try:
+            resolve_parallel_mode(config.parallel.parallel_mode, runtime.world_size)
+        except ValueError as error:
+            problems.append(
+                f"after --: --parallel_mode {config.parallel.parallel_mode}: {error} by runtime.gpu "
+                f"({runtime.world_size} in this job); leave it out (the runtime's {runtime.parallel_mode} applies) "
+                "or change runtime.gpu"
+            )
+    if config.training.device == "cuda" and (not runtime.uses_gpu or runtime.cuda_tag == "cpu"):
+        why = "runtime.gpu.devices is none" if not runtime.uses_gpu else "runtime.container.cuda_tag is cpu"
+        problems.append(f"training.device: cuda, but {why}: the container has no GPU; use training.device auto or cpu")
+    return problems
 
 
 def fix_hint(error: ConfigError, runtime: Runtime) -> str:

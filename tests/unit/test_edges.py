@@ -272,6 +272,23 @@ def test_preflight_opens_the_data_the_way_the_trainer_does(tmp_path, tiny_model,
     assert fits.startswith("✗") and "data vocabulary 257" in fits and "does not fit the model's vocab_size 200" in fits
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--parallel_mode", "ddp"], "--parallel_mode ddp: ddp needs 2 or more processes, but 1 was requested"),
+        (["--device", "cuda"], "--device cuda, but runtime.gpu.devices is none: the container has no GPU"),
+    ],
+)
+def test_preflight_and_start_refuse_what_the_container_s_trainer_would(tmp_path, args, expected):
+    config = _cpu_job(tmp_path)
+    before = _snapshot(tmp_path)
+    line = _line(invoke("preflight", "--config", str(config), "--", *args), "trainer config")
+    assert line.startswith("✗") and expected in line
+    result = invoke("start", "--config", str(config), "--", *args)
+    assert result.returncode == 2 and expected in result.stderr and "Traceback" not in result.stderr
+    assert _snapshot(tmp_path) == before
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only file system needs root")
 def test_a_read_only_checkpoint_disk_is_named_as_such_not_as_permissions(tmp_path):
     folder = tmp_path / "ro"

@@ -153,8 +153,10 @@ def test_trainjob_passes_the_vendored_crd_schema(tmp_path, gpu):
 
 
 def test_the_pod_carries_the_docker_jobs_settings(tmp_path):
-    runtime = _runtime(tmp_path, environment={"NCCL_DEBUG": "INFO $x", "HF_HOME": "/tmp/hf"})
-    documents = _rendered(runtime, ["--max_lr", "1e-3", "--note", "a b $HOME ü"])
+    runtime = _runtime(tmp_path, environment={"NCCL_DEBUG": "INFO $x $(HOSTNAME)", "HF_HOME": "/tmp/hf"})
+    with runtime.config_path.open("a", encoding="utf-8") as handle:
+        handle.write("# WANDB_API_KEY=old-secret-in-a-comment\n")
+    documents = _rendered(runtime, ["--max_lr", "1e-3", "--note", "a b $HOME ü $(POD_NAME)"])
     config, service, job = documents
     name = kubernetes.object_name("My_Job.v2")
     pod = _pod(documents)
@@ -188,10 +190,13 @@ def test_the_pod_carries_the_docker_jobs_settings(tmp_path):
     assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpts"}
     assert volumes["data"]["persistentVolumeClaim"] == {"claimName": "corpus", "readOnly": True}
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "A100"}
-    # Literal values: $ stays, 1e-3 stays a string, the config is the file as written.
-    assert container["args"] == ["--max_lr", "1e-3", "--note", "a b $HOME ü"]
-    assert env["NCCL_DEBUG"] == "INFO $x"
-    assert config["data"]["train.yaml"] == runtime.config_path.read_text(encoding="utf-8")
+    # Literal values: $ stays, 1e-3 stays a string, and $( is escaped as $$( (Kubernetes expands $(VAR) there).
+    assert container["args"] == ["--max_lr", "1e-3", "--note", "a b $HOME ü $$(POD_NAME)"]
+    assert env["NCCL_DEBUG"] == "INFO $x $$(HOSTNAME)"
+    # The ConfigMap holds the trainer sections only, written anew: no runtime block, no comment.
+    published = config["data"]["train.yaml"]
+    assert yaml.safe_load(published) == {"training": {"max_steps": 100}}
+    assert "runtime" not in published and "old-secret" not in published
 
 
 def test_a_cpu_job_counts_its_processes_and_asks_for_no_gpu(tmp_path):

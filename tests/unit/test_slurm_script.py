@@ -140,6 +140,34 @@ def test_submit_dry_run_prints_the_script_and_writes_nothing(tmp_path):
     assert done.returncode == 2 and "runtime.slurm: missing" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("extra", "owner"),
+    [
+        ("--signal=B:USR1@10", "runtime.container.stop_timeout_seconds"),
+        ("--no-requeue", "runtime.slurm.requeue"),
+        ("--nodes=4", "runtime.nodes.count"),
+        ("-N 4", "runtime.nodes.count"),
+        ("--output=/tmp/x.out", "the job's one output file"),
+        ("-pdebug", "runtime.slurm.partition"),
+        ("--time=10:00:00", "runtime.slurm.time"),
+    ],
+)
+def test_extra_options_that_would_override_the_script_s_own_are_refused_naming_the_key(tmp_path, extra, owner):
+    runtime = _runtime(tmp_path, "docker", slurm_block={"extra": ["--constraint=a100", extra]})
+    (problem,) = slurm.config_problems(runtime)
+    assert f"runtime.slurm.extra[1]: {extra!r} would override the script's own" in problem and owner in problem
+    assert slurm.config_problems(_runtime(tmp_path / "ok", "docker")) == []
+
+
+def test_a_time_limit_shorter_than_the_stop_signal_s_lead_is_refused_without_a_cluster(tmp_path):
+    runtime = _runtime(tmp_path, "docker", gpu={"devices": "none"}, slurm_block={"time": "00:05:00"})
+    task = [sys.executable, "-m", "invoke", "--search-root", str(REPO), "submit", "--config", str(runtime.config_path)]
+    done = subprocess.run([*task, "--dry-run"], capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "runtime.slurm.time: 00:05:00 (300 s) leaves under 60 s before the stop signal" in done.stderr
+    assert "make it at least 00:06:30" in done.stderr and not done.stdout
+
+
 def test_a_multi_node_job_left_to_its_scheduler_cannot_be_started_by_hand(tmp_path):
     runtime = _runtime(tmp_path, "docker", gpu={"devices": "none"}, nodes=2)
     task = [sys.executable, "-m", "invoke", "--search-root", str(REPO), "start", "--config", str(runtime.config_path)]
