@@ -203,7 +203,9 @@ def status(c, config=DEFAULT_CONFIG, node="0"):
         print("\n".join(format_status(job_status(runtime))))
 
 
+# No short flags: invoke would give -h to --host (and to --checkpoint below), and then `-h` asks for no help.
 @task(
+    auto_shortflags=False,
     help={
         "config": CONFIG_HELP,
         "node": NODE_HELP,
@@ -284,6 +286,7 @@ def clean(c, config=DEFAULT_CONFIG, node="0", keep=None, force=False, damaged=Fa
 
 
 @task(
+    auto_shortflags=False,
     help={
         "config": CONFIG_HELP,
         "node": NODE_HELP,

@@ -476,3 +476,16 @@ def test_preflight_and_start_refuse_what_the_trainer_would_before_any_container(
     assert "✓ trainer config" in result.stdout and "with --max_lr 1e-3 --max_steps 50" in result.stdout
     result = invoke("preflight", "--config", str(config), "--", "--param_path", "/models/base/a b")
     assert "with --param_path '/models/base/a b'" in result.stdout
+
+
+def test_every_task_answers_dash_h_with_its_help():
+    """-h is help for every task: invoke's automatic short flags once gave it to --host and --checkpoint."""
+    from invoke import Collection
+
+    import tasks
+
+    names = Collection.from_module(tasks).task_names
+    assert {"export", "board", "submit", "start"} <= set(names)
+    for name in names:
+        result = invoke(name, "-h")
+        assert result.returncode == 0 and result.stdout.startswith(f"Usage: inv[oke] [--core-opts] {name}"), name
