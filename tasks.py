@@ -214,7 +214,7 @@ def status(c, config=DEFAULT_CONFIG, node="0"):
         "port": "port to listen on (default 6006)",
         "background": "detach; `invoke board --stop` ends it",
         "stop": "end the board started with --background",
-    }
+    },
 )
 def board(c, config=DEFAULT_CONFIG, node="0", all=False, host=None, port=None, background=False, stop=False):
     """Serve TensorBoard for the job (Ctrl-C ends it), or --background / --stop a detached one."""
@@ -296,7 +296,7 @@ def clean(c, config=DEFAULT_CONFIG, node="0", keep=None, force=False, damaged=Fa
         "dtype": "float32, bfloat16 or float16 (fp32, bf16, fp16) (default: as stored)",
         "max_shard_size": "largest weight file, e.g. 5GB, 500MB, 2GiB or bytes; beyond it, shards and an index "
         "(default: 5GB)",
-    }
+    },
 )
 def export(c, config=DEFAULT_CONFIG, node="0", checkpoint=None, out=None, dtype=None, max_shard_size=None):
     """Write a checkpoint as a standalone Hugging Face model folder (weights, config, tokenizer; no training state)."""
