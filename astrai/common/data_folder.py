@@ -414,10 +414,7 @@ def tokenizer_digest(path: Path) -> str:
     return hashlib.sha256(json.dumps(meaning, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
-def data_digest(folders: list[Path]) -> str:
-    """A short digest of what data folders hold, from their manifests (which list every source's SHA-256): the
-    same for the same prepared data, another when a folder was prepared again from other files."""
-    digest = hashlib.sha256()
-    for folder in folders:
-        digest.update((Path(folder) / DATA_MANIFEST_FILE).read_bytes())
-    return digest.hexdigest()[:16]
+def data_digest(datas: list[TokenData]) -> str:
+    """Which prepared data a run trains on: the fingerprints of its data folders (each one's manifest, which lists
+    every source's SHA-256), the same for the same data, another when a folder was prepared again."""
+    return ",".join(data.fingerprint() for data in datas)

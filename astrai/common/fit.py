@@ -6,6 +6,7 @@ same messages the trainer would print inside it.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def check_fit(
     """
     if data.vocab_size > model.vocab_size:
         fix = (
-            f"prepare the data with this model's own tokenizer (--tokenizer {model_source})"
+            f"prepare the data with this model's own tokenizer ({tokenizer_hint(Path(model_source))})"
             if data.tokenizer_sha256 is not None
             else f"init a model with --vocab_size {data.vocab_size} or more"
         )
@@ -91,6 +92,14 @@ def check_fit(
             f"grad_accum_steps({batch.grad_accum}) * world_size({batch.world_size}) = {batch.global_batch}"
         )
     return split
+
+
+def tokenizer_hint(model_folder: Path) -> str:
+    """The ``--tokenizer`` argument to suggest: the model folder when it holds a tokenizer, else a placeholder (a
+    hint naming a folder without one would only fail in its turn)."""
+    if (Path(model_folder) / TOKENIZER_FILE).is_file():
+        return f"--tokenizer {shlex.quote(str(model_folder))}"
+    return f"--tokenizer PATH (the {TOKENIZER_FILE} the model was trained with; {model_folder} holds none)"
 
 
 def check_model_tokenizer(data: TokenData, model_folder: Path) -> None:

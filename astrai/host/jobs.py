@@ -84,7 +84,11 @@ def run_preflight(runtime: Runtime, trainer_args: list[str] = ()) -> None:
     checks = preflight.run_checks(runtime, list(trainer_args))
     _say(preflight.format_checklist(checks))
     if any(check.failed for check in checks):
-        raise JobError(f"fix the ✗ lines above, then run `{runtime.command('preflight')}` again")
+        # A rejected config exits 2, as `start` does with it; any other failure 1.
+        config = any(check.failed and check.name == "trainer config" for check in checks)
+        raise JobError(
+            f"fix the ✗ lines above, then run `{runtime.command('preflight')}` again", code=2 if config else 1
+        )
 
 
 def build_image(runtime: Runtime) -> None:
@@ -463,11 +467,15 @@ def show_logs(runtime: Runtime, tail: str, follow: bool) -> None:
     check_paths(runtime, ("checkpoints",))
     if slurm.follow_output(runtime, tail, follow):
         return  # a submitted job: its Slurm output holds every node's lines, allocation after allocation
-    if job_container(runtime) is None:
+    container = job_container(runtime)
+    if container is None:
         raise JobError(f"job {runtime.job_name} has no container yet; start it with `{runtime.command('start')}`")
     if not compose.override_path(runtime).exists():
         compose.write_override(runtime)
-    args = ["logs", "--no-log-prefix", "--tail", tail] + (["--follow"] if follow else [])
+    args = ["logs", "--no-log-prefix", "--tail", tail]
+    # Following a container that has exited would wait for lines that never come: show what it wrote.
+    args += ["--follow"] if follow and container.status in ("running", "restarting", "created") else []
+    args += [] if sys.stdout.isatty() else ["--no-color"]  # a pipe or a file gets the lines, no terminal codes
     try:
         subprocess.run(compose.compose_command(runtime, *args, compose.SERVICE))
     except KeyboardInterrupt:

@@ -39,6 +39,7 @@ from astrai.common.fit import (
     check_model_tokenizer,
     check_resume,
     check_same_tokenizer,
+    tokenizer_hint,
 )
 from astrai.common.model_folder import ModelConfig, ModelLoadError, describe, inspect_weights, num_parameters
 from astrai.common.paths import folder_problem, length_problem, nearest_existing, read_only
@@ -171,12 +172,13 @@ def _data_check(runtime: Runtime, config: TrainerConfig | None) -> tuple[list[To
         if problem is not None:
             return None, Check(FAIL, "data", f"{place}: {problem}", f"fix runtime.paths.data in {runtime.config_path}")
         if not folder.is_dir():
+            # `invoke init` creates runtime.paths.data itself; a mixture's source inside it only prepare makes.
+            first = "" if name else "create it with `invoke init`, then "
             return None, Check(
                 FAIL,
                 "data",
                 f"{place}: {folder} does not exist",
-                f"create it with `invoke init`, then prepare data with `python -m astrai.data prepare --out "
-                f"{shlex.quote(str(folder))} FILE...`",
+                f"{first}prepare data with `python -m astrai.data prepare --out {shlex.quote(str(folder))} FILE...`",
             )
         unreadable = _unreadable("data", [folder, *folder.iterdir()], folder)
         if unreadable is not None:
@@ -184,7 +186,7 @@ def _data_check(runtime: Runtime, config: TrainerConfig | None) -> tuple[list[To
         try:
             data = TokenData.open(folder)
             if config is not None:
-                data.check_kind(config.training.train_type, f"--tokenizer {shlex.quote(str(runtime.model_dir))}")
+                data.check_kind(config.training.train_type, tokenizer_hint(runtime.model_dir))
             datas.append(data)
         except DataError as error:
             return None, Check(
@@ -341,7 +343,7 @@ def _fit_check(
 def _resume_check(latest, config: TrainerConfig, datas: list[TokenData]) -> Check:
     """What the resume carries over: the trainer's own rule (a changed optimizer refused, other data announced)."""
     try:
-        notes = check_resume(latest.meta, latest.path, config.training, data_digest([data.root for data in datas]))
+        notes = check_resume(latest.meta, latest.path, config.training, data_digest(datas))
     except SetupError as error:
         return Check(FAIL, "resume", str(error))
     return Check(PASS, "resume", "; ".join([f"from {latest.path} (step {latest.step})", *notes]))

@@ -57,6 +57,7 @@ from astrai.common.fit import (
     check_model_tokenizer,
     check_resume,
     check_same_tokenizer,
+    tokenizer_hint,
 )
 from astrai.trainer.checkpoint.files import LoadedCheckpoint, NonFiniteWeights, Progress
 from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
@@ -105,6 +106,8 @@ def open_same_data(root: Path, env: DistEnv) -> TokenData:
     everyone = gather_objects(env, mine)
     if all(report == everyone[0] for report in everyone) and data is not None:
         return data
+    if len(everyone) == 1:
+        raise DataError(str(mine).removeprefix("error: "))  # one process: no other rank to compare with
     lines = [f"node {env.node_of(rank)} rank {rank}: {report}" for rank, report in enumerate(everyone)]
     raise DataError(
         f"every node needs the same data in {root}, but the ranks found different data "
@@ -190,7 +193,7 @@ class Trainer:
             self.model_config, weights = broadcast_from_master(env, read_base, errors=(ModelLoadError, SetupError))
         fraction = config.data.val_fraction
         self.train_type = training.train_type
-        self.data_digest = data_digest([data.root for data in datas])
+        self.data_digest = data_digest(datas)
         resume_notes = []
         if loaded is not None:
             meta = loaded.meta
@@ -202,7 +205,7 @@ class Trainer:
         rows = 2 if self.train_type == "dpo" else 1
         self.tokens_per_step = self.global_batch * self.window_size * rows
         for data in datas:
-            data.check_kind(self.train_type, f"--tokenizer {config.ckpt.param_path}")
+            data.check_kind(self.train_type, tokenizer_hint(Path(config.ckpt.param_path)))
         units = self._post_training_units(datas[0]) if self.train_type != "seq" else None
         splits = [
             check_fit(
