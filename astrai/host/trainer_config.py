@@ -93,7 +93,9 @@ def _container_problems(runtime: Runtime, config: TrainerConfig, overrides: dict
             )
     if config.training.device == "cuda" and (not runtime.uses_gpu or runtime.cuda_tag == "cpu"):
         why = "runtime.gpu.devices is none" if not runtime.uses_gpu else "runtime.container.cuda_tag is cpu"
-        problems.append(f"training.device: cuda, but {why}: the container has no GPU; use training.device auto or cpu")
+        given = "device" in overrides.get("training", {})
+        where = "after --: --device" if given else f"{runtime.config_path}: training.device:"
+        problems.append(f"{where} cuda, but {why}: the container has no GPU; use auto or cpu")
     return problems
 
 

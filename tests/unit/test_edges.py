@@ -282,8 +282,10 @@ def test_preflight_opens_the_data_the_way_the_trainer_does(tmp_path, tiny_model,
 def test_preflight_and_start_refuse_what_the_container_s_trainer_would(tmp_path, args, expected):
     config = _cpu_job(tmp_path)
     before = _snapshot(tmp_path)
-    line = _line(invoke("preflight", "--config", str(config), "--", *args), "trainer config")
+    result = invoke("preflight", "--config", str(config), "--", *args)
+    line = _line(result, "trainer config")
     assert line.startswith("✗") and expected in line
+    assert result.returncode == 2  # a rejected config exits 2 from preflight, as from start
     result = invoke("start", "--config", str(config), "--", *args)
     assert result.returncode == 2 and expected in result.stderr and "Traceback" not in result.stderr
     assert _snapshot(tmp_path) == before
@@ -376,3 +378,12 @@ def test_the_newest_record_survives_a_half_written_last_line(tmp_path):
     assert MetricsFile(path).latest()["step"] == 3
     assert MetricsFile(tmp_path / "missing.jsonl").latest() is None
     assert [record["step"] for record in MetricsFile(path).records()] == [1, 2, 3]
+
+
+def test_a_missing_data_folder_in_a_one_process_run_is_named_as_such(tmp_path, train_yaml, make_trainer):
+    from astrai.common.data_folder import DataError
+
+    path = train_yaml(tmp_path / "t.yaml", data_root_path=str(tmp_path / "nowhere"), ckpt_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError) as caught:
+        make_trainer(path)
+    assert str(tmp_path / "nowhere") in str(caught.value) and "every node" not in str(caught.value)
