@@ -457,7 +457,7 @@ def test_preflight_and_start_refuse_what_the_trainer_would_before_any_container(
     document = yaml.safe_load(config.read_text())
     config.write_text(yaml.safe_dump({**document, "training": {"max_stepz": 5}}))
     result = invoke("preflight", "--config", str(config))
-    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "✗ trainer config" in result.stdout and "training.max_stepz: unknown key; did you mean 'max_steps'?" in (
         result.stdout
     )
@@ -467,7 +467,7 @@ def test_preflight_and_start_refuse_what_the_trainer_would_before_any_container(
     before = _snapshot(config.parent)
     for task in ("preflight", "start", "restart"):  # restart refuses before it stops anything
         result = invoke(task, "--config", str(config), "--", "--max_lr", "fast")
-        assert result.returncode == (1 if task == "preflight" else 2) and "Traceback" not in result.stderr
+        assert result.returncode == 2 and "Traceback" not in result.stderr
         output = result.stdout + result.stderr
         assert "training.max_lr (--max_lr): expected a finite number, got 'fast'" in output, output
         assert "fix the arguments after --" in output
