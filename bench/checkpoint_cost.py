@@ -30,6 +30,10 @@ the median of the per-repetition ratios:
   many torch threads as cores. On a CPU host every core trains, so the background
   writer's work still costs time.
 - ``resume_s`` (`small`): building a trainer that resumes from a checkpoint.
+- ``ckpt_write_vs_disk``: the checkpoint's write time over the time the disk takes to write the same number
+  of bytes durably at its best sequential rate, measured in the same repetition: one plain stream from
+  memory with a final fsync, and the same with ``O_DIRECT`` where the file system allows it (the faster of
+  the two is the limit). ``disk_write_mb_per_s`` is that limit, for context.
 
 Every timed save starts after ``os.sync()``, so no writer inherits another's
 dirty pages. torch uses ``bench.common.TORCH_THREADS`` threads unless said otherwise.
@@ -40,6 +44,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -82,6 +87,38 @@ def _raw_save(trainer: Trainer, target: Path, durable: bool) -> None:
     if durable:
         for name in ("model.safetensors", "optimizer.pt", "scheduler.pt"):
             fsync_path(target / name)
+
+
+STREAM_CHUNK = 64 << 20
+"""Bytes of one write of the disk-limit stream: large enough that the system call costs nothing."""
+
+
+def _stream_to_disk(target: Path, size: int, direct: bool) -> bool:
+    """Write ``size`` bytes from memory into ``target`` in one sequential stream and fsync it; False when the
+    file system refuses O_DIRECT (tmpfs, some overlays). The buffer is page-aligned, as O_DIRECT needs."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    try:
+        handle = os.open(target, flags, 0o600)
+    except OSError:
+        return False
+    buffer = mmap.mmap(-1, STREAM_CHUNK)
+    buffer.write(os.urandom(1 << 20) * (STREAM_CHUNK >> 20))
+    try:
+        left = size
+        while left > 0:
+            # O_DIRECT writes whole blocks: the last one is rounded up to 4 KiB.
+            count = min(STREAM_CHUNK, left if not direct else -(-left // 4096) * 4096)
+            try:
+                os.write(handle, memoryview(buffer)[:count])
+            except OSError:
+                return False
+            left -= count
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+        buffer.close()
+        target.unlink(missing_ok=True)
+    return True
 
 
 def _dcp_state(trainer: Trainer) -> dict:
@@ -128,8 +165,15 @@ def _save_times(trainer: Trainer, folder: Path, repeats: int) -> dict[str, list[
     def dcp_async():
         pending.append(_dcp_async_save(trainer, folder / "dcp"))
 
+    trainer.save_checkpoint("final")
+    size = sum(path.stat().st_size for path in list_complete_checkpoints(trainer.job_dir)[-1].path.iterdir())
+    _clear(trainer.job_dir)
+    direct = _stream_to_disk(folder / "stream", 1 << 20, direct=True)
+
     ways = {
         "save": lambda: trainer.save_checkpoint("final"),
+        "disk": lambda: _stream_to_disk(folder / "stream", size, direct=False),
+        **({"disk_direct": lambda: _stream_to_disk(folder / "stream", size, direct=True)} if direct else {}),
         "raw": lambda: _raw_save(trainer, folder / "raw", durable=False),
         "durable": lambda: _raw_save(trainer, folder / "raw", durable=True),
         "dcp": lambda: _dcp_save(trainer, folder / "dcp"),
@@ -153,6 +197,7 @@ def _save_times(trainer: Trainer, folder: Path, repeats: int) -> dict[str, list[
             _clear(trainer.job_dir)
             shutil.rmtree(folder / "raw", ignore_errors=True)
             shutil.rmtree(folder / "dcp", ignore_errors=True)
+    times["bytes"] = [size]
     return times
 
 
@@ -304,6 +349,10 @@ def _measure(preset: str, folder: Path, env, quick: bool, figures: Figures) -> N
     }
     for key, (ours, theirs) in pairs.items():
         figures.ratio(key, times[ours], times[theirs])
+    # The disk's limit in each repetition: its faster durable stream of the checkpoint's bytes.
+    disk = [min(pair) for pair in zip(times["disk"], times.get("disk_direct", times["disk"]), strict=True)]
+    figures.ratio("ckpt_write_vs_disk", times["save"], disk)
+    figures.median("disk_write_mb_per_s", [times["bytes"][0] / seconds / 1e6 for seconds in disk])
     figures.ratio("resume_vs_dcp", loads["ours"], loads["dcp"])
     memory = _peak_memory(folder, params, data, preset)
     state = memory["state_bytes"]

@@ -58,6 +58,13 @@ TARGETS = {
     "ckpt_save_vs_dcp": ("checkpoint write over torch.distributed.checkpoint.save (`small`)", "<=", 1.0),
     "ckpt_save_vs_raw_fsync": ("checkpoint write over raw safetensors + torch.save, fsynced (`small`)", "<=", 1.2),
     "ckpt_save_vs_raw": ("checkpoint write over the same raw writes without fsync (`small`)", "<=", 1.2),
+    "ckpt_write_vs_disk": (
+        "checkpoint write over the disk's own durable sequential write of the same bytes (`small`)",
+        "<=",
+        1.1,
+    ),
+    "base_ckpt_write_vs_disk": ("the same on `base`", "<=", 1.1),
+    "disk_write_mb_per_s": ("the disk's durable sequential write rate in that run, MB/s (`small`)", None, None),
     "ckpt_raw_fsync_vs_raw": ("raw writes plus fsync over raw writes (what the disk alone adds)", None, None),
     "ckpt_stall_vs_dcp_async": ("loop pause of a periodic checkpoint over DCP async_save's (`small`)", "<=", 1.0),
     "ckpt_stall_vs_sync": ("loop pause of a periodic checkpoint over a synchronous save (`small`)", "<=", 0.3),

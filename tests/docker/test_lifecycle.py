@@ -55,6 +55,10 @@ def test_init_preflight_start_stop_resume_finish(make_job):
     assert re.search(rf"resumed from /checkpoints/{re.escape(job.name)}/epoch_\d+_step_{stopped_at}\b", logs), logs
     step, reason = job.checkpoints()[-1]
     assert (step, reason) == (target, "final")
+    # Following the logs of a container that has exited shows them and returns (it waited forever), and a pipe
+    # gets no terminal codes.
+    followed = job.invoke("logs", "--tail", "5", timeout=60)
+    assert f"final checkpoint /checkpoints/{job.name}/" in followed.stdout and "\x1b[" not in followed.stdout
     assert job.invoke("latest").stdout.strip().endswith(f"_step_{target}")
     assert "not running; nothing to stop" in job.invoke("stop").stdout
 

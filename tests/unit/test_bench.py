@@ -40,8 +40,10 @@ def test_checkpoint_cost_measures_every_key_against_dcp(tmp_path, monkeypatch):
         "ckpt_stall_vs_dcp_async",
         "ckpt_stall_vs_sync",
         "resume_vs_dcp",
+        "ckpt_write_vs_disk",
     ):
         assert results[key] > 0 and math.isfinite(results[f"{key}_spread"]), key
+    assert results["disk_write_mb_per_s"] > 0
     assert results["ckpt_contention_vs_sync"] >= 0 and results["resume_s"] > 0
     # A periodic save copies the state once; a final save streams it (both well above zero only when copying).
     assert 0.5 < results["ckpt_peak_host_mem_vs_state"] < 3
