@@ -57,6 +57,7 @@ from astrai.common.contract import (
     ENV_NODE_RANK,
     ENV_RDZV_ENDPOINT,
     ENV_RDZV_ID,
+    META_FILE,
     REASON_EMERGENCY,
     container_job_dir,
 )
@@ -233,6 +234,19 @@ requeue={requeue}  # runtime.slurm.requeue
 allocation=$(( ${{SLURM_RESTART_COUNT:-0}} + 1 ))
 echo "astrai: Slurm job $SLURM_JOB_ID, allocation $allocation, nodes $SLURM_JOB_NODELIST, $(date -Is)"
 
+# The step of the newest checkpoint (-1: none), from the folders' names: a requeue needs this allocation's progress.
+newest_step() {{
+    local best=-1 meta step
+    for meta in {shlex.quote(str(runtime.job_dir))}/epoch_*_step_*/{META_FILE}; do
+        step=${{meta%/{META_FILE}}}
+        step=${{step##*_step_}}
+        case $step in ''|*[!0-9]*) continue ;; esac
+        [ "$step" -gt "$best" ] && best=$step
+    done
+    echo "$best"
+}}
+start_step=$(newest_step)
+
 # The rendezvous: the first node's address (NodeAddr: node names need not resolve), a port from the job id.
 first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 address=$(scontrol show node "$first" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p' | head -n 1)
@@ -263,6 +277,10 @@ echo "astrai: the tasks ended with exit code $status${{reason:+ after a stop ($r
 if [ "$reason" = time-limit ] && [ "$status" = 0 ] && [ "$requeue" = true ]; then
     if {finished}; then
         echo "astrai: the run is finished; not requeued"
+    elif [ "$(newest_step)" -le "$start_step" ]; then
+        # Requeued, it would start, stop at the same point and be requeued again, forever.
+        echo "astrai: no checkpoint past step $start_step in this allocation: not requeued; the time limit leaves" \
+            "no room to train (raise runtime.slurm.time, or lower runtime.container.stop_timeout_seconds)"
     else
         scontrol requeue "$SLURM_JOB_ID" && echo "astrai: {REQUEUE_EXIT_MESSAGE}: the next allocation resumes"
     fi

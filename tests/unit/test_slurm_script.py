@@ -216,3 +216,24 @@ def test_a_multi_node_job_without_a_rendezvous_needs_a_scheduler_block(tmp_path)
     for key in ("runtime.slurm.time", "runtime.slurm.launcher", "runtime.slurm.requeue", "runtime.slurm.extra.0"):
         assert key in message
     assert "did you mean 'pyxis'" in message
+
+
+def test_a_requeue_needs_progress_in_the_allocation(tmp_path):
+    """An allocation whose time limit leaves no room to train must not be requeued forever."""
+    runtime = _runtime(tmp_path / "a b", "docker")
+    script = _script(runtime)
+    function = script[script.index("newest_step() {") : script.index("start_step=")]
+    job = runtime.job_dir
+
+    def newest() -> str:
+        done = subprocess.run(["bash", "-c", function + "newest_step"], capture_output=True, text=True, check=True)
+        return done.stdout.strip()
+
+    assert newest() == "-1"  # no job folder yet
+    for name in ("epoch_0_step_40", "epoch_1_step_120", "epoch_1_step_99x", "epoch_2_step_130"):
+        (job / name).mkdir(parents=True)
+    for name in ("epoch_0_step_40", "epoch_1_step_120", "epoch_1_step_99x"):
+        (job / name / "meta.json").write_text("{}")
+    assert newest() == "120"  # a folder without meta.json is still being written; a malformed name is no step
+    guard = script.index('elif [ "$(newest_step)" -le "$start_step" ]')
+    assert script.index("the run is finished; not requeued") < guard < script.index('scontrol requeue "$SLURM_JOB_ID"')
