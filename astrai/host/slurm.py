@@ -234,7 +234,7 @@ requeue={requeue}  # runtime.slurm.requeue
 allocation=$(( ${{SLURM_RESTART_COUNT:-0}} + 1 ))
 echo "astrai: Slurm job $SLURM_JOB_ID, allocation $allocation, nodes $SLURM_JOB_NODELIST, $(date -Is)"
 
-# The step of the newest checkpoint (-1: none), from the folders' names: a requeue needs this allocation's progress.
+# The step of the newest checkpoint (-1: none), from the checkpoint names: a requeue needs this allocation's progress.
 newest_step() {{
     local best=-1 meta step
     for meta in {shlex.quote(str(runtime.job_dir))}/epoch_*_step_*/{META_FILE}; do
