@@ -67,6 +67,9 @@ ENV_RDZV_ID = "ASTRAI_RDZV_ID"
 ENV_SUPERVISOR_PID = "ASTRAI_SUPERVISOR_PID"
 """A host process the container must not outlive (the Slurm task that started it; the container shares the
 host's PID namespace to see it). When it is gone, the entrypoint stops the trainer gracefully, then for good."""
+ENV_STOPPED_EXIT_CODE = "ASTRAI_STOPPED_EXIT_CODE"
+"""When set (Kubernetes pods), a graceful stop that leaves the run unfinished exits with this code instead of 0:
+a pod stopped by an eviction or a drain is then retried by the Job's podFailurePolicy, not counted as done."""
 ENV_FAILURE_TIMEOUT_SECONDS = "ASTRAI_FAILURE_TIMEOUT_SECONDS"
 """Survivors of a lost node exit within this many seconds; the trainer watches the other ranks' heartbeats."""
 RESERVED_ENV_PREFIX = "ASTRAI_"
@@ -177,6 +180,8 @@ TAG_CHECKPOINT = "checkpoint"
 
 EXIT_LOST_NODE = 75
 """Exit code of a trainer rank that gave up because another node was lost (not a stop: it may be restarted)."""
+EXIT_STOPPED_UNFINISHED = 76
+"""What a Kubernetes pod's trainer exits with after a graceful stop short of max_steps (ENV_STOPPED_EXIT_CODE)."""
 
 # --- Token data -----------------------------------------------------------------------------------
 DATA_MANIFEST_FILE = "manifest.json"

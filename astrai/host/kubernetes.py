@@ -40,6 +40,8 @@ from astrai.common.contract import (
     ENV_NODES,
     ENV_RDZV_ENDPOINT,
     ENV_RDZV_ID,
+    ENV_STOPPED_EXIT_CODE,
+    EXIT_STOPPED_UNFINISHED,
     LABEL_JOB,
 )
 from astrai.common.errors import AstraiError
@@ -119,6 +121,21 @@ def render_manifests(runtime: Runtime, trainer_args: list[str] = (), *, trainjob
             "parallelism": runtime.node_count,
             # A failed pod is replaced (and resumes from the newest checkpoint) at most max_restarts times.
             "backoffLimit": runtime.max_restarts,
+            # A pod the cluster took away (evicted, drained, preempted) stops gracefully with its own exit code, or
+            # is marked as disrupted: both are replaced without counting toward backoffLimit, never taken for done.
+            "podFailurePolicy": {
+                "rules": [
+                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                    {
+                        "action": "Ignore",
+                        "onExitCodes": {
+                            "containerName": CONTAINER_NAME,
+                            "operator": "In",
+                            "values": [EXIT_STOPPED_UNFINISHED],
+                        },
+                    },
+                ]
+            },
             "template": {"metadata": {"labels": {LABEL_JOB: runtime.job_name}}, "spec": pod},
         },
     }
@@ -198,6 +215,8 @@ def _environment(runtime: Runtime) -> list[dict]:
     if runtime.uses_gpu:
         env[ENV_GPU_DEVICES] = "all"
     env[ENV_NODES] = str(runtime.node_count)
+    # A pod stopped short of the end (an eviction, a drain, a preemption) exits non-zero, and is retried.
+    env[ENV_STOPPED_EXIT_CODE] = str(EXIT_STOPPED_UNFINISHED)
     passed = [key for key, value in env.items() if value is None]
     if passed:
         raise KubernetesError(

@@ -69,6 +69,7 @@ from astrai.common.contract import (
     ENV_RDZV_ENDPOINT,
     ENV_RDZV_ID,
     ENV_STOP_TIMEOUT_SECONDS,
+    ENV_STOPPED_EXIT_CODE,
     ENV_SUPERVISOR_PID,
     MODEL_CONFIG_FILE,
     REASON_EMERGENCY,
@@ -325,6 +326,7 @@ def supervise_workers(
     supervisor: Supervisor | None = None,
     stop_timeout: float = 600,
     job_dir: Path | None = None,
+    stopped_code: int = 0,
 ) -> int:
     """Run the launcher (torchrun) and hand each stop signal to its workers; return its exit code.
 
@@ -388,14 +390,15 @@ def supervise_workers(
         else:
             time.sleep(poll_seconds)
     code = 128 - status if status < 0 else status
-    if code != 0 and forwarded is not None and job_dir is not None and _emergency_since(job_dir, forwarded):
-        print(
-            f"astrai entrypoint: the launcher exited with {code} after the stop, but the emergency checkpoint is "
-            "written: the stop succeeded",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 0
+    if forwarded is not None and job_dir is not None and _emergency_since(job_dir, forwarded):
+        if code != 0:
+            print(
+                f"astrai entrypoint: the launcher exited with {code} after the stop, but the emergency checkpoint "
+                "is written: the stop succeeded",
+                file=sys.stderr,
+                flush=True,
+            )
+        return stopped_code  # 0, or what a scheduler that retries failures must see (ENV_STOPPED_EXIT_CODE)
     return code
 
 
@@ -459,8 +462,15 @@ def main(argv: list[str] | None = None) -> int:
     if direct and supervisor is None:
         os.execv(plan.command[0], plan.command)
     stop_timeout = float(os.environ.get(ENV_STOP_TIMEOUT_SECONDS, "600"))
+    # Workers stop with 0 (torchrun would report any other code as a failure); this process says it for them.
+    stopped_code = int(os.environ.pop(ENV_STOPPED_EXIT_CODE, "0") or 0)
     return supervise_workers(
-        plan.command, direct=direct, supervisor=supervisor, stop_timeout=stop_timeout, job_dir=Path(plan.job_dir)
+        plan.command,
+        direct=direct,
+        supervisor=supervisor,
+        stop_timeout=stop_timeout,
+        job_dir=Path(plan.job_dir),
+        stopped_code=stopped_code,
     )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from astrai.common.config import (
 )
 from astrai.common.contract import (
     CKPT_FORMAT_SHARDED,
+    ENV_STOPPED_EXIT_CODE,
     GENERATION_CONFIG_FILE,
     REASON_EMERGENCY,
     REASON_FINAL,
@@ -699,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return error.exit_code
     try:
-        _train(config, env, stop)
+        finished = _train(config, env, stop)
     except AstraiError as error:
         print(f"error: {error}", file=sys.stderr)
         if env.watch is not None:
@@ -714,16 +716,19 @@ def main(argv: list[str] | None = None) -> int:
         raise
     stop.finish()
     shutdown_distributed(env)
-    return 0
+    # A scheduler that retries what failed (a Kubernetes Job) must not take a stop short of the end for success.
+    return 0 if finished else int(os.environ.get(ENV_STOPPED_EXIT_CODE, "0"))
 
 
-def _train(config: TrainerConfig, env: DistEnv, stop: GracefulStop) -> None:
-    """Run a trainer to its end; once this returns, nothing refers to its model or optimizer any more."""
+def _train(config: TrainerConfig, env: DistEnv, stop: GracefulStop) -> bool:
+    """Run a trainer to its end (True) or to a stop (False); once this returns, nothing refers to its model or
+    optimizer any more."""
     trainer = open_trainer(config, env, stop)
     if trainer is None:
-        return
+        return True
     try:
         trainer.train()
+        return trainer.progress.step >= trainer.max_steps
     finally:
         trainer.close()
 

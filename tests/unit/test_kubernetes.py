@@ -21,7 +21,14 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from astrai.common.contract import ENV_NODE_RANK, ENV_PROCESSES, ENV_RDZV_ENDPOINT, ENV_RDZV_ID
+from astrai.common.contract import (
+    ENV_NODE_RANK,
+    ENV_PROCESSES,
+    ENV_RDZV_ENDPOINT,
+    ENV_RDZV_ID,
+    ENV_STOPPED_EXIT_CODE,
+    EXIT_STOPPED_UNFINISHED,
+)
 from astrai.host import kubernetes
 from astrai.host.runtime import resolve_runtime
 
@@ -165,6 +172,12 @@ def test_the_pod_carries_the_docker_jobs_settings(tmp_path):
     # Rendezvous: rank from the Job's index, node 0 by the headless Service's DNS name, a fresh id per Job.
     assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 2
     assert job["spec"]["parallelism"] == 2 and job["spec"]["backoffLimit"] == 3
+    # An evicted (or drained, preempted) pod is retried, not counted: a disruption, or a stop short of the end.
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
+    stopped = {"containerName": container["name"], "operator": "In", "values": [EXIT_STOPPED_UNFINISHED]}
+    assert {"action": "Ignore", "onExitCodes": stopped} in rules
+    assert env[ENV_STOPPED_EXIT_CODE] == str(EXIT_STOPPED_UNFINISHED)
     assert env[ENV_NODE_RANK] == {
         "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
     }

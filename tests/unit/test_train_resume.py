@@ -197,3 +197,26 @@ def test_fsdp_two_processes_train_checkpoint_and_resume_in_the_full_format(tmp_p
     assert latest_complete_checkpoint(ckpt_dir).step == 60
     losses = [json.loads(line)["loss"] for line in (ckpt_dir / "metrics.jsonl").read_text().splitlines()]
     assert losses[-1] < losses[0]
+
+
+def test_a_stop_short_of_the_end_exits_with_the_code_a_retrying_scheduler_is_given(tmp_path, train_yaml, trainer_env):
+    from astrai.common.contract import ENV_STOPPED_EXIT_CODE, EXIT_STOPPED_UNFINISHED
+
+    path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"))
+    env = {**trainer_env, ENV_STOPPED_EXIT_CODE: str(EXIT_STOPPED_UNFINISHED)}
+    launch = (
+        "import os, signal, sys\n"
+        "from astrai.trainer import signals\n"
+        "signals.hold()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        f"os.execv(sys.executable, {[*TRAINER, '--config', str(path)]!r})\n"
+    )
+    run = Run([sys.executable, "-c", launch], env, tmp_path / "run.log")
+    try:
+        assert run.wait(timeout=120) == EXIT_STOPPED_UNFINISHED, run.output()
+    finally:
+        run.kill()
+    assert latest_complete_checkpoint(tmp_path / "ckpt").meta.reason == "emergency"
+    # The same run resumed to its end exits 0.
+    rerun = Run([*TRAINER, "--config", str(path)], env, tmp_path / "rerun.log")
+    assert rerun.wait(timeout=300) == 0, rerun.output()
