@@ -148,6 +148,13 @@ def config_problems(runtime: Runtime) -> list[str]:
                     f"{runtime.config_path}: runtime.slurm.extra[{index}]: {option!r} would override the script's own "
                     f"{names[0]}, which {owner} decides; set that instead"
                 )
+    if runtime.devices == "all" and settings.launcher != "docker":
+        # Docker reaches every GPU of the node it runs on; a pyxis or apptainer task only those Slurm gave it.
+        problems.append(
+            f"{runtime.config_path}: runtime.gpu.devices: all takes a whole node (--exclusive), and under the "
+            f"{settings.launcher} launcher a task sees only the GPUs Slurm allocates to it: list them, such as "
+            "[0, 1, 2, 3, 4, 5, 6, 7], and the job asks for that many (--gpus-per-node=8)"
+        )
     limit = parse_time_limit(settings.time) if settings.time is not None else None
     lead = signal_lead_seconds(runtime)
     if limit is not None and limit < lead + MIN_WORK_SECONDS:

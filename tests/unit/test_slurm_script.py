@@ -237,3 +237,11 @@ def test_a_requeue_needs_progress_in_the_allocation(tmp_path):
     assert newest() == "120"  # a folder without meta.json is still being written; a malformed name is no step
     guard = script.index('elif [ "$(newest_step)" -le "$start_step" ]')
     assert script.index("the run is finished; not requeued") < guard < script.index('scontrol requeue "$SLURM_JOB_ID"')
+
+
+@pytest.mark.parametrize("launcher", ["pyxis", "apptainer"])
+def test_in_image_launchers_ask_for_gpus_as_gpus(tmp_path, launcher):
+    runtime = _runtime(tmp_path, launcher, gpu={"devices": [0, 1]})
+    assert "--gpus-per-node=2" in slurm.sbatch_options(runtime) and slurm.config_problems(runtime) == []
+    (problem,) = slurm.config_problems(_runtime(tmp_path / "all", launcher, gpu={"devices": "all"}))
+    assert "runtime.gpu.devices: all takes a whole node (--exclusive)" in problem and "--gpus-per-node=8" in problem
