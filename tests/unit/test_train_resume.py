@@ -113,10 +113,8 @@ def test_sigterm_stops_within_a_step_and_a_save_and_resumes_bitwise_equal(
     assert final_weights(ckpt_dir, 200) == references("single")
 
 
-def test_a_stop_that_comes_while_the_trainer_starts_is_kept_and_honoured(tmp_path, train_yaml, trainer_env):
-    # As in the container: the entrypoint holds the stop signals, a SIGTERM lands before the trainer runs
-    # (while it would still be importing torch), and exec carries it over, pending.
-    path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"))
+def _stopped_at_start(path) -> list[str]:
+    """The trainer started as the container starts it, with a SIGTERM already pending (held, then exec'd)."""
     launch = (
         "import os, signal, sys\n"
         "from astrai.trainer import signals\n"
@@ -124,7 +122,14 @@ def test_a_stop_that_comes_while_the_trainer_starts_is_kept_and_honoured(tmp_pat
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         f"os.execv(sys.executable, {[*TRAINER, '--config', str(path)]!r})\n"
     )
-    run = Run([sys.executable, "-c", launch], trainer_env, tmp_path / "run.log")
+    return [sys.executable, "-c", launch]
+
+
+def test_a_stop_that_comes_while_the_trainer_starts_is_kept_and_honoured(tmp_path, train_yaml, trainer_env):
+    # As in the container: the entrypoint holds the stop signals, a SIGTERM lands before the trainer runs
+    # (while it would still be importing torch), and exec carries it over, pending.
+    path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"))
+    run = Run(_stopped_at_start(path), trainer_env, tmp_path / "run.log")
     try:
         code = run.wait(timeout=120)
     finally:
@@ -204,14 +209,7 @@ def test_a_stop_short_of_the_end_exits_with_the_code_a_retrying_scheduler_is_giv
 
     path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"))
     env = {**trainer_env, ENV_STOPPED_EXIT_CODE: str(EXIT_STOPPED_UNFINISHED)}
-    launch = (
-        "import os, signal, sys\n"
-        "from astrai.trainer import signals\n"
-        "signals.hold()\n"
-        "os.kill(os.getpid(), signal.SIGTERM)\n"
-        f"os.execv(sys.executable, {[*TRAINER, '--config', str(path)]!r})\n"
-    )
-    run = Run([sys.executable, "-c", launch], env, tmp_path / "run.log")
+    run = Run(_stopped_at_start(path), env, tmp_path / "run.log")
     try:
         assert run.wait(timeout=120) == EXIT_STOPPED_UNFINISHED, run.output()
     finally:
