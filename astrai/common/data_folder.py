@@ -395,19 +395,19 @@ def describe_units(units: Packing | Pairs, sequences: int, window: int, overlong
 
 
 def tokenizer_digest(path: Path) -> str:
-    """SHA-256 of what a ``tokenizer.json`` does — its vocabulary, merges, added tokens, normalizer and
-    pre-tokenizer — whatever version of the library saved it (merges as "a b" or ["a", "b"], key order)."""
+    """SHA-256 of which token means what in a ``tokenizer.json``: the model's type, vocabulary and merges (as
+    "a b" or ["a", "b"]), its byte fallback and unknown token, and the added tokens. The normalizer and
+    pre-tokenizer are left out: library versions write their defaults differently, and two tokenizers that share
+    a vocabulary and merges are one tokenizer's versions."""
     try:
         saved = json.loads(Path(path).read_text(encoding="utf-8"))
         model = saved.get("model") or {}
         merges = [merge.split(" ") if isinstance(merge, str) else list(merge) for merge in model.get("merges") or []]
         meaning = {
-            "model": [model.get("type"), model.get("vocab"), merges],
+            "model": [model.get(key) for key in ("type", "vocab", "byte_fallback", "unk_token")] + [merges],
             "added": sorted(
                 (token["id"], token["content"], bool(token.get("special"))) for token in saved.get("added_tokens") or []
             ),
-            "normalizer": saved.get("normalizer"),
-            "pre_tokenizer": saved.get("pre_tokenizer"),
         }
     except (OSError, ValueError, AttributeError, KeyError, TypeError) as error:
         raise DataError(f"{path}: not a readable tokenizer.json ({error})") from None

@@ -115,7 +115,7 @@ def check_model_tokenizer(data: TokenData, model_folder: Path) -> None:
     raise SetupError(
         f"{data.root} was prepared {what}, but the model {model_folder} has its own {TOKENIZER_FILE} "
         f"(sha256 {_file_sha256(model_file)[:12]}): the same ids would mean other text; prepare the data with "
-        f"the model's tokenizer (python -m astrai.data prepare --tokenizer {model_folder} ...)"
+        f"the model's tokenizer (python -m astrai.data prepare {tokenizer_hint(model_folder)} ...)"
     )
 
 

@@ -124,6 +124,12 @@ class RecordEncoder:
         """The field holding an SFT record's messages (``--field``); default ``messages`` or ``conversations``."""
         # A template's markers (end-of-turn tokens among them) are the tokenizer's added tokens.
         self._markers = frozenset(getattr(tokenizer, "added_ids", ())) | {tokenizer.end_of_text}
+        library = getattr(tokenizer, "tokenizer", None)
+        self._marker_texts = sorted(
+            {text for text in (library.id_to_token(i) for i in self._markers) if text} if library else (),
+            key=len,
+            reverse=True,
+        )
 
     def encode(self, record) -> list[tuple[list[int], list[int]]]:
         """One (ids, mask) sequence for an SFT record, two (chosen, rejected) for a DPO record."""
@@ -177,6 +183,8 @@ class RecordEncoder:
                 "tokenizer_config.json has a chat_template (or a chat_template.jinja), or use prompt/completion records"
             )
         text = self.template.render(messages)
+        if problem := not_unicode_text(text):  # a role, a name or any other field the template shows
+            raise RecordError(f"the rendered conversation {problem}")
         ids, offsets = self.tokenizer.ids_with_offsets(text)
         mask = [0] * len(ids)
         for index, message in enumerate(messages):
@@ -203,6 +211,9 @@ class RecordEncoder:
         the rest, through the token that stops it. Found from rendered text, never by looking for the reply.
         """
         history, prompt = self._prompt_of(messages[:index])
+        # A template may close a conversation it renders without a generation prompt (Phi-3's eos_token): the
+        # history must be a prefix of the whole but for such closing markers.
+        history = self._without_closing_markers(history)
         if not text.startswith(history):
             raise RecordError(
                 f"the chat template renders the turns before assistant message {index} differently when they "
@@ -212,17 +223,27 @@ class RecordEncoder:
         # finished turn renders otherwise: then the turn begins where the two part.
         start = max(len(history), _common_prefix(prompt, text))
         turn = self.template.render(messages[: index + 1])
-        tail = turn[_common_prefix(prompt, turn) :]
-        length = self._through_end_of_turn(tail)
+        cut = _common_prefix(prompt, turn)
+        tail = turn[cut:]
+        followed = self._followed(messages[: index + 1])
+        agreed = len(tail) if followed is None else max(0, _common_prefix(turn, followed) - cut)
+        length = self._through_end_of_turn(tail, agreed)
         if text[start : start + length] == tail[:length]:
             return start, start + length
-        # The template renders this turn otherwise when later turns follow (an earlier turn's reasoning
-        # dropped, say): it ends at the first end-of-turn token from its start.
-        ending = self._end_of_turn_id(tail[:length])
+        # The template renders this turn otherwise when later turns follow (an earlier turn's reasoning dropped,
+        # another end token than the last turn's): the turn ends at its last marker token before the two
+        # renderings part, or else at the first one after.
+        parted = start + _common_prefix(text[start:], tail)
         ids, offsets = self.tokenizer.ids_with_offsets(text)
-        for token, (begin, finish) in zip(ids, offsets, strict=True):
-            if begin >= start and token == ending:
-                return start, finish
+        ends = [
+            finish
+            for token, (begin, finish) in zip(ids, offsets, strict=True)
+            if token in self._markers and begin >= start
+        ]
+        before = [finish for finish in ends if finish <= parted]
+        after = [finish for finish in ends if finish > parted]
+        if before or after:
+            return start, before[-1] if before else after[0]
         raise RecordError(
             f"the chat template renders assistant message {index} differently when later turns follow it, "
             "and without an end-of-turn token; cannot tell which tokens the model generates"
@@ -237,19 +258,44 @@ class RecordEncoder:
                 raise
             return "", ""  # a conversation that opens with the assistant: many templates cannot render none
 
-    def _through_end_of_turn(self, tail: str) -> int:
-        """How much of a turn's rendered text the model generates: through its last added token (the end of
-        the turn) when only whitespace follows it — a newline the template puts between turns is not the
-        model's to write — else all of it (a template with no end-of-turn token)."""
+    def _followed(self, turns: list[dict]) -> str | None:
+        """The turns rendered with one more user message after them (None when the template refuses that)."""
+        try:
+            return self.template.render([*turns, {"role": "user", "content": "more"}])
+        except RecordError:
+            return None
+
+    def _through_end_of_turn(self, tail: str, agreed: int) -> int:
+        """How much of a turn's rendered text (``tail``) the model generates; ``agreed``: how much of it the
+        turn renders the same when the conversation goes on.
+
+        Through the turn's end-of-turn token: the last marker (added token) of the part that stays the same —
+        a template may close a conversation after its last turn (Phi-3's eos_token), and the newline it puts
+        between turns is not the model's to write either — else the tail's own last marker, else all of it (a
+        template with no end-of-turn token).
+        """
         ids, offsets = self.tokenizer.ids_with_offsets(tail)
-        for token, (_, finish) in zip(reversed(ids), reversed(offsets), strict=True):
-            if token in self._markers:
-                return finish if not tail[finish:].strip() else len(tail)
+        markers = [finish for token, (_, finish) in zip(ids, offsets, strict=True) if token in self._markers]
+        # Whole tokens only: "<|end|>\n<|endoftext|>" and "<|end|>\n<|user|>" also share the characters "<|".
+        agreed = max((finish for _, finish in offsets if finish <= agreed), default=0)
+        shared = [finish for finish in markers if finish <= agreed]
+        if shared and not tail[shared[-1] : agreed].strip():
+            return shared[-1]
+        if markers and not tail[markers[-1] :].strip():
+            return markers[-1]
         return len(tail)
 
-    def _end_of_turn_id(self, generated: str) -> int | None:
-        ids, _ = self.tokenizer.ids_with_offsets(generated)
-        return ids[-1] if ids and ids[-1] in self._markers else None
+    def _without_closing_markers(self, text: str) -> str:
+        """``text`` without the marker tokens (and whitespace) it ends with."""
+        while True:
+            stripped = text.rstrip()
+            for marker in self._marker_texts:
+                if stripped.endswith(marker):
+                    stripped = stripped[: -len(marker)]
+                    break
+            else:
+                return stripped
+            text = stripped
 
 
 def _common_prefix(a: str, b: str) -> int:

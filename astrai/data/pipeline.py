@@ -21,6 +21,7 @@ is :mod:`astrai.common.data_folder`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -165,7 +166,8 @@ def prepare(
             staging, sources, shard_tokens, tokenizer, fields, workers, skip_bad, progress, kind, messages_field
         )
         manifest["left_out"] = left_out + manifest["left_out"]
-        _publish(staging, out_dir, manifest)
+        with _signals_held():
+            _publish(staging, out_dir, manifest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         if created:
@@ -194,15 +196,13 @@ def _prepare_into(
     checksums = _Checksums(sources)
     meter = _Progress(total_bytes(sources)) if progress else None
     setup = (chosen.spec(), sources, fields, staging, skip_bad, kind, messages_field)
-    # A source's pieces are held until it has been read to its end: one that turns out cut short or damaged
-    # is then left out whole (with --skip_bad), never half-read.
+    # With --skip_bad a source's pieces are held until it has been read to its end: one that turns out cut short
+    # or damaged is then left out whole, never half-read. (Without it, such a file stops prepare anyway.)
     held: list[PieceResult] = []
 
     def settle() -> None:
         for result in held:
             shards.append(result.tokens_file)
-            if meter is not None:
-                meter.add(result.documents, result.tokens, result.bytes_read)
         held.clear()
 
     try:
@@ -232,7 +232,12 @@ def _prepare_into(
             entry.tokens += result.tokens
             entry.skipped += result.skipped
             entry.empty += result.empty
-            held.append(result)
+            if meter is not None:
+                meter.add(result.documents, result.tokens, result.bytes_read)
+            if skip_bad:
+                held.append(result)
+            else:
+                shards.append(result.tokens_file)
         settle()
     finally:
         for result in held:
@@ -615,6 +620,25 @@ class _Progress:
     def done(self) -> None:
         sys.stderr.write("\r" + self.line(time.monotonic()) + "\n")
         sys.stderr.flush()
+
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """No stop between the first file moved in and the manifest: a data set half replaced would be neither the
+    old one nor the new. A stop that comes meanwhile finds the work done, and is dropped."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        while signal.sigtimedwait(STOP_SIGNALS, 0) is not None:
+            pass
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _publish(staging: Path, out_dir: Path, manifest: dict) -> None:

@@ -128,19 +128,15 @@ def find_sources(inputs: list[Path], skip_bad: bool = False) -> tuple[list[Sourc
 def _folder(folder: Path) -> tuple[list[Source], list[str], list[str]]:
     """A folder's sources in name order, the text files left out beside record files, and what is unreadable.
 
-    A ``save_to_disk`` folder inside it is one data set, read as such.
+    A ``save_to_disk`` folder inside it is one data set, read as such; linked folders are followed.
     """
-    entries = sorted(
-        path for path in folder.rglob("*") if not any(part.startswith(".") for part in path.relative_to(folder).parts)
-    )
-    datasets = [path for path in entries if path.is_dir() and (path / SAVE_TO_DISK_STATE).is_file()]
+    entries, datasets, unreadable = _walk(folder)
     found: list[tuple[Path, list[Source]]] = []
-    unreadable = []
     for path in entries:
-        if any(path != dataset and path.is_relative_to(dataset) for dataset in datasets):
-            continue  # a data set's own files
         if path in datasets:
-            found.append((path, _saved_dataset(path)))
+            sources = _saved_dataset(path)
+            if sources:  # an empty data set holds nothing to read
+                found.append((path, sources))
         elif path.is_file():
             if _kind(path) is None:
                 raise DataError(
@@ -148,7 +144,7 @@ def _folder(folder: Path) -> tuple[list[Source], list[str], list[str]]:
                     "(move it out of the folder, or name the files to read)"
                 )
             found.append((path, [_source(path, str(path))]))
-        elif not path.is_dir():
+        else:
             broken = path.is_symlink() and not path.exists()
             unreadable.append(
                 f"{path}: {'a broken link' if broken else 'not a regular file (a FIFO, socket or device)'}"
@@ -157,6 +153,32 @@ def _folder(folder: Path) -> tuple[list[Source], list[str], list[str]]:
     chosen = records or found
     skipped = [str(path.relative_to(folder)) for path, items in found if (path, items) not in chosen]
     return [source for _, items in chosen for source in items], skipped, unreadable
+
+
+def _walk(folder: Path) -> tuple[list[Path], set[Path], list[str]]:
+    """Every entry below ``folder`` that is not a folder, in name order, following linked folders (each real
+    folder once); the ``save_to_disk`` folders among them, as entries of their own; and the links that would
+    lead back into a folder already read."""
+    entries: list[Path] = []
+    datasets: set[Path] = set()
+    loops: list[str] = []
+    seen: set[str] = set()
+    for root, folders, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:
+            loops.append(f"{root}: a link to a folder already read (a loop, or the same files twice)")
+            folders[:] = []
+            continue
+        seen.add(real)
+        here = Path(root)
+        if here != folder and (here / SAVE_TO_DISK_STATE).is_file():
+            datasets.add(here)
+            entries.append(here)
+            folders[:] = []
+            continue
+        folders[:] = sorted(name for name in folders if not name.startswith("."))
+        entries += [here / name for name in files if not name.startswith(".")]
+    return sorted(entries, key=lambda path: path.relative_to(folder).parts), datasets, loops
 
 
 def _saved_dataset(folder: Path) -> list[Source]:
@@ -285,6 +307,8 @@ def _decompressed_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     frame: a file cut short or damaged is a DataError naming it, never read as complete."""
     import zstandard
 
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: cannot be decompressed to its end (an empty file holds no compressed stream)")
     try:
         if path.name.lower().endswith(".gz"):
             with gzip.open(path, "rb") as stream:  # raises EOFError when the last member has no end

@@ -89,7 +89,7 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = ()) -> list[Check]:
         if latest is not None and config is not None and data is not None:
             checks.append(_resume_check(latest, config, data))
         if config is not None and config.training.train_type == "dpo":
-            checks.append(_reference_check(runtime, config, model))
+            checks.append(_reference_check(runtime, config, model, data))
     checks.append(_disk_space_check(runtime))
     if runtime.multi_node:
         checks += node_checks(runtime)
@@ -346,11 +346,15 @@ def _resume_check(latest, config: TrainerConfig, datas: list[TokenData]) -> Chec
         notes = check_resume(latest.meta, latest.path, config.training, data_digest(datas))
     except SetupError as error:
         return Check(FAIL, "resume", str(error))
+    if latest.meta.optimizer is None:  # written before meta.json recorded it: the trainer reads it from optimizer.pt
+        notes.append("its optimizer is not recorded in meta.json: the trainer checks it against training.optimizer")
     return Check(PASS, "resume", "; ".join([f"from {latest.path} (step {latest.step})", *notes]))
 
 
-def _reference_check(runtime: Runtime, config: TrainerConfig, model: tuple[ModelConfig, Path] | None) -> Check:
-    """DPO's frozen reference model: readable, with the vocabulary of the model it trains."""
+def _reference_check(
+    runtime: Runtime, config: TrainerConfig, model: tuple[ModelConfig, Path] | None, datas: list[TokenData] | None
+) -> Check:
+    """DPO's frozen reference model: readable, with the vocabulary of the model it trains and the data's tokenizer."""
     container = config.ckpt.reference_path or config.ckpt.param_path
     folder = host_path(runtime, container) or runtime.model_dir
     key = "ckpt.reference_path" if config.ckpt.reference_path else "ckpt.param_path (the reference by default)"
@@ -366,6 +370,11 @@ def _reference_check(runtime: Runtime, config: TrainerConfig, model: tuple[Model
             f"{key}: {folder} has a vocabulary of {reference.vocab_size}, the trained model {model[0].vocab_size}: "
             "the reference must score the same tokens",
         )
+    if datas is not None:
+        try:
+            check_model_tokenizer(datas[0], folder)
+        except (SetupError, DataError) as error:
+            return Check(FAIL, "dpo reference", f"{key}: {error}")
     return Check(PASS, "dpo reference", f"{folder}, frozen, beta {config.training.dpo_beta}")
 
 

@@ -183,7 +183,9 @@ class Trainer:
             check_same_tokenizer(datas, names)
         if loaded is not None:
             self.model_config, weights, model_source = loaded.model_config, loaded.model_state, loaded.checkpoint.path
-            broadcast_from_master(env, lambda: check_model_tokenizer(datas[0], model_source), errors=(SetupError,))
+            broadcast_from_master(
+                env, lambda: check_model_tokenizer(datas[0], model_source), errors=(SetupError, DataError)
+            )
         else:
             model_source = Path(config.ckpt.param_path)
 
@@ -192,7 +194,9 @@ class Trainer:
                 return load_base_model(model_source)
 
             # Only node 0 needs the base model: rank 0 reads it, the others receive it.
-            self.model_config, weights = broadcast_from_master(env, read_base, errors=(ModelLoadError, SetupError))
+            self.model_config, weights = broadcast_from_master(
+                env, read_base, errors=(ModelLoadError, SetupError, DataError)
+            )
         fraction = config.data.val_fraction
         self.train_type = training.train_type
         self.data_digest = data_digest(datas)
@@ -389,8 +393,13 @@ class Trainer:
         """
         training = self.config.training
         path = Path(self.config.ckpt.reference_path or self.config.ckpt.param_path)
+
+        def read_reference():
+            check_model_tokenizer(self._records.data, path)  # a reference with its own tokenizer must be the data's
+            return (*load_base_model(path), model_digest(path))
+
         config, weights, digest = broadcast_from_master(
-            self.env, lambda: (*load_base_model(path), model_digest(path)), errors=(ModelLoadError,)
+            self.env, read_reference, errors=(ModelLoadError, SetupError, DataError)
         )
         if config.vocab_size != self.model_config.vocab_size:
             raise SetupError(

@@ -58,6 +58,19 @@ DEEPSEEK_R1 = (  # deepseek-ai/DeepSeek-R1-Distill-Qwen-32B (its tool branches l
     "      {%- endif -%}{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}\n    {%- endif -%}\n  {%- endif -%}\n"
     "{%- endfor -%}\n{%- if add_generation_prompt and not ns.is_tool -%}{{'<｜Assistant｜><think>\\n'}}\n{%- endif %}"
 )
+PHI3 = (  # microsoft/Phi-3-mini-4k-instruct: closes a conversation without a generation prompt with eos_token
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
+    "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+# Written for these tests, in the shape of OLMo 3's template: a turn followed by more ends with <|im_end|>, the
+# conversation's last one with eos_token instead.
+LAST_TURN_EOS = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{% if loop.last and message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 SHIPPED = {
     "llama2": LLAMA2_CHAT,
@@ -65,6 +78,8 @@ SHIPPED = {
     "openchat": OPENCHAT,
     "chatml": CHATML,
     "deepseek_r1": DEEPSEEK_R1,
+    "phi3": PHI3,
+    "last_turn_eos": LAST_TURN_EOS,
 }
 MARKED = {
     "llama2": LLAMA2_CHAT.replace(
@@ -89,6 +104,19 @@ MARKED = {
         "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
         "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
         "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    "phi3": PHI3.replace(
+        "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}",
+        "{{'<|assistant|>\n'}}{% generation %}{{ message['content'] + '<|end|>' }}{% endgeneration %}{{ '\n' }}",
+    ),
+    "last_turn_eos": (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+        "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}"
+        "{% if loop.last %}{{ eos_token }}{% else %}{{ '<|im_end|>' }}{% endif %}{% endgeneration %}"
+        "{% if not loop.last %}{{ '\n' }}{% endif %}"
+        "{% else %}{{ message['content'] }}{% if loop.last and message['role'] == 'assistant' %}{{ eos_token }}"
+        "{% else %}{{ '<|im_end|>\n' }}{% endif %}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     ),
     "deepseek_r1": DEEPSEEK_R1.replace(
@@ -120,6 +148,14 @@ FAMILIES = {
         {"bos_token": "<s>", "eos_token": "<|end_of_turn|>"},
     ),
     "chatml": Family("bytelevel", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), {"eos_token": "<|im_end|>"}),
+    "phi3": Family(
+        "sentencepiece",
+        ("<unk>", "<s>", "</s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+        {"bos_token": "<s>", "eos_token": "<|endoftext|>"},
+    ),
+    "last_turn_eos": Family(
+        "bytelevel", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), {"eos_token": "<|endoftext|>"}
+    ),
     "deepseek_r1": Family(
         "bytelevel",
         ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"),
@@ -151,7 +187,10 @@ def train_tokenizer(kind: str, texts: list[str], specials: tuple[str, ...], voca
         tokenizer.decoder = decoders.Sequence(
             [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
         )
-        return tokenizer
+        # The byte tokens are the vocabulary's own, as in Llama 2's file, not added tokens.
+        saved = json.loads(tokenizer.to_str())
+        saved["added_tokens"] = [token for token in saved["added_tokens"] if token["content"] not in byte_tokens]
+        return Tokenizer.from_str(json.dumps(saved))
     tokenizer = Tokenizer(models.BPE())
     if kind == "llama3":
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(

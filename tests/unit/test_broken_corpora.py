@@ -242,3 +242,49 @@ def test_sharegpt_conversations_and_a_messages_field_named_by_field(tmp_path):
     assert _sequences(tmp_path / "e") == [plain]
     with pytest.raises(DataError, match=r"--field: a dpo record is read whole"):
         prepare(tmp_path / "f", [corpus], tokenizer=tokenizer, kind="dpo", field="dialog")
+
+
+def test_a_linked_folder_is_read_an_empty_compressed_file_is_cut_short_an_empty_data_set_holds_nothing(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    real = tmp_path / "real"
+    real.mkdir()
+    _jsonl(real / "a.jsonl", RECORDS[:2])
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    _jsonl(corpus / "b.jsonl", RECORDS[2:3])
+    (corpus / "linked").symlink_to(real)  # Python's rglob would not go in: its files were left out silently
+    datasets.Dataset.from_list([]).save_to_disk(str(corpus / "nothing"))
+    prepare(tmp_path / "data", [corpus])
+    assert _documents(tmp_path / "data") == [record["text"] for record in RECORDS[2:3] + RECORDS[:2]]
+    (corpus / "loop").symlink_to(corpus)
+    with pytest.raises(DataError, match=r"loop: a link to a folder already read"):
+        prepare(tmp_path / "data2", [corpus])
+    (corpus / "loop").unlink()
+    (corpus / "empty.jsonl.gz").write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty.jsonl.gz: cannot be decompressed to its end \(an empty file"):
+        prepare(tmp_path / "data3", [corpus])
+
+
+def test_a_lone_surrogate_anywhere_a_template_shows_is_a_bad_record(tmp_path):
+    from astrai.data.tokenizing import HFTokenizer
+
+    tokenizer = HFTokenizer(_chat_folder(tmp_path, CHATML))
+    corpus = tmp_path / "chat.jsonl"
+    corpus.write_text(
+        json.dumps({"messages": CHAT})
+        + "\n"
+        + '{"messages": [{"role": "user\\ud800", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+    )
+    result = _cli(
+        "prepare",
+        "--kind",
+        "sft",
+        "--skip_bad",
+        "--tokenizer",
+        str(tokenizer.file.parent),
+        "--out",
+        str(tmp_path / "d"),
+        str(corpus),
+    )
+    _no_traceback(result)
+    assert result.returncode == 0 and "rendered conversation holds a lone surrogate" in result.stdout, result.stderr
