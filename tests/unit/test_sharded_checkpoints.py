@@ -166,8 +166,12 @@ def test_sigkill_of_one_rank_during_a_save_publishes_nothing_and_the_next_start_
             run.kill()
         assert code != 0
         left = staging(ckpt_dir)
-        if writing and left:
-            killed_during_save = left
+        # The kill landed during a save when its staging folder is still there, or when it was removed (rank 0,
+        # seeing its peer gone, fails the save and cleans up) without ever being published.
+        published = {checkpoint.name for checkpoint in scan_job_dir(ckpt_dir).complete}
+        finals = {name.removeprefix(STAGING_PREFIX).rsplit("-", 2)[0] for name in writing}
+        if writing and (left or not finals & published):
+            killed_during_save = left or writing
             break
     assert killed_during_save, "no kill landed while a checkpoint was being written"
     scan = scan_job_dir(ckpt_dir)
