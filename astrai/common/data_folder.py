@@ -331,8 +331,9 @@ def training_units(data: TokenData, train_type: str, window: int, overlong: str)
     A record the window would cut to its prompt alone is left out (it would train on nothing); when that
     leaves nothing, or leaves out most records, it is a DataError saying what window they need.
     """
-    lengths = [length for shard in range(len(data.shard_files)) for length in data.sequence_lengths(shard)]
-    with _Masks(data) as masks:
+    per_shard = [data.sequence_lengths(shard) for shard in range(len(data.shard_files))]
+    lengths = [length for shard in per_shard for length in shard]
+    with _Masks(data, per_shard) as masks:
         if train_type == "sft":
             units = pack(lengths, window, overlong, masks.supervised)
             records = len(lengths)
@@ -353,12 +354,12 @@ def training_units(data: TokenData, train_type: str, window: int, overlong: str)
 class _Masks:
     """The supervision masks of a post-training folder, mapped: does a sequence's start hold a supervised target?"""
 
-    def __init__(self, data: TokenData):
+    def __init__(self, data: TokenData, per_shard: list[list[int]]):
         self.data = data
         self.starts: list[tuple[int, int]] = []
-        for shard in range(len(data.shard_files)):
+        for shard, lengths in enumerate(per_shard):
             position = 0
-            for length in data.sequence_lengths(shard):
+            for length in lengths:
                 self.starts.append((shard, position))
                 position += length
         self._maps: dict[int, mmap.mmap] = {}

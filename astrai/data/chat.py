@@ -194,7 +194,7 @@ class RecordEncoder:
                 raise RecordError(
                     f"assistant message {index} is empty: there is no reply to learn; drop the turn or the record"
                 )
-            start, end = self._generated_span(messages, index, text)
+            start, end = self._generated_span(messages, index, text, ids, offsets)
             for position, (begin, finish) in enumerate(offsets):
                 # A token overlapping the span is generated, also one that straddles its start.
                 if begin < end and (finish > start or (begin == finish and begin >= start)):
@@ -203,8 +203,11 @@ class RecordEncoder:
             raise RecordError("has no assistant turn to learn from")
         return ids, mask
 
-    def _generated_span(self, messages: list[dict], index: int, text: str) -> tuple[int, int]:
-        """The characters of ``text`` (the whole conversation rendered) that the model generates as turn ``index``.
+    def _generated_span(
+        self, messages: list[dict], index: int, text: str, ids: list[int], offsets: list[tuple[int, int]]
+    ) -> tuple[int, int]:
+        """The characters of ``text`` (the whole conversation rendered, tokenized as ``ids`` with ``offsets``) that
+        the model generates as turn ``index``.
 
         They begin where the conversation before the turn, rendered with its generation prompt, ends, and end
         with the turn's end-of-turn token: what a chat client sends is the prompt, what the model must write is
@@ -234,7 +237,6 @@ class RecordEncoder:
         # another end token than the last turn's): the turn ends at its last marker token before the two
         # renderings part, or else at the first one after.
         parted = start + _common_prefix(text[start:], tail)
-        ids, offsets = self.tokenizer.ids_with_offsets(text)
         ends = [
             finish
             for token, (begin, finish) in zip(ids, offsets, strict=True)
