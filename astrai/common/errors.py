@@ -14,11 +14,16 @@ import sys
 
 
 class AstraiError(Exception):
-    """An expected failure; ``exit_code`` is what the command exits with (1 unless the class says otherwise)."""
+    """An expected failure; ``exit_code`` is what the command exits with: ``code`` if given, else the class's (1)."""
 
     exit_code = 1
     prefix = "error: "
     """How the message is shown: configuration problems name their file and key themselves."""
+
+    def __init__(self, message: str = "", code: int | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.exit_code = code
 
     def show(self) -> str:
         return f"{self.prefix}{self}"

@@ -1,8 +1,10 @@
-"""Values as users type them: durations (``90s``, ``10m``, ``1h30m05s``, Compose's spelling) and whole numbers."""
+"""Values as users type them and read them: durations (``90s``, ``10m``, ``1h30m05s``, Compose's spelling), clocks
+and local times, and whole numbers."""
 
 from __future__ import annotations
 
 import re
+import time
 
 _DURATION = re.compile(r"(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?")
 
@@ -25,6 +27,16 @@ def format_duration(seconds: float) -> str:
     hours, rest = divmod(total, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def format_clock(seconds: int) -> str:
+    """Whole seconds as a clock, HH:MM:SS (Slurm's spelling of a time limit)."""
+    return f"{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def local_time(unix_time: float) -> str:
+    """A moment as this host's local date and time, to the second."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_time))
 
 
 def whole_number(text, minimum: int, maximum: int | None = None) -> int:

@@ -94,10 +94,6 @@ _SIZE_UNITS.update(kib=1 << 10, mib=1 << 20, gib=1 << 30, tib=1 << 40)
 class ExportError(AstraiError):
     """An export that cannot be made; the message says why and what to do. ``code``: 2 for a bad option."""
 
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.exit_code = code
-
 
 # --- the options ------------------------------------------------------------------------------------
 

@@ -39,7 +39,8 @@ from astrai.common.configfile import ConfigError
 from astrai.common.contract import METRIC_TIME, METRICS_FILE, REASON_EMERGENCY
 from astrai.common.errors import AstraiError
 from astrai.common.metrics import MetricsFile
-from astrai.host import compose, engine, preflight, slurm, timer
+from astrai.common.values import local_time
+from astrai.host import compose, engine, preflight, slurm, slurm_script, timer
 from astrai.host.hostuser import make_dirs
 from astrai.host.runtime import Runtime, check_paths
 from astrai.host.trainer_config import fix_hint, read_trainer_config
@@ -55,10 +56,6 @@ EXIT_INTERRUPTED = 130
 
 class JobError(AstraiError):
     """An expected failure of a lifecycle command; ``code`` is the exit code."""
-
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.exit_code = code
 
 
 def _say(message: str = "") -> None:
@@ -107,10 +104,10 @@ def render(runtime: Runtime, trainer_args: list[str]) -> str:
 def submit_job(runtime: Runtime, trainer_args: list[str], dry_run: bool) -> None:
     """`invoke submit`: the sbatch script of the job, checked, written under the job dir and submitted."""
     check_trainer_config(runtime, trainer_args)
-    problems = slurm.config_problems(runtime)
+    problems = slurm_script.config_problems(runtime)
     if problems:
         raise JobError("\nerror: ".join(problems), code=2)
-    script = slurm.render_script(runtime, trainer_args)
+    script = slurm_script.render_script(runtime, trainer_args)
     if dry_run:
         _say(script.rstrip("\n"))
         _say(f"# dry run: nothing was written or submitted; `{runtime.command('submit', per_node=False)}` submits it")
@@ -292,7 +289,9 @@ def _start_container(runtime: Runtime, trainer_args: list[str], began: float) ->
             stop_timeout_seconds=runtime.stop_timeout_seconds,
             job_name=runtime.job_name,
         )
-        _say(f"max duration {runtime.max_duration_hours} h: a timer stops it gracefully at {_clock(state.deadline)}")
+        _say(
+            f"max duration {runtime.max_duration_hours} h: a timer stops it gracefully at {local_time(state.deadline)}"
+        )
     return container
 
 
@@ -576,7 +575,3 @@ def _run_compose(runtime: Runtime, *args: str, what: str, quiet: bool = False) -
         raise JobError(f"{what} failed (exit {result.returncode}): {compose.format_command(command)}")
     if quiet:
         _say(f"{what}: done in {time.monotonic() - started:.1f} s")
-
-
-def _clock(unix_time: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_time))

@@ -32,7 +32,7 @@ from astrai.common.contract import (
     METRICS_FILE,
 )
 from astrai.common.metrics import MetricsFile
-from astrai.common.values import format_duration
+from astrai.common.values import format_duration, local_time
 from astrai.host import compose, engine, preflight, slurm, timer
 from astrai.host.runtime import Runtime, check_paths
 
@@ -156,7 +156,7 @@ def format_status(status: JobStatus) -> list[str]:
         lines.append("timer       none")
     else:
         left = timer.seconds_left(status.timer)
-        lines.append(f"timer       graceful stop in {format_duration(left)} (at {_clock(status.timer.deadline)})")
+        lines.append(f"timer       graceful stop in {format_duration(left)} (at {local_time(status.timer.deadline)})")
     return lines
 
 
@@ -239,7 +239,3 @@ def _age(moment: datetime | None) -> str:
     if moment is None:
         return "?"
     return format_duration((datetime.now(timezone.utc) - moment).total_seconds())
-
-
-def _clock(unix_time: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_time))

@@ -29,7 +29,7 @@ from test_nodes import _NodeView
 
 from astrai.common.checkpoints import list_complete_checkpoints
 from astrai.common.contract import WEIGHTS_FILE
-from astrai.host import compose, engine, slurm
+from astrai.host import compose, engine, slurm_script
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -118,7 +118,7 @@ def _wait_state(cluster, job, job_id: int, states: tuple[str, ...], timeout: flo
 
 
 def _output(job, job_id: int) -> str:
-    path = job.job_dir / compose.STATE_DIR_NAME / slurm.SLURM_DIR_NAME / f"slurm-{job_id}.out"
+    path = job.job_dir / compose.STATE_DIR_NAME / slurm_script.SLURM_DIR_NAME / f"slurm-{job_id}.out"
     return path.read_text(errors="replace") if path.exists() else "(no output)"
 
 
@@ -267,7 +267,7 @@ def _container_logs(job, node: int) -> str:
 
 
 def _node_task(job, node: int) -> int:
-    """The pid of `python -m astrai.host.slurm node` for one node of this job."""
+    """The pid of `python -m astrai.host.slurm_node` for one node of this job."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -276,7 +276,7 @@ def _node_task(job, node: int) -> int:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"astrai.host.slurm" in command and str(job.config).encode() in command:
+        if b"astrai.host.slurm_node" in command and str(job.config).encode() in command:
             if f"SLURM_NODEID={node}".encode() in environ:
                 return int(entry.name)
     raise AssertionError(f"no task of node {node} for {job.name}")

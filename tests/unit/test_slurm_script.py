@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from astrai.host import slurm
+from astrai.host import slurm_node, slurm_script
 from astrai.host.runtime import resolve_runtime
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ def _runtime(root: Path, launcher: str, gpu=None, slurm_block=None, nodes=2, nam
 
 
 def _script(runtime, args=("--max_lr", "1e-3")) -> str:
-    return slurm.render_script(runtime, list(args), python=PYTHON)
+    return slurm_script.render_script(runtime, list(args), python=PYTHON)
 
 
 @pytest.mark.parametrize("launcher", ["docker", "pyxis", "apptainer"])
@@ -69,15 +69,15 @@ def test_the_script_matches_its_reviewed_golden_file(tmp_path, launcher):
 
 def test_options_follow_the_yaml(tmp_path):
     runtime = _runtime(tmp_path, "docker", slurm_block={"requeue": False, "partition": None, "account": None})
-    options = slurm.sbatch_options(runtime)
+    options = slurm_script.sbatch_options(runtime)
     assert "--nodes=2" in options and "--ntasks-per-node=1" in options and "--gpus-per-node=4" in options
     assert "--no-requeue" in options and not any(o.startswith(("--partition", "--account", "--qos")) for o in options)
     # The warning: the stop's whole timeout plus the margin before the end; output appended across requeues.
-    assert f"--signal=B:USR1@{300 + slurm.SIGNAL_MARGIN_SECONDS}" in options and "--open-mode=append" in options
+    assert f"--signal=B:USR1@{300 + slurm_script.SIGNAL_MARGIN_SECONDS}" in options and "--open-mode=append" in options
     assert options[-2:] == ["--constraint=a100", "--exclusive"]
-    whole = slurm.sbatch_options(_runtime(tmp_path, "docker", gpu={"devices": "all"}))
+    whole = slurm_script.sbatch_options(_runtime(tmp_path, "docker", gpu={"devices": "all"}))
     assert "--exclusive" in whole and not any(o.startswith("--gpus") for o in whole)
-    cpu = slurm.sbatch_options(_runtime(tmp_path, "docker", gpu={"devices": "none", "processes": 2}, nodes=1))
+    cpu = slurm_script.sbatch_options(_runtime(tmp_path, "docker", gpu={"devices": "none", "processes": 2}, nodes=1))
     assert not any(o.startswith("--gpus") for o in cpu)
 
 
@@ -97,6 +97,24 @@ def test_the_allocations_rendezvous_wins_over_one_left_in_the_yaml(tmp_path):
     assert text.count("export ASTRAI_RDZV_ENDPOINT=") == text.count("export ASTRAI_RDZV_ID=") == 1
 
 
+def test_the_rendezvous_port_is_one_rule_below_the_ephemeral_ports():
+    expression = slurm_script.rendezvous_port("SLURM_JOB_ID")
+    ports = [
+        int(
+            subprocess.run(
+                ["bash", "-c", f"echo {expression}"],
+                env={"SLURM_JOB_ID": str(job)},
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
+        for job in (1, 12345, 29999, 10_000_000)
+    ]
+    assert ports == [20001, 22345, 29999, 20000]
+    assert all(port < 32768 for port in ports)  # Linux's ephemeral ports start there
+
+
 def test_invoke_stop_after_the_time_limit_warning_still_means_no_requeue(tmp_path):
     text = _script(_runtime(tmp_path, "docker"))
     assert "trap 'requeue=false; stop_tasks stop" in text
@@ -104,14 +122,14 @@ def test_invoke_stop_after_the_time_limit_warning_still_means_no_requeue(tmp_pat
 
 
 def test_what_the_script_cannot_carry_is_refused(tmp_path):
-    with pytest.raises(slurm.SlurmError, match=r"runtime\.slurm\.image: missing"):
+    with pytest.raises(slurm_script.SlurmError, match=r"runtime\.slurm\.image: missing"):
         _script(_runtime(tmp_path / "a", "pyxis", slurm_block={"image": None}))
-    with pytest.raises(slurm.SlurmError, match=r"runtime\.paths\.checkpoints: .*'%'"):
+    with pytest.raises(slurm_script.SlurmError, match=r"runtime\.paths\.checkpoints: .*'%'"):
         _script(_runtime(tmp_path / "100%", "docker"))
-    with pytest.raises(slurm.SlurmError, match=r"runtime\.paths\.data: .*','"):
+    with pytest.raises(slurm_script.SlurmError, match=r"runtime\.paths\.data: .*','"):
         _script(_runtime(tmp_path / "a,b", "apptainer"))
     assert "srun" in _script(_runtime(tmp_path / "a,b", "docker"))  # docker mounts take any path
-    with pytest.raises(slurm.SlurmError, match=r"runtime\.paths\.checkpoints: .*double quote"):
+    with pytest.raises(slurm_script.SlurmError, match=r"runtime\.paths\.checkpoints: .*double quote"):
         _script(_runtime(tmp_path / 'say "hi"', "docker"))
     spaced = _script(_runtime(tmp_path / "a b $x ü", "docker"))
     assert f'#SBATCH --output="{tmp_path}/a b $x ü/checkpoints/llm-7b/.astrai/slurm/slurm-%j.out"' in spaced
@@ -122,7 +140,7 @@ def test_what_the_script_cannot_carry_is_refused(tmp_path):
     [("04:00:00", 14400), ("1-00:00:00", 86400), ("2-03", 183600), ("30", 1800), ("5:30", 330), ("UNLIMITED", None)],
 )
 def test_slurm_time_limits_are_read_as_slurm_writes_them(text, seconds):
-    assert slurm.parse_time_limit(text) == seconds
+    assert slurm_script.parse_time_limit(text) == seconds
 
 
 def test_submit_dry_run_prints_the_script_and_writes_nothing(tmp_path):
@@ -154,9 +172,9 @@ def test_submit_dry_run_prints_the_script_and_writes_nothing(tmp_path):
 )
 def test_extra_options_that_would_override_the_script_s_own_are_refused_naming_the_key(tmp_path, extra, owner):
     runtime = _runtime(tmp_path, "docker", slurm_block={"extra": ["--constraint=a100", extra]})
-    (problem,) = slurm.config_problems(runtime)
+    (problem,) = slurm_script.config_problems(runtime)
     assert f"runtime.slurm.extra[1]: {extra!r} would override the script's own" in problem and owner in problem
-    assert slurm.config_problems(_runtime(tmp_path / "ok", "docker")) == []
+    assert slurm_script.config_problems(_runtime(tmp_path / "ok", "docker")) == []
 
 
 def test_a_time_limit_shorter_than_the_stop_signal_s_lead_is_refused_without_a_cluster(tmp_path):
@@ -185,7 +203,7 @@ def test_each_nodes_container_is_watched_and_never_restarted_by_docker(tmp_path)
     runtime = _runtime(tmp_path, "docker", gpu={"devices": [0, 1]}, nodes=2)
     runtime = dataclasses.replace(runtime, max_restarts=3, node=1)
     env = {"ASTRAI_RDZV_ENDPOINT": "127.0.0.1:24711", "SLURM_JOB_ID": "4711", "SLURM_STEP_GPUS": "2,3"}
-    node = slurm.allocation_runtime(runtime, env)
+    node = slurm_node.allocation_runtime(runtime, env)
     service = compose.render_override(node, uid=1000, gid=1000)["services"][compose.SERVICE]
     environment = service["environment"]
     assert environment["ASTRAI_SUPERVISOR_PID"] == str(os.getpid())
@@ -242,6 +260,6 @@ def test_a_requeue_needs_progress_in_the_allocation(tmp_path):
 @pytest.mark.parametrize("launcher", ["pyxis", "apptainer"])
 def test_in_image_launchers_ask_for_gpus_as_gpus(tmp_path, launcher):
     runtime = _runtime(tmp_path, launcher, gpu={"devices": [0, 1]})
-    assert "--gpus-per-node=2" in slurm.sbatch_options(runtime) and slurm.config_problems(runtime) == []
-    (problem,) = slurm.config_problems(_runtime(tmp_path / "all", launcher, gpu={"devices": "all"}))
+    assert "--gpus-per-node=2" in slurm_script.sbatch_options(runtime) and slurm_script.config_problems(runtime) == []
+    (problem,) = slurm_script.config_problems(_runtime(tmp_path / "all", launcher, gpu={"devices": "all"}))
     assert "runtime.gpu.devices: all takes a whole node (--exclusive)" in problem and "--gpus-per-node=8" in problem
