@@ -50,6 +50,7 @@ from astrai.common.contract import (
     META_FILE,
     OPTIMIZER_FILE,
     OPTIMIZER_TENSORS_FILE,
+    REASON_EMERGENCY,
     REASONS,
     REQUIRED_FILES,
     RNG_FILE,
@@ -332,6 +333,17 @@ def latest_complete_checkpoint(job_dir: Path) -> Checkpoint | None:
     """The newest checkpoint, or None when there is none."""
     complete = list_complete_checkpoints(job_dir)
     return complete[-1] if complete else None
+
+
+def emergency_since(job_dir: Path, moment: float | None) -> Checkpoint | None:
+    """The newest checkpoint if it is an emergency one written since ``moment`` (a Unix time; None: whenever), else
+    None: what a stop that began then left. A second of slack covers file systems that keep whole seconds."""
+    newest = latest_complete_checkpoint(job_dir)
+    if newest is None or newest.meta.reason != REASON_EMERGENCY:
+        return None
+    if moment is not None and newest.path.stat().st_mtime < moment - 1:
+        return None
+    return newest
 
 
 def plan_retention(checkpoints: list[Checkpoint], keep: int) -> tuple[list[Checkpoint], list[Checkpoint]]:

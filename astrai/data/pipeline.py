@@ -108,6 +108,12 @@ class _SourceStats:
     first_bad: str | None = None
     failed: str | None = None
 
+    def add(self, result: PieceResult) -> None:
+        self.documents += result.documents
+        self.tokens += result.tokens
+        self.skipped += result.skipped
+        self.empty += result.empty
+
 
 def prepare(
     out_dir: Path,
@@ -228,10 +234,7 @@ def _prepare_into(
                         f"{where}: {result.first_bad[1]}; nothing was written (--skip_bad skips such records)"
                     )
                 entry.first_bad = entry.first_bad or f"{where}: {result.first_bad[1]}"
-            entry.documents += result.documents
-            entry.tokens += result.tokens
-            entry.skipped += result.skipped
-            entry.empty += result.empty
+            entry.add(result)
             if meter is not None:
                 meter.add(result.documents, result.tokens, result.bytes_read)
             if skip_bad:
@@ -250,6 +253,14 @@ def _prepare_into(
         if failed:
             raise DataError(f"nothing is left to train on: every input was left out (first: {failed[0]})")
         raise DataError("the inputs are empty: they hold no text to train on")
+    field = fields or messages_field
+    return _manifest(chosen, tokenizer, staging, dtype, kind, shards, sources, stats, checksums, field)
+
+
+def _manifest(chosen, tokenizer, staging, dtype, kind, shards, sources, stats, checksums, field) -> dict:
+    """The manifest of a folder whose shards are written: what it holds, and what each source gave."""
+    if isinstance(field, list):
+        field = ".".join(field)
     copied = copy_tokenizer_files(tokenizer, staging)
     manifest = {
         "format": FORMAT,
@@ -265,7 +276,7 @@ def _prepare_into(
         "skipped": sum(entry.skipped for entry in stats),
         "empty": sum(entry.empty for entry in stats),
         "left_out": [entry.failed for entry in stats if entry.failed is not None],
-        "field": ".".join(fields) if fields else messages_field,
+        "field": field,
         "shards": shards.shards,
         "sources": [
             {

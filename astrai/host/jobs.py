@@ -24,19 +24,19 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 
 from astrai.common.checkpoints import (
-    Checkpoint,
     NotACheckpoint,
+    emergency_since,
     plan_retention,
     remove_checkpoint,
     remove_job_entry,
     scan_job_dir,
 )
 from astrai.common.configfile import ConfigError
-from astrai.common.contract import METRIC_TIME, METRICS_FILE, REASON_EMERGENCY
+from astrai.common.contract import METRIC_TIME, METRICS_FILE
 from astrai.common.errors import AstraiError
 from astrai.common.metrics import MetricsFile
 from astrai.common.values import local_time
@@ -410,7 +410,8 @@ def _stop_container(runtime: Runtime) -> None:
         raise JobError(f"docker stop failed: {result.stderr.strip()}")
     final = engine.inspect_container(container.id) or container
     seconds = time.monotonic() - started
-    emergency = _emergency_checkpoint_since(runtime, container)
+    started = container.started()
+    emergency = emergency_since(runtime.job_dir, started.timestamp() if started is not None else None)
     if final.exit_code == 0 and emergency is not None:
         _say(f"stopped in {seconds:.1f} s; emergency checkpoint {emergency.path} (step {emergency.step})")
         return
@@ -438,18 +439,6 @@ def _stop_container(runtime: Runtime) -> None:
     raise JobError(
         f"the trainer exited with code {final.exit_code} after {seconds:.1f} s{killed}; newest checkpoint: {where}"
     )
-
-
-def _emergency_checkpoint_since(runtime: Runtime, container: engine.Container) -> Checkpoint | None:
-    started = container.started()
-    complete = scan_job_dir(runtime.job_dir).complete
-    if not complete:
-        return None
-    newest = complete[-1]
-    written = datetime.fromtimestamp(newest.path.stat().st_mtime, timezone.utc)
-    if newest.meta.reason == REASON_EMERGENCY and (started is None or written >= started):
-        return newest
-    return None
 
 
 def _progress_since(runtime: Runtime, container: engine.Container) -> bool:

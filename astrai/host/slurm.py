@@ -19,9 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from astrai.common.contract import (
-    REASON_EMERGENCY,
-)
+from astrai.common.checkpoints import emergency_since, latest_complete_checkpoint
 from astrai.common.values import format_clock
 from astrai.host.hostuser import make_dirs
 from astrai.host.preflight import FAIL, PASS, WARN, Check
@@ -263,7 +261,7 @@ def stop_submitted(runtime: Runtime, job: SlurmJob, say=print) -> None:
         f"stopping Slurm job {job.job_id} of {runtime.job_name}: every node stops gracefully, up to "
         f"{runtime.stop_timeout_seconds} s for the emergency checkpoint; no requeue"
     )
-    started = time.monotonic()
+    started, asked = time.monotonic(), time.time()
     result = _slurm(["scancel", "--batch", "--signal=USR2", str(job.job_id)])
     if result.returncode != 0:
         raise SlurmError(f"scancel --batch --signal=USR2 {job.job_id} failed: {result.stderr.strip()}")
@@ -275,14 +273,12 @@ def stop_submitted(runtime: Runtime, job: SlurmJob, say=print) -> None:
         time.sleep(1)
     else:
         raise SlurmError(f"Slurm job {job.job_id} is still {now.state} after the stop; see `{runtime.command('logs')}`")
-    from astrai.common.checkpoints import scan_job_dir
-
-    complete = scan_job_dir(runtime.job_dir).complete
-    newest = complete[-1] if complete else None
     seconds = time.monotonic() - started
-    if newest is not None and newest.meta.reason == REASON_EMERGENCY:
-        say(f"stopped in {seconds:.1f} s; emergency checkpoint {newest.path} (step {newest.step})")
+    emergency = emergency_since(runtime.job_dir, asked)
+    if emergency is not None:
+        say(f"stopped in {seconds:.1f} s; emergency checkpoint {emergency.path} (step {emergency.step})")
     else:
+        newest = latest_complete_checkpoint(runtime.job_dir)
         say(f"stopped in {seconds:.1f} s; newest checkpoint: {newest.path if newest else 'none'}")
 
 

@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from astrai.common.checkpoints import latest_complete_checkpoint
+from astrai.common.checkpoints import emergency_since, latest_complete_checkpoint
 from astrai.common.contract import (
     CONTAINER_CHECKPOINTS,
     CONTAINER_CONFIG,
@@ -72,7 +72,6 @@ from astrai.common.contract import (
     ENV_STOPPED_EXIT_CODE,
     ENV_SUPERVISOR_PID,
     MODEL_CONFIG_FILE,
-    REASON_EMERGENCY,
     TRAINER_MODULE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
@@ -318,6 +317,24 @@ def _catches(pid: int, signum: int) -> bool:
     return False
 
 
+def _launch(command: list[str], direct: bool) -> subprocess.Popen:
+    if direct:
+        launcher = subprocess.Popen(command)  # inherits the blocked stop signals, as across exec
+        signals.release()
+        return launcher
+    signals.release()  # main() held them; the launcher must start with them unblocked
+    return subprocess.Popen(command)
+
+
+def _kill(launcher: subprocess.Popen) -> int:
+    """SIGKILL the launcher and its workers; the exit code of a killed process."""
+    for pid in [*child_pids(launcher.pid), launcher.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    launcher.wait()
+    return 128 + signal.SIGKILL
+
+
 def supervise_workers(
     command: list[str],
     poll_seconds: float = 0.1,
@@ -348,12 +365,7 @@ def supervise_workers(
 
     for signum in signals.STOP_SIGNALS:
         signal.signal(signum, record)
-    if direct:
-        launcher = subprocess.Popen(command)  # inherits the blocked stop signals, as across exec
-        signals.release()
-    else:
-        signals.release()  # main() held them; the launcher must start with them unblocked
-        launcher = subprocess.Popen(command)
+    launcher = _launch(command, direct)
     deadline = None
     forwarded = None
     while (status := launcher.poll()) is None:
@@ -367,11 +379,7 @@ def supervise_workers(
             pending.append(signal.SIGTERM)
             deadline = time.monotonic() + stop_timeout
         if deadline is not None and time.monotonic() > deadline:
-            for pid in [*child_pids(launcher.pid), launcher.pid]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            launcher.wait()
-            return 128 + signal.SIGKILL
+            return _kill(launcher)
         if direct and pending:
             with contextlib.suppress(ProcessLookupError):
                 launcher.send_signal(pending.pop(0))
@@ -390,7 +398,7 @@ def supervise_workers(
         else:
             time.sleep(poll_seconds)
     code = 128 - status if status < 0 else status
-    if forwarded is not None and job_dir is not None and _emergency_since(job_dir, forwarded):
+    if forwarded is not None and job_dir is not None and emergency_since(job_dir, forwarded) is not None:
         if code != 0:
             print(
                 f"astrai entrypoint: the launcher exited with {code} after the stop, but the emergency checkpoint "
@@ -400,11 +408,6 @@ def supervise_workers(
             )
         return stopped_code  # 0, or what a scheduler that retries failures must see (ENV_STOPPED_EXIT_CODE)
     return code
-
-
-def _emergency_since(job_dir: Path, moment: float) -> bool:
-    newest = latest_complete_checkpoint(job_dir)
-    return newest is not None and newest.meta.reason == REASON_EMERGENCY and newest.path.stat().st_mtime >= moment - 1
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,6 @@ In-process use (benchmarks, tests)::
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import os
 import sys
@@ -31,7 +29,6 @@ from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader
 
 from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.common.config import (
@@ -44,77 +41,33 @@ from astrai.common.config import (
 from astrai.common.contract import (
     CKPT_FORMAT_SHARDED,
     ENV_STOPPED_EXIT_CODE,
-    GENERATION_CONFIG_FILE,
     REASON_EMERGENCY,
     REASON_FINAL,
     REASON_PERIODIC,
     resolve_parallel_mode,
 )
-from astrai.common.data_folder import DataError, TokenData, data_digest, describe_units, training_units
 from astrai.common.errors import AstraiError
 from astrai.common.fit import (
     BatchShape,
-    SetupError,
-    check_fit,
-    check_model_tokenizer,
-    check_resume,
-    check_same_tokenizer,
-    tokenizer_hint,
 )
+from astrai.trainer import build
 from astrai.trainer.checkpoint.files import LoadedCheckpoint, NonFiniteWeights, Progress
-from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
+from astrai.trainer.checkpoint.manager import CheckpointManager, load_latest
 from astrai.trainer.distributed import (
     DistEnv,
     GracefulStop,
-    broadcast_from_master,
     check_parallel_mode,
-    gather_objects,
     init_distributed,
-    parallelize,
     resolve_device,
     set_gradient_sync,
     shutdown_distributed,
     world_from_environment,
 )
 from astrai.trainer.health import Diverged, DivergenceRecord
-from astrai.trainer.model import ModelLoadError, Transformer, describe_folder, load_base_model, model_digest
-from astrai.trainer.objectives import NextToken, Preference, Supervised
+from astrai.trainer.model import describe_folder
 from astrai.trainer.optim import Schedule, apply_settings, build_optimizer, describe_changes, set_lr
-from astrai.trainer.records import DPOPairs, PackedSFT, RecordIndex
-from astrai.trainer.reference import reference_table
 from astrai.trainer.report import ProgressReporter, ReportError, StepReport, flops_per_token, peak_tflops, print_line
 from astrai.trainer.validation import Validator
-from astrai.trainer.windows import (
-    MixtureBatchSampler,
-    MixtureDataset,
-    MixtureOrder,
-    WindowBatchSampler,
-    WindowDataset,
-    ignore_stop_signals,
-)
-
-
-def open_same_data(root: Path, env: DistEnv) -> TokenData:
-    """The data folder, checked to be the same on every rank (each node reads its own copy).
-
-    Every rank reports what it found, so a missing or different folder on one node is the same clear
-    error on all of them, instead of one rank failing while the others wait.
-    """
-    try:
-        data = TokenData.open(root)
-        mine = data.fingerprint()
-    except DataError as error:
-        data, mine = None, f"error: {error}"
-    everyone = gather_objects(env, mine)
-    if all(report == everyone[0] for report in everyone) and data is not None:
-        return data
-    if len(everyone) == 1:
-        raise DataError(str(mine).removeprefix("error: "))  # one process: no other rank to compare with
-    lines = [f"node {env.node_of(rank)} rank {rank}: {report}" for rank, report in enumerate(everyone)]
-    raise DataError(
-        f"every node needs the same data in {root}, but the ranks found different data "
-        f"(manifest digests):\n  " + "\n  ".join(lines)
-    )
 
 
 @dataclass(frozen=True)
@@ -171,81 +124,31 @@ class Trainer:
         self.max_steps = training.max_steps
         self.window_size = config.data.window_size
         self.job_dir = Path(config.ckpt.ckpt_dir)
+        self.train_type = training.train_type
         self.grad_accum = resolve_grad_accum_steps(training, env.world_size)
         batch = BatchShape(training.batch_per_device, self.grad_accum, env.world_size)
         self.global_batch = batch.global_batch
-
-        root = Path(config.data.data_root_path)
-        sources = config.data.sources
-        names = [source.path for source in sources] if sources else []
-        datas = [open_same_data(root / name, env) for name in names] if sources else [open_same_data(root, env)]
-        if sources:
-            check_same_tokenizer(datas, names)
-        if loaded is not None:
-            self.model_config, weights, model_source = loaded.model_config, loaded.model_state, loaded.checkpoint.path
-            broadcast_from_master(
-                env, lambda: check_model_tokenizer(datas[0], model_source), errors=(SetupError, DataError)
-            )
-        else:
-            model_source = Path(config.ckpt.param_path)
-
-            def read_base():
-                check_model_tokenizer(datas[0], model_source)
-                return load_base_model(model_source)
-
-            # Only node 0 needs the base model: rank 0 reads it, the others receive it.
-            self.model_config, weights = broadcast_from_master(
-                env, read_base, errors=(ModelLoadError, SetupError, DataError)
-            )
-        fraction = config.data.val_fraction
-        self.train_type = training.train_type
-        self.data_digest = data_digest(datas)
-        resume_notes = []
-        if loaded is not None:
-            meta = loaded.meta
-            groups = loaded.optimizer_state.get("param_groups", [])
-            if meta.optimizer is None and groups:  # an older checkpoint: AdamW has two groups, Muon adds a third
-                meta = dataclasses.replace(meta, optimizer="muon" if len(groups) == 3 else "adamw")
-            resume_notes = check_resume(meta, loaded.checkpoint.path, training, self.data_digest)
         # DPO trains each pair as two rows: a chosen and a rejected sequence.
-        rows = 2 if self.train_type == "dpo" else 1
-        self.tokens_per_step = self.global_batch * self.window_size * rows
-        for data in datas:
-            data.check_kind(self.train_type, tokenizer_hint(Path(config.ckpt.param_path)))
-        units = self._post_training_units(datas[0]) if self.train_type != "seq" else None
-        splits = [
-            check_fit(
-                data,
-                self.model_config,
-                model_source,
-                self.window_size,
-                fraction,
-                batch,
-                repeated=bool(sources),
-                units=units,
-            )
-            for data in datas
-        ]
+        self.tokens_per_step = self.global_batch * self.window_size * (2 if self.train_type == "dpo" else 1)
 
-        checkpointing = config.model.activation_checkpointing
-        if weights is None:
-            # Resuming a sharded run: the model is built without memory, sharded, and only then given this rank's
-            # share of it, which the checkpoint's rows fill (CheckpointManager.restore). No rank holds it whole.
-            with torch.device("meta"):
-                model = Transformer(self.model_config, activation_checkpointing=checkpointing)
-        else:
-            model = Transformer(self.model_config, activation_checkpointing=checkpointing)
-            model.load_state_dict(weights)
-            model.to(env.device)
-        del weights
-        if config.model.compile:
-            for layer in model.layers:
-                layer.compile()
-        self.model = parallelize(model, env)
-        if loaded is not None and loaded.model_state is None:
-            self.model.to_empty(device=env.device)
+        data = build.open_run_data(config, env)
+        start = build.read_start(config, env, data, loaded)
+        self.model_config = start.model_config
+        notes = build.resume_notes(loaded, config, data.digest)
+        records = build.post_training_records(config, data, self.log)
+        feed = build.build_feed(config, env, data, start, batch, records)
+        self.dataset, self.sampler, self.mixture, self.source_names = (
+            feed.dataset,
+            feed.sampler,
+            feed.mixture,
+            data.names,
+        )
+        self.model = build.build_model(config, env, start)
         self.optimizer = build_optimizer(self.model, training, env.device, env.parallel_mode)
         self.schedule = Schedule.of(training)
+        self.autocast = build.autocast_for(env)
+        objective = build.build_objective(config, env, self.model_config, records, feed, loaded, self.log)
+        self.objective = objective.loss
         self.checkpointer = CheckpointManager(
             self.job_dir,
             env,
@@ -254,197 +157,72 @@ class Trainer:
             optimizer=self.optimizer,
             schedule=self.schedule,
             model_config=self.model_config,
-            facts=RunFacts(
-                config.config_hash(),
-                self.max_steps,
-                self.window_size,
-                self.global_batch,
-                self.train_type,
-                optimizer=training.optimizer,
-                data_digest=self.data_digest,
-            ),
+            facts=build.run_facts(config, self.global_batch, data, objective),
             interval=config.ckpt.ckpt_interval,
             keep_last=config.ckpt.keep_last,
             # A checkpoint is a complete model folder: the data's tokenizer goes into each one, and the model's
             # generation settings (its stop tokens) stay with it.
-            extra_files=_carried_files(datas[0], model_source),
+            extra_files=build.carried_files(data.first, start.source),
             format=resolve_ckpt_format(config.ckpt.format, env.parallel_mode),
         )
         if env.watch is not None and env.master_process:
             # A node lost while a periodic save is being written: publish it before this process exits (the full
             # format's; a sharded save needs every rank's part, so it stays an unpublished staging folder).
             env.watch.before_exit = self.checkpointer.finish_pending
-        if loaded is not None:
-            self.checkpointer.restore(loaded, training.random_seed)
-            # The checkpoint brought the optimizer's moments; its settings are this run's config.
-            apply_settings(self.optimizer, training)
-            self.progress = loaded.progress
-            self._note_resume(loaded, resume_notes)
-        else:
-            torch.manual_seed(training.random_seed + env.rank)
-            self.progress = Progress()
-            if env.master_process:  # only node 0 has the base model folder
-                self.log(
-                    f"starting from base model {config.ckpt.param_path}: {describe_folder(model_source)} "
-                    f"(world size {env.world_size}, device {env.device})"
-                )
-
-        self.source_names = names
-        if sources and self.train_type == "seq":
-            weights = [source.weight for source in sources]
-            self.mixture = MixtureOrder([split.num_train for split in splits], weights, training.random_seed)
-            self.dataset = MixtureDataset(datas, self.window_size, splits)
-            self.sampler = MixtureBatchSampler(
-                self.mixture,
-                self.dataset.train_offsets,
-                training.batch_per_device,
-                self.grad_accum,
-                env.rank,
-                env.world_size,
-            )
-            eval_windows = [
-                self.dataset.corpus_offsets[number] + window
-                for number, split in enumerate(splits)
-                for window in split.eval_windows(max(1, config.log.eval_max_windows // len(splits)))
-            ]
-            self._note_mixture(splits)
-        else:
-            self.mixture = None
-            if self.train_type == "seq":
-                self.dataset = WindowDataset(datas[0], self.window_size, splits[0])
-            else:
-                make = PackedSFT if self.train_type == "sft" else DPOPairs
-                self.dataset = make(self._records, self._units, self.window_size, splits[0])
-            self.sampler = WindowBatchSampler(
-                splits[0].num_train,
-                training.batch_per_device,
-                self.grad_accum,
-                env.rank,
-                env.world_size,
-                training.random_seed,
-            )
-            eval_windows = splits[0].eval_windows(config.log.eval_max_windows)
-        workers = config.data.num_workers
-        self.loader = DataLoader(
-            self.dataset,
-            batch_sampler=self.sampler,
-            num_workers=workers,
-            pin_memory=env.device.type == "cuda",
-            persistent_workers=workers > 0,
-            worker_init_fn=ignore_stop_signals if workers > 0 else None,
-        )
+        self.progress = self._resume_or_start(loaded, notes, start.source)
+        if self.mixture is not None:
+            self._note_mixture(feed.splits)
+        self.loader = build.make_loader(config, env, feed)
         self._batches = None
         if self.sampler.num_windows - self.progress.samples_in_epoch < self.global_batch:
             # The global batch grew, or the data shrank, since the checkpoint: the rest of that epoch
             # no longer fills a step.
             self.progress.epoch, self.progress.samples_in_epoch = self.progress.epoch + 1, 0
         self._start_epoch()
-        # bf16 autocast on CUDA; CPU trains in fp32, where autocast would only slow it down.
-        self.autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else contextlib.nullcontext()
-        )
         self.health = DivergenceRecord(config.log.log_interval, env, self.grad_accum, self.job_dir, self.progress.step)
-        self.objective = self._objective(loaded)
         self.validator = Validator(
             self.dataset,
             self.objective,
-            eval_windows,
+            feed.eval_windows,
             training.batch_per_device,
             env,
             self.autocast,
             config.log.eval_interval,
         )
+        self.reporter = self._reporter()
+        self._loss_sum = torch.zeros((), device=env.device)
+        self._step_loss = torch.zeros((), device=env.device)
+        self._warmed_up = False
+
+    def _resume_or_start(self, loaded: LoadedCheckpoint | None, notes: list[str], source: Path) -> Progress:
+        """Restore the checkpoint's optimizer, RNG and progress, or seed a fresh start: the last step of building."""
+        if loaded is not None:
+            self.checkpointer.restore(loaded, self.config.training.random_seed)
+            # The checkpoint brought the optimizer's moments; its settings are this run's config.
+            apply_settings(self.optimizer, self.config.training)
+            self._note_resume(loaded, notes)
+            return loaded.progress
+        torch.manual_seed(self.config.training.random_seed + self.env.rank)
+        if self.env.master_process:  # only node 0 has the base model folder
+            self.log(
+                f"starting from base model {self.config.ckpt.param_path}: {describe_folder(source)} "
+                f"(world size {self.env.world_size}, device {self.env.device})"
+            )
+        return Progress()
+
+    def _reporter(self) -> ProgressReporter:
+        env = self.env
         device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None
-        self.reporter = ProgressReporter(
+        return ProgressReporter(
             self.job_dir,
             master=env.master_process,
             max_steps=self.max_steps,
             tokens_per_step=self.tokens_per_step,
             world_size=env.world_size,
             flops_per_token_=flops_per_token(self.model_config, self.window_size),
-            peak=peak_tflops(device_name, config.log.peak_tflops),
+            peak=peak_tflops(device_name, self.config.log.peak_tflops),
             resumed_step=self.progress.step,
             log=self.log,
-        )
-        self._loss_sum = torch.zeros((), device=env.device)
-        self._step_loss = torch.zeros((), device=env.device)
-        self._warmed_up = False
-
-    def _post_training_units(self, data) -> int:
-        """Post-training data in training units: SFT sequences packed into windows, DPO pairs."""
-        self._records = RecordIndex(data)
-        overlong = self.config.data.overlong
-        self._units = training_units(data, self.train_type, self.window_size, overlong)
-        self.log(f"{self.train_type}: {describe_units(self._units, len(self._records), self.window_size, overlong)}")
-        return len(self._units)
-
-    def _objective(self, loaded):
-        vocab = self.model_config.vocab_size
-        if self.train_type == "seq":
-            return NextToken(self.env, vocab)
-        if self.train_type == "sft":
-            return Supervised(self.env, vocab)
-        return Preference(self.env, vocab, self._reference(loaded), self.config.training.dpo_beta)
-
-    def _reference(self, loaded):
-        """DPO's frozen reference (ckpt.reference_path, or the base model), live or as its table of log-probabilities.
-
-        A resume must keep the same reference: meta.json records its checksum.
-        """
-        training = self.config.training
-        path = Path(self.config.ckpt.reference_path or self.config.ckpt.param_path)
-
-        def read_reference():
-            check_model_tokenizer(self._records.data, path)  # a reference with its own tokenizer must be the data's
-            return (*load_base_model(path), model_digest(path))
-
-        config, weights, digest = broadcast_from_master(
-            self.env, read_reference, errors=(ModelLoadError, SetupError, DataError)
-        )
-        if config.vocab_size != self.model_config.vocab_size:
-            raise SetupError(
-                f"the DPO reference {path} has a vocabulary of {config.vocab_size}, the trained model "
-                f"{self.model_config.vocab_size}: the reference must score the same tokens"
-            )
-        if loaded is not None and loaded.meta.reference is not None and loaded.meta.reference.get("sha256") != digest:
-            raise SetupError(
-                f"this run's DPO reference {path} (sha256 {digest[:12]}) is not the one its checkpoint "
-                f"{loaded.checkpoint.path} was trained against ({loaded.meta.reference.get('path')}, sha256 "
-                f"{loaded.meta.reference.get('sha256', '')[:12]}); set ckpt.reference_path back to it"
-            )
-        self.checkpointer.facts = dataclasses.replace(
-            self.checkpointer.facts, reference={"path": str(path), "sha256": digest}
-        )
-        reference = Transformer(config)
-        reference.load_state_dict(weights)
-        del weights
-        reference.to(self.env.device).eval().requires_grad_(False)
-        if self.env.parallel_mode == "fsdp":
-            reference = parallelize(reference, self.env)
-        self.log(
-            f"dpo: reference model {path} (sha256 {digest[:12]}), frozen, beta {training.dpo_beta}, "
-            f"{training.dpo_reference}"
-        )
-        if training.dpo_reference == "live":
-            return reference
-        facts = {
-            "reference_sha256": digest,
-            "data": self._records.data.fingerprint(),
-            "window_size": str(self.window_size),
-            "overlong": self.config.data.overlong,
-            "device_type": self.env.device.type,
-        }
-        return reference_table(
-            reference,
-            self.dataset,
-            len(self._units),
-            facts,
-            self.job_dir,
-            self.env,
-            training.batch_per_device,
-            self.autocast,
-            self.model_config.vocab_size,
-            self.log,
         )
 
     def _note_mixture(self, splits) -> None:
@@ -740,13 +518,3 @@ def _train(config: TrainerConfig, env: DistEnv, stop: GracefulStop) -> bool:
         return trainer.progress.step >= trainer.max_steps
     finally:
         trainer.close()
-
-
-def _carried_files(data: TokenData, model_source: Path) -> dict[str, bytes]:
-    """What every checkpoint carries beside the model: the data's tokenizer files and the generation config of the
-    folder the run started from (a base model, or the checkpoint it resumed), read once."""
-    files = {name: (data.root / name).read_bytes() for name in data.tokenizer_files}
-    generation = model_source / GENERATION_CONFIG_FILE
-    if generation.is_file():  # on node 0; only global rank 0 writes these files
-        files[GENERATION_CONFIG_FILE] = generation.read_bytes()
-    return files

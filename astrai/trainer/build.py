@@ -1,0 +1,349 @@
+"""How a run is put together, each part from the ones before it; every function returns what it builds.
+
+The order is the order of :class:`astrai.trainer.loop.Trainer`'s construction, and each step's inputs are its
+arguments: the data folders (:func:`open_run_data`), the weights the run starts from (:func:`read_start`), what
+the data trains on (:func:`post_training_records`, :func:`build_feed`), the model (:func:`build_model`), the
+objective with DPO's frozen reference (:func:`build_objective`) and the facts every checkpoint records
+(:func:`run_facts`). Nothing here resumes state: the checkpoint manager restores the run's stateful parts last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from astrai.common.config import TrainerConfig
+from astrai.common.contract import GENERATION_CONFIG_FILE
+from astrai.common.data_folder import DataError, TokenData, data_digest, describe_units, training_units
+from astrai.common.fit import (
+    BatchShape,
+    SetupError,
+    check_fit,
+    check_model_tokenizer,
+    check_resume,
+    check_same_tokenizer,
+    tokenizer_hint,
+)
+from astrai.trainer.checkpoint.files import LoadedCheckpoint
+from astrai.trainer.checkpoint.manager import RunFacts
+from astrai.trainer.distributed import DistEnv, broadcast_from_master, gather_objects, parallelize
+from astrai.trainer.model import ModelConfig, ModelLoadError, Transformer, load_base_model, model_digest
+from astrai.trainer.objectives import NextToken, Preference, Supervised
+from astrai.trainer.records import DPOPairs, PackedSFT, RecordIndex
+from astrai.trainer.reference import reference_table
+from astrai.trainer.windows import (
+    MixtureBatchSampler,
+    MixtureDataset,
+    MixtureOrder,
+    WindowBatchSampler,
+    WindowDataset,
+    ignore_stop_signals,
+)
+
+Log = Callable[[str], None]
+
+
+def open_same_data(root: Path, env: DistEnv) -> TokenData:
+    """The data folder, checked to be the same on every rank (each node reads its own copy).
+
+    Every rank reports what it found, so a missing or different folder on one node is the same clear
+    error on all of them, instead of one rank failing while the others wait.
+    """
+    try:
+        data = TokenData.open(root)
+        mine = data.fingerprint()
+    except DataError as error:
+        data, mine = None, f"error: {error}"
+    everyone = gather_objects(env, mine)
+    if all(report == everyone[0] for report in everyone) and data is not None:
+        return data
+    if len(everyone) == 1:
+        raise DataError(str(mine).removeprefix("error: "))  # one process: no other rank to compare with
+    lines = [f"node {env.node_of(rank)} rank {rank}: {report}" for rank, report in enumerate(everyone)]
+    raise DataError(
+        f"every node needs the same data in {root}, but the ranks found different data "
+        f"(manifest digests):\n  " + "\n  ".join(lines)
+    )
+
+
+@dataclass(frozen=True)
+class RunData:
+    """The run's data folders: one, or a mixture's sources (``names``, in the config's order)."""
+
+    datas: list[TokenData]
+    names: list[str]
+    digest: str
+    """What checkpoints record of the data (a resume on other data says so)."""
+
+    @property
+    def first(self) -> TokenData:
+        return self.datas[0]
+
+
+def open_run_data(config: TrainerConfig, env: DistEnv) -> RunData:
+    root = Path(config.data.data_root_path)
+    sources = config.data.sources
+    names = [source.path for source in sources] if sources else []
+    datas = [open_same_data(root / name, env) for name in names] if sources else [open_same_data(root, env)]
+    if sources:
+        check_same_tokenizer(datas, names)
+    return RunData(datas, names, data_digest(datas))
+
+
+@dataclass(frozen=True)
+class Start:
+    """The weights the run starts from: a checkpoint's, or the base model's."""
+
+    model_config: ModelConfig
+    weights: dict[str, torch.Tensor] | None
+    """None for a sharded resume: each rank reads its own rows once the model is sharded."""
+    source: Path
+
+
+def read_start(config: TrainerConfig, env: DistEnv, data: RunData, loaded: LoadedCheckpoint | None) -> Start:
+    if loaded is not None:
+        source = loaded.checkpoint.path
+        broadcast_from_master(env, lambda: check_model_tokenizer(data.first, source), errors=(SetupError, DataError))
+        return Start(loaded.model_config, loaded.model_state, source)
+    source = Path(config.ckpt.param_path)
+
+    def read_base():
+        check_model_tokenizer(data.first, source)
+        return load_base_model(source)
+
+    # Only node 0 needs the base model: rank 0 reads it, the others receive it.
+    model_config, weights = broadcast_from_master(env, read_base, errors=(ModelLoadError, SetupError, DataError))
+    return Start(model_config, weights, source)
+
+
+def resume_notes(loaded: LoadedCheckpoint | None, config: TrainerConfig, digest: str) -> list[str]:
+    """What changed since the checkpoint that the resume goes on with; SetupError for what it cannot."""
+    if loaded is None:
+        return []
+    meta = loaded.meta
+    groups = loaded.optimizer_state.get("param_groups", [])
+    if meta.optimizer is None and groups:  # an older checkpoint: AdamW has two groups, Muon adds a third
+        meta = dataclasses.replace(meta, optimizer="muon" if len(groups) == 3 else "adamw")
+    return check_resume(meta, loaded.checkpoint.path, config.training, digest)
+
+
+@dataclass(frozen=True)
+class Records:
+    """Post-training data: every sequence of the folder, and what the run trains on (packed windows, pairs)."""
+
+    index: RecordIndex
+    units: object
+
+
+def post_training_records(config: TrainerConfig, data: RunData, log: Log) -> Records | None:
+    train_type, window = config.training.train_type, config.data.window_size
+    for folder in data.datas:
+        folder.check_kind(train_type, tokenizer_hint(Path(config.ckpt.param_path)))
+    if train_type == "seq":
+        return None
+    index = RecordIndex(data.first)
+    overlong = config.data.overlong
+    units = training_units(data.first, train_type, window, overlong)
+    log(f"{train_type}: {describe_units(units, len(index), window, overlong)}")
+    return Records(index, units)
+
+
+@dataclass(frozen=True)
+class Feed:
+    """What the loader reads: the dataset, this rank's batch sampler, the held-out windows."""
+
+    dataset: torch.utils.data.Dataset
+    sampler: MixtureBatchSampler | WindowBatchSampler
+    eval_windows: list[int]
+    mixture: MixtureOrder | None
+    splits: list
+
+
+def build_feed(
+    config: TrainerConfig,
+    env: DistEnv,
+    data: RunData,
+    start: Start,
+    batch: BatchShape,
+    records: Records | None,
+) -> Feed:
+    training, window = config.training, config.data.window_size
+    mixed = bool(config.data.sources)
+    fraction = config.data.val_fraction
+    units = len(records.units) if records is not None else None
+    splits = [
+        check_fit(folder, start.model_config, start.source, window, fraction, batch, repeated=mixed, units=units)
+        for folder in data.datas
+    ]
+    per_rank = (training.batch_per_device, batch.grad_accum, env.rank, env.world_size)
+    if mixed and training.train_type == "seq":
+        weights = [source.weight for source in config.data.sources]
+        mixture = MixtureOrder([split.num_train for split in splits], weights, training.random_seed)
+        dataset = MixtureDataset(data.datas, window, splits)
+        sampler = MixtureBatchSampler(mixture, dataset.train_offsets, *per_rank)
+        eval_windows = [
+            dataset.corpus_offsets[number] + held_out
+            for number, split in enumerate(splits)
+            for held_out in split.eval_windows(max(1, config.log.eval_max_windows // len(splits)))
+        ]
+        return Feed(dataset, sampler, eval_windows, mixture, splits)
+    if records is None:
+        dataset = WindowDataset(data.first, window, splits[0])
+    else:
+        make = PackedSFT if training.train_type == "sft" else DPOPairs
+        dataset = make(records.index, records.units, window, splits[0])
+    sampler = WindowBatchSampler(splits[0].num_train, *per_rank, training.random_seed)
+    return Feed(dataset, sampler, splits[0].eval_windows(config.log.eval_max_windows), None, splits)
+
+
+def make_loader(config: TrainerConfig, env: DistEnv, feed: Feed) -> DataLoader:
+    workers = config.data.num_workers
+    return DataLoader(
+        feed.dataset,
+        batch_sampler=feed.sampler,
+        num_workers=workers,
+        pin_memory=env.device.type == "cuda",
+        persistent_workers=workers > 0,
+        worker_init_fn=ignore_stop_signals if workers > 0 else None,
+    )
+
+
+def build_model(config: TrainerConfig, env: DistEnv, start: Start) -> torch.nn.Module:
+    """The model with the start's weights, on the device and wrapped for the parallel mode."""
+    checkpointing = config.model.activation_checkpointing
+    if start.weights is None:
+        # Resuming a sharded run: the model is built without memory, sharded, and only then given this rank's
+        # share of it, which the checkpoint's rows fill (CheckpointManager.restore). No rank holds it whole.
+        with torch.device("meta"):
+            model = Transformer(start.model_config, activation_checkpointing=checkpointing)
+    else:
+        model = Transformer(start.model_config, activation_checkpointing=checkpointing)
+        model.load_state_dict(start.weights)
+        model.to(env.device)
+    if config.model.compile:
+        for layer in model.layers:
+            layer.compile()
+    model = parallelize(model, env)
+    if start.weights is None:
+        model.to_empty(device=env.device)
+    return model
+
+
+def autocast_for(env: DistEnv) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA; CPU trains in fp32, where autocast would only slow it down."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The loss of the train type, and DPO's reference as checkpoints record it (path, sha256), else None."""
+
+    loss: NextToken | Supervised | Preference
+    reference: dict | None = None
+
+
+def build_objective(
+    config: TrainerConfig,
+    env: DistEnv,
+    model_config: ModelConfig,
+    records: Records | None,
+    feed: Feed,
+    loaded: LoadedCheckpoint | None,
+    log: Log,
+) -> Objective:
+    vocab, train_type = model_config.vocab_size, config.training.train_type
+    if train_type == "seq":
+        return Objective(NextToken(env, vocab))
+    if train_type == "sft":
+        return Objective(Supervised(env, vocab))
+    reference, recorded = _reference(config, env, model_config, records, feed, loaded, log)
+    return Objective(Preference(env, vocab, reference, config.training.dpo_beta), recorded)
+
+
+def _reference(config, env, model_config, records, feed, loaded, log) -> tuple[object, dict]:
+    """DPO's frozen reference (ckpt.reference_path, or the base model), live or as its table of log-probabilities.
+
+    A resume must keep the same reference: meta.json records its checksum.
+    """
+    training = config.training
+    path = Path(config.ckpt.reference_path or config.ckpt.param_path)
+
+    def read_reference():
+        check_model_tokenizer(records.index.data, path)  # a reference with its own tokenizer must be the data's
+        return (*load_base_model(path), model_digest(path))
+
+    reference_config, weights, digest = broadcast_from_master(
+        env, read_reference, errors=(ModelLoadError, SetupError, DataError)
+    )
+    if reference_config.vocab_size != model_config.vocab_size:
+        raise SetupError(
+            f"the DPO reference {path} has a vocabulary of {reference_config.vocab_size}, the trained model "
+            f"{model_config.vocab_size}: the reference must score the same tokens"
+        )
+    if loaded is not None and loaded.meta.reference is not None and loaded.meta.reference.get("sha256") != digest:
+        raise SetupError(
+            f"this run's DPO reference {path} (sha256 {digest[:12]}) is not the one its checkpoint "
+            f"{loaded.checkpoint.path} was trained against ({loaded.meta.reference.get('path')}, sha256 "
+            f"{loaded.meta.reference.get('sha256', '')[:12]}); set ckpt.reference_path back to it"
+        )
+    recorded = {"path": str(path), "sha256": digest}
+    reference = Transformer(reference_config)
+    reference.load_state_dict(weights)
+    del weights
+    reference.to(env.device).eval().requires_grad_(False)
+    if env.parallel_mode == "fsdp":
+        reference = parallelize(reference, env)
+    how = f"frozen, beta {training.dpo_beta}, {training.dpo_reference}"
+    log(f"dpo: reference model {path} (sha256 {digest[:12]}), {how}")
+    if training.dpo_reference == "live":
+        return reference, recorded
+    facts = {
+        "reference_sha256": digest,
+        "data": records.index.data.fingerprint(),
+        "window_size": str(config.data.window_size),
+        "overlong": config.data.overlong,
+        "device_type": env.device.type,
+    }
+    table = reference_table(
+        reference,
+        feed.dataset,
+        len(records.units),
+        facts,
+        Path(config.ckpt.ckpt_dir),
+        env,
+        training.batch_per_device,
+        autocast_for(env),
+        model_config.vocab_size,
+        log,
+    )
+    return table, recorded
+
+
+def run_facts(config: TrainerConfig, global_batch: int, data: RunData, objective: Objective) -> RunFacts:
+    training = config.training
+    return RunFacts(
+        config.config_hash(),
+        training.max_steps,
+        config.data.window_size,
+        global_batch,
+        training.train_type,
+        reference=objective.reference,
+        optimizer=training.optimizer,
+        data_digest=data.digest,
+    )
+
+
+def carried_files(data: TokenData, model_source: Path) -> dict[str, bytes]:
+    """What every checkpoint carries beside the model: the data's tokenizer files and the generation config of the
+    folder the run started from (a base model, or the checkpoint it resumed), read once."""
+    files = {name: (data.root / name).read_bytes() for name in data.tokenizer_files}
+    generation = model_source / GENERATION_CONFIG_FILE
+    if generation.is_file():  # on node 0; only global rank 0 writes these files
+        files[GENERATION_CONFIG_FILE] = generation.read_bytes()
+    return files
