@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
 import subprocess
-import sys
 import time
-import zipfile
 from pathlib import Path
 
-import yaml
-
-REPO = Path(__file__).resolve().parent.parent
+from tests import support
+from tests.support import REPO, placeholder_checkpoint, write_config  # noqa: F401 (the benchmarks use them)
 
 
 def sample_times(run, repeats: int) -> list[float]:
@@ -110,66 +106,9 @@ class Figures(dict):
         return self._put(key, value, {"method": "observed", "value": value, "evidence": evidence})
 
 
-def invoke(
-    *args: str, env: dict | None = None, check: bool = True, timeout: float = 900
-) -> subprocess.CompletedProcess:
-    """Run one invoke task of this project the way a user would."""
-    result = subprocess.run(
-        [sys.executable, "-m", "invoke", "--search-root", str(REPO), *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=timeout,
-    )
-    if check and result.returncode != 0:
-        raise RuntimeError(f"invoke {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
-    return result
-
-
-def write_config(folder: Path, runtime: dict, trainer: dict | None = None) -> Path:
-    config = folder / "train.yaml"
-    config.write_text(yaml.safe_dump({"runtime": runtime, **(trainer or {})}, sort_keys=False), encoding="utf-8")
-    return config
-
-
-def placeholder_checkpoint(
-    job_dir: Path, epoch: int, step: int, *, files=None, reason: str = "periodic", meta: dict | None = None
-) -> Path:
-    """A folder that is a checkpoint by the folder rule (astrai.common.checkpoints) without holding real state.
-
-    Every file is whole as far as its header tells: meta.json and config.json parse, model.safetensors is a
-    safetensors file of one small tensor, optimizer.pt and scheduler.pt are zip archives. The trainer, which
-    reads the tensors, refuses it; host commands (list, latest, clean) take it for a checkpoint. ``files``
-    limits which files are written (a folder missing some is not a checkpoint).
-    """
-    from astrai.common.checkpoints import CheckpointMeta, checkpoint_name
-    from astrai.common.contract import (
-        META_FILE,
-        MODEL_CONFIG_FILE,
-        OPTIMIZER_FILE,
-        REQUIRED_FILES,
-        SCHEDULER_FILE,
-        WEIGHTS_FILE,
-    )
-    from astrai.common.model_folder import ModelConfig
-
-    folder = job_dir / checkpoint_name(epoch, step)
-    folder.mkdir(parents=True)
-    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
-    header += b" " * (-len(header) % 8)
-    record = CheckpointMeta(epoch=epoch, step=step, reason=reason, world_size=1).to_dict()
-    contents = {
-        META_FILE: json.dumps({**record, **(meta or {})}).encode(),
-        MODEL_CONFIG_FILE: ModelConfig().to_json().encode(),
-        WEIGHTS_FILE: len(header).to_bytes(8, "little") + header + b"\0" * 4,
-    }
-    for name in files or REQUIRED_FILES:
-        if name in (OPTIMIZER_FILE, SCHEDULER_FILE):
-            with zipfile.ZipFile(folder / name, "w") as archive:
-                archive.writestr("data.pkl", b"placeholder")
-        else:
-            (folder / name).write_bytes(contents[name])
-    return folder
+def invoke(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run one invoke task as a user would; a failure stops the benchmark with its output."""
+    return support.invoke(*args, env=env, timeout=timeout, check=True)
 
 
 def status_kib(field: str) -> int:

@@ -22,8 +22,8 @@ import yaml
 
 from astrai.common.checkpoints import list_complete_checkpoints
 from astrai.host import baseimage, compose, engine, timer
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 BASE_IMAGE = os.environ.get("ASTRAI_TEST_BASE_IMAGE", baseimage.DEFAULT_TAG)
 CORPUS = REPO / "examples" / "corpus"
 

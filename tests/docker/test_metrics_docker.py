@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import secrets
 import subprocess
-from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -13,8 +12,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from astrai.common.contract import METRICS_FILE, TAG_TRAIN_LOSS, TAG_VAL_LOSS, TENSORBOARD_DIR
 from astrai.common.metrics import read_records
 from astrai.host.status import SPARK_BLOCKS
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.docker
 
 SHORT = {"training": {"max_steps": 40}, "data": {"val_fraction": 0.1}, "log": {"log_interval": 5, "eval_interval": 20}}

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from conftest import REPO, Job, _tear_down
 
 from astrai.common.checkpoints import list_complete_checkpoints
 from astrai.host import compose, engine
+from tests.support import free_port
 
 pytestmark = pytest.mark.docker
 
@@ -31,12 +31,6 @@ GLOBAL_BATCH = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 # Two containers share two busy cores: one thread each keeps their all-reduces from spinning against each other.
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
@@ -44,7 +38,7 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 def _nodes(backend: str = "static", timeout: int = 300) -> dict:
     return {
         "count": 2,
-        "rendezvous": f"127.0.0.1:{_free_port()}",
+        "rendezvous": f"127.0.0.1:{free_port()}",
         "backend": backend,
         "network_interface": "lo",
         "failure_timeout_seconds": timeout,

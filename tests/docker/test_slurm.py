@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -30,23 +29,13 @@ from test_nodes import _NodeView
 from astrai.common.checkpoints import list_complete_checkpoints
 from astrai.common.contract import WEIGHTS_FILE
 from astrai.host import compose, engine, slurm_script
+from tests.support import free_ports
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 STOP_TIMEOUT = 15
 """The warning comes STOP_TIMEOUT + 30 s before the time limit."""
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for probe in sockets:
-            probe.bind(("127.0.0.1", 0))
-        return [probe.getsockname()[1] for probe in sockets]
-    finally:
-        for probe in sockets:
-            probe.close()
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +46,7 @@ def cluster():
             pytest.fail(why)
         pytest.skip(why)
     root = Path(tempfile.mkdtemp(prefix="astrai-slurm-"))
-    ctld, n1, n2 = _free_ports(3)
+    ctld, n1, n2 = free_ports(3)
     try:
         with slurm_cluster.Cluster(root, ctld_port=ctld, node_ports=(n1, n2)) as running:
             yield running

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
+
 CORPUS_FILES = sorted((REPO / "examples" / "corpus").glob("*.txt"))
 
 # Small enough to train a few hundred steps in seconds on one CPU thread.

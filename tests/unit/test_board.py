@@ -25,29 +25,13 @@ from astrai.common.contract import METRICS_FILE, TAG_TRAIN_LOSS
 from astrai.common.metrics import read_records
 from astrai.trainer.distributed import init_distributed
 from astrai.trainer.loop import open_trainer
+from tests.support import REPO, free_port, invoke
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("ASTRAI_TEST_ARTIFACTS", REPO / ".test-artifacts"))
 JOB = "test"  # the job name the train_yaml fixture writes
 RUN = f"{JOB}/tensorboard"
-
-
-def invoke(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "invoke", "--search-root", str(REPO), *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        **kwargs,
-    )
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _get_json(url: str):
@@ -119,7 +103,7 @@ def _loss_chart_points(dom: str) -> int:
 
 def test_board_serves_the_loss_a_browser_draws_it_and_stop_ends_it(trained_job):
     config, steps = trained_job
-    port = _free_port()
+    port = free_port()
     started = invoke("board", "--config", str(config), "--port", str(port), "--background")
     try:
         assert started.returncode == 0, started.stdout + started.stderr
@@ -139,7 +123,7 @@ def test_board_serves_the_loss_a_browser_draws_it_and_stop_ends_it(trained_job):
         assert shot.returncode == 0 and screenshot.stat().st_size > 10_000, shot.stderr[-2000:]
         print(f"screenshot of the board: {screenshot}")
 
-        again = invoke("board", "--config", str(config), "--port", str(_free_port()), "--background")
+        again = invoke("board", "--config", str(config), "--port", str(free_port()), "--background")
         assert again.returncode == 1 and "already runs" in again.stderr
     finally:
         stopped = invoke("board", "--config", str(config), "--stop")
@@ -150,7 +134,7 @@ def test_board_serves_the_loss_a_browser_draws_it_and_stop_ends_it(trained_job):
 
 def test_board_in_the_foreground_serves_every_job_and_ctrl_c_ends_it(trained_job, tmp_path):
     config, _ = trained_job
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/"
     log = tmp_path / "board.log"
     with open(log, "wb") as output:

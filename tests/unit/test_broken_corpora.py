@@ -22,8 +22,8 @@ from test_corpora import _documents, _jsonl
 
 from astrai.common.data_folder import DataError
 from astrai.data.pipeline import prepare
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 RECORDS = [{"text": f"document {number} " + "word " * (number % 50)} for number in range(3000)]
 
 

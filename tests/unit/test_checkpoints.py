@@ -33,7 +33,7 @@ from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_
 from astrai.trainer.distributed import init_distributed
 from astrai.trainer.model import PRESETS, Transformer
 from astrai.trainer.optim import Optimizers, Schedule
-from bench.common import placeholder_checkpoint as _fake_checkpoint
+from tests.support import placeholder_checkpoint as _fake_checkpoint
 
 # The shared folder rules.
 

@@ -10,7 +10,7 @@ import pytest
 from astrai.common.config import KEY_SECTION, TrainerConfig, load_trainer_config, parse_args
 from astrai.common.configfile import ConfigError
 from astrai.trainer.loop import main
-from bench.common import placeholder_checkpoint
+from tests.support import placeholder_checkpoint
 
 
 def _yaml(tmp_path, text: str):

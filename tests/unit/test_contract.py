@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -18,9 +17,8 @@ from astrai.common.config import load_trainer_config
 from astrai.common.configfile import ConfigError
 from astrai.host.runtime import resolve_runtime
 from astrai.trainer.loop import main as train_main
-from bench.common import placeholder_checkpoint
+from tests.support import REPO, placeholder_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
 TORCH_FREE_PACKAGES = ("astrai.common", "astrai.host", "astrai.data")
 """Layers that must import without torch: the shared rules, the host and the data tools."""
 CONTAINER_START = ("astrai.trainer.entrypoint", "astrai.trainer.signals")

@@ -20,8 +20,8 @@ from astrai.common.data_folder import DataError, TokenData
 from astrai.data import sources
 from astrai.data.pipeline import describe_folder, main, prepare
 from astrai.data.tokenizing import ByteTokenizer, HFTokenizer
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 TEXTS = [f"record {i}: {'é' if i % 3 == 0 else 'e'} " + "word " * (i % 7) for i in range(200)]
 
 

@@ -22,10 +22,7 @@ from astrai.common.configfile import ConfigError, load_yaml
 from astrai.common.metrics import MetricsFile
 from astrai.host.board import check_can_serve
 from astrai.host.runtime import resolve_runtime
-from bench.common import placeholder_checkpoint
-
-REPO = Path(__file__).resolve().parents[2]
-
+from tests.support import REPO, free_port, placeholder_checkpoint
 
 # --- Never lose a run ------------------------------------------------------------------------------------
 
@@ -210,17 +207,9 @@ def test_status_into_a_closed_pipe_ends_quietly(tmp_path):
 
 def test_board_on_every_interface_warns_that_it_has_no_authentication(tmp_path):
     runtime = resolve_runtime(_cpu_job(tmp_path))
-    assert not any("warning" in note for note in check_can_serve(runtime, False, "127.0.0.1", _free_port()))
-    notes = check_can_serve(runtime, False, "0.0.0.0", _free_port())
+    assert not any("warning" in note for note in check_can_serve(runtime, False, "127.0.0.1", free_port()))
+    notes = check_can_serve(runtime, False, "0.0.0.0", free_port())
     assert any(note.startswith("warning: TensorBoard has no authentication") for note in notes)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # --- Preflight passes only what the trainer accepts ------------------------------------------------------------

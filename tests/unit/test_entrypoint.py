@@ -15,7 +15,7 @@ import pytest
 
 from astrai.trainer import entrypoint
 from astrai.trainer.entrypoint import EntrypointError, check_mounts, plan_launch
-from bench.common import placeholder_checkpoint
+from tests.support import placeholder_checkpoint
 
 PY = "/usr/bin/python3"
 
@@ -447,7 +447,7 @@ _LAUNCHER_SIGNALLED_TOO = textwrap.dedent(
         "signal.signal(signal.SIGTERM, lambda *_: stop.append(1))\\n"
         "open(sys.argv[1] + '/ready', 'w').close()\\n"
         "while not stop: time.sleep(0.01)\\n"
-        + ("from bench.common import placeholder_checkpoint\\n"
+        + ("from tests.support import placeholder_checkpoint\\n"
            "from pathlib import Path\\n"
            "placeholder_checkpoint(Path(sys.argv[1]) / 'job', 0, 7, reason='emergency')\\n" if save else "")
     )

@@ -8,7 +8,6 @@ import re
 import shutil
 import struct
 import subprocess
-import sys
 import tracemalloc
 from pathlib import Path
 
@@ -30,8 +29,8 @@ from astrai.common.contract import (
     WEIGHTS_INDEX_FILE,
 )
 from astrai.host import export as ex
+from tests.support import invoke
 
-REPO = Path(__file__).resolve().parents[2]
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FOLDER_FILES = {
     "tokenizer.json": '{"version": "1.0", "model": {"type": "BPE"}}',
@@ -43,12 +42,6 @@ FOLDER_FILES = {
 INTERNALS = (META_FILE, OPTIMIZER_FILE, OPTIMIZER_TENSORS_FILE, SCHEDULER_FILE, RNG_FILE, "extra_state.pt")
 ODD = 'it\'s a $b "q" é'
 """A piece of a path with a space, a dollar, quotes and non-ASCII letters."""
-
-
-def invoke(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "invoke", "--search-root", str(REPO), *args], cwd=cwd, capture_output=True, text=True
-    )
 
 
 @pytest.fixture(scope="module")

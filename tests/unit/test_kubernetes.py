@@ -31,8 +31,8 @@ from astrai.common.contract import (
 )
 from astrai.host import kubernetes
 from astrai.host.runtime import resolve_runtime
+from tests.support import REPO, write_config
 
-REPO = Path(__file__).resolve().parents[2]
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())
 """The oldest Kubernetes with everything the Job uses (pod index label, controller-uid label), and the newest."""
 
@@ -60,9 +60,7 @@ def _runtime(tmp_path: Path, *, gpu=None, nodes=2, kube=None, container=None, en
     }
     if environment is not None:
         block["environment"] = environment
-    config = tmp_path / "train.yaml"
-    config.write_text(yaml.safe_dump({"runtime": block, "training": {"max_steps": 100}}), encoding="utf-8")
-    return resolve_runtime(config)
+    return resolve_runtime(write_config(tmp_path, block, {"training": {"max_steps": 100}}))
 
 
 def _rendered(runtime, args=(), trainjob=False) -> list[dict]:

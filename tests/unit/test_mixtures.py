@@ -18,8 +18,8 @@ from astrai.common.fit import SetupError
 from astrai.data.pipeline import prepare
 from astrai.data.tokenizing import HFTokenizer
 from astrai.trainer.windows import MIXTURE_BLOCK, MixtureBatchSampler, MixtureOrder, block_quotas
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 CORPUS = sorted((REPO / "examples" / "corpus").glob("*.txt"))
 MIXTURE = [{"path": "web", "weight": 3}, {"path": "code", "weight": 1}, {"path": "books", "weight": 1}]
 

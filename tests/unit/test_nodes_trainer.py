@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from trainer_runs import TRAINER, Run, free_port, metrics_step, node_command, wait_for
+from trainer_runs import TRAINER, Run, metrics_step, node_command, wait_for
 
 from astrai.common.checkpoints import latest_complete_checkpoint, list_complete_checkpoints
+from tests.support import free_port
 
 pytestmark = pytest.mark.slow
 

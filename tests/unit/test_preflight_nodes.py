@@ -8,17 +8,15 @@ import yaml
 
 from astrai.host import engine, preflight, status
 from astrai.host.runtime import resolve_runtime
+from tests.support import free_port, write_config
 
 
 def _runtime(tmp_path, node: int, rendezvous: str, interface: str | None = None):
     nodes = {"count": 2, "rendezvous": rendezvous}
     if interface is not None:
         nodes["network_interface"] = interface
-    path = tmp_path / "train.yaml"
-    path.write_text(
-        yaml.safe_dump({"runtime": {"gpu": {"devices": "none"}, "container": {"cuda_tag": "cpu"}, "nodes": nodes}})
-    )
-    return resolve_runtime(path, node)
+    runtime = {"gpu": {"devices": "none"}, "container": {"cuda_tag": "cpu"}, "nodes": nodes}
+    return resolve_runtime(write_config(tmp_path, runtime), node)
 
 
 def _listening() -> socket.socket:
@@ -28,14 +26,8 @@ def _listening() -> socket.socket:
     return server
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_node_0_needs_its_port_free(tmp_path):
-    port = _free_port()
+    port = free_port()
     checks = preflight.node_checks(_runtime(tmp_path, 0, f"localhost:{port}", "lo"))
     assert [(c.mark, c.name) for c in checks] == [
         (preflight.PASS, "rendezvous"),
@@ -49,7 +41,7 @@ def test_node_0_needs_its_port_free(tmp_path):
 
 
 def test_other_nodes_only_warn_when_node_0_is_not_up_yet(tmp_path):
-    port = _free_port()
+    port = free_port()
     (_, reach) = preflight.node_checks(_runtime(tmp_path, 1, f"127.0.0.1:{port}"))
     assert reach.mark == preflight.WARN and not reach.failed and "does not answer yet" in reach.detail
     assert "any order" in preflight.format_checklist([reach])
@@ -61,7 +53,7 @@ def test_other_nodes_only_warn_when_node_0_is_not_up_yet(tmp_path):
 def test_an_unknown_host_or_interface_fails(tmp_path):
     (bad_host,) = preflight.node_checks(_runtime(tmp_path, 1, "no-such-host.invalid:29500"))
     assert bad_host.failed and "no-such-host.invalid does not resolve" in bad_host.detail
-    checks = preflight.node_checks(_runtime(tmp_path, 1, f"127.0.0.1:{_free_port()}", "nosuch0"))
+    checks = preflight.node_checks(_runtime(tmp_path, 1, f"127.0.0.1:{free_port()}", "nosuch0"))
     interface = next(c for c in checks if c.name == "network interface")
     assert interface.failed and "nosuch0 does not exist on this host" in interface.detail and "lo" in interface.detail
 

@@ -21,8 +21,7 @@ from astrai.common.configfile import ConfigError, load_yaml
 from astrai.common.contract import TORCH_CUDA_TAGS
 from astrai.host import runtime as rt
 from astrai.host.runtime import SchemaError, load_job_config, parse_duration, resolve_runtime
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
 
 
 def _write(folder: Path, text: str, name: str = "train.yaml") -> Path:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hf_folders import hf_logits
 from safetensors.torch import load_file
-from trainer_runs import TRAINER, Run, free_port, metrics_step, node_command, staging, wait_for
+from trainer_runs import TRAINER, Run, metrics_step, node_command, staging, wait_for
 
 from astrai.common.checkpoints import (
     STAGING_PREFIX,
@@ -28,6 +28,7 @@ from astrai.common.checkpoints import (
 from astrai.trainer.checkpoint.files import join_optimizer_tensors
 from astrai.trainer.checkpoint.sharded import row_range
 from astrai.trainer.model import load_pretrained
+from tests.support import free_port
 
 pytestmark = pytest.mark.slow
 

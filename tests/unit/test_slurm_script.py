@@ -14,12 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from astrai.host import slurm_node, slurm_script
 from astrai.host.runtime import resolve_runtime
+from tests.support import REPO, write_config
 
-REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
 PYTHON = "/opt/venv/bin/python"
 
@@ -44,10 +43,7 @@ def _runtime(root: Path, launcher: str, gpu=None, slurm_block=None, nodes=2, nam
     }
     if block["gpu"].get("devices") == "none":
         block["container"]["cuda_tag"] = "cpu"
-    root.mkdir(parents=True, exist_ok=True)
-    config = root / "train.yaml"
-    config.write_text(yaml.safe_dump({"runtime": block}), encoding="utf-8")
-    return resolve_runtime(config)
+    return resolve_runtime(write_config(root, block))
 
 
 def _script(runtime, args=("--max_lr", "1e-3")) -> str:

@@ -14,52 +14,57 @@ import yaml
 from runtime_cases import MALFORMED, mutated
 
 from astrai.common.contract import REQUIRED_FILES
-from bench.common import placeholder_checkpoint
+from tests.support import REPO, invoke, placeholder_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
+# What makes a task act at once, without asking or waiting (clean deletes nothing without --force).
+ACT_NOW = {
+    "clean": ["--force"],
+    "logs": ["--no-follow"],
+    "board": ["--stop"],
+    "export": ["--out", "exported"],
+    "submit": ["--dry-run"],
+}
+
+
+def _config_tasks() -> list[list[str]]:
+    """Every task that reads a job's config (from the task namespace itself), with what makes it act now."""
+    from invoke import Collection
+
+    import tasks
+
+    collection = Collection.from_module(tasks)
+    names = [
+        name for name in sorted(collection.task_names) if "config" in [a.name for a in collection[name].get_arguments()]
+    ]
+    return [[name, *ACT_NOW.get(name, [])] for name in names]
+
+
 # Every task that reads a config must reject a bad one before it does anything.
-COMMANDS = [
-    ["init"],
-    ["preflight"],
-    ["start"],
-    ["render"],
-    ["clean", "--force"],
-    ["stop"],
-    ["build"],
-    ["status"],
-    ["latest"],
-    ["list"],
-    ["restart"],
-    ["logs", "--no-follow"],
-    ["board", "--stop"],
-]
-
-
-def invoke(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "invoke", "--search-root", str(REPO), *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
+COMMANDS = _config_tasks()
 
 
 def _snapshot(folder: Path) -> list[tuple[str, int]]:
     return sorted((str(path.relative_to(folder)), path.stat().st_mtime_ns) for path in folder.rglob("*"))
 
 
+def test_the_command_lists_come_from_the_task_namespace():
+    names = [command[0] for command in COMMANDS]
+    assert {"submit", "export", "start", "clean", "board"} <= set(names) and "demo" not in names
+    assert sorted({command[0] for command in PATH_COMMANDS} | set(READS_NO_CHECKPOINTS)) == names
+
+
+# The messages of every malformed case are checked in-process (test_runtime); here each command runs once as a
+# user runs it, on a case of its own, for the exit code, the message on stderr and a disk left as it was.
 @pytest.mark.parametrize(
-    ("index", "changes", "key"),
-    [(index, case[1], case[2]) for index, case in enumerate(MALFORMED)],
-    ids=[case[0] for case in MALFORMED],
+    ("command", "changes", "key"),
+    [(command, MALFORMED[index][1], MALFORMED[index][2]) for index, command in enumerate(COMMANDS)],
+    ids=[f"{command[0]}-{MALFORMED[index][0]}" for index, command in enumerate(COMMANDS)],
 )
-def test_malformed_config_exits_non_zero_names_the_key_and_changes_nothing(tmp_path, index, changes, key):
+def test_malformed_config_exits_non_zero_names_the_key_and_changes_nothing(tmp_path, command, changes, key):
     config = tmp_path / "train.yaml"
     config.write_text(yaml.safe_dump(mutated(changes), sort_keys=False), encoding="utf-8")
     before = _snapshot(tmp_path)
-    command = COMMANDS[index % len(COMMANDS)]
-    result = invoke(*command, "--config", str(config))
+    result = invoke(*command, "--config", str(config), cwd=tmp_path)
     assert result.returncode == 2, result
     assert f"{config}: {key}: " in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
@@ -274,19 +279,16 @@ def test_the_start_lock_dies_with_its_holder(job):
 
 # --- broken runtime.paths (issue 9, item 3) -----------------------------------------------------------
 
+# Tasks that never read the checkpoints folder, and so cannot find it broken.
+READS_NO_CHECKPOINTS = {
+    "render": "prints the Compose override",
+    "submit": "with --dry-run prints the sbatch script",
+    "board": "with --stop reads only the board's own state",
+}
+# clean without --force too: it reads the folder it would list.
 PATH_COMMANDS = [
-    ["preflight"],
-    ["init"],
-    ["start"],
-    ["status"],
-    ["list"],
-    ["latest"],
-    ["clean"],
-    ["clean", "--force"],
-    ["logs", "--no-follow"],
-    ["build"],
-    ["stop"],
-    ["restart"],
+    *([command[0]] for command in COMMANDS if command[0] == "clean"),
+    *(command for command in COMMANDS if command[0] not in READS_NO_CHECKPOINTS),
 ]
 # Without these capabilities root meets permission bits as any user does (tests run as root).
 NO_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
@@ -327,11 +329,7 @@ def test_a_broken_checkpoints_path_names_the_key_without_a_traceback_and_changes
         prefix = NO_OVERRIDE
     expected = _break_checkpoints(config.parent, how)
     before = _tree(config.parent)
-    result = subprocess.run(
-        [*prefix, sys.executable, "-m", "invoke", "--search-root", str(REPO), *command, "--config", str(config)],
-        capture_output=True,
-        text=True,
-    )
+    result = invoke(*command, "--config", str(config), cwd=config.parent, prefix=prefix)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert expected in output, output

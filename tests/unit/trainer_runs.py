@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -90,12 +89,6 @@ def final_weights(ckpt_dir: Path, step: int) -> bytes:
 
 def staging(ckpt_dir: Path) -> list[str]:
     return [name for name in os.listdir(ckpt_dir) if name.startswith(STAGING_PREFIX)] if ckpt_dir.exists() else []
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def node_command(node: int, port: int, backend: str = "static", parallel_mode: str = "ddp") -> list[str]:

@@ -1,0 +1,105 @@
+"""What the tests (and the benchmarks) share: the repository, invoke as a user runs it, free ports, runtime files
+and placeholder checkpoints.
+
+Imported as ``tests.support`` (the repository's root is on pytest's path, and the benchmarks run from it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def invoke(
+    *args: str,
+    cwd: Path | None = None,
+    env: dict | None = None,
+    timeout: float = 900,
+    check: bool = False,
+    prefix: list[str] = (),
+) -> subprocess.CompletedProcess:
+    """Run one invoke task of this project the way a user would (``prefix``: a command to run it under)."""
+    result = subprocess.run(
+        [*prefix, sys.executable, "-m", "invoke", "--search-root", str(REPO), *args],
+        cwd=cwd or REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
+    if check and result.returncode != 0:
+        raise RuntimeError(f"invoke {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 now (held together while they are picked)."""
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def write_config(folder: Path, runtime: dict, trainer: dict | None = None, name: str = "train.yaml") -> Path:
+    """A train.yaml in ``folder`` (created) with this runtime block and trainer sections; its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = folder / name
+    config.write_text(yaml.safe_dump({"runtime": runtime, **(trainer or {})}, sort_keys=False), encoding="utf-8")
+    return config
+
+
+def placeholder_checkpoint(
+    job_dir: Path, epoch: int, step: int, *, files=None, reason: str = "periodic", meta: dict | None = None
+) -> Path:
+    """A folder that is a checkpoint by the folder rule (astrai.common.checkpoints) without holding real state.
+
+    Every file is whole as far as its header tells: meta.json and config.json parse, model.safetensors is a
+    safetensors file of one small tensor, optimizer.pt and scheduler.pt are zip archives. The trainer, which
+    reads the tensors, refuses it; host commands (list, latest, clean) take it for a checkpoint. ``files``
+    limits which files are written (a folder missing some is not a checkpoint).
+    """
+    from astrai.common.checkpoints import CheckpointMeta, checkpoint_name
+    from astrai.common.contract import (
+        META_FILE,
+        MODEL_CONFIG_FILE,
+        OPTIMIZER_FILE,
+        REQUIRED_FILES,
+        SCHEDULER_FILE,
+        WEIGHTS_FILE,
+    )
+    from astrai.common.model_folder import ModelConfig
+
+    folder = job_dir / checkpoint_name(epoch, step)
+    folder.mkdir(parents=True)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    header += b" " * (-len(header) % 8)
+    record = CheckpointMeta(epoch=epoch, step=step, reason=reason, world_size=1).to_dict()
+    contents = {
+        META_FILE: json.dumps({**record, **(meta or {})}).encode(),
+        MODEL_CONFIG_FILE: ModelConfig().to_json().encode(),
+        WEIGHTS_FILE: len(header).to_bytes(8, "little") + header + b"\0" * 4,
+    }
+    for name in files or REQUIRED_FILES:
+        if name in (OPTIMIZER_FILE, SCHEDULER_FILE):
+            with zipfile.ZipFile(folder / name, "w") as archive:
+                archive.writestr("data.pkl", b"placeholder")
+        else:
+            (folder / name).write_bytes(contents[name])
+    return folder
