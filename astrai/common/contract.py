@@ -30,16 +30,18 @@ TRAINER_MODULE = "astrai.train"
 """What the entrypoint runs: ``python -m astrai.train`` (or under torchrun)."""
 
 
-def trainer_arguments(job_name: str, parallel_mode: str | None, user_args: list[str]) -> list[str]:
+def trainer_arguments(
+    job_name: str, parallel_mode: str | None, user_args: list[str], config: str = CONTAINER_CONFIG
+) -> list[str]:
     """The trainer's arguments in the container: the mounts' paths, the derived mode, then the user's words.
 
-    The entrypoint launches exactly these; the host parses exactly these too (preflight, start), so both
-    judge the same configuration. The user's words come last and win.
+    The entrypoint launches exactly these; the host parses exactly these too (preflight, start), with ``config``
+    the YAML's path where each reads it, so both judge the same configuration. The user's words come last and win.
     """
     mode = ["--parallel_mode", parallel_mode] if parallel_mode is not None else []
     return [
         "--config",
-        CONTAINER_CONFIG,
+        config,
         "--ckpt_dir",
         container_job_dir(job_name),
         "--param_path",

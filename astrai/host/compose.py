@@ -3,7 +3,8 @@
 ``compose/docker-compose.yml`` holds the stable trainer service; this module
 renders what differs per job from the resolved runtime block: mounts, user,
 build arguments, GPU reservation, environment, stop settings, hardening and the
-project name. Every `docker compose` call of the product is built by
+project name; the mounts, environment and command come from :func:`astrai.host.launch.node_spec`.
+Every `docker compose` call of the product is built by
 ``compose_command``, so the files and the project name are always the same.
 
 Every user string reaches Compose literally: ``$`` is written as ``$$`` (Compose
@@ -29,24 +30,7 @@ from pathlib import Path
 import yaml
 
 from astrai.common.contract import (
-    CONTAINER_CHECKPOINTS,
-    CONTAINER_CONFIG,
-    CONTAINER_DATA,
     CONTAINER_HOME,
-    CONTAINER_MODEL,
-    ENV_CONFIG,
-    ENV_FAILURE_TIMEOUT_SECONDS,
-    ENV_GPU_DEVICES,
-    ENV_JOB_NAME,
-    ENV_NODE_RANK,
-    ENV_NODES,
-    ENV_PARALLEL_MODE,
-    ENV_PROCESSES,
-    ENV_RDZV_BACKEND,
-    ENV_RDZV_ENDPOINT,
-    ENV_RDZV_ID,
-    ENV_STOP_TIMEOUT_SECONDS,
-    ENV_SUPERVISOR_PID,
     LABEL_CONFIG,
     LABEL_JOB,
     LABEL_NODE,
@@ -54,8 +38,9 @@ from astrai.common.contract import (
     TORCH_VERSION,
 )
 from astrai.common.errors import AstraiError
+from astrai.host import launch
 from astrai.host.hostuser import host_user_ids
-from astrai.host.runtime import INTERFACE_VARIABLES, Runtime
+from astrai.host.runtime import Runtime
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 """The source checkout: the Dockerfile and the trainer package are the image's build context."""
@@ -142,45 +127,6 @@ def image_name(runtime: Runtime) -> str:
     return f"{job_project(runtime)}-{SERVICE}"
 
 
-def container_environment(runtime: Runtime) -> dict[str, str | None]:
-    """Environment of the trainer container: the user's, plus what the entrypoint reads.
-
-    A None value is a variable passed through from the shell that runs `docker compose`.
-    """
-    env = dict(runtime.environment)
-    env.update(
-        {
-            ENV_JOB_NAME: runtime.job_name,
-            ENV_CONFIG: CONTAINER_CONFIG,
-            ENV_GPU_DEVICES: _devices_text(runtime.devices),
-            ENV_PARALLEL_MODE: runtime.parallel_mode,
-            ENV_STOP_TIMEOUT_SECONDS: str(runtime.stop_timeout_seconds),
-        }
-    )
-    if runtime.devices == "none":
-        env[ENV_PROCESSES] = str(runtime.processes)
-    if runtime.cuda_visible_devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = runtime.cuda_visible_devices
-    if runtime.multi_node:
-        env.update(
-            {
-                ENV_NODES: str(runtime.node_count),
-                ENV_NODE_RANK: str(runtime.node),
-                ENV_RDZV_BACKEND: runtime.rdzv_backend,
-                ENV_FAILURE_TIMEOUT_SECONDS: str(runtime.failure_timeout_seconds),
-            }
-        )
-        if runtime.rendezvous is not None:  # a job for a scheduler gets it from its allocation
-            env[ENV_RDZV_ENDPOINT] = runtime.rendezvous
-    if runtime.rdzv_id is not None:
-        env[ENV_RDZV_ID] = runtime.rdzv_id
-    if runtime.supervisor_pid is not None:
-        env[ENV_SUPERVISOR_PID] = str(runtime.supervisor_pid)
-    if runtime.network_interface is not None:
-        env.update({name: runtime.network_interface for name in INTERFACE_VARIABLES})
-    return env
-
-
 def render_override(
     runtime: Runtime,
     trainer_args: list[str] | tuple[str, ...] = (),
@@ -191,6 +137,7 @@ def render_override(
     """The override document for one job (a plain dict, ready for YAML), every ``$`` already escaped."""
     if uid is None or gid is None:
         uid, gid = host_user_ids()
+    spec = launch.node_spec(runtime, trainer_args)
     service: dict = {
         "build": {
             # Given here, not relative to the base file, which may be read from the installed package.
@@ -206,7 +153,7 @@ def render_override(
         },
         # The trainer needs no Linux capability and writes only to /checkpoints and scratch.
         "cap_drop": ["ALL"],
-        "environment": container_environment(runtime),
+        "environment": spec.environment,
         "ipc": runtime.ipc,
         "labels": {
             LABEL_CONFIG: str(runtime.config_path),
@@ -220,15 +167,12 @@ def render_override(
         "ulimits": {"stack": STACK_BYTES},
         "user": f"{uid}:{gid}",
         "volumes": [
-            _bind(runtime.data_dir, CONTAINER_DATA, read_only=True),
-            # Only node 0 reads the base model (it sends the weights to the others): nothing to mount elsewhere.
-            *([_bind(runtime.model_dir, CONTAINER_MODEL, read_only=True)] if runtime.node == 0 else []),
-            _bind(runtime.checkpoints_dir, CONTAINER_CHECKPOINTS, read_only=False),
-            _bind(runtime.config_path, CONTAINER_CONFIG, read_only=True),
+            {"read_only": mount.read_only, "source": str(mount.source), "target": mount.target, "type": "bind"}
+            for mount in spec.mounts
         ],
     }
-    if trainer_args:
-        service["command"] = list(trainer_args)
+    if spec.arguments:
+        service["command"] = list(spec.arguments)
     if runtime.multi_node:
         # The nodes reach each other at the rendezvous address and on ports torch picks: no port mapping can
         # know them in advance, so the container shares the host's network.
@@ -355,16 +299,6 @@ def _escape_dollars(value):
     if isinstance(value, list):
         return [_escape_dollars(item) for item in value]
     return value
-
-
-def _bind(source: Path, target: str, *, read_only: bool) -> dict:
-    return {"read_only": read_only, "source": str(source), "target": target, "type": "bind"}
-
-
-def _devices_text(devices: str | tuple[int, ...]) -> str:
-    if isinstance(devices, str):
-        return devices
-    return ",".join(str(index) for index in devices)
 
 
 def _version_of(command: list[str]) -> int | None:

@@ -31,14 +31,8 @@ import yaml
 from astrai.common.config import HOST_SECTION, trainer_sections
 from astrai.common.configfile import load_yaml
 from astrai.common.contract import (
-    CONTAINER_CHECKPOINTS,
-    CONTAINER_CONFIG,
-    CONTAINER_DATA,
     CONTAINER_HOME,
-    CONTAINER_MODEL,
-    ENV_GPU_DEVICES,
     ENV_NODE_RANK,
-    ENV_NODES,
     ENV_RDZV_ENDPOINT,
     ENV_RDZV_ID,
     ENV_STOPPED_EXIT_CODE,
@@ -46,7 +40,7 @@ from astrai.common.contract import (
     LABEL_JOB,
 )
 from astrai.common.errors import AstraiError
-from astrai.host import compose
+from astrai.host import compose, launch
 from astrai.host.hostuser import host_user_ids
 from astrai.host.runtime import Runtime
 
@@ -67,7 +61,8 @@ DEFAULT_UID = 1000
 """The pod's user when the manifests are rendered as root (a pod may not run as root here)."""
 
 
-MOUNTS = (("data", CONTAINER_DATA), ("model", CONTAINER_MODEL), ("checkpoints", CONTAINER_CHECKPOINTS))
+CONFIG_KEY = "train.yaml"
+"""The key of the job's ConfigMap that the pods mount at the config's container path."""
 
 
 class KubernetesError(AstraiError):
@@ -171,7 +166,7 @@ def _settings(runtime: Runtime):
         )
     problems += [
         f"runtime.kubernetes.claims.{key}: missing: the persistent volume claim mounted at {target}"
-        for key, target in MOUNTS
+        for key, target in ((mount.key, mount.target) for mount in launch.mounts(runtime) if mount.key != "config")
         if settings.claims.get(key) is None
     ]
     if runtime.devices == "all":
@@ -199,7 +194,7 @@ def _config_map(runtime: Runtime, name: str) -> dict:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(runtime, f"{name}-config"),
-        "data": {"train.yaml": text},
+        "data": {CONFIG_KEY: text},
     }
 
 
@@ -211,12 +206,8 @@ def _literal(text: str) -> str:
 
 def _environment(runtime: Runtime) -> list[dict]:
     """The container's environment as the Docker job has it, minus what each pod takes from Kubernetes."""
-    env = compose.container_environment(runtime)
-    for name in (ENV_NODE_RANK, ENV_RDZV_ENDPOINT, ENV_RDZV_ID, "CUDA_VISIBLE_DEVICES"):
-        env.pop(name, None)  # the device plugin decides which GPUs a pod sees
-    if runtime.uses_gpu:
-        env[ENV_GPU_DEVICES] = "all"
-    env[ENV_NODES] = str(runtime.node_count)
+    # Each pod's rank and the rendezvous come from the Job (below); the device plugin decides which GPUs it sees.
+    env = launch.scheduler_spec(runtime).environment
     # A pod stopped short of the end (an eviction, a drain, a preemption) exits non-zero, and is retried.
     env[ENV_STOPPED_EXIT_CODE] = str(EXIT_STOPPED_UNFINISHED)
     passed = [key for key, value in env.items() if value is None]
@@ -233,6 +224,16 @@ def _resources(runtime: Runtime) -> dict:
         return {}
     count = str(len(runtime.devices))
     return {"limits": {"nvidia.com/gpu": count}}
+
+
+def _volume_mount(mount: launch.Mount) -> dict:
+    """A mount of the spec as the pod's volume of the same name mounts it (the YAML from the job's ConfigMap)."""
+    entry = {"name": mount.key, "mountPath": mount.target}
+    if mount.key == "config":
+        entry["subPath"] = CONFIG_KEY
+    if mount.read_only:
+        entry["readOnly"] = True
+    return entry
 
 
 def _pod_spec(runtime: Runtime, name: str, container: str, env: list[dict], trainer_args: list[str]) -> dict:
@@ -253,10 +254,7 @@ def _pod_spec(runtime: Runtime, name: str, container: str, env: list[dict], trai
             "runAsNonRoot": True,
         },
         "volumeMounts": [
-            {"name": "data", "mountPath": CONTAINER_DATA, "readOnly": True},
-            {"name": "model", "mountPath": CONTAINER_MODEL, "readOnly": True},
-            {"name": "checkpoints", "mountPath": CONTAINER_CHECKPOINTS},
-            {"name": "config", "mountPath": CONTAINER_CONFIG, "subPath": "train.yaml", "readOnly": True},
+            *(_volume_mount(mount) for mount in launch.mounts(runtime)),
             {"name": "dshm", "mountPath": "/dev/shm"},
             *({"name": volume, "mountPath": path} for volume, path in scratch),
         ],

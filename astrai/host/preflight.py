@@ -250,6 +250,16 @@ def _job_dir_check(runtime: Runtime) -> Check:
 def _model_check(runtime: Runtime, config: TrainerConfig | None) -> tuple[tuple[ModelConfig, Path] | None, Check]:
     """The model the job starts from: the newest checkpoint it resumes, else the base model (headers only)."""
     if runtime.node != 0:
+        problem = folder_problem(runtime.model_dir) or (
+            None if runtime.model_dir.is_dir() else f"{runtime.model_dir} does not exist"
+        )
+        if problem is not None:
+            return None, Check(
+                FAIL,
+                "base model",
+                f"runtime.paths.model: {problem}: every node mounts it (read-only), though only node 0 reads it",
+                f"`{runtime.command('init')}` creates it empty, which is enough on node {runtime.node}",
+            )
         return None, Check(
             SKIP,
             "base model",

@@ -37,18 +37,12 @@ allocation).
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import shlex
 import sys
 from pathlib import Path
 
 from astrai.common.contract import (
-    CONTAINER_CHECKPOINTS,
-    CONTAINER_CONFIG,
-    CONTAINER_DATA,
-    CONTAINER_MODEL,
-    ENV_GPU_DEVICES,
     ENV_NODE_RANK,
     ENV_RDZV_ENDPOINT,
     ENV_RDZV_ID,
@@ -57,7 +51,7 @@ from astrai.common.contract import (
 )
 from astrai.common.errors import AstraiError
 from astrai.common.values import format_clock
-from astrai.host import compose
+from astrai.host import compose, launch
 from astrai.host.runtime import Runtime
 
 SLURM_DIR_NAME = "slurm"
@@ -301,18 +295,16 @@ def _in_image_command(trainer_args: list[str]) -> list[str]:
     ]
 
 
-def _mounts(runtime: Runtime) -> list[tuple[Path, str, bool]]:
-    return [
-        (runtime.data_dir, CONTAINER_DATA, True),
-        (runtime.model_dir, CONTAINER_MODEL, True),
-        (runtime.checkpoints_dir, CONTAINER_CHECKPOINTS, False),
-        (runtime.config_path, CONTAINER_CONFIG, True),
-    ]
+def _mount_list(runtime: Runtime) -> str:
+    """The spec's mounts as pyxis' --container-mounts and apptainer's --bind take them."""
+    return ",".join(
+        f"{mount.source}:{mount.target}{':ro' if mount.read_only else ''}" for mount in launch.mounts(runtime)
+    )
 
 
 def _pyxis_task(runtime: Runtime, trainer_args: list[str], _python: str) -> tuple[str, str]:
     image = _image(runtime)
-    mounts = ",".join(f"{source}:{target}{':ro' if ro else ''}" for source, target, ro in _mounts(runtime))
+    mounts = _mount_list(runtime)
     container = [f"--container-image={image}", f"--container-mounts={mounts}", "--no-container-mount-home"]
     command = [*_srun(runtime), *container, *_in_image_command(trainer_args)]
     finished = [
@@ -330,7 +322,7 @@ def _pyxis_task(runtime: Runtime, trainer_args: list[str], _python: str) -> tupl
 
 def _apptainer_task(runtime: Runtime, trainer_args: list[str], _python: str) -> tuple[str, str]:
     image = _image(runtime)
-    binds = ",".join(f"{source}:{target}{':ro' if ro else ''}" for source, target, ro in _mounts(runtime))
+    binds = _mount_list(runtime)
     exec_ = ["apptainer", "exec", *(["--nv"] if runtime.uses_gpu else []), "--contain", "--bind", binds, image]
     command = [*_srun(runtime), *exec_, *_in_image_command(trainer_args)]
     finished = [*exec_, "python3", "-m", "astrai.common.finished", container_job_dir(runtime.job_name)]
@@ -345,12 +337,8 @@ def _exports(runtime: Runtime) -> str:
     """
     if slurm_settings(runtime).launcher == "docker":
         return ""
-    env = compose.container_environment(dataclasses.replace(runtime, node=0))
-    for name in (ENV_NODE_RANK, ENV_RDZV_ENDPOINT, ENV_RDZV_ID):
-        env.pop(name, None)  # the rank per task from SLURM_NODEID, the rendezvous from the allocation (above)
-    if runtime.uses_gpu:
-        env[ENV_GPU_DEVICES] = "all"
-        env.pop("CUDA_VISIBLE_DEVICES", None)
+    # The rank per task from SLURM_NODEID, the rendezvous from the allocation (above).
+    env = launch.scheduler_spec(runtime).environment
     lines = ["# The trainer's environment (the image's entrypoint reads it)."]
     for name, value in sorted(env.items()):
         if value is None:
@@ -388,9 +376,8 @@ def check_script_paths(runtime: Runtime) -> None:
             "pattern in the job's output file name; choose a folder without '%'"
         )
     if slurm_settings(runtime).launcher != "docker":
-        for key, (source, _target, _ro) in zip(
-            ("data", "model", "checkpoints", "config"), _mounts(runtime), strict=True
-        ):
+        for mount in launch.mounts(runtime):
+            key, source = mount.key, mount.source
             if re.search(r"[,:]", str(source)):
                 where = "the config file" if key == "config" else f"runtime.paths.{key}"
                 problems.append(

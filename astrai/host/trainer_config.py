@@ -65,8 +65,7 @@ def read_trainer_config(runtime: Runtime, user_args: list[str]) -> TrainerConfig
     if problems:
         raise ConfigError(problems)
     mode = runtime.parallel_mode if runtime.processes is not None else None
-    arguments = trainer_arguments(runtime.job_name, mode, user_args)
-    arguments[arguments.index("--config") + 1] = str(path)
+    arguments = trainer_arguments(runtime.job_name, mode, user_args, config=str(path))
     try:
         config = parse_args(arguments)[0]
     except ConfigError as error:

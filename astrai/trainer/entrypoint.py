@@ -157,8 +157,7 @@ def plan_launch(
             f"runtime.gpu.parallel_mode: {error} (runtime.gpu.devices: {devices}, {nodes} node(s))"
         ) from None
     job_dir = CHECKPOINTS_DIR / job_name
-    arguments = trainer_arguments(job_name, mode, trainer_args)
-    arguments[arguments.index("--config") + 1] = env.get(ENV_CONFIG, CONTAINER_CONFIG)
+    arguments = trainer_arguments(job_name, mode, trainer_args, config=env.get(ENV_CONFIG, CONTAINER_CONFIG))
     trainer = ["-m", TRAINER_MODULE, *arguments]
     stop_timeout = str(max(int(env.get(ENV_STOP_TIMEOUT_SECONDS, "600")), MIN_SHUTDOWN_TIMEOUT_SECONDS))
     if nodes > 1:

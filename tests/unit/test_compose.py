@@ -290,9 +290,7 @@ def test_each_node_of_a_multi_node_job_is_its_own_project_on_the_host_network(tm
     service["labels"]["ai.astrai.node"] = str(node)
     service["network_mode"] = "host"
     service["pid"] = "host"
-    if node == 1:
-        # Only node 0 needs the base model.
-        service["volumes"] = [volume for volume in service["volumes"] if volume["target"] != "/models/base"]
+    # Every node mounts the base model (only node 0 reads it): the same mounts as a Slurm task or a pod gets.
     assert compose.render_override(runtime, uid=1000, gid=1001) == expected
     # The override and the timer of each node live apart, even in one shared checkpoints folder.
     assert (

@@ -58,8 +58,12 @@ def test_an_unknown_host_or_interface_fails(tmp_path):
     assert interface.failed and "nosuch0 does not exist on this host" in interface.detail and "lo" in interface.detail
 
 
-def test_other_nodes_need_no_base_model(tmp_path):
-    _, check = preflight._model_check(_runtime(tmp_path, 1, "127.0.0.1:29500"), None)
+def test_other_nodes_need_no_base_model_but_a_folder_to_mount(tmp_path):
+    runtime = _runtime(tmp_path, 1, "127.0.0.1:29500")
+    _, check = preflight._model_check(runtime, None)
+    assert check.mark == preflight.FAIL and "every node mounts it" in check.detail and "invoke init" in check.hint
+    runtime.model_dir.mkdir(parents=True)  # empty: nothing on it is read on node 1
+    _, check = preflight._model_check(runtime, None)
     assert check.mark == preflight.SKIP and "not needed on node 1" in check.detail
 
 
