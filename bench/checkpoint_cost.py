@@ -152,7 +152,7 @@ def _dcp_load(trainer: Trainer, source: Path) -> None:
 def _our_load(trainer: Trainer) -> None:
     loaded = load_latest(trainer.job_dir, trainer.env, trainer.log)
     trainer.model.load_state_dict(loaded.model_state)
-    trainer.checkpointer.restore(loaded, trainer.config.training.random_seed)
+    trainer.checkpointer.restore(loaded)
 
 
 def _save_times(trainer: Trainer, folder: Path, repeats: int) -> dict[str, list[float]]:

@@ -106,7 +106,7 @@ def worker(preset: str, window: str, batch: str, repeats: str, params: str, data
         loaded = load_latest(trainer.job_dir, env, trainer.log, whole=format == "full")
         if loaded.model_state is not None:
             set_model_state_dict(trainer.model, loaded.model_state, options=StateDictOptions(full_state_dict=True))
-        trainer.checkpointer.restore(loaded, 0)
+        trainer.checkpointer.restore(loaded)
 
     samples: dict[str, dict[str, list]] = {name: {} for name in CKPT_FORMATS}
     for repeat in range(-1, int(repeats)):  # -1: an uncounted warm-up (first-use buffers, page faults)

@@ -118,6 +118,8 @@ REQUIRED_FILES = (META_FILE, MODEL_CONFIG_FILE, WEIGHTS_FILE, OPTIMIZER_FILE, SC
 """The files every checkpoint holds (more are allowed); astrai/common/checkpoints.py says what else makes one whole."""
 RNG_FILE = "rng_state.safetensors"
 """Every rank's RNG states. Optional: without it a resume seeds each rank from random_seed, step and rank."""
+TRAINER_STATE_FILE = "trainer_state.pt"
+"""The state of the run's parts that have no file of their own, by part name (optional: only runs with such parts)."""
 OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"
 """Sharded format: the optimizer's parameter-shaped tensors (AdamW's moments), laid out whole like the weights;
 ``optimizer.pt`` then holds the rest of the optimizer state and names this file."""

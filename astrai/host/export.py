@@ -42,6 +42,7 @@ from astrai.common.contract import (
     OPTIMIZER_TENSORS_FILE,
     RNG_FILE,
     SCHEDULER_FILE,
+    TRAINER_STATE_FILE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
 )
@@ -81,7 +82,7 @@ _ITEMSIZE = {
 _OTHER_FLOATS = ("F64", "F8_E5M2", "F8_E4M3")
 """Floating point dtypes an export keeps as they are but does not convert."""
 
-CHECKPOINT_INTERNALS = (META_FILE, OPTIMIZER_FILE, OPTIMIZER_TENSORS_FILE, SCHEDULER_FILE, RNG_FILE)
+CHECKPOINT_INTERNALS = (META_FILE, OPTIMIZER_FILE, OPTIMIZER_TENSORS_FILE, SCHEDULER_FILE, RNG_FILE, TRAINER_STATE_FILE)
 """A checkpoint's training state: never part of an export."""
 _NOT_COPIED_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".safetensors.index.json", ".bin.index.json")
 """Training state, and weights other than the ones the export converts (say a stale pytorch_model.bin)."""

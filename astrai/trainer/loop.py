@@ -53,6 +53,7 @@ from astrai.common.fit import (
 from astrai.trainer import build
 from astrai.trainer.checkpoint.files import LoadedCheckpoint, NonFiniteWeights, Progress
 from astrai.trainer.checkpoint.manager import CheckpointManager, load_latest
+from astrai.trainer.checkpoint.state import run_state
 from astrai.trainer.distributed import (
     DistEnv,
     GracefulStop,
@@ -146,6 +147,9 @@ class Trainer:
         self.model = build.build_model(config, env, start)
         self.optimizer = build_optimizer(self.model, training, env.device, env.parallel_mode)
         self.schedule = Schedule.of(training)
+        self.progress = Progress()
+        # Everything a checkpoint holds besides the model and the optimizer; a new part is one more entry here.
+        self.parts = run_state(self.progress, self.schedule, env, training.random_seed, self.log)
         self.autocast = build.autocast_for(env)
         objective = build.build_objective(config, env, self.model_config, records, feed, loaded, self.log)
         self.objective = objective.loss
@@ -155,7 +159,7 @@ class Trainer:
             self.log,
             model=self.model,
             optimizer=self.optimizer,
-            schedule=self.schedule,
+            parts=self.parts,
             model_config=self.model_config,
             facts=build.run_facts(config, self.global_batch, data, objective),
             interval=config.ckpt.ckpt_interval,
@@ -169,7 +173,7 @@ class Trainer:
             # A node lost while a periodic save is being written: publish it before this process exits (the full
             # format's; a sharded save needs every rank's part, so it stays an unpublished staging folder).
             env.watch.before_exit = self.checkpointer.finish_pending
-        self.progress = self._resume_or_start(loaded, notes, start.source)
+        self._resume_or_start(loaded, notes, start.source)
         if self.mixture is not None:
             self._note_mixture(feed.splits)
         self.loader = build.make_loader(config, env, feed)
@@ -194,21 +198,20 @@ class Trainer:
         self._step_loss = torch.zeros((), device=env.device)
         self._warmed_up = False
 
-    def _resume_or_start(self, loaded: LoadedCheckpoint | None, notes: list[str], source: Path) -> Progress:
-        """Restore the checkpoint's optimizer, RNG and progress, or seed a fresh start: the last step of building."""
+    def _resume_or_start(self, loaded: LoadedCheckpoint | None, notes: list[str], source: Path) -> None:
+        """Restore the optimizer and every part from the checkpoint, or seed a fresh start: the last step of a build."""
         if loaded is not None:
-            self.checkpointer.restore(loaded, self.config.training.random_seed)
+            self.checkpointer.restore(loaded)
             # The checkpoint brought the optimizer's moments; its settings are this run's config.
             apply_settings(self.optimizer, self.config.training)
             self._note_resume(loaded, notes)
-            return loaded.progress
+            return
         torch.manual_seed(self.config.training.random_seed + self.env.rank)
         if self.env.master_process:  # only node 0 has the base model folder
             self.log(
                 f"starting from base model {self.config.ckpt.param_path}: {describe_folder(source)} "
                 f"(world size {self.env.world_size}, device {self.env.device})"
             )
-        return Progress()
 
     def _reporter(self) -> ProgressReporter:
         env = self.env
@@ -408,7 +411,7 @@ class Trainer:
         """
         self.health.check(self.progress.step)
         try:
-            path = self.checkpointer.save(self.progress, reason, wait=reason != REASON_PERIODIC)
+            path = self.checkpointer.save(reason, wait=reason != REASON_PERIODIC)
         except NonFiniteWeights as error:
             raise Diverged(
                 self.health.message(f"the weights after step {self.progress.step} are not finite ({error})")

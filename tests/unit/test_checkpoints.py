@@ -30,6 +30,7 @@ from astrai.common.contract import REQUIRED_FILES
 from astrai.trainer.checkpoint import files as checkpoint_io
 from astrai.trainer.checkpoint.files import CheckpointError, Progress, first_non_finite, read_checkpoint
 from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
+from astrai.trainer.checkpoint.state import RunState, run_state
 from astrai.trainer.distributed import init_distributed
 from astrai.trainer.model import PRESETS, Transformer
 from astrai.trainer.optim import Optimizers, Schedule
@@ -152,15 +153,16 @@ def training_state(one_thread):
     return model, optimizer, Schedule("cosine", 1e-3, 0.1, 2, 100, 0)
 
 
-def _manager(job_dir, state, keep_last=None, logs=None):
+def _manager(job_dir, state, keep_last=None, logs=None, seed=0, **others):
     model, optimizer, schedule = state
+    env, log = init_distributed("none", "cpu"), (logs if logs is not None else []).append
     return CheckpointManager(
         job_dir,
-        init_distributed("none", "cpu"),
-        (logs if logs is not None else []).append,
+        env,
+        log,
         model=model,
         optimizer=optimizer,
-        schedule=schedule,
+        parts=run_state(Progress(), schedule, env, seed, log, **others),
         model_config=model.config,
         facts=RunFacts("abc", 100, 8, 4),
         interval=10,
@@ -169,8 +171,8 @@ def _manager(job_dir, state, keep_last=None, logs=None):
 
 
 def _save(manager, step, reason="periodic", wait=True):
-    progress = Progress(step=step, epoch=0, samples_in_epoch=4 * step, tokens_seen=128 * step)
-    return manager.save(progress, reason, wait=wait)
+    manager.parts.progress.load_state_dict(dict(step=step, epoch=0, samples_in_epoch=4 * step, tokens_seen=128 * step))
+    return manager.save(reason, wait=wait)
 
 
 def test_policy_says_which_checkpoint_is_due(tmp_path, training_state):
@@ -291,15 +293,57 @@ def test_resume_skips_broken_and_partial_checkpoints(tmp_path, training_state):
     assert any("skipping" in line and "epoch_9_step_1000" in line for line in logs)
 
 
-def test_a_checkpoint_without_rng_state_resumes_with_seeded_rng_and_says_so(tmp_path, training_state):
-    from astrai.trainer.checkpoint.manager import resumed_rank_seed
+class _Counter:
+    """A part of a run of its own (as a rollout buffer would be): a count and a tensor."""
 
-    manager = _manager(tmp_path, training_state, logs=(logs := []))
+    def __init__(self):
+        self.count, self.values, self.loaded = 0, torch.zeros(3), "never"
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "values": self.values.clone()}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.loaded = state
+        if state is not None:
+            self.count, self.values = state["count"], state["values"]
+
+
+def test_a_part_of_the_run_s_own_is_one_entry_saved_and_restored_with_the_rest(tmp_path, training_state):
+    counter = _Counter()
+    counter.count, counter.values = 7, torch.tensor([1.0, 2.0, 3.0])
+    manager = _manager(tmp_path, training_state, counter=counter)
+    path = _save(manager, step=10)
+    assert (path / "trainer_state.pt").is_file()
+    assert torch.load(path / "trainer_state.pt", weights_only=True)["counter"]["count"] == 7
+
+    again = _Counter()
+    resumed = _manager(tmp_path, training_state, counter=again)
+    loaded = load_latest(tmp_path, init_distributed("none", "cpu"), print)
+    resumed.restore(loaded)
+    assert again.count == 7 and torch.equal(again.values, torch.tensor([1.0, 2.0, 3.0]))
+    assert resumed.parts.progress.step == 10 and resumed.parts.progress.samples_in_epoch == 40
+
+    # A checkpoint written before the part existed gives it None to start from.
+    plain = _save(_manager(tmp_path / "plain", training_state), step=10)
+    assert not (plain / "trainer_state.pt").exists()
+    late = _Counter()
+    _manager(tmp_path / "plain", training_state, counter=late).restore(
+        load_latest(tmp_path / "plain", init_distributed("none", "cpu"), print)
+    )
+    assert late.loaded is None and late.count == 0
+    with pytest.raises(ValueError, match="first part must be 'progress'"):
+        RunState({"counter": late})
+
+
+def test_a_checkpoint_without_rng_state_resumes_with_seeded_rng_and_says_so(tmp_path, training_state):
+    from astrai.trainer.checkpoint.state import resumed_rank_seed
+
+    manager = _manager(tmp_path, training_state, logs=(logs := []), seed=5)
     path = _save(manager, step=10)
     (path / "rng_state.safetensors").unlink()
     loaded = load_latest(tmp_path, init_distributed("none", "cpu"), logs.append)
     assert loaded.rng_state is None
-    manager.restore(loaded, seed=5)
+    manager.restore(loaded)
     assert torch.equal(torch.get_rng_state(), torch.manual_seed(resumed_rank_seed(5, 10, 0)).get_state())
     assert any("no rng_state.safetensors" in line for line in logs)
 

@@ -13,8 +13,11 @@ checkpoint folder holds::
                            (astrai.trainer.checkpoint.sharded), and join_optimizer_tensors puts them back
     scheduler.pt           the learning-rate schedule's settings and step (plain values only)
     rng_state.safetensors  every rank's torch RNG states (optional)
+    trainer_state.pt       the state of the run's other parts, by part name (optional; plain values and tensors)
 
-``optimizer.pt`` and ``scheduler.pt`` are read with ``torch.load(weights_only=True)``,
+What a checkpoint saves besides the model and the optimizer is the run's parts' state
+(:mod:`astrai.trainer.checkpoint.state`), one entry per part. ``optimizer.pt``, ``scheduler.pt`` and
+``trainer_state.pt`` are read with ``torch.load(weights_only=True)``,
 so a checkpoint folder can never run code.
 """
 
@@ -28,7 +31,7 @@ import os
 import pickle
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,6 +53,7 @@ from astrai.common.contract import (
     OPTIMIZER_TENSORS_FILE,
     RNG_FILE,
     SCHEDULER_FILE,
+    TRAINER_STATE_FILE,
     WEIGHTS_FILE,
 )
 from astrai.common.errors import AstraiError
@@ -83,19 +87,44 @@ class Progress:
     def of(cls, meta: CheckpointMeta) -> Progress:
         return cls(meta.step, meta.epoch, meta.samples_in_epoch, meta.tokens_seen)
 
+    # A stateful part of the run (astrai.trainer.checkpoint.state): meta.json holds it.
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, int(value))
+
+
+PROGRESS, SCHEDULE, RNG = "progress", "schedule", "rng"
+"""The parts every run has, by the name its state goes under; the format gives each a file of its own."""
+_PART_FILES = {SCHEDULE: SCHEDULER_FILE, RNG: RNG_FILE}
+"""Where a part's state is written (progress: into meta.json); every other part goes into trainer_state.pt."""
+
 
 @dataclass
 class LoadedCheckpoint:
     checkpoint: Checkpoint
     meta: CheckpointMeta
-    progress: Progress
     model_config: ModelConfig
     model_state: dict[str, torch.Tensor] | None
     """None when each rank reads its own rows of the weights and moments (``read_checkpoint(whole=False)``)."""
     optimizer_state: dict
-    scheduler_state: dict
-    rng_state: dict[str, torch.Tensor] | None
-    """None when the folder has no rng_state.safetensors (resume then derives each rank's RNG seed)."""
+    state: dict[str, dict | None]
+    """Every part's saved state by part name (a part the folder has no state for: None)."""
+
+    @property
+    def progress(self) -> Progress:
+        return Progress(**self.state[PROGRESS])
+
+    @property
+    def scheduler_state(self) -> dict:
+        return self.state[SCHEDULE]
+
+    @property
+    def rng_state(self) -> dict[str, torch.Tensor] | None:
+        """None when the folder has no rng_state.safetensors (resume then derives each rank's RNG seed)."""
+        return self.state.get(RNG)
 
 
 @dataclass
@@ -104,8 +133,8 @@ class CheckpointFiles:
 
     model_state: dict
     optimizer_state: dict
-    scheduler_state: dict
-    rng_state: dict
+    state: dict[str, dict]
+    """The run's parts by name (RunState.state_dict): progress goes into meta, the others into their files."""
     model_config: ModelConfig
     meta: CheckpointMeta
     extra_files: dict[str, bytes] = field(default_factory=dict)
@@ -113,7 +142,7 @@ class CheckpointFiles:
 
     def nbytes(self) -> int:
         """About how much disk the checkpoint takes: its tensors plus the small files."""
-        return _tree_bytes((self.model_state, self.optimizer_state, self.rng_state)) + SMALL_FILES_BYTES
+        return _tree_bytes((self.model_state, self.optimizer_state, self.state)) + SMALL_FILES_BYTES
 
     def write(self, folder: Path) -> None:
         """Write every file into ``folder`` and flush it to disk; meta.json goes last.
@@ -142,11 +171,15 @@ class CheckpointFiles:
 
     def small_files(self) -> dict:
         """The small files by name: (content, writer)."""
-        return {
-            SCHEDULER_FILE: (self.scheduler_state, torch.save),
-            RNG_FILE: (self.rng_state, _write_safetensors),
+        files = {
+            SCHEDULER_FILE: (self.state[SCHEDULE], torch.save),
+            RNG_FILE: (self.state[RNG], _write_safetensors),
             MODEL_CONFIG_FILE: (self.model_config.to_json(), _write_text),
         }
+        others = {name: state for name, state in self.state.items() if name not in (PROGRESS, *_PART_FILES)}
+        if others:
+            files[TRAINER_STATE_FILE] = (others, torch.save)
+        return files
 
 
 def write_small_files(folder: Path, small: dict, extra_files: dict[str, bytes]) -> list[str]:
@@ -440,21 +473,27 @@ def read_checkpoint(checkpoint: Checkpoint, whole: bool = True) -> LoadedCheckpo
             names = set(shapes)
         if not isinstance(optimizer_state, dict) or not set(optimizer_state.get("state", {})) <= names:
             raise ValueError("optimizer.pt: not an optimizer state keyed by this model's parameter names")
-        scheduler_state = torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True)
-        if not isinstance(scheduler_state, dict):
-            raise ValueError("scheduler.pt: not a scheduler state")
-        rng_state = load_file(path / RNG_FILE, device="cpu") if (path / RNG_FILE).is_file() else None
+        state = _read_parts(path, found.meta)
     except (ModelLoadError, DamagedCheckpoint) as error:
         raise CheckpointError(str(error)) from None
     except _DAMAGED as error:
         raise CheckpointError(f"{type(error).__name__}: {error}") from None
-    return LoadedCheckpoint(
-        found,
-        found.meta,
-        Progress.of(found.meta),
-        model_config,
-        model_state,
-        optimizer_state,
-        scheduler_state,
-        rng_state,
-    )
+    return LoadedCheckpoint(found, found.meta, model_config, model_state, optimizer_state, state)
+
+
+def _read_parts(path: Path, meta: CheckpointMeta) -> dict[str, dict | None]:
+    """Every part's saved state: progress from meta.json, the schedule, the RNG states, the rest by name."""
+    scheduler_state = torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True)
+    if not isinstance(scheduler_state, dict):
+        raise ValueError("scheduler.pt: not a scheduler state")
+    state = {
+        PROGRESS: Progress.of(meta).state_dict(),
+        SCHEDULE: scheduler_state,
+        RNG: load_file(path / RNG_FILE, device="cpu") if (path / RNG_FILE).is_file() else None,
+    }
+    if (path / TRAINER_STATE_FILE).is_file():
+        others = torch.load(path / TRAINER_STATE_FILE, map_location="cpu", weights_only=True)
+        if not isinstance(others, dict) or set(others) & set(state):
+            raise ValueError(f"{TRAINER_STATE_FILE}: not the state of the run's parts by name")
+        state.update(others)
+    return state

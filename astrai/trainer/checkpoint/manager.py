@@ -48,7 +48,6 @@ from astrai.trainer.checkpoint.files import (
     CheckpointFiles,
     LoadedCheckpoint,
     NonFiniteWeights,
-    Progress,
     finish_folder,
     first_non_finite,
     has_rows,
@@ -59,9 +58,10 @@ from astrai.trainer.checkpoint.files import (
     write_small_files,
 )
 from astrai.trainer.checkpoint.sharded import ShardedState, check_shared_job_dir, failed_ranks, read_rows
+from astrai.trainer.checkpoint.state import RunState
 from astrai.trainer.distributed import DistEnv, broadcast_from_master
 from astrai.trainer.model import ModelConfig
-from astrai.trainer.optim import Optimizers, Schedule
+from astrai.trainer.optim import Optimizers
 
 
 def load_latest(job_dir: Path, env: DistEnv, log: Callable[[str], None], whole: bool = True) -> LoadedCheckpoint | None:
@@ -84,11 +84,6 @@ def _read_latest(job_dir: Path, log: Callable[[str], None], whole: bool) -> Load
         except CheckpointError as error:
             log(f"warning: skipping {checkpoint.path}: {error}")
     return None
-
-
-def resumed_rank_seed(seed: int, step: int, rank: int) -> int:
-    """The RNG seed of ``rank`` when resuming at ``step`` without that rank's saved RNG state."""
-    return (seed * 1_000_003 + step) * 1_009 + rank
 
 
 @dataclass(frozen=True)
@@ -122,7 +117,7 @@ class CheckpointManager:
         *,
         model: torch.nn.Module,
         optimizer: Optimizers,
-        schedule: Schedule,
+        parts: RunState,
         model_config: ModelConfig,
         facts: RunFacts,
         interval: int,
@@ -135,7 +130,8 @@ class CheckpointManager:
         self.log = log
         self.model = model
         self.optimizer = optimizer
-        self.schedule = schedule
+        self.parts = parts
+        """Everything else a checkpoint holds, saved and restored as one collection (progress, schedule, RNG...)."""
         self.model_config = model_config
         self.facts = facts
         self.interval = interval
@@ -168,35 +164,15 @@ class CheckpointManager:
 
     # Resuming
 
-    def restore(self, loaded: LoadedCheckpoint, seed: int) -> None:
-        """Load the optimizer's state and this rank's RNG state (the weights went in before wrapping).
-
-        Saved RNG states belong to the world size that wrote them. On another world size, or from a
-        folder without rng_state.safetensors, each rank's RNG is seeded from (seed, step, rank)
-        instead: nothing blocks the resume, and it is reproducible.
-        """
+    def restore(self, loaded: LoadedCheckpoint) -> None:
+        """Load the optimizer's state (the weights went in before wrapping), then every part's, in order."""
         if loaded.model_state is None:
             self._read_rows(loaded)
         else:
             set_optimizer_state_dict(
                 self.model, self.optimizer.parts, loaded.optimizer_state, options=StateDictOptions(full_state_dict=True)
             )
-        cpu_key, cuda_key = f"rank{self.env.rank}.cpu", f"rank{self.env.rank}.cuda"
-        saved_world = loaded.meta.world_size
-        rng = loaded.rng_state
-        if rng is None or saved_world != self.env.world_size or cpu_key not in rng:
-            torch.manual_seed(resumed_rank_seed(seed, loaded.progress.step, self.env.rank))
-            why = (
-                "the checkpoint has no rng_state.safetensors"
-                if rng is None
-                else f"the checkpoint holds the RNG states of {saved_world} process(es), this run has "
-                f"{self.env.world_size}"
-            )
-            self.log(f"note: {why}: each rank's RNG is seeded from random_seed, step and rank")
-            return
-        torch.set_rng_state(rng[cpu_key])
-        if cuda_key in rng and self.env.device.type == "cuda":
-            torch.cuda.set_rng_state(rng[cuda_key], self.env.device)
+        self.parts.load_state_dict(loaded.state)
 
     def _read_rows(self, loaded: LoadedCheckpoint) -> None:
         """Every rank reads its own rows of the weights and the optimizer's moments, and loads them."""
@@ -222,14 +198,15 @@ class CheckpointManager:
 
     # Saving
 
-    def save(self, progress: Progress, reason: str, wait: bool) -> Path:
+    def save(self, reason: str, wait: bool) -> Path:
         """Snapshot the training state now and write it as ``epoch_<E>_step_<S>`` (all ranks call this)."""
         if reason not in REASONS:
             raise ValueError(f"reason must be one of {REASONS}, got {reason!r}")
         self._wait_everywhere()
+        progress = self.parts.progress
         final = self.job_dir / checkpoint_name(progress.epoch, progress.step)
         if self.format == CKPT_FORMAT_SHARDED:
-            self._save_sharded(progress, reason, wait, final)
+            self._save_sharded(reason, wait, final)
             return final
         fsdp = self.env.parallel_mode == "fsdp"
         # Full (unsharded) state. FSDP gathers it into fresh CPU tensors on rank 0 (other ranks get empty
@@ -237,7 +214,7 @@ class CheckpointManager:
         model_state, optimizer_state = get_state_dict(
             self.model, self.optimizer.parts, options=StateDictOptions(full_state_dict=True, cpu_offload=fsdp)
         )
-        rng_state = self._gather_rng_state()
+        states = self.parts.state_dict()
         if self.env.master_process:
             # The full weights are here on rank 0 after every collective of the save, so the check costs no
             # extra collective; on failure nothing is written.
@@ -258,13 +235,7 @@ class CheckpointManager:
                     },
                 }
             files = CheckpointFiles(
-                model_state,
-                optimizer_state,
-                self.schedule.state_dict(progress.step),
-                rng_state,
-                self.model_config,
-                self._meta(progress, reason),
-                self.extra_files,
+                model_state, optimizer_state, states, self.model_config, self._meta(reason), self.extra_files
             )
             self._write_error = None
             self._writer = threading.Thread(
@@ -298,7 +269,8 @@ class CheckpointManager:
                 "the run stops here"
             )
 
-    def _meta(self, progress: Progress, reason: str) -> CheckpointMeta:
+    def _meta(self, reason: str) -> CheckpointMeta:
+        progress = self.parts.progress
         return CheckpointMeta(
             epoch=progress.epoch,
             step=progress.step,
@@ -319,7 +291,7 @@ class CheckpointManager:
             data_digest=self.facts.data_digest,
         )
 
-    def _save_sharded(self, progress: Progress, reason: str, wait: bool, final: Path) -> None:
+    def _save_sharded(self, reason: str, wait: bool, final: Path) -> None:
         """Every rank writes its own rows of the weights and moments; rank 0 the rest, then publishes.
 
         The state is this rank's shard (FSDP) or its chunk of rows; a periodic save copies it to host memory
@@ -332,7 +304,7 @@ class CheckpointManager:
         bad = first_non_finite(state.model_rows())
         if failed_ranks(self.env, bad is not None, self.env.control_group):
             raise NonFiniteWeights(f"{bad or 'a weight'} holds NaN or infinity")
-        rng_state = self._gather_rng_state()
+        states = self.parts.state_dict()
         if not wait or self.env.device.type != "cpu":
             state.copy_rows(self._host_copy.copy)
         small = None
@@ -341,13 +313,7 @@ class CheckpointManager:
             staging = None
             try:
                 small = CheckpointFiles(
-                    {},
-                    state.optimizer_rest,
-                    self.schedule.state_dict(progress.step),
-                    rng_state,
-                    self.model_config,
-                    self._meta(progress, reason),
-                    self.extra_files,
+                    {}, state.optimizer_rest, states, self.model_config, self._meta(reason), self.extra_files
                 )
                 staging = new_staging_dir(self.job_dir, final.name)
                 state.create_files(staging)
@@ -452,19 +418,6 @@ class CheckpointManager:
         raise CheckpointError(
             "a background checkpoint failed on another rank (its error is in that rank's output); the run stops here"
         )
-
-    def _gather_rng_state(self) -> dict[str, torch.Tensor]:
-        local = {"cpu": torch.get_rng_state()}
-        if self.env.device.type == "cuda":
-            local["cuda"] = torch.cuda.get_rng_state(self.env.device)
-        if not self.env.distributed:
-            return {f"rank{self.env.rank}.{kind}": state for kind, state in local.items()}
-        states = {}
-        for kind, state in local.items():
-            gathered = [torch.empty_like(state) for _ in range(self.env.world_size)]
-            dist.all_gather(gathered, state, group=self.env.control_group)
-            states.update({f"rank{rank}.{kind}": tensor for rank, tensor in enumerate(gathered)})
-        return states
 
     def _write(self, files: CheckpointFiles, final: Path, reason: str) -> None:
         staging = None
