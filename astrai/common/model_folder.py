@@ -20,23 +20,16 @@ import hashlib
 import json
 import math
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
-from astrai.common.errors import AstraiError
+from astrai.common.safetensors_file import FLOAT_DTYPES, ModelLoadError, read_header, read_layout  # noqa: F401
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 FAMILIES["qwen3"] = "Qwen3ForCausalLM"
 ROPE_TYPES = ("default", "linear", "llama3")
-# Floating point dtypes a base model may be stored in, as safetensors names them.
-WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-
-
-class ModelLoadError(AstraiError):
-    """A model folder whose config or weights cannot be used; the message names the file, key or tensor."""
 
 
 @dataclass(frozen=True)
@@ -461,43 +454,6 @@ def model_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Tensor name -> (dtype, shape) from a safetensors file's header; a damaged or truncated file raises."""
-    return {name: (dtype, shape) for name, (dtype, shape, _) in read_layout(path)[1].items()}
-
-
-def read_layout(path: Path) -> tuple[int, dict[str, tuple[str, tuple[int, ...], tuple[int, int]]]]:
-    """(where the data starts, tensor name -> (dtype, shape, byte range in the data)) from a safetensors header.
-
-    The header is read once and checked against the file's size, so a truncated file raises here.
-    """
-    try:
-        with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            head = handle.read(8)
-            (length,) = struct.unpack("<Q", head) if len(head) == 8 else (size,)
-            if 8 + length > size:
-                raise ModelLoadError(f"{path}: truncated: {size} bytes, too short for its safetensors header")
-            header = json.loads(handle.read(length))
-    except PermissionError:
-        raise ModelLoadError(f"{path}: cannot be read by uid {os.getuid()}; check its permissions") from None
-    except (OSError, ValueError) as error:
-        raise ModelLoadError(f"{path}: not a readable safetensors file ({error})") from None
-    tensors, end = {}, 0
-    try:
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            begin, stop = (int(n) for n in info["data_offsets"])
-            tensors[name] = (str(info["dtype"]), tuple(int(n) for n in info["shape"]), (begin, stop))
-            end = max(end, stop)
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
-        raise ModelLoadError(f"{path}: damaged safetensors header ({type(error).__name__}: {error})") from None
-    if 8 + length + end > size:
-        raise ModelLoadError(f"{path}: truncated: {size} bytes, its header describes {8 + length + end}")
-    return 8 + length, tensors
-
-
 def inspect_weights(folder: Path, config: ModelConfig) -> WeightsSummary:
     """Check, from the file headers alone, that a folder's weights are exactly what its config implies."""
     files = weight_files(folder)
@@ -521,13 +477,13 @@ def inspect_weights(folder: Path, config: ModelConfig) -> WeightsSummary:
                 raise ModelLoadError(
                     f"{path}: tensor {stored!r} has shape {list(shape)}, config.json expects {list(shapes[name])}"
                 )
-            if dtype not in WEIGHT_DTYPES:
+            if dtype not in FLOAT_DTYPES:
                 raise ModelLoadError(
-                    f"{path}: tensor {stored!r} has dtype {dtype}, expected one of {', '.join(WEIGHT_DTYPES.values())}"
+                    f"{path}: tensor {stored!r} has dtype {dtype}, expected one of {', '.join(FLOAT_DTYPES.values())}"
                 )
             in_file[stored] = name
             found[name] = path
-            dtypes.add(WEIGHT_DTYPES[dtype])
+            dtypes.add(FLOAT_DTYPES[dtype])
     if len(found) < len(shapes):
         name = next(name for name in shapes if name not in found)
         raise ModelLoadError(

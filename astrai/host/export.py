@@ -49,6 +49,7 @@ from astrai.common.contract import (
 from astrai.common.errors import AstraiError
 from astrai.common.model_folder import ModelLoadError, read_layout, weight_files
 from astrai.common.paths import folder_problem, nearest_existing
+from astrai.common.safetensors_file import FLOAT_DTYPES, ITEMSIZE, header
 from astrai.host.hostuser import host_user_ids, make_dirs
 from astrai.host.runtime import Runtime, check_paths
 
@@ -57,28 +58,10 @@ CHUNK_BYTES = 64 << 20
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 STAGING_PREFIX = ".export-"
 
-DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+DTYPES = {name: code for code, name in FLOAT_DTYPES.items()}
 """The dtypes an export converts to, by torch's name, with safetensors' name."""
 DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
-_DTYPE_NAMES = {code: name for name, code in DTYPES.items()}
-# Bytes per element of every safetensors dtype.
-_ITEMSIZE = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E5M2": 1,
-    "F8_E4M3": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "F64": 8,
-    "I64": 8,
-    "U64": 8,
-}
+_DTYPE_NAMES = FLOAT_DTYPES
 _OTHER_FLOATS = ("F64", "F8_E5M2", "F8_E4M3")
 """Floating point dtypes an export keeps as they are but does not convert."""
 
@@ -168,7 +151,7 @@ class _Tensor:
 
     @property
     def out_nbytes(self) -> int:
-        return self.nbytes // _ITEMSIZE[self.dtype] * _ITEMSIZE[self.out_dtype]
+        return self.nbytes // ITEMSIZE[self.dtype] * ITEMSIZE[self.out_dtype]
 
 
 def _read_source(source: Path, dtype: str | None) -> tuple[dict, list[_Tensor], list[Path]]:
@@ -200,12 +183,12 @@ def _read_source(source: Path, dtype: str | None) -> tuple[dict, list[_Tensor], 
     for path in files:
         data_start, layout = read_layout(path)
         for name, (stored, shape, (begin, stop)) in layout.items():
-            if stored not in _ITEMSIZE:
+            if stored not in ITEMSIZE:
                 raise ModelLoadError(f"{path}: tensor {name!r} has dtype {stored!r}, which safetensors does not define")
-            if stop - begin != math.prod(shape) * _ITEMSIZE[stored] or begin < 0:
+            if stop - begin != math.prod(shape) * ITEMSIZE[stored] or begin < 0:
                 raise ModelLoadError(
                     f"{path}: damaged safetensors header: tensor {name!r} of shape {list(shape)} and dtype {stored} "
-                    f"takes {math.prod(shape) * _ITEMSIZE[stored]} bytes, its offsets say {stop - begin}"
+                    f"takes {math.prod(shape) * ITEMSIZE[stored]} bytes, its offsets say {stop - begin}"
                 )
             if name in tensors:
                 raise ModelLoadError(f"{path}: tensor {name!r} is stored twice (also in {tensors[name].file.name})")
@@ -275,24 +258,11 @@ def shard_names(count: int) -> list[str]:
 
 
 def _header(tensors: list[_Tensor]) -> tuple[bytes, list[_Tensor]]:
-    """A safetensors header for ``tensors`` and the order their bytes go in.
-
-    Wider elements first, as safetensors itself lays a file out, so that every tensor starts at a multiple of
-    its element size; the order is otherwise kept.
-    """
-    ordered = sorted(tensors, key=lambda t: -_ITEMSIZE[t.out_dtype])
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for tensor in ordered:
-        header[tensor.name] = {
-            "dtype": tensor.out_dtype,
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + tensor.out_nbytes],
-        }
-        offset += tensor.out_nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, ordered
+    """A safetensors header for ``tensors`` and the order their bytes go in (wider elements first, as
+    :func:`astrai.common.safetensors_file.header` lays a file out; the order is otherwise kept)."""
+    ordered = sorted(tensors, key=lambda t: -ITEMSIZE[t.out_dtype])
+    head, _ = header([(t.name, t.out_dtype, tuple(t.shape)) for t in tensors], {"format": "pt"})
+    return head, ordered
 
 
 def updated_config(config: dict, dtype: str | None) -> dict:

@@ -38,7 +38,6 @@ from torch.utils.checkpoint import checkpoint
 
 from astrai.common.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE
 from astrai.common.model_folder import (
-    WEIGHT_DTYPES,
     ModelConfig,
     ModelLoadError,
     describe,
@@ -51,6 +50,7 @@ from astrai.common.model_folder import (
 from astrai.common.model_folder import model_digest as model_digest
 from astrai.common.model_folder import num_parameters as num_parameters
 from astrai.common.paths import PathError, output_folder
+from astrai.common.safetensors_file import FLOAT_DTYPES
 
 PRESETS = {
     # About 0.9M parameters: fast enough for tests on one CPU thread.
@@ -285,8 +285,8 @@ def read_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     return state
 
 
-# The weight dtypes a model folder may hold (astrai.common.model_folder.WEIGHT_DTYPES), as torch dtypes.
-_TORCH_DTYPES = {name: getattr(torch, dtype) for name, dtype in WEIGHT_DTYPES.items()}
+# The weight dtypes a model folder may hold, as torch dtypes.
+_TORCH_DTYPES = {name: getattr(torch, dtype) for name, dtype in FLOAT_DTYPES.items()}
 
 
 def _size(handle) -> int:

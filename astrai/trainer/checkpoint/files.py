@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import errno
 import io
-import json
-import math
 import os
 import pickle
 import shutil
@@ -58,6 +56,7 @@ from astrai.common.contract import (
 )
 from astrai.common.errors import AstraiError
 from astrai.common.model_folder import inspect_weights, read_layout
+from astrai.common.safetensors_file import CODES, header
 from astrai.trainer.model import ModelConfig, ModelLoadError, hf_state_dict, read_weights
 
 # What a damaged checkpoint file raises when read: truncated zip or safetensors, bad JSON,
@@ -254,49 +253,18 @@ def _write_text(text: str, out: io.RawIOBase) -> None:
     out.write(text.encode("utf-8"))
 
 
-# safetensors' names for the dtypes a checkpoint holds.
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-
 def safetensors_layout(
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
 ) -> tuple[bytes, dict[str, int]]:
-    """The start of a safetensors file holding tensors of these (dtype, shape), and where each one's data begins.
-
-    Layout: an 8-byte little-endian header length, the JSON header (names, dtypes, shapes, byte ranges;
-    padded with spaces to a multiple of 8), then the raw little-endian data. Wider dtypes come first, so
-    every tensor starts aligned to its itemsize. The offsets count from the start of the file; the file
-    is ``len(head)`` plus every tensor's bytes long.
-    """
-    ordered = sorted(shapes.items(), key=lambda item: (-item[1][0].itemsize, item[0]))
-    header: dict = {"__metadata__": metadata} if metadata else {}
-    begins, offset = {}, 0
-    for name, (dtype, shape) in ordered:
-        if dtype not in _SAFETENSORS_DTYPES:
+    """The start of a safetensors file holding tensors of these (dtype, shape), and where each one's data begins
+    (:func:`astrai.common.safetensors_file.header`; the tensors of one width in name order)."""
+    entries = []
+    for name, (dtype, shape) in sorted(shapes.items()):
+        code = CODES.get(str(dtype).removeprefix("torch."))
+        if code is None:
             raise ValueError(f"{name}: dtype {dtype} cannot be stored in safetensors")
-        size = math.prod(shape) * dtype.itemsize
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + size],
-        }
-        begins[name] = offset
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    encoded += b" " * (-len(encoded) % 8)
-    head = len(encoded).to_bytes(8, "little") + encoded
-    return head, {name: len(head) + begin for name, begin in begins.items()}
+        entries.append((name, code, tuple(shape)))
+    return header(entries, metadata)
 
 
 def tensor_bytes(tensor: torch.Tensor):

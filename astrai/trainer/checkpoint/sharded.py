@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from astrai.common.contract import OPTIMIZER_FILE, OPTIMIZER_TENSORS_FILE, SHARED_FS_CHECK_PREFIX, WEIGHTS_FILE
-from astrai.common.model_folder import WEIGHT_DTYPES, read_layout
+from astrai.common.safetensors_file import FLOAT_DTYPES, read_layout
 from astrai.trainer.checkpoint.files import (
     OPTIMIZER_TENSORS_KEY,
     CheckpointError,
@@ -197,7 +197,7 @@ class _RowReader:
             raise CheckpointError(f"{self.path}: {name} is {list(stored_shape)}, this run's is {list(shape)}")
         if not target.numel():
             return
-        stored = getattr(torch, WEIGHT_DTYPES[dtype]) if dtype in WEIGHT_DTYPES else None
+        stored = getattr(torch, FLOAT_DTYPES[dtype]) if dtype in FLOAT_DTYPES else None
         if stored is None:
             raise CheckpointError(f"{self.path}: {name} is stored as {dtype}, not a float dtype a checkpoint holds")
         row_bytes = math.prod(shape[1:]) * stored.itemsize
