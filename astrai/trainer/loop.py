@@ -52,7 +52,7 @@ from astrai.common.fit import (
 )
 from astrai.trainer import build
 from astrai.trainer.checkpoint.files import LoadedCheckpoint, NonFiniteWeights, Progress
-from astrai.trainer.checkpoint.manager import CheckpointManager, load_latest
+from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
 from astrai.trainer.checkpoint.state import run_state
 from astrai.trainer.distributed import (
     DistEnv,
@@ -153,22 +153,7 @@ class Trainer:
         self.autocast = build.autocast_for(env)
         objective = build.build_objective(config, env, self.model_config, records, feed, loaded, self.log)
         self.objective = objective.loss
-        self.checkpointer = CheckpointManager(
-            self.job_dir,
-            env,
-            self.log,
-            model=self.model,
-            optimizer=self.optimizer,
-            parts=self.parts,
-            model_config=self.model_config,
-            facts=build.run_facts(config, self.global_batch, data, objective),
-            interval=config.ckpt.ckpt_interval,
-            keep_last=config.ckpt.keep_last,
-            # A checkpoint is a complete model folder: the data's tokenizer goes into each one, and the model's
-            # generation settings (its stop tokens) stay with it.
-            extra_files=build.carried_files(data.first, start.source),
-            format=resolve_ckpt_format(config.ckpt.format, env.parallel_mode),
-        )
+        self.checkpointer = self._checkpointer(build.run_facts(config, self.global_batch, data, objective), data, start)
         if env.watch is not None and env.master_process:
             # A node lost while a periodic save is being written: publish it before this process exits (the full
             # format's; a sharded save needs every rank's part, so it stays an unpublished staging folder).
@@ -197,6 +182,25 @@ class Trainer:
         self._loss_sum = torch.zeros((), device=env.device)
         self._step_loss = torch.zeros((), device=env.device)
         self._warmed_up = False
+
+    def _checkpointer(self, facts: RunFacts, data: build.RunData, start: build.Start) -> CheckpointManager:
+        config = self.config
+        return CheckpointManager(
+            self.job_dir,
+            self.env,
+            self.log,
+            model=self.model,
+            optimizer=self.optimizer,
+            parts=self.parts,
+            model_config=self.model_config,
+            facts=facts,
+            interval=config.ckpt.ckpt_interval,
+            keep_last=config.ckpt.keep_last,
+            # A checkpoint is a complete model folder: the data's tokenizer goes into each one, and the model's
+            # generation settings (its stop tokens) stay with it.
+            extra_files=build.carried_files(data.first, start.source),
+            format=resolve_ckpt_format(config.ckpt.format, self.env.parallel_mode),
+        )
 
     def _resume_or_start(self, loaded: LoadedCheckpoint | None, notes: list[str], source: Path) -> None:
         """Restore the optimizer and every part from the checkpoint, or seed a fresh start: the last step of a build."""
