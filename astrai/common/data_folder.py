@@ -28,6 +28,12 @@ SHARD_PATTERN = "shard_{:05d}.bin"
 FORMAT = "astrai-tokens"
 # Token id width by shard dtype.
 DTYPES = {"uint16": 2, "uint32": 4}
+"""Token widths by name, in bytes."""
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The narrowest width that holds every token id of the vocabulary: uint16 when it fits, else uint32."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
 class DataError(AstraiError):

@@ -49,6 +49,7 @@ from astrai.common.data_folder import (
     TokenData,
     mask_file_name,
     records_file_name,
+    token_dtype,
     tokenizer_digest,
 )
 from astrai.common.errors import detach_stdout
@@ -196,7 +197,7 @@ def _prepare_into(
     messages_field: str | None = None,
 ) -> dict:
     chosen = tokenizer or ByteTokenizer()
-    dtype = "uint16" if chosen.vocab_size <= 1 << 16 else "uint32"
+    dtype = token_dtype(chosen.vocab_size)
     shards = _ShardWriter(staging, shard_tokens, DTYPES[dtype], group=2 if kind == "dpo" else 1 if kind == "sft" else 0)
     stats = [_SourceStats() for _ in sources]
     checksums = _Checksums(sources)

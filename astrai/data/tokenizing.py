@@ -18,7 +18,7 @@ from astrai.common.contract import (
     TOKENIZER_FILE,
     TOKENIZER_FILES,
 )
-from astrai.common.data_folder import DataError
+from astrai.common.data_folder import DataError, token_dtype
 
 _UINT32 = next(code for code in "IL" if array(code).itemsize == 4)
 # End-of-text tokens in common use, tried when neither tokenizer_config.json nor --eos names one.
@@ -198,7 +198,7 @@ class HFTokenizer:
     @property
     def typecode(self) -> str:
         """The array typecode of the shard dtype this vocabulary needs."""
-        return "H" if self.vocab_size <= 1 << 16 else _UINT32
+        return "H" if token_dtype(self.vocab_size) == "uint16" else _UINT32
 
     def spec(self) -> tuple:
         """What a worker process needs to make the same tokenizer."""

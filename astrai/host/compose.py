@@ -17,10 +17,8 @@ process: a secret passed through from the invoking shell, never written to disk.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
-import os
 import re
 import shlex
 import shutil
@@ -29,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from astrai.common.atomic import write_text_atomically
 from astrai.common.contract import (
     CONTAINER_HOME,
     LABEL_CONFIG,
@@ -240,13 +239,7 @@ def write_override(runtime: Runtime, trainer_args: list[str] | tuple[str, ...] =
     target = override_path(runtime) if path is None else path
     text = dump_override(runtime, render_override(runtime, trainer_args))
     target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(target.name + ".tmp")
-    with contextlib.suppress(FileNotFoundError):
-        temporary.unlink()
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with open(descriptor, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(temporary, target)
+    write_text_atomically(target, text, 0o600)
     return target
 
 

@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from astrai.common.atomic import write_text_atomically
+
 
 class Daemon:
     """One kind of detached process, found through ``state_file``; ``marker`` is in its command line."""
@@ -38,9 +40,7 @@ class Daemon:
 
     def write(self, state: dict) -> None:
         """Record ``state`` (holding the daemon's ``pid``); readers see the old file or the new one, whole."""
-        temporary = self.state_file.with_name(self.state_file.name + ".tmp")
-        temporary.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(temporary, self.state_file)
+        write_text_atomically(self.state_file, json.dumps(state, indent=2, sort_keys=True) + "\n", 0o644)
 
     def read(self, *, alive: bool = True) -> dict | None:
         """The recorded state; None when there is none, it is unreadable, or (``alive``) its process is gone."""

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import fcntl
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from astrai.common.atomic import write_text_atomically
 from astrai.common.checkpoints import emergency_since, latest_complete_checkpoint
 from astrai.common.values import format_clock
 from astrai.host.hostuser import make_dirs
@@ -98,7 +98,7 @@ def submit(runtime: Runtime, trainer_args: list[str]) -> tuple[Submission, str]:
     with _submit_lock(runtime):
         check_not_submitted(runtime)
         path = folder / SCRIPT_NAME
-        _write_atomically(path, script, 0o700)
+        write_text_atomically(path, script, 0o700)
         result = _slurm(["sbatch", str(path)])
         if result.returncode != 0:
             raise SlurmError(f"sbatch refused the job (exit {result.returncode}): {result.stderr.strip()}")
@@ -107,7 +107,7 @@ def submit(runtime: Runtime, trainer_args: list[str]) -> tuple[Submission, str]:
         if match is None:
             raise SlurmError(f"sbatch did not say which job it submitted: {result.stdout.strip()!r}")
         record = Submission(int(match.group(1)), time.time(), str(path))
-        _write_atomically(folder / SUBMITTED_NAME, json.dumps(dataclasses.asdict(record)) + "\n", 0o600)
+        write_text_atomically(folder / SUBMITTED_NAME, json.dumps(dataclasses.asdict(record)) + "\n", 0o600)
     return record, line
 
 
@@ -134,16 +134,6 @@ def _submit_lock(runtime: Runtime):
         except BlockingIOError:
             raise SlurmError(f"another `invoke submit` of job {runtime.job_name} is in progress") from None
         yield
-
-
-def _write_atomically(path: Path, text: str, mode: int) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    with contextlib.suppress(FileNotFoundError):
-        temporary.unlink()
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with open(descriptor, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(temporary, path)
 
 
 def _slurm(command: list[str], timeout: float = 30) -> subprocess.CompletedProcess:

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from astrai.common.data_folder import Packing, Pairs, TokenData, WindowSplit
+from astrai.trainer.windows import map_token_shards
 
 
 class RecordIndex:
@@ -41,10 +42,7 @@ class RecordIndex:
     def sequence(self, index: int, take: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(token ids, mask) of sequence ``index``, its first ``take`` tokens (all by default)."""
         if self._tokens is None:
-            # Mapped on first use in each process, as WindowDataset maps token shards.
-            dtype = torch.uint16 if self.data.dtype == "uint16" else torch.uint32
-            files = zip(self.data.shard_files, self.data.shard_tokens, strict=True)
-            self._tokens = [torch.from_file(str(path), shared=False, size=count, dtype=dtype) for path, count in files]
+            self._tokens = map_token_shards(self.data)
             self._masks = [
                 torch.from_file(str(self.data.mask_file(i)), shared=False, size=count, dtype=torch.uint8)
                 for i, count in enumerate(self.data.shard_tokens)

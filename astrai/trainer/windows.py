@@ -40,15 +40,20 @@ class WindowDataset(Dataset):
     def item(self, index: int) -> torch.Tensor:
         """Corpus window ``index``, training or held out."""
         if self._shards is None:
-            # shared=False maps the file copy-on-write: read-only files work and pages load on demand.
-            dtype = torch.uint16 if self.data.dtype == "uint16" else torch.uint32
-            self._shards = [
-                torch.from_file(str(path), shared=False, size=count, dtype=dtype)
-                for path, count in zip(self.data.shard_files, self.data.shard_tokens, strict=True)
-            ]
+            self._shards = map_token_shards(self.data)
         shard = bisect.bisect_right(self.first_window, index) - 1
         start = (index - self.first_window[shard]) * self.window_size
         return self._shards[shard][start : start + self.window_size + 1].to(torch.int64)
+
+
+def map_token_shards(data: TokenData) -> list[torch.Tensor]:
+    """Every token shard of a data folder, mapped copy-on-write in its width (read-only files work; pages load on
+    demand). Each process maps them on first use."""
+    dtype = getattr(torch, data.dtype)  # uint16 or uint32: data_folder.token_dtype
+    return [
+        torch.from_file(str(path), shared=False, size=count, dtype=dtype)
+        for path, count in zip(data.shard_files, data.shard_tokens, strict=True)
+    ]
 
 
 def epoch_permutation(num_windows: int, seed: int, epoch: int) -> torch.Tensor:
