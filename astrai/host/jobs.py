@@ -82,10 +82,8 @@ def run_preflight(runtime: Runtime, trainer_args: list[str] = ()) -> None:
     _say(preflight.format_checklist(checks))
     if any(check.failed for check in checks):
         # A rejected config exits 2, as `start` does with it; any other failure 1.
-        config = any(check.failed and check.name == "trainer config" for check in checks)
-        raise JobError(
-            f"fix the ✗ lines above, then run `{runtime.command('preflight')}` again", code=2 if config else 1
-        )
+        code = 2 if preflight.config_refused(checks) else 1
+        raise JobError(f"fix the ✗ lines above, then run `{runtime.command('preflight')}` again", code=code)
 
 
 def build_image(runtime: Runtime) -> None:
@@ -116,12 +114,7 @@ def submit_job(runtime: Runtime, trainer_args: list[str], dry_run: bool) -> None
     slurm.check_not_submitted(runtime)
     # What runs on this (login) host's engine and GPUs says nothing of the compute nodes: each node's task runs
     # the whole preflight there before it starts; here the Slurm checks stand for them.
-    checks = [
-        check
-        for check in preflight.run_checks(runtime, list(trainer_args))
-        if check.name not in (*preflight.DOCKER_CHECKS, *preflight.GPU_CHECKS)
-    ]
-    checks += slurm.submit_checks(runtime)
+    checks = preflight.run_checks(runtime, list(trainer_args), this_host=False) + slurm.submit_checks(runtime)
     _say(preflight.format_checklist(checks))
     if any(check.failed for check in checks):
         raise JobError(f"fix the ✗ lines above, then run `{runtime.command('submit', per_node=False)}` again")

@@ -68,16 +68,22 @@ class Check:
         return self.mark == FAIL
 
 
-def run_checks(runtime: Runtime, trainer_args: list[str] = ()) -> list[Check]:
+TRAINER_CONFIG = "trainer config"
+"""The check of the trainer's sections, whose failure makes preflight exit 2."""
+
+
+def run_checks(runtime: Runtime, trainer_args: list[str] = (), *, this_host: bool = True) -> list[Check]:
     """Run every check for a validated runtime (and the trainer arguments after ``--``); changes nothing on disk.
 
     The trainer's config is read once, with the arguments, and that one object goes to every check that
-    needs it (data, model, how they fit), so preflight judges what the container will run.
+    needs it (data, model, how they fit), so preflight judges what the container will run. ``this_host`` false
+    (a Slurm login host) leaves out what only the job's own host answers: its Docker engine and its GPUs.
     """
     checks = [Check(PASS, "schema", f"{runtime.config_path}: runtime block is valid (job {runtime.job_name})")]
     config, check = _trainer_config_check(runtime, trainer_args)
     checks.append(check)
-    checks += _docker_checks()
+    if this_host:
+        checks += _docker_checks()
     data, check = _data_check(runtime, config)
     checks.append(check)
     checks.append(_job_dir_check(runtime))
@@ -95,18 +101,18 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = ()) -> list[Check]:
         checks += node_checks(runtime)
         if config is not None:
             checks.append(shared_checkpoints_check(runtime, config))
-    if runtime.uses_gpu:
-        checks.append(_gpu_runtime_check())
-        checks.append(_gpu_indices_check(runtime))
-    checks.append(_compose_config_check(runtime))
-    checks.append(_image_torch_check(runtime))
+    if this_host:
+        if runtime.uses_gpu:
+            checks.append(_gpu_runtime_check())
+            checks.append(_gpu_indices_check(runtime))
+        checks.append(_compose_config_check(runtime))
+        checks.append(_image_torch_check(runtime))
     return checks
 
 
-DOCKER_CHECKS = ("docker CLI", "docker daemon", "compose v2", "compose config", "gpu runtime", "image torch")
-"""What only a job on the host's Docker engine needs (not one that pyxis or apptainer runs under Slurm)."""
-GPU_CHECKS = ("gpu runtime", "gpu devices")
-"""What a host's own GPUs answer (not a Slurm login node's, whose jobs run elsewhere)."""
+def config_refused(checks: list[Check]) -> bool:
+    """Whether the trainer's config was refused (a command then exits 2, as for any rejected configuration)."""
+    return any(check.failed and check.name == TRAINER_CONFIG for check in checks)
 
 
 def format_checklist(checks: list[Check]) -> str:
@@ -659,12 +665,12 @@ def _trainer_config_check(runtime: Runtime, trainer_args: list[str]) -> tuple[Tr
     except ConfigError as error:
         return None, Check(
             FAIL,
-            "trainer config",
+            TRAINER_CONFIG,
             str(error),
             fix_hint(error, runtime),
         )
     given = f" with {shlex.join(trainer_args)}" if trainer_args else ""
-    return config, Check(PASS, "trainer config", f"model/data/parallel/training/ckpt/log sections are valid{given}")
+    return config, Check(PASS, TRAINER_CONFIG, f"model/data/parallel/training/ckpt/log sections are valid{given}")
 
 
 def _compose_config_check(runtime: Runtime) -> Check:
