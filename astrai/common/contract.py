@@ -123,6 +123,8 @@ TRAINER_STATE_FILE = "trainer_state.pt"
 OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"
 """Sharded format: the optimizer's parameter-shaped tensors (AdamW's moments), laid out whole like the weights;
 ``optimizer.pt`` then holds the rest of the optimizer state and names this file."""
+CHECKPOINT_INTERNALS = (META_FILE, OPTIMIZER_FILE, OPTIMIZER_TENSORS_FILE, SCHEDULER_FILE, RNG_FILE, TRAINER_STATE_FILE)
+"""A checkpoint's training state, beside the model folder it also is: never part of an export."""
 CKPT_FORMAT_FULL = "full"
 CKPT_FORMAT_SHARDED = "sharded"
 CKPT_FORMATS = (CKPT_FORMAT_FULL, CKPT_FORMAT_SHARDED)

@@ -39,6 +39,15 @@ def local_time(unix_time: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_time))
 
 
+def format_bytes(count: float) -> str:
+    """A size in binary units, as people read it: 512 B, 1.5 KiB, 3.2 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
 def whole_number(text, minimum: int, maximum: int | None = None) -> int:
     """``text`` as a whole number in range; ValueError saying what is allowed (``1e-3`` and ``one`` are refused)."""
     try:

@@ -149,11 +149,7 @@ def stop_background(runtime: Runtime, timeout: float = 15.0) -> BoardState | Non
 
 def read_board(runtime: Runtime) -> BoardState | None:
     """The job's background board, or None when there is none (or its process has gone)."""
-    state = _daemon(runtime).read()
-    try:
-        return BoardState(**state) if state is not None else None
-    except TypeError:
-        return None
+    return _daemon(runtime).read_as(BoardState)
 
 
 def _answers(url: str) -> bool:

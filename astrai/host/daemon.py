@@ -52,6 +52,15 @@ class Daemon:
             return None
         return state if not alive or self.is_running(state["pid"]) else None
 
+    def read_as(self, record):
+        """The recorded state as a ``record`` (a dataclass of its keys); None as for :meth:`read`, or when the
+        file holds other keys (written by another version)."""
+        state = self.read()
+        try:
+            return record(**state) if state is not None else None
+        except TypeError:
+            return None
+
     def is_running(self, pid: int) -> bool:
         """Whether ``pid`` is alive and is this daemon (a reused pid belongs to another program)."""
         try:

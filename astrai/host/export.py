@@ -36,13 +36,8 @@ from pathlib import Path
 
 from astrai.common.checkpoints import DamagedCheckpoint, examine, fsync_path, parse_checkpoint_name
 from astrai.common.contract import (
-    META_FILE,
+    CHECKPOINT_INTERNALS,
     MODEL_CONFIG_FILE,
-    OPTIMIZER_FILE,
-    OPTIMIZER_TENSORS_FILE,
-    RNG_FILE,
-    SCHEDULER_FILE,
-    TRAINER_STATE_FILE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
 )
@@ -50,6 +45,7 @@ from astrai.common.errors import AstraiError
 from astrai.common.model_folder import ModelLoadError, read_layout, weight_files
 from astrai.common.paths import folder_problem, nearest_existing
 from astrai.common.safetensors_file import FLOAT_DTYPES, ITEMSIZE, header
+from astrai.common.values import format_bytes
 from astrai.host.hostuser import host_user_ids, make_dirs
 from astrai.host.runtime import Runtime, check_paths
 
@@ -65,8 +61,6 @@ _DTYPE_NAMES = FLOAT_DTYPES
 _OTHER_FLOATS = ("F64", "F8_E5M2", "F8_E4M3")
 """Floating point dtypes an export keeps as they are but does not convert."""
 
-CHECKPOINT_INTERNALS = (META_FILE, OPTIMIZER_FILE, OPTIMIZER_TENSORS_FILE, SCHEDULER_FILE, RNG_FILE, TRAINER_STATE_FILE)
-"""A checkpoint's training state: never part of an export."""
 _NOT_COPIED_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".safetensors.index.json", ".bin.index.json")
 """Training state, and weights other than the ones the export converts (say a stale pytorch_model.bin)."""
 
@@ -293,7 +287,7 @@ class ExportResult:
         weights = self.weight_files[0] if len(self.weight_files) == 1 else f"{len(self.weight_files)} shards"
         return (
             f"exported {self.source} to {self.out}: {'/'.join(self.dtypes) or 'no tensors'}, "
-            f"{len(self.files)} files, {_size(self.total_bytes)} (weights in {weights})"
+            f"{len(self.files)} files, {format_bytes(self.total_bytes)} (weights in {weights})"
         )
 
 
@@ -334,7 +328,7 @@ def export_checkpoint(
     free = _free_bytes(out.parent)
     if free is not None and free < needed:
         raise ExportError(
-            f"not enough room for {out}: the export needs {_size(needed)}, {_size(free)} are free there; "
+            f"not enough room for {out}: the export needs {format_bytes(needed)}, {format_bytes(free)} are free there; "
             "free space or choose an --out on another disk (nothing was written)"
         )
 
@@ -438,9 +432,9 @@ def _need_numpy() -> None:
 def _write_failure(error: OSError, out: Path, needed: int) -> ExportError:
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         free = _free_bytes(out.parent)
-        room = f", {_size(free)} are free there" if free is not None else ""
+        room = f", {format_bytes(free)} are free there" if free is not None else ""
         return ExportError(
-            f"the disk filled up while writing {out}: the export needs {_size(needed)}{room}; "
+            f"the disk filled up while writing {out}: the export needs {format_bytes(needed)}{room}; "
             "free space or choose an --out on another disk (nothing was written)"
         )
     where = f" ({error.filename})" if error.filename else ""
@@ -568,11 +562,3 @@ def _quiet_nans(bits, magnitude: int, exponent: int, quiet: int):
     if nan.any():
         bits[nan] |= quiet
     return bits
-
-
-def _size(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if count < 1024:
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} TiB"

@@ -43,6 +43,7 @@ from astrai.common.fit import (
 )
 from astrai.common.model_folder import ModelConfig, ModelLoadError, describe, inspect_weights, num_parameters
 from astrai.common.paths import folder_problem, length_problem, nearest_existing, read_only
+from astrai.common.values import format_bytes
 from astrai.host import compose, engine
 from astrai.host.hostuser import host_user_ids
 from astrai.host.runtime import JOB_DIR_ROOM, Runtime, split_endpoint
@@ -434,7 +435,7 @@ def _disk_space_check(runtime: Runtime) -> Check:
     except (OSError, ModelLoadError):
         return Check(SKIP, "checkpoint space", "not checked: no readable checkpoint or base model to size")
     free = shutil.disk_usage(existing).free
-    found = f"{_size(free)} free in {existing}, a checkpoint takes about {_size(size)}"
+    found = f"{format_bytes(free)} free in {existing}, a checkpoint takes about {format_bytes(size)}"
     if free < 2 * size:
         return Check(
             WARN,
@@ -449,14 +450,6 @@ def _disk_space_check(runtime: Runtime) -> Check:
 def _latest_checkpoint(runtime: Runtime):
     """The job's newest complete checkpoint, or None (also when the job dir is missing or broken)."""
     return latest_complete_checkpoint(runtime.job_dir) if nearest_existing(runtime.job_dir) == runtime.job_dir else None
-
-
-def _size(count: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if count < 1024:
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} TiB"
 
 
 def node_checks(runtime: Runtime) -> list[Check]:

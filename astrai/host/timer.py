@@ -53,11 +53,7 @@ def timer_file(state_dir: Path) -> Path:
 
 def read_timer(state_dir: Path) -> TimerState | None:
     """The scheduled timer of a job, or None when there is none (or it has died)."""
-    state = _daemon(state_dir).read()
-    try:
-        return TimerState(**state) if state is not None else None
-    except TypeError:
-        return None
+    return _daemon(state_dir).read_as(TimerState)
 
 
 def schedule(

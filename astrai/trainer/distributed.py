@@ -267,53 +267,37 @@ def broadcast_from_master(env: DistEnv, produce, errors: tuple[type[Exception], 
     return _fill_tensors(payload, tensors)
 
 
-def _strip_tensors(tree, tensors: list[torch.Tensor]):
-    if isinstance(tree, torch.Tensor):
-        tensors.append(tree.detach().cpu().contiguous())
-        return _TensorSlot(len(tensors) - 1, tuple(tree.shape), tree.dtype)
+def _map_leaves(tree, is_leaf, change):
+    """``tree`` (dicts, lists, tuples, dataclasses) with every leaf for which ``is_leaf`` holds replaced by
+    ``change(leaf)``, in a fixed order (the order the leaves are met in)."""
+    if is_leaf(tree):
+        return change(tree)
     if isinstance(tree, dict):
-        return {key: _strip_tensors(value, tensors) for key, value in tree.items()}
+        return {key: _map_leaves(value, is_leaf, change) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_strip_tensors(value, tensors) for value in tree)
+        return type(tree)(_map_leaves(value, is_leaf, change) for value in tree)
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        return dataclasses.replace(
-            tree, **{f.name: _strip_tensors(getattr(tree, f.name), tensors) for f in dataclasses.fields(tree) if f.init}
-        )
+        fields = [f.name for f in dataclasses.fields(tree) if f.init]  # the others follow from them
+        return dataclasses.replace(tree, **{name: _map_leaves(getattr(tree, name), is_leaf, change) for name in fields})
     return tree
+
+
+def _strip_tensors(tree, tensors: list[torch.Tensor]):
+    def slot(tensor: torch.Tensor) -> _TensorSlot:
+        tensors.append(tensor.detach().cpu().contiguous())
+        return _TensorSlot(len(tensors) - 1, tuple(tensor.shape), tensor.dtype)
+
+    return _map_leaves(tree, lambda node: isinstance(node, torch.Tensor), slot)
 
 
 def _slots(tree) -> list[_TensorSlot]:
     found: list[_TensorSlot] = []
-
-    def walk(node) -> None:
-        if isinstance(node, _TensorSlot):
-            found.append(node)
-        elif isinstance(node, dict):
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, (list, tuple)):
-            for value in node:
-                walk(value)
-        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
-            for f in dataclasses.fields(node):
-                walk(getattr(node, f.name))
-
-    walk(tree)
+    _map_leaves(tree, lambda node: isinstance(node, _TensorSlot), found.append)
     return sorted(found, key=lambda slot: slot.index)
 
 
 def _fill_tensors(tree, tensors: list[torch.Tensor]):
-    if isinstance(tree, _TensorSlot):
-        return tensors[tree.index]
-    if isinstance(tree, dict):
-        return {key: _fill_tensors(value, tensors) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_fill_tensors(value, tensors) for value in tree)
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        return dataclasses.replace(
-            tree, **{f.name: _fill_tensors(getattr(tree, f.name), tensors) for f in dataclasses.fields(tree) if f.init}
-        )
-    return tree
+    return _map_leaves(tree, lambda node: isinstance(node, _TensorSlot), lambda slot: tensors[slot.index])
 
 
 def gather_objects(env: DistEnv, value) -> list:

@@ -52,7 +52,23 @@ class RecordIndex:
         return self._tokens[shard][start:end].to(torch.int64), self._masks[shard][start:end]
 
 
-class PackedSFT(Dataset):
+class _Units(Dataset):
+    """Training units of a post-training folder; ``item(n)`` is unit n, training or held out (the split's)."""
+
+    def __init__(self, index: RecordIndex, window: int, split: WindowSplit):
+        self.index, self.window_size, self.split = index, window, split
+
+    def __len__(self) -> int:
+        return self.split.num_train
+
+    def __getitem__(self, item: int):
+        return self.item(self.split.train_window(item))
+
+    def item(self, number: int):
+        raise NotImplementedError
+
+
+class PackedSFT(_Units):
     """Training window i as (inputs, targets, weights, positions, segments), each of ``window`` entries.
 
     ``weights`` is 1 where the target is a supervised token; padding (after the last sequence) is its own
@@ -60,13 +76,8 @@ class PackedSFT(Dataset):
     """
 
     def __init__(self, index: RecordIndex, packing: Packing, window: int, split: WindowSplit):
-        self.index, self.packing, self.window_size, self.split = index, packing, window, split
-
-    def __len__(self) -> int:
-        return self.split.num_train
-
-    def __getitem__(self, item: int):
-        return self.item(self.split.train_window(item))
+        super().__init__(index, window, split)
+        self.packing = packing
 
     def item(self, number: int):
         """Window ``number`` of the packing (training or held out)."""
@@ -89,18 +100,13 @@ class PackedSFT(Dataset):
         return inputs, targets, weights, positions, segments
 
 
-class DPOPairs(Dataset):
+class DPOPairs(_Units):
     """Training pair i as (inputs, targets, weights, number): three (2, window) tensors, row 0 the chosen answer,
     row 1 the rejected, and the pair's number (its row in a precomputed reference table)."""
 
     def __init__(self, index: RecordIndex, pairs: Pairs, window: int, split: WindowSplit):
-        self.index, self.pairs, self.window_size, self.split = index, pairs, window, split
-
-    def __len__(self) -> int:
-        return self.split.num_train
-
-    def __getitem__(self, item: int):
-        return self.item(self.split.train_window(item))
+        super().__init__(index, window, split)
+        self.pairs = pairs
 
     def item(self, number: int):
         size = self.window_size

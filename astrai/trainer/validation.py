@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from torch.utils.data import default_collate
 from astrai.trainer.distributed import DistEnv
 
 
+@dataclass
 class Validator:
     """Evaluates a model on the fixed held-out windows; every rank gets the same result.
 
@@ -25,25 +27,15 @@ class Validator:
     ``objective.eval_sums`` its summed loss and count, so the mean is over tokens (seq, sft) or pairs (dpo).
     """
 
-    def __init__(
-        self,
-        dataset,
-        objective,
-        windows: list[int],
-        batch_size: int,
-        env: DistEnv,
-        autocast: contextlib.AbstractContextManager,
-        interval: int,
-    ):
-        self.dataset = dataset
-        self.objective = objective
-        self.windows = windows
-        self.batch_size = batch_size
-        self.env = env
-        self.autocast = autocast
-        self.interval = interval
-        self.last_seconds = 0.0
-        """How long the last validation took (the ETA counts the ones still to come)."""
+    dataset: object
+    objective: object
+    windows: list[int]
+    batch_size: int
+    env: DistEnv
+    autocast: contextlib.AbstractContextManager
+    interval: int
+    last_seconds: float = 0.0
+    """How long the last validation took (the ETA counts the ones still to come)."""
 
     @property
     def enabled(self) -> bool:

@@ -28,6 +28,7 @@ from astrai.common.contract import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
 )
+from astrai.common.values import format_bytes
 from astrai.host import export as ex
 from tests.support import invoke
 
@@ -126,7 +127,7 @@ def test_a_float32_export_holds_every_tensor_the_config_and_tokenizer_but_no_tra
     assert [entry.name for entry in tmp_path.iterdir() if entry.name.startswith(".")] == [], "no staging left"
     assert result.summary() == (
         f"exported {checkpoint} to {out}: float32, {len(FOLDER_FILES) + 2} files, "
-        f"{ex._size(result.total_bytes)} (weights in {WEIGHTS_FILE})"
+        f"{format_bytes(result.total_bytes)} (weights in {WEIGHTS_FILE})"
     )
     assert result.total_bytes == sum(path.stat().st_size for path in out.iterdir())
 
