@@ -428,20 +428,26 @@ def _coerce(dotted: str, value, kind, from_text: bool):
 
 
 def trainer_sections(path: Path) -> dict:
-    """The trainer sections of a YAML file, checked for unknown sections and keys (``runtime`` is dropped)."""
+    """The trainer sections of a YAML file, checked for unknown sections and keys (``runtime`` is dropped).
+
+    Every problem of the file is reported at once (one ConfigError, a line each, in the file's order).
+    """
     document = load_yaml(path)
     values: dict[str, dict] = {}
+    problems: list[str] = []
     for section, body in document.items():
         if section == HOST_SECTION:
             continue
         if section not in _SECTION_CLASSES:
-            raise ConfigError(
+            problems.append(
                 f"{path}: {section}: {unknown('unknown section', section, [*_SECTION_CLASSES, HOST_SECTION])}"
             )
+            continue
         if body is None:
             continue
         if not isinstance(body, dict):
-            raise ConfigError(f"{path}: {section}: expected a mapping of keys, got {body!r}")
+            problems.append(f"{path}: {section}: expected a mapping of keys, got {body!r}")
+            continue
         hints = _field_types(_SECTION_CLASSES[section])
         for key, value in body.items():
             if key not in hints:
@@ -450,30 +456,51 @@ def trainer_sections(path: Path) -> dict:
                     if key in KEY_SECTION
                     else unknown("unknown key", key, hints)
                 )
-                raise ConfigError(f"{path}: {section}.{key}: {problem}")
-            values.setdefault(section, {})[key] = _coerce(f"{section}.{key}", value, hints[key], from_text=False)
+                problems.append(f"{path}: {section}.{key}: {problem}")
+                continue
+            try:
+                values.setdefault(section, {})[key] = _coerce(f"{section}.{key}", value, hints[key], from_text=False)
+            except ConfigError as error:
+                problems += [f"{path}: {message}" for message in error.messages]
+    if problems:
+        raise ConfigError(problems)
     return values
 
 
 def parse_overrides(pairs: list[tuple[str, str]]) -> dict:
-    """Command-line ``(key, text)`` pairs as section values; unknown keys raise with a hint."""
+    """Command-line ``(key, text)`` pairs as section values; unknown keys raise with a hint, all at once."""
     values: dict[str, dict] = {}
+    problems: list[str] = []
     for key, text in pairs:
         if key not in KEY_SECTION:
-            raise ConfigError(f"--{key}: {unknown('unknown option', key, KEY_SECTION)}")
+            problems.append(f"--{key}: {unknown('unknown option', key, KEY_SECTION)}")
+            continue
         section = KEY_SECTION[key]
         kind = _field_types(_SECTION_CLASSES[section])[key]
-        values.setdefault(section, {})[key] = _coerce(f"{section}.{key} (--{key})", text, kind, from_text=True)
+        try:
+            values.setdefault(section, {})[key] = _coerce(f"{section}.{key} (--{key})", text, kind, from_text=True)
+        except ConfigError as error:
+            problems += error.messages
+    if problems:
+        raise ConfigError(problems)
     return values
 
 
 def build_config(*layers: dict) -> TrainerConfig:
-    """Merge section values, later layers winning, then validate every section."""
+    """Merge section values, later layers winning, then validate every section (each section's problem at once)."""
     merged: dict[str, dict] = {}
     for layer in layers:
         for section, body in layer.items():
             merged.setdefault(section, {}).update(body)
-    return TrainerConfig(**{name: cls(**merged.get(name, {})) for name, cls in _SECTION_CLASSES.items()})
+    sections, problems = {}, []
+    for name, cls in _SECTION_CLASSES.items():
+        try:
+            sections[name] = cls(**merged.get(name, {}))
+        except ConfigError as error:
+            problems += error.messages
+    if problems:
+        raise ConfigError(problems)
+    return TrainerConfig(**sections)
 
 
 def load_trainer_config(path: Path, overrides: list[tuple[str, str]] = ()) -> TrainerConfig:

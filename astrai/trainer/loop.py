@@ -38,6 +38,7 @@ from astrai.common.config import (
     resolve_ckpt_format,
     resolve_grad_accum_steps,
 )
+from astrai.common.configfile import ConfigError
 from astrai.common.contract import (
     CKPT_FORMAT_SHARDED,
     ENV_STOPPED_EXIT_CODE,
@@ -491,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
         # Installed before anything slow, so a stop during setup is honoured at the first step boundary.
         stop.install()
         env = init_distributed(config.parallel.parallel_mode, config.training.device)
+    except ConfigError as error:
+        for message in error.messages:  # every problem at once, a line each
+            print(f"error: {message}", file=sys.stderr)
+        return error.exit_code
     except AstraiError as error:
         print(f"error: {error}", file=sys.stderr)
         return error.exit_code

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from astrai.common.config import KEY_SECTION, TrainerConfig, load_trainer_config, parse_args
 from astrai.common.configfile import ConfigError
 from astrai.trainer.loop import main
-from tests.support import placeholder_checkpoint
+from tests.support import placeholder_checkpoint, run_python
 
 
 def _yaml(tmp_path, text: str):
@@ -114,6 +111,30 @@ def test_bad_config_exits_2_with_one_line_on_stderr(tmp_path, capsys):
     assert "file not found (pass --config FILE)" in capsys.readouterr().err
 
 
+def test_every_problem_of_the_trainer_sections_is_reported_at_once(tmp_path, capsys):
+    path = _yaml(tmp_path, "training:\n  max_lr: abc\n  max_stepz: 5\nmodel:\n  compile: maybe\nlogs: {}\n")
+    assert main(["--config", str(path)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 4 and all(line.startswith(f"error: {path}: ") for line in lines), lines
+    assert ["training.max_lr", "training.max_stepz", "model.compile", "logs: unknown section"] == [
+        next(
+            part
+            for part in ("training.max_lr", "training.max_stepz", "model.compile", "logs: unknown section")
+            if part in line
+        )
+        for line in lines
+    ]
+    # The file reads well: the command line's problems, all of them; then each section's own check.
+    good = _yaml(tmp_path, "training:\n  max_steps: 10\n")
+    assert main(["--config", str(good), "--window_size", "y", "--max_lr", "fast"]) == 2
+    err = capsys.readouterr().err
+    assert "(--window_size): expected an integer" in err and "(--max_lr): expected a finite number" in err
+    assert err.count("\n") == 2
+    assert main(["--config", str(good), "--log_interval", "0", "--max_steps", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "training.max_steps" in err and "log.log_interval" in err and err.count("\n") == 2
+
+
 def test_parallel_mode_must_fit_the_process_count(tmp_path, monkeypatch, capsys):
     path = _yaml(tmp_path, "")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -157,13 +178,7 @@ def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path, capsys):
 @pytest.mark.slow
 def test_command_line_error_has_no_traceback(tmp_path, trainer_env):
     path = _yaml(tmp_path, "data:\n  window_size: 0\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "astrai.train", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        env=trainer_env,
-        timeout=120,
-    )
+    result = run_python("-m", "astrai.train", "--config", str(path), env=trainer_env, timeout=120)
     assert result.returncode == 2
     assert result.stderr == "error: data.window_size: expected an integer >= 1, got 0\n"
 
