@@ -2,7 +2,7 @@
 
 The host (preflight) and the trainer read folders through this module, so both
 accept and refuse the same ones. ``config.json`` is a Hugging Face Llama-family
-config (``model_type`` ``llama`` or ``mistral``), RoPE written the transformers
+config (``model_type`` ``llama``, ``mistral``, ``qwen2`` or ``qwen3``: MODEL_TYPES), RoPE written the transformers
 4.x way (``rope_theta``, ``rope_scaling``) or the 5.x way (``rope_parameters``).
 Folders are written in that form (both RoPE spellings), so that
 ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads them.

@@ -67,9 +67,9 @@ from astrai.trainer.optim import Optimizers
 def load_latest(job_dir: Path, env: DistEnv, log: Callable[[str], None], whole: bool = True) -> LoadedCheckpoint | None:
     """The newest checkpoint that loads; ones that fail are skipped with a warning. None means start fresh.
 
-    Rank 0 reads it (only node 0 needs the checkpoint folder); every other rank receives it from rank 0.
-    With ``whole`` false only the small files travel: each rank then reads its own rows of the weights and
-    the optimizer's moments (:meth:`CheckpointManager.restore`).
+    Rank 0 reads it; every other rank receives it from rank 0 (in the full format only node 0 needs the
+    checkpoint folder). With ``whole`` false only the small files travel: each rank then reads its own rows
+    of the weights and the optimizer's moments (:meth:`CheckpointManager.restore`).
     """
     return broadcast_from_master(env, lambda: _read_latest(Path(job_dir), log, whole))
 
@@ -102,11 +102,12 @@ class RunFacts:
 
 
 class CheckpointManager:
-    """Saves one run's model, optimizer and schedule, handed over once; periodic saves go on in the background.
+    """Saves one run's model, optimizer and parts (RunState), handed over once; periodic saves run in the background.
 
     Periodic saves copy the state to host memory and return while a background thread writes,
     flushes and publishes it; final and emergency saves wait; a new save first waits for the
-    previous one. Rank 0 writes every file.
+    previous one. In the full format rank 0 writes every file; in the sharded one every rank writes
+    its own rows and rank 0 the rest.
     """
 
     def __init__(
