@@ -111,6 +111,16 @@ def invoke(*args: str, env: dict | None = None, timeout: float = 900) -> subproc
     return support.invoke(*args, env=env, timeout=timeout, check=True)
 
 
+def wait_for_metrics(job_dir: Path, lines: int, what: str = "the benchmark job", timeout: float = 300) -> None:
+    """Wait until the job has logged ``lines`` steps to metrics.jsonl; RuntimeError when it makes no progress."""
+    metrics = job_dir / "metrics.jsonl"
+    started = time.monotonic()
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < lines:
+        if time.monotonic() - started > timeout:
+            raise RuntimeError(f"{what} made no progress")
+        time.sleep(0.2)
+
+
 def status_kib(field: str) -> int:
     """A field of /proc/self/status in KiB (VmRSS: resident now, VmHWM: the peak since the last reset)."""
     with open("/proc/self/status", encoding="ascii") as handle:

@@ -21,7 +21,7 @@ from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.host import compose
 from astrai.trainer.distributed import init_distributed
 from astrai.trainer.loop import open_trainer
-from bench.common import Figures, invoke, write_config
+from bench.common import Figures, invoke, wait_for_metrics, write_config
 from bench.trainer_speed import make_assets, trainer_config
 
 JOB = "bench-stop"
@@ -76,14 +76,7 @@ def run(quick: bool, base_image: str) -> dict:
             invoke("init", "--config", str(config))
             for _ in range(2 if quick else 5):
                 invoke("start", "--config", str(config))
-                started = time.monotonic()
-                while (
-                    not (job_dir / "metrics.jsonl").exists()
-                    or len((job_dir / "metrics.jsonl").read_text().splitlines()) < 4
-                ):
-                    if time.monotonic() - started > 300:
-                        raise RuntimeError("the benchmark job made no progress")
-                    time.sleep(0.2)
+                wait_for_metrics(job_dir, 4)
                 start = time.perf_counter()
                 invoke("stop", "--config", str(config))
                 latencies.append(time.perf_counter() - start)

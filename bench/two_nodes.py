@@ -19,7 +19,7 @@ from pathlib import Path
 
 from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.host import compose, engine
-from bench.common import Figures, invoke, write_config
+from bench.common import Figures, invoke, wait_for_metrics, write_config
 from bench.trainer_speed import make_assets
 
 JOB = "bench-nodes"
@@ -102,14 +102,7 @@ def run(quick: bool, base_image: str) -> dict:
             config = _config(folder, params, data, base_image, True, 10**6)
             for _ in range(1 if quick else 3):
                 _start(config, True)
-                started = time.monotonic()
-                while (
-                    not (job_dir / "metrics.jsonl").exists()
-                    or len((job_dir / "metrics.jsonl").read_text().splitlines()) < 3
-                ):
-                    if time.monotonic() - started > 300:
-                        raise RuntimeError("the two-node benchmark job made no progress")
-                    time.sleep(0.2)
+                wait_for_metrics(job_dir, 3, "the two-node benchmark job")
                 start = time.perf_counter()
                 invoke("stop", "--config", str(config), "--node", "1")
                 codes = [_wait_exit(project).exit_code for project in _projects(True)]

@@ -62,6 +62,13 @@ def epoch_permutation(num_windows: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(num_windows, generator=generator)
 
 
+def _take_share(sampler, batch_size: int, grad_accum_steps: int, rank: int, world_size: int) -> None:
+    """A rank's share of every step: micro-batches of ``batch_size``, from position 0 until set_position."""
+    sampler.batch_size, sampler.rank, sampler.world_size = batch_size, rank, world_size
+    sampler.global_batch = batch_size * grad_accum_steps * world_size
+    sampler.start = 0
+
+
 class WindowBatchSampler(Sampler[list[int]]):
     """Micro-batches of window indices for one rank, from a data position onwards.
 
@@ -74,14 +81,10 @@ class WindowBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, num_windows: int, batch_size: int, grad_accum_steps: int, rank: int, world_size: int, seed: int):
+        _take_share(self, batch_size, grad_accum_steps, rank, world_size)
         self.num_windows = num_windows
-        self.batch_size = batch_size
-        self.rank = rank
-        self.world_size = world_size
         self.seed = seed
-        self.global_batch = batch_size * grad_accum_steps * world_size
         self.epoch = 0
-        self.start = 0
 
     def set_position(self, epoch: int, samples_in_epoch: int) -> None:
         """Start the next iteration at this position (``samples_in_epoch`` windows of ``epoch`` already used)."""
@@ -235,15 +238,11 @@ class MixtureBatchSampler(Sampler[list[int]]):
         rank: int,
         world_size: int,
     ):
+        _take_share(self, batch_size, grad_accum_steps, rank, world_size)
         self.order = order
         self.offsets = offsets
-        self.batch_size = batch_size
-        self.rank = rank
-        self.world_size = world_size
-        self.global_batch = batch_size * grad_accum_steps * world_size
         self.num_windows = sys.maxsize
         """Never exhausted: the trainer's epoch never ends."""
-        self.start = 0
 
     def set_position(self, epoch: int, samples_in_epoch: int) -> None:
         self.start = samples_in_epoch
