@@ -300,6 +300,16 @@ def _fill_tensors(tree, tensors: list[torch.Tensor]):
     return _map_leaves(tree, lambda node: isinstance(node, _TensorSlot), lambda slot: tensors[slot.index])
 
 
+def failed_ranks(env: DistEnv, failed: bool, group) -> list[int]:
+    """Every rank's answer to "did yours fail?", on every rank: the ranks that did (no rank alone decides)."""
+    if not env.distributed:
+        return [env.rank] if failed else []
+    flags = torch.zeros(env.world_size, dtype=torch.int32)
+    flags[env.rank] = int(failed)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+
+
 def gather_objects(env: DistEnv, value) -> list:
     """Every rank's ``value``, in rank order, on every rank (small picklable values only)."""
     if not env.distributed:

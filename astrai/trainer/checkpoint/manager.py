@@ -57,9 +57,9 @@ from astrai.trainer.checkpoint.files import (
     write_file,
     write_small_files,
 )
-from astrai.trainer.checkpoint.sharded import ShardedState, check_shared_job_dir, failed_ranks, read_rows
+from astrai.trainer.checkpoint.sharded import ShardedState, check_shared_job_dir, read_rows
 from astrai.trainer.checkpoint.state import RunState
-from astrai.trainer.distributed import DistEnv, broadcast_from_master
+from astrai.trainer.distributed import DistEnv, broadcast_from_master, failed_ranks
 from astrai.trainer.model import ModelConfig
 from astrai.trainer.optim import Optimizers
 

@@ -283,16 +283,6 @@ def read_rows(folder: Path, small_optimizer: dict, model_state: dict, optimizer_
 # --- Agreeing ----------------------------------------------------------------------------------------
 
 
-def failed_ranks(env: DistEnv, failed: bool, group) -> list[int]:
-    """Every rank's answer to "did yours fail?", on every rank: the ranks that did (no rank alone decides)."""
-    if not env.distributed:
-        return [env.rank] if failed else []
-    flags = torch.zeros(env.world_size, dtype=torch.int32)
-    flags[env.rank] = int(failed)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    return [rank for rank, flag in enumerate(flags.tolist()) if flag]
-
-
 _TOKEN_BYTES = 32
 
 
