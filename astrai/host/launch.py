@@ -43,8 +43,9 @@ from astrai.common.contract import (
 )
 from astrai.host.runtime import INTERFACE_VARIABLES, Runtime
 
-SCHEDULER_GIVEN = (ENV_NODE_RANK, ENV_RDZV_ENDPOINT, ENV_RDZV_ID, "CUDA_VISIBLE_DEVICES")
-"""What each node's container gets from the scheduler that starts it, never from the spec."""
+SCHEDULER_GIVEN = (ENV_NODE_RANK, ENV_RDZV_ENDPOINT, ENV_RDZV_ID)
+"""What each node's container gets from the scheduler that starts it, never from the spec (and, for a GPU job,
+CUDA_VISIBLE_DEVICES: the GPUs the scheduler gave the task). A CPU job hides every GPU wherever it runs."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ def scheduler_environment(runtime: Runtime) -> dict[str, str | None]:
         env.pop(name, None)
     if runtime.uses_gpu:
         env[ENV_GPU_DEVICES] = "all"
+        env.pop("CUDA_VISIBLE_DEVICES", None)
     env[ENV_NODES] = str(runtime.node_count)
     return env
 

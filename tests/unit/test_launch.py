@@ -103,7 +103,10 @@ def test_one_job_rendered_three_ways_gives_the_same_container(tmp_path, gpu):
         shared = {name: value for name, value in env.items() if name not in launch.SCHEDULER_GIVEN}
         if runtime.uses_gpu:
             assert shared.pop("ASTRAI_GPU_DEVICES") == "0,1" and spec.environment["ASTRAI_GPU_DEVICES"] == "all"
+            assert shared.pop("CUDA_VISIBLE_DEVICES") == "0,1" and "CUDA_VISIBLE_DEVICES" not in spec.environment
             shared["ASTRAI_GPU_DEVICES"] = "all"
+        else:
+            assert shared["CUDA_VISIBLE_DEVICES"] == ""  # a CPU job hides every GPU, wherever it runs
         assert shared == spec.environment
     for render in (_sbatch, _kubernetes):
         mounts, env, args = render(runtime)
