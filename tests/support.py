@@ -19,7 +19,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 
-def invoke(
+def run_python(
     *args: str,
     cwd: Path | None = None,
     env: dict | None = None,
@@ -27,9 +27,10 @@ def invoke(
     check: bool = False,
     prefix: list[str] = (),
 ) -> subprocess.CompletedProcess:
-    """Run one invoke task of this project the way a user would (``prefix``: a command to run it under)."""
+    """Run this Python with ``args`` from the repository, ``env`` over ours, its output captured as text
+    (``check``: raise with that output unless it exits 0; ``prefix``: a command to run it under)."""
     result = subprocess.run(
-        [*prefix, sys.executable, "-m", "invoke", "--search-root", str(REPO), *args],
+        [*prefix, sys.executable, *args],
         cwd=cwd or REPO,
         capture_output=True,
         text=True,
@@ -37,8 +38,21 @@ def invoke(
         timeout=timeout,
     )
     if check and result.returncode != 0:
-        raise RuntimeError(f"invoke {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+        raise RuntimeError(f"python {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result
+
+
+INVOKE = ("-m", "invoke", "--search-root", str(REPO))
+
+
+def invoke_command(*args: str) -> list[str]:
+    """The command line of one invoke task of this project, as a user types it."""
+    return [sys.executable, *INVOKE, *args]
+
+
+def invoke(*args: str, **options) -> subprocess.CompletedProcess:
+    """Run one invoke task of this project the way a user would (``options``: those of run_python)."""
+    return run_python(*INVOKE, *args, **options)
 
 
 def free_ports(count: int) -> list[int]:

@@ -22,7 +22,7 @@ import yaml
 
 from astrai.common.checkpoints import list_complete_checkpoints
 from astrai.host import baseimage, compose, engine, timer
-from tests.support import REPO
+from tests.support import REPO, invoke_command
 
 BASE_IMAGE = os.environ.get("ASTRAI_TEST_BASE_IMAGE", baseimage.DEFAULT_TAG)
 CORPUS = REPO / "examples" / "corpus"
@@ -93,19 +93,7 @@ class Job:
         """Run `invoke TASK --config <this job> ...` the way a user would."""
         task, *rest = args
         head, sep, tail = _split_remainder(rest)
-        command = [
-            sys.executable,
-            "-m",
-            "invoke",
-            "--search-root",
-            str(REPO),
-            task,
-            "--config",
-            str(self.config),
-            *head,
-            *sep,
-            *tail,
-        ]
+        command = invoke_command(task, "--config", str(self.config), *head, *sep, *tail)
         result = subprocess.run(
             command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **self.env}, cwd=self.folder
         )
@@ -120,9 +108,8 @@ class Job:
         runs a foreground command: a Ctrl-C goes to the whole group); output merged, line by line."""
         task, *rest = args
         head, sep, tail = _split_remainder(rest)
-        command = [sys.executable, "-m", "invoke", "--search-root", str(REPO), task, "--config", str(self.config)]
         return subprocess.Popen(
-            [*command, *head, *sep, *tail],
+            invoke_command(task, "--config", str(self.config), *head, *sep, *tail),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -168,6 +155,18 @@ class Job:
     def checkpoints(self) -> list[tuple[int, str]]:
         """(step, reason) of every complete checkpoint, oldest first."""
         return [(c.step, c.meta.reason) for c in list_complete_checkpoints(self.job_dir)]
+
+    def stop_and_finish(self, at: int = 10, more: int = 10) -> int:
+        """Start the job, stop it once it logged step ``at`` (with an emergency checkpoint), then start it again to
+        train ``more`` steps past the stop and end with exit code 0; the step it stopped at."""
+        self.invoke("start")
+        self.wait_for(f"step {at}", lambda: self.progress_step() >= at)
+        assert "emergency checkpoint" in self.invoke("stop").stdout
+        stopped, reason = self.checkpoints()[-1]
+        assert reason == "emergency"
+        self.invoke("start", "--", "--max_steps", str(stopped + more))
+        assert self.wait_for_exit().exit_code == 0, self.logs()
+        return stopped
 
 
 def _split_remainder(args: list[str]) -> tuple[list[str], list[str], list[str]]:

@@ -6,12 +6,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from astrai.host import compose, timer
+from tests.support import invoke_command
 
 pytestmark = pytest.mark.docker
 
@@ -98,17 +98,7 @@ def test_foreground_ctrl_c_stops_gracefully(make_job):
     job = make_job(trainer=LONG)
     job.invoke("init")
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "invoke",
-            "--search-root",
-            str(compose.PROJECT_ROOT),
-            "start",
-            "--foreground",
-            "--config",
-            str(job.config),
-        ],
+        invoke_command("start", "--foreground", "--config", str(job.config)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

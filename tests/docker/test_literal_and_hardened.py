@@ -7,7 +7,6 @@ import secrets
 import shutil
 import stat
 import subprocess
-import sys
 
 import pytest
 import yaml
@@ -15,6 +14,7 @@ import yaml
 from astrai.common.contract import TORCH_VERSION
 from astrai.host import compose
 from astrai.host.runtime import resolve_runtime
+from tests.support import invoke_command
 
 pytestmark = pytest.mark.docker
 
@@ -89,16 +89,7 @@ def test_two_concurrent_starts_leave_one_container(make_job):
     job = make_job(trainer={"training": {"max_steps": 100000}})
     job.invoke("init")
     job.invoke("build")  # both starts then race on the start itself, not on a first build
-    command = [
-        sys.executable,
-        "-m",
-        "invoke",
-        "--search-root",
-        str(compose.PROJECT_ROOT),
-        "start",
-        "--config",
-        str(job.config),
-    ]
+    command = invoke_command("start", "--config", str(job.config))
     first, second = (
         subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
     )

@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -20,7 +19,7 @@ from conftest import REPO, Job, _tear_down
 
 from astrai.common.checkpoints import list_complete_checkpoints
 from astrai.host import compose, engine
-from tests.support import free_port
+from tests.support import free_port, run_python
 
 pytestmark = pytest.mark.docker
 
@@ -128,24 +127,19 @@ def test_two_nodes_train_stop_from_node_1_and_resume_on_one_node_with_the_same_l
 
     # An uninterrupted single-node run of the same config, for reference (the trainer on the host).
     reference_dir = tmp_path / "reference"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "astrai.train",
-            "--config",
-            str(job.config),
-            "--ckpt_dir",
-            str(reference_dir),
-            "--param_path",
-            str(job.folder / "params"),
-            "--data_root_path",
-            str(job.folder / "data"),
-        ],
-        capture_output=True,
-        text=True,
+    run = run_python(
+        "-m",
+        "astrai.train",
+        "--config",
+        str(job.config),
+        "--ckpt_dir",
+        str(reference_dir),
+        "--param_path",
+        str(job.folder / "params"),
+        "--data_root_path",
+        str(job.folder / "data"),
         timeout=600,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={"PYTHONPATH": str(REPO)},
     )
     assert run.returncode == 0, run.stderr
     expected = {

@@ -48,13 +48,7 @@ def test_sft_then_dpo_jobs_run_in_the_container_and_end_as_a_chat_model(make_job
     fit = next(line for line in checklist.splitlines() if "data fits model" in line)
     assert fit.startswith("✓") and "packed windows of 96" in fit, checklist
     assert "240 sequences as" in fit and "0 cut to the window (data.overlong: truncate)" in fit, fit
-    sft.invoke("start")
-    sft.wait_for("step 10", lambda: sft.progress_step() >= 10)
-    assert "emergency checkpoint" in sft.invoke("stop").stdout
-    stopped, reason = sft.checkpoints()[-1]
-    assert reason == "emergency"
-    sft.invoke("start", "--", "--max_steps", str(stopped + 10))
-    assert sft.wait_for_exit().exit_code == 0, sft.logs()
+    stopped = sft.stop_and_finish()
     assert f"_step_{stopped} (epoch" in sft.logs() and "sft: 240 sequences as" in sft.logs()
     tuned = latest_complete_checkpoint(sft.job_dir)
     assert tuned.meta.train_type == "sft" and tuned.step == stopped + 10

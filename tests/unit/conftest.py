@@ -63,6 +63,16 @@ def train_yaml(tiny_model, corpus_data):
 
 
 @pytest.fixture
+def job_yaml(tmp_path, train_yaml):
+    """job_yaml(**flat_keys): train_yaml's file as this test's train.yaml, for the job dir tmp_path / "ckpt"."""
+
+    def write(**keys) -> Path:
+        return train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), **keys)
+
+    return write
+
+
+@pytest.fixture
 def one_thread():
     """One torch thread: deterministic float results across in-process runs, and kind to a shared CPU."""
     import torch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import pytest
 
 from astrai.trainer import entrypoint
 from astrai.trainer.entrypoint import EntrypointError, check_mounts, plan_launch
-from tests.support import placeholder_checkpoint
+from tests.support import REPO, placeholder_checkpoint
 
 PY = "/usr/bin/python3"
 
@@ -179,58 +180,93 @@ def test_errors_exit_2_with_a_message_and_no_traceback():
         env=env,
         capture_output=True,
         text=True,
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=REPO,
     )
     assert result.returncode == 2
     assert "runtime.gpu.parallel_mode: ddp needs 2 or more processes" in result.stderr
     assert "Traceback" not in result.stderr
 
 
-_FAKE_LAUNCHER = textwrap.dedent(
+def _two_rank_launcher(setup: str, worker_setup: str = "", worker_catching: str = "") -> str:
+    """A fake torchrun: ``setup``, then two workers (ranks 0 and 1) that run ``worker_setup``, catch SIGTERM, run
+    ``worker_catching``, and once stopped write saved-<rank> in the folder given; it exits with the worst worker code.
     """
-    import signal, subprocess, sys, time
-    out = sys.argv[1]
-    # Like torchrun: a launcher that would tear everything down if it were signalled itself.
-    signal.signal(signal.SIGTERM, lambda *_: (open(out + "/launcher-signalled", "w").close(), sys.exit(1)))
-    worker = (
-        "import signal, sys, time\\n"
-        "rank = sys.argv[1]\\n"
-        "stop = []\\n"
-        "signal.signal(signal.SIGTERM, lambda *_: stop.append(1))\\n"
-        "open(sys.argv[2] + '/ready-' + rank, 'w').close()\\n"
-        "while not stop: time.sleep(0.01)\\n"
-        "open(sys.argv[2] + '/saved-' + rank, 'w').close()\\n"
+    worker = "\n".join(
+        [
+            "import signal, sys, time",
+            "rank, out = sys.argv[1], sys.argv[2]",
+            worker_setup,
+            "stop = []",
+            "signal.signal(signal.SIGTERM, lambda *_: stop.append(1))",
+            worker_catching,
+            "while not stop: time.sleep(0.01)",
+            "open(out + '/saved-' + rank, 'w').close()",
+        ]
     )
-    workers = [subprocess.Popen([sys.executable, "-c", worker, str(rank), out]) for rank in range(2)]
-    sys.exit(max(w.wait() for w in workers))
-    """
-)
+    return "\n".join(
+        [
+            "import signal, subprocess, sys, time",
+            "out = sys.argv[1]",
+            setup,
+            f"worker = {worker!r}",
+            "workers = [subprocess.Popen([sys.executable, '-c', worker, str(rank), out]) for rank in range(2)]",
+            "sys.exit(max(w.wait() for w in workers))",
+        ]
+    )
 
 
-def _supervise_and_stop(tmp_path: Path, launcher_source: str, signal_when: list[str]) -> int:
-    """Run supervise_workers (signals held, as main() does) over a fake launcher; once every file in
-    ``signal_when`` exists under tmp_path, send it SIGTERM; return its exit code."""
+def _wait_for_files(folder: Path, names: list[str], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not all((folder / name).exists() for name in names):
+        assert time.monotonic() < deadline, f"not all of {names} appeared"
+        time.sleep(0.01)
+
+
+def _entrypoint_loop(setup: str, arguments: str) -> subprocess.Popen:
+    """supervise_workers(``arguments``) in a process of its own, after the stop signals are held (as main() holds
+    them) and ``setup`` ran."""
+    code = (
+        "import pathlib, sys\n"
+        "from astrai.trainer import signals\n"
+        "from astrai.trainer.entrypoint import Supervisor, supervise_workers\n"
+        "signals.hold()\n"
+        f"{setup}\n"
+        f"sys.exit(supervise_workers({arguments}))\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def _supervise_and_stop(
+    tmp_path: Path,
+    launcher_source: str,
+    signal_when: list[str],
+    *launcher_args: str,
+    job_dir: Path | None = None,
+    settle: float = 0,
+) -> int:
+    """Run supervise_workers (signals held, as main() does) over a fake launcher given tmp_path and
+    ``launcher_args``; once every file in ``signal_when`` exists under tmp_path (and ``settle`` seconds more), send
+    it SIGTERM; return its exit code."""
     launcher = tmp_path / "launcher.py"
     launcher.write_text(launcher_source)
-    code = (
-        "import sys, pathlib\n"
-        "from astrai.trainer import signals\n"
-        "from astrai.trainer.entrypoint import supervise_workers\n"
-        "signals.hold()\n"
-        f"pathlib.Path({str(tmp_path / 'held')!r}).touch()\n"
-        f"sys.exit(supervise_workers([sys.executable, {str(launcher)!r}, {str(tmp_path)!r}]))\n"
-    )
-    process = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2])
+    command = [sys.executable, str(launcher), str(tmp_path), *launcher_args]
+    job_dir_arg = "" if job_dir is None else f", job_dir=pathlib.Path({str(job_dir)!r})"
+    process = _entrypoint_loop(f"pathlib.Path({str(tmp_path / 'held')!r}).touch()", f"{command!r}{job_dir_arg}")
     try:
-        deadline = time.monotonic() + 30
-        while not all((tmp_path / name).exists() for name in signal_when):
-            assert time.monotonic() < deadline, f"not all of {signal_when} appeared"
-            time.sleep(0.01)
+        _wait_for_files(tmp_path, signal_when)
+        time.sleep(settle)
         process.send_signal(signal.SIGTERM)
         return process.wait(timeout=30)
     finally:
         process.kill()
         process.wait()
+
+
+# Like torchrun: a launcher that would tear everything down if it were signalled itself.
+_FAKE_LAUNCHER = _two_rank_launcher(
+    setup='signal.signal(signal.SIGTERM, lambda *_: (open(out + "/launcher-signalled", "w").close(), sys.exit(1)))',
+    worker_catching="open(out + '/ready-' + rank, 'w').close()",
+)
 
 
 def test_stop_signal_reaches_every_worker_and_not_the_launcher(tmp_path):
@@ -239,23 +275,8 @@ def test_stop_signal_reaches_every_worker_and_not_the_launcher(tmp_path):
     assert not (tmp_path / "launcher-signalled").exists()
 
 
-_SLOW_LAUNCHER = textwrap.dedent(
-    """
-    import subprocess, sys, time
-    out = sys.argv[1]
-    time.sleep(1)  # torchrun importing torch: no worker yet
-    worker = (
-        "import signal, sys, time\\n"
-        "time.sleep(1)\\n"  # the worker importing torch: no handler yet
-        "stop = []\\n"
-        "signal.signal(signal.SIGTERM, lambda *_: stop.append(1))\\n"
-        "while not stop: time.sleep(0.01)\\n"
-        "open(sys.argv[2] + '/saved-' + sys.argv[1], 'w').close()\\n"
-    )
-    workers = [subprocess.Popen([sys.executable, "-c", worker, str(rank), out]) for rank in range(2)]
-    sys.exit(max(w.wait() for w in workers))
-    """
-)
+# torchrun importing torch (no worker yet), then workers importing torch (no handler yet).
+_SLOW_LAUNCHER = _two_rank_launcher(setup="time.sleep(1)", worker_setup="time.sleep(1)")
 
 
 def test_a_stop_before_the_workers_can_catch_it_waits_for_them(tmp_path):
@@ -275,24 +296,22 @@ def _node_env(node: int, backend: str) -> dict[str, str]:
     )
 
 
-@pytest.mark.parametrize("node", [0, 1])
-def test_static_rendezvous_gives_each_node_its_rank(node):
-    plan = plan_launch(_node_env(node, "static"), [], _no_gpu, python=PY)
-    assert (plan.nodes, plan.node, plan.processes, plan.parallel_mode) == (2, node, 1, "ddp")
-    assert plan.command == [
+def _node_command(backend: str, *rendezvous: str) -> list[str]:
+    """The command planned for one node of _node_env's job: torchrun meeting at 10.0.0.1:29500 (``rendezvous``: the
+    backend's own arguments)."""
+    return [
         PY,
         "-m",
         "torch.distributed.run",
         "--nnodes",
         "2",
         "--rdzv-backend",
-        "static",
+        backend,
         "--rdzv-endpoint",
         "10.0.0.1:29500",
         "--rdzv-id",
         "astrai-job",
-        "--node-rank",
-        str(node),
+        *rendezvous,
         "--nproc-per-node",
         "1",
         "--max-restarts",
@@ -301,33 +320,19 @@ def test_static_rendezvous_gives_each_node_its_rank(node):
         "600",
         *_trainer("ddp"),
     ]
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_static_rendezvous_gives_each_node_its_rank(node):
+    plan = plan_launch(_node_env(node, "static"), [], _no_gpu, python=PY)
+    assert (plan.nodes, plan.node, plan.processes, plan.parallel_mode) == (2, node, 1, "ddp")
+    assert plan.command == _node_command("static", "--node-rank", str(node))
 
 
 @pytest.mark.parametrize("node", [0, 1])
 def test_c10d_rendezvous_is_hosted_by_node_0_under_an_id_from_the_job_name(node):
     plan = plan_launch(_node_env(node, "c10d"), [], _no_gpu, python=PY)
-    assert plan.command == [
-        PY,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "10.0.0.1:29500",
-        "--rdzv-id",
-        "astrai-job",
-        "--rdzv-conf",
-        f"is_host={'true' if node == 0 else 'false'}",
-        "--nproc-per-node",
-        "1",
-        "--max-restarts",
-        "0",
-        "--shutdown-timeout",
-        "600",
-        *_trainer("ddp"),
-    ]
+    assert plan.command == _node_command("c10d", "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}")
 
 
 def test_a_node_outside_the_job_is_refused():
@@ -378,43 +383,38 @@ _FAKE_TRAINER = textwrap.dedent(
 )
 
 
-def _supervised(tmp_path: Path, mode: str, stop_timeout: float) -> tuple[subprocess.Popen, subprocess.Popen]:
-    """The entrypoint's loop over one direct trainer, watching a supervisor process the test can kill."""
+@contextlib.contextmanager
+def _supervised(tmp_path: Path, mode: str, stop_timeout: float):
+    """The entrypoint's loop over one direct trainer, watching a supervisor process the test can kill:
+    (supervisor, entrypoint), both killed at the end."""
     trainer = tmp_path / "trainer.py"
     trainer.write_text(_FAKE_TRAINER)
     supervisor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    code = (
-        "import sys\n"
-        "from astrai.trainer import signals\n"
-        "from astrai.trainer.entrypoint import Supervisor, supervise_workers\n"
-        "signals.hold()\n"
-        f"watched = Supervisor.of({supervisor.pid})\n"
-        f"sys.exit(supervise_workers([sys.executable, {str(trainer)!r}, {str(tmp_path)!r}, {mode!r}], direct=True,"
-        f" supervisor=watched, stop_timeout={stop_timeout}))\n"
+    command = [sys.executable, str(trainer), str(tmp_path), mode]
+    entry = _entrypoint_loop(
+        f"watched = Supervisor.of({supervisor.pid})",
+        f"{command!r}, direct=True, supervisor=watched, stop_timeout={stop_timeout}",
     )
-    root = Path(__file__).resolve().parents[2]
-    entry = subprocess.Popen([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
-    return supervisor, entry
-
-
-def test_when_the_supervisor_is_gone_the_trainer_stops_gracefully(tmp_path):
-    supervisor, entry = _supervised(tmp_path, "save", stop_timeout=30)
     try:
-        time.sleep(1.5)
-        assert entry.poll() is None and not (tmp_path / "stopping").exists()  # watched and alive: it trains on
-        supervisor.kill()
-        supervisor.wait()
-        assert entry.wait(timeout=30) == 0
-        assert (tmp_path / "saved").exists()
+        yield supervisor, entry
     finally:
         for process in (supervisor, entry):
             process.kill()
             process.wait()
 
 
+def test_when_the_supervisor_is_gone_the_trainer_stops_gracefully(tmp_path):
+    with _supervised(tmp_path, "save", stop_timeout=30) as (supervisor, entry):
+        time.sleep(1.5)
+        assert entry.poll() is None and not (tmp_path / "stopping").exists()  # watched and alive: it trains on
+        supervisor.kill()
+        supervisor.wait()
+        assert entry.wait(timeout=30) == 0
+        assert (tmp_path / "saved").exists()
+
+
 def test_a_trainer_that_does_not_stop_in_time_is_killed_once_its_supervisor_is_gone(tmp_path):
-    supervisor, entry = _supervised(tmp_path, "hang", stop_timeout=2)
-    try:
+    with _supervised(tmp_path, "hang", stop_timeout=2) as (supervisor, entry):
         time.sleep(1.5)
         supervisor.kill()
         supervisor.wait()
@@ -422,10 +422,6 @@ def test_a_trainer_that_does_not_stop_in_time_is_killed_once_its_supervisor_is_g
         assert entry.wait(timeout=30) == 128 + signal.SIGKILL
         assert (tmp_path / "stopping").exists() and not (tmp_path / "saved").exists()
         assert time.monotonic() - started < 10
-    finally:
-        for process in (supervisor, entry):
-            process.kill()
-            process.wait()
 
 
 def test_a_supervisor_is_told_apart_from_a_later_process_with_its_pid():
@@ -459,28 +455,8 @@ _LAUNCHER_SIGNALLED_TOO = textwrap.dedent(
 
 @pytest.mark.parametrize("saved", [True, False], ids=["emergency-checkpoint", "none"])
 def test_a_launcher_signalled_with_its_ranks_exits_0_when_the_emergency_checkpoint_is_written(tmp_path, saved):
-    launcher = tmp_path / "launcher.py"
-    launcher.write_text(_LAUNCHER_SIGNALLED_TOO)
     (tmp_path / "job").mkdir()
-    root = Path(__file__).resolve().parents[2]
-    code = (
-        "import sys\n"
-        "from pathlib import Path\n"
-        "from astrai.trainer import signals\n"
-        "from astrai.trainer.entrypoint import supervise_workers\n"
-        "signals.hold()\n"
-        f"command = [sys.executable, {str(launcher)!r}, {str(tmp_path)!r}, {'save' if saved else 'none'!r}]\n"
-        f"sys.exit(supervise_workers(command, job_dir=Path({str(tmp_path / 'job')!r})))\n"
+    code = _supervise_and_stop(
+        tmp_path, _LAUNCHER_SIGNALLED_TOO, ["ready"], "save" if saved else "none", job_dir=tmp_path / "job", settle=0.3
     )
-    process = subprocess.Popen([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
-    try:
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "ready").exists():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        time.sleep(0.3)
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == (0 if saved else 1)
-    finally:
-        process.kill()
-        process.wait()
+    assert code == (0 if saved else 1)

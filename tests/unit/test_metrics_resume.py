@@ -3,12 +3,9 @@ it, and its validation losses equal those of a run that was never interrupted.""
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 from test_metrics import event_scalars
-from trainer_runs import TRAINER, Run, wait_for
+from trainer_runs import TRAINER, Run, run_to_end, stop_gracefully, wait_for
 
 from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.common.contract import METRICS_FILE, TAG_TRAIN_LOSS, TAG_VAL_LOSS, TENSORBOARD_DIR
@@ -26,32 +23,21 @@ def _logged_step(job) -> int:
 
 def test_killed_twice_and_stopped_logs_each_step_once_with_the_uninterrupted_values(tmp_path, train_yaml, trainer_env):
     reference_job, job = tmp_path / "reference", tmp_path / "job"
-    reference = Run(
-        [*TRAINER, "--config", str(train_yaml(tmp_path / "ref.yaml", ckpt_dir=str(reference_job), **RUN))],
-        trainer_env,
-        tmp_path / "reference.log",
-    )
-    assert reference.wait() == 0, reference.output()
+    reference = train_yaml(tmp_path / "ref.yaml", ckpt_dir=str(reference_job), **RUN)
+    run_to_end([*TRAINER, "--config", str(reference)], trainer_env, tmp_path / "reference.log")
 
-    config = str(train_yaml(tmp_path / "train.yaml", ckpt_dir=str(job), **RUN))
+    command = [*TRAINER, "--config", str(train_yaml(tmp_path / "train.yaml", ckpt_dir=str(job), **RUN))]
     # Killed after steps past a checkpoint were logged (they are trained and logged again), twice; then a
     # graceful stop, whose emergency checkpoint must find its events flushed; then the run to its end.
     for kill_after in (50, 80):
-        run = Run([*TRAINER, "--config", config], trainer_env, tmp_path / "run.log")
+        run = Run(command, trainer_env, tmp_path / "run.log")
         try:
             wait_for(lambda after=kill_after: _logged_step(job) >= after, run)
         finally:
             run.kill()
         assert latest_complete_checkpoint(job).step < _logged_step(job)
-    run = Run([*TRAINER, "--config", config], trainer_env, tmp_path / "run.log")
-    try:
-        wait_for(lambda: _logged_step(job) >= 100, run)
-        os.killpg(run.proc.pid, signal.SIGTERM)
-        assert run.proc.wait(timeout=60) == 0, run.output()
-    finally:
-        run.kill()
-    run = Run([*TRAINER, "--config", config], trainer_env, tmp_path / "run.log")
-    assert run.wait() == 0, run.output()
+    stop_gracefully(Run(command, trainer_env, tmp_path / "run.log"), lambda: _logged_step(job) >= 100)
+    run = run_to_end(command, trainer_env, tmp_path / "run.log")
 
     events = job / TENSORBOARD_DIR
     losses = event_scalars(events, TAG_TRAIN_LOSS)

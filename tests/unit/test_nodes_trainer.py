@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from trainer_runs import TRAINER, Run, metrics_step, node_command, wait_for
+from trainer_runs import TORCHRUN, TRAINER, Run, metrics_step, node_command, run_to_end, stop_gracefully, wait_for
 
 from astrai.common.checkpoints import latest_complete_checkpoint, list_complete_checkpoints
 from tests.support import free_port
@@ -39,31 +38,22 @@ def _node_env(trainer_env: dict, node: int, timeout: int = 10) -> dict:
 
 def _two_process_ddp(config: Path) -> list[str]:
     """The trainer under torchrun on this host: two processes, DDP."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    return [*torchrun, "-m", "astrai.train", "--config", str(config), "--parallel_mode", "ddp"]
+    return [*TORCHRUN, "-m", "astrai.train", "--config", str(config), "--parallel_mode", "ddp"]
 
 
 def test_a_resume_on_another_world_size_trains_the_same_steps(tmp_path, train_yaml, trainer_env):
     keys = {"global_batch_size": 8, "batch_per_device": 4, "max_steps": 30, "log_interval": 1, "ckpt_interval": 100}
     reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
     reference = train_yaml(tmp_path / "reference.yaml", ckpt_dir=str(reference_dir), **keys)
-    run = Run([*TRAINER, "--config", str(reference)], trainer_env, tmp_path / "reference.log")
-    assert run.wait() == 0, run.output()
+    run_to_end([*TRAINER, "--config", str(reference)], trainer_env, tmp_path / "reference.log")
 
     # Two processes (grad_accum_steps 1), stopped after a few steps, then one process (grad_accum_steps 2).
     path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(resumed_dir), **keys)
     command = _two_process_ddp(path)
-    run = Run(command, trainer_env, tmp_path / "two.log")
-    try:
-        wait_for(lambda: metrics_step(resumed_dir) >= 10, run)
-        os.kill(run.workers()[0], signal.SIGTERM)
-        assert run.proc.wait(timeout=60) == 0, run.output()
-    finally:
-        run.kill()
+    stop_gracefully(Run(command, trainer_env, tmp_path / "two.log"), lambda: metrics_step(resumed_dir) >= 10, rank=0)
     stopped = latest_complete_checkpoint(resumed_dir)
     assert stopped.meta.world_size == 2 and stopped.meta.global_batch == 8
-    run = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "one.log")
-    assert run.wait() == 0, run.output()
+    run = run_to_end([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "one.log")
     assert "seeded from random_seed, step and rank" in run.output()
     assert "global batch changed" not in run.output()
 
@@ -78,10 +68,8 @@ def test_a_resume_on_another_world_size_trains_the_same_steps(tmp_path, train_ya
 def test_without_global_batch_size_a_new_world_size_is_named_at_resume(tmp_path, train_yaml, trainer_env):
     path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), max_steps=8, ckpt_interval=4)
     command = [*_two_process_ddp(path), "--max_steps", "4"]
-    run = Run(command, trainer_env, tmp_path / "two.log")
-    assert run.wait() == 0, run.output()
-    run = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "one.log")
-    assert run.wait() == 0, run.output()
+    run_to_end(command, trainer_env, tmp_path / "two.log")
+    run = run_to_end([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "one.log")
     assert "note: the global batch changed since that checkpoint (8 -> 4 sequences per step" in run.output()
 
 

@@ -9,11 +9,20 @@ import json
 import math
 import os
 import random
-import signal
 import time
 
 import pytest
-from trainer_runs import TORCHRUN, TRAINER, Run, final_weights, metrics_step, metrics_steps, staging, wait_for
+from trainer_runs import (
+    TORCHRUN,
+    TRAINER,
+    Run,
+    final_weights,
+    kill_at_moments,
+    metrics_step,
+    run_to_end,
+    staging,
+    stop_gracefully,
+)
 
 from astrai.common.checkpoints import latest_complete_checkpoint
 
@@ -42,8 +51,7 @@ def uninterrupted(tmp_path_factory, post_yaml):
         if case not in cache:
             kind, keys = CASES[case]
             path = post_yaml(root / f"{case}.yaml", kind, ckpt_dir=str(root / case), **SMALL, **keys)
-            run = Run([*TRAINER, "--config", str(path)], env, root / f"{case}.log")
-            assert run.wait() == 0, run.output()
+            run_to_end([*TRAINER, "--config", str(path)], env, root / f"{case}.log")
             cache[case] = final_weights(root / case, STEPS)
         return cache[case]
 
@@ -56,17 +64,11 @@ def test_a_graceful_stop_then_a_restart_ends_bitwise_equal(tmp_path, post_yaml, 
     ckpt_dir = tmp_path / "ckpt"
     path = post_yaml(tmp_path / "train.yaml", kind, ckpt_dir=str(ckpt_dir), num_workers=1, **SMALL, **keys)
     run = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "run.log")
-    try:
-        wait_for(lambda: metrics_step(ckpt_dir) >= 8, run)
-        os.killpg(run.proc.pid, signal.SIGTERM)
-        assert run.proc.wait(timeout=30) == 0, run.output()
-    finally:
-        run.kill()
+    stop_gracefully(run, lambda: metrics_step(ckpt_dir) >= 8, timeout=30)
     latest = latest_complete_checkpoint(ckpt_dir)
     assert latest.meta.reason == "emergency" and 8 <= latest.step < STEPS, run.output()
     assert latest.meta.train_type == kind
-    rerun = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "rerun.log")
-    assert rerun.wait() == 0, rerun.output()
+    rerun = run_to_end([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "rerun.log")
     assert f"resumed from {latest.path}" in rerun.output()
     assert final_weights(ckpt_dir, STEPS) == uninterrupted(case)
 
@@ -79,26 +81,12 @@ def test_sigkill_at_random_moments_then_a_restart_ends_bitwise_equal(
     ckpt_dir = tmp_path / "ckpt"
     path = post_yaml(tmp_path / "train.yaml", kind, ckpt_dir=str(ckpt_dir), ckpt_interval=5, **SMALL, **keys)
     rng = random.Random(case)
-    kills = 0
-    for attempt in range(4):
-        run = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "run.log")
-        try:
-            if attempt < 3:
-                reported = len(metrics_steps(ckpt_dir))
-                deadline = time.monotonic() + 60
-                while (
-                    run.proc.poll() is None and len(metrics_steps(ckpt_dir)) <= reported and time.monotonic() < deadline
-                ):
-                    time.sleep(0.01)
-                time.sleep(rng.uniform(0.0, 0.4))
-                if run.proc.poll() is None:
-                    run.kill()
-                    kills += 1
-                    continue
-            assert run.wait() == 0, run.output()
-            break
-        finally:
-            run.kill()
+
+    def at_random(run: Run) -> None:
+        time.sleep(rng.uniform(0.0, 0.4))
+
+    command = [*TRAINER, "--config", str(path)]
+    run, kills = kill_at_moments(command, trainer_env, tmp_path / "run.log", ckpt_dir, [at_random] * 3)
     assert kills == 3, run.output()
     assert final_weights(ckpt_dir, STEPS) == uninterrupted(case)
     assert not staging(ckpt_dir)
@@ -124,8 +112,7 @@ def test_sft_on_two_ddp_processes_takes_the_step_one_process_takes(tmp_path, pos
             batch_per_device=per_device,
             log_interval=1,
         )
-        run = Run([*command, "--config", str(path)], trainer_env, tmp_path / f"{name}.log")
-        assert run.wait() == 0, run.output()
+        run_to_end([*command, "--config", str(path)], trainer_env, tmp_path / f"{name}.log")
         records[name] = _first_record(ckpt_dir)
     one, ddp = records["one"], records["ddp"]
     assert abs(one["loss"] - ddp["loss"]) <= 1e-5 * one["loss"], records
@@ -146,19 +133,12 @@ def test_dpo_under_fsdp_starts_at_ln2_stops_and_resumes(tmp_path, post_yaml, tra
         log_interval=1,
     )
     command = [*TORCHRUN, "-m", "astrai.train", "--config", str(path), "--parallel_mode", "fsdp"]
-    run = Run(command, trainer_env, tmp_path / "run1.log")
-    try:
-        wait_for(lambda: metrics_step(ckpt_dir) >= 4, run)
-        os.kill(run.workers()[1], signal.SIGTERM)
-        assert run.proc.wait(timeout=60) == 0, run.output()
-    finally:
-        run.kill()
+    stop_gracefully(Run(command, trainer_env, tmp_path / "run1.log"), lambda: metrics_step(ckpt_dir) >= 4, rank=1)
     first = _first_record(ckpt_dir)
     assert abs(first["loss"] - math.log(2)) <= 1e-5 and abs(first["rewards_margin"]) <= 1e-6, first
     stopped = latest_complete_checkpoint(ckpt_dir)
     assert stopped.meta.parallel_mode == "fsdp" and stopped.meta.reason == "emergency"
-    run = Run(command, trainer_env, tmp_path / "run2.log")
-    assert run.wait() == 0, run.output()
+    run = run_to_end(command, trainer_env, tmp_path / "run2.log")
     assert f"resumed from {stopped.path}" in run.output()
     if reference == "precomputed":
         assert "reference log-probabilities of 160 pairs read from" in run.output(), run.output()

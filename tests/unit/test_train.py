@@ -38,8 +38,8 @@ def reference(tmp_path_factory, train_yaml, run_trainer):
 
 
 @pytest.mark.slow
-def test_loss_falls_clearly_within_200_steps_on_the_corpus(tmp_path, train_yaml, one_thread, run_trainer):
-    path = train_yaml(tmp_path / "train.yaml", max_steps=200, ckpt_interval=1000, ckpt_dir=str(tmp_path / "ckpt"))
+def test_loss_falls_clearly_within_200_steps_on_the_corpus(tmp_path, job_yaml, one_thread, run_trainer):
+    path = job_yaml(max_steps=200, ckpt_interval=1000)
     run_trainer(path)
     records = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
     first, last = records[0]["loss"], records[-1]["loss"]
@@ -105,16 +105,8 @@ def test_truncated_newest_and_partial_folders_fall_back_and_still_end_bitwise_eq
 
 
 @pytest.mark.slow
-def test_accumulation_checkpointing_and_retention(tmp_path, train_yaml, one_thread, run_trainer):
-    path = train_yaml(
-        tmp_path / "train.yaml",
-        max_steps=30,
-        ckpt_interval=10,
-        keep_last=2,
-        grad_accum_steps=2,
-        activation_checkpointing=True,
-        ckpt_dir=str(tmp_path / "ckpt"),
-    )
+def test_accumulation_checkpointing_and_retention(tmp_path, job_yaml, one_thread, run_trainer):
+    path = job_yaml(max_steps=30, ckpt_interval=10, keep_last=2, grad_accum_steps=2, activation_checkpointing=True)
     stats = run_trainer(path)
     assert stats.steps == 30 and stats.tokens == 30 * 2 * 4 * 32 and stats.tokens_per_s > 0
     assert [c.step for c in list_complete_checkpoints(tmp_path / "ckpt")] == [20, 30]
@@ -122,19 +114,17 @@ def test_accumulation_checkpointing_and_retention(tmp_path, train_yaml, one_thre
     assert meta["tokens_seen"] == stats.tokens and meta["data_position"]["samples_in_epoch"] == 30 * 8
 
 
-def test_data_vocabulary_larger_than_the_model_is_refused(tmp_path, train_yaml, capsys):
+def test_data_vocabulary_larger_than_the_model_is_refused(tmp_path, job_yaml, capsys):
     small = dataclasses.replace(PRESETS["tiny"], vocab_size=200)
     write_base_model(tmp_path / "model", small)
-    path = train_yaml(tmp_path / "train.yaml", param_path=str(tmp_path / "model"), ckpt_dir=str(tmp_path / "ckpt"))
+    path = job_yaml(param_path=str(tmp_path / "model"))
     assert main(["--config", str(path)]) == 1
     err = capsys.readouterr().err
     assert "data vocabulary 257" in err and "vocab_size 200" in err
 
 
-def test_missing_or_too_small_data_gives_a_clear_error(tmp_path, train_yaml, one_thread, make_trainer):
-    path = train_yaml(
-        tmp_path / "train.yaml", data_root_path=str(tmp_path / "nothing"), ckpt_dir=str(tmp_path / "ckpt")
-    )
+def test_missing_or_too_small_data_gives_a_clear_error(tmp_path, job_yaml, one_thread, make_trainer):
+    path = job_yaml(data_root_path=str(tmp_path / "nothing"))
     with pytest.raises(DataError, match="does not exist"):
         make_trainer(path)
     (tmp_path / "t.txt").write_text("far too little text " * 5)
@@ -146,8 +136,8 @@ def test_missing_or_too_small_data_gives_a_clear_error(tmp_path, train_yaml, one
         make_trainer(path, data_root_path=tmp_path / "little")
 
 
-def test_checkpoint_holds_the_weights_of_its_step(tmp_path, train_yaml, one_thread, make_trainer):
-    path = train_yaml(tmp_path / "train.yaml", max_steps=5, ckpt_dir=str(tmp_path / "ckpt"))
+def test_checkpoint_holds_the_weights_of_its_step(job_yaml, one_thread, make_trainer):
+    path = job_yaml(max_steps=5)
     trainer = make_trainer(path)
     try:
         trainer.train(steps=3)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -18,6 +17,7 @@ from astrai.trainer import health, loop, optim, report
 from astrai.trainer.health import Diverged
 from astrai.trainer.loop import Trainer
 from astrai.trainer.report import ReportError
+from tests.support import run_python
 
 
 def _poison(trainer: Trainer) -> None:
@@ -39,16 +39,9 @@ def _all_finite(job_dir) -> bool:
 
 
 @pytest.fixture
-def diverging(tmp_path, train_yaml, one_thread, make_trainer):
+def diverging(tmp_path, job_yaml, one_thread, make_trainer):
     """A trainer that trained 40 good steps (checkpoints at 30 and 40, keep_last 2), then got a NaN weight."""
-    path = train_yaml(
-        tmp_path / "train.yaml",
-        max_steps=100,
-        ckpt_interval=10,
-        keep_last=2,
-        log_interval=5,
-        ckpt_dir=str(tmp_path / "ckpt"),
-    )
+    path = job_yaml(max_steps=100, ckpt_interval=10, keep_last=2, log_interval=5)
     trainer = make_trainer(path)
     trainer.train(steps=40)
     trainer.checkpointer.wait()
@@ -95,22 +88,13 @@ def test_no_save_of_non_finite_weights_even_between_checks(diverging):
     assert not [entry for entry in os.listdir(job_dir) if entry.startswith(STAGING_PREFIX)]
 
 
-def test_the_health_check_reads_the_device_only_on_logged_steps(
-    tmp_path, train_yaml, one_thread, monkeypatch, make_trainer
-):
+def test_the_health_check_reads_the_device_only_on_logged_steps(job_yaml, one_thread, monkeypatch, make_trainer):
     """No per-step host sync: the trainer reads values off the device only where it reports or saves.
 
     Counts reads made by the trainer's own loop modules (torch reads CPU scalars internally, which on a GPU
     are not device values).
     """
-    path = train_yaml(
-        tmp_path / "train.yaml",
-        max_steps=1000,
-        ckpt_interval=1000,
-        log_interval=20,
-        max_grad_norm=1.0,
-        ckpt_dir=str(tmp_path / "ckpt"),
-    )
+    path = job_yaml(max_steps=1000, ckpt_interval=1000, log_interval=20, max_grad_norm=1.0)
     trainer = make_trainer(path)
     reads = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
@@ -132,23 +116,9 @@ def test_the_health_check_reads_the_device_only_on_logged_steps(
     assert 0 < len(reads) <= 4, reads
 
 
-def test_an_absurd_learning_rate_ends_the_trainer_with_exit_1_and_no_traceback(tmp_path, train_yaml, trainer_env):
-    path = train_yaml(
-        tmp_path / "train.yaml",
-        max_steps=50,
-        ckpt_interval=1,
-        log_interval=10,
-        max_lr=1e30,
-        warmup_ratio=0.0,
-        ckpt_dir=str(tmp_path / "ckpt"),
-    )
-    result = subprocess.run(
-        [sys.executable, "-m", "astrai.train", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        env=trainer_env,
-        timeout=300,
-    )
+def test_an_absurd_learning_rate_ends_the_trainer_with_exit_1_and_no_traceback(tmp_path, job_yaml, trainer_env):
+    path = job_yaml(max_steps=50, ckpt_interval=1, log_interval=10, max_lr=1e30, warmup_ratio=0.0)
+    result = run_python("-m", "astrai.train", "--config", str(path), env=trainer_env, timeout=300)
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert "error: training diverged:" in result.stderr and "Lower training.max_lr" in result.stderr
@@ -158,13 +128,7 @@ def test_an_absurd_learning_rate_ends_the_trainer_with_exit_1_and_no_traceback(t
 def test_a_full_disk_stops_the_trainer_at_the_failed_save_and_says_so(small_disk, train_yaml, trainer_env, tmp_path):
     job_dir = small_disk / "j"
     path = train_yaml(tmp_path / "train.yaml", max_steps=200, ckpt_interval=20, log_interval=1, ckpt_dir=str(job_dir))
-    result = subprocess.run(
-        [sys.executable, "-m", "astrai.train", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        env=trainer_env,
-        timeout=300,
-    )
+    result = run_python("-m", "astrai.train", "--config", str(path), env=trainer_env, timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     message = result.stderr
@@ -177,8 +141,8 @@ def test_a_full_disk_stops_the_trainer_at_the_failed_save_and_says_so(small_disk
     assert not [entry for entry in os.listdir(job_dir) if entry.startswith(STAGING_PREFIX)]
 
 
-def test_a_metrics_file_that_cannot_be_written_stops_with_a_clear_error(tmp_path, train_yaml, one_thread, make_trainer):
-    path = train_yaml(tmp_path / "train.yaml", max_steps=20, ckpt_dir=str(tmp_path / "ckpt"))
+def test_a_metrics_file_that_cannot_be_written_stops_with_a_clear_error(tmp_path, job_yaml, one_thread, make_trainer):
+    path = job_yaml(max_steps=20)
     (tmp_path / "ckpt" / "metrics.jsonl").mkdir(parents=True)
     trainer = make_trainer(path)
     try:

@@ -16,7 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_runs import TORCHRUN, TRAINER, Run, final_weights, metrics_step, metrics_steps, staging, wait_for
+from trainer_runs import (
+    TORCHRUN,
+    TRAINER,
+    Run,
+    final_weights,
+    kill_at_moments,
+    metrics_step,
+    metrics_steps,
+    run_to_end,
+    staging,
+    stop_gracefully,
+    wait_for,
+)
 
 from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.trainer.model import ModelConfig, read_weights
@@ -36,8 +48,7 @@ def references(tmp_path_factory, train_yaml):
             path = train_yaml(root / f"{kind}.yaml", ckpt_dir=str(root / kind))
             command = TRAINER if kind == "single" else [*TORCHRUN, "-m", "astrai.train"]
             extra = [] if kind == "single" else ["--parallel_mode", "ddp"]
-            run = Run([*command, "--config", str(path), *extra], env, root / f"{kind}.log")
-            assert run.wait() == 0, run.output()
+            run_to_end([*command, "--config", str(path), *extra], env, root / f"{kind}.log")
             cache[kind] = final_weights(root / kind, 200)
         return cache[kind]
 
@@ -48,33 +59,21 @@ def test_sigkill_at_random_moments_then_restart_ends_bitwise_equal(tmp_path, tra
     path = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), ckpt_interval=10)
     ckpt_dir = tmp_path / "ckpt"
     rng = random.Random(20240601)
-    kills = kills_during_save = 0
-    for attempt in range(7):
-        run = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "run.log")
-        try:
-            if attempt < 6:
-                reported = len(metrics_steps(ckpt_dir))
-                deadline = time.monotonic() + 60
-                # Once this run trains, kill it at a random moment, or (every other time) while it writes a checkpoint.
-                while (
-                    run.proc.poll() is None and len(metrics_steps(ckpt_dir)) <= reported and time.monotonic() < deadline
-                ):
-                    time.sleep(0.01)
-                if attempt % 2:
-                    deadline = time.monotonic() + 3
-                    while run.proc.poll() is None and time.monotonic() < deadline and not staging(ckpt_dir):
-                        time.sleep(0.0005)
-                    kills_during_save += bool(staging(ckpt_dir))
-                else:
-                    time.sleep(rng.uniform(0.0, 0.5))
-                if run.proc.poll() is None:
-                    run.kill()
-                    kills += 1
-                    continue
-            assert run.wait() == 0, run.output()
-            break
-        finally:
-            run.kill()
+    kills_during_save = 0
+
+    def at_random(run: Run) -> None:
+        time.sleep(rng.uniform(0.0, 0.5))
+
+    def while_saving(run: Run) -> None:
+        nonlocal kills_during_save
+        deadline = time.monotonic() + 3
+        while run.proc.poll() is None and time.monotonic() < deadline and not staging(ckpt_dir):
+            time.sleep(0.0005)
+        kills_during_save += bool(staging(ckpt_dir))
+
+    # Once a run trains, kill it at a random moment, or (every other time) while it writes a checkpoint.
+    command = [*TRAINER, "--config", str(path)]
+    run, kills = kill_at_moments(command, trainer_env, tmp_path / "run.log", ckpt_dir, [at_random, while_saving] * 3)
     assert kills == 6, run.output()
     print(f"{kills} kills, {kills_during_save} of them while a checkpoint was being written")
     assert final_weights(ckpt_dir, 200) == references("single")
@@ -107,8 +106,7 @@ def test_sigterm_stops_within_a_step_and_a_save_and_resumes_bitwise_equal(
     latest = latest_complete_checkpoint(ckpt_dir)
     assert latest.meta.reason == "emergency" and 50 <= latest.step < 200
 
-    rerun = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "rerun.log")
-    assert rerun.wait() == 0, rerun.output()
+    rerun = run_to_end([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "rerun.log")
     assert f"resumed from {latest.path}" in rerun.output()
     assert final_weights(ckpt_dir, 200) == references("single")
 
@@ -160,20 +158,14 @@ def test_ddp_two_processes_killed_and_stopped_ends_bitwise_equal(tmp_path, train
     # SIGTERM to rank 1 only: both ranks agree on the stop step and exit 0.
     run = Run(command, trainer_env, tmp_path / "run2.log")
     reported = len(metrics_steps(ckpt_dir))
-    try:
-        # Records of the killed run may be ahead of its last checkpoint: wait for two records of this run.
-        wait_for(lambda: len(metrics_steps(ckpt_dir)) >= reported + 2, run)
-        os.kill(run.workers()[1], signal.SIGTERM)
-        assert run.proc.wait(timeout=60) == 0, run.output()
-    finally:
-        run.kill()
+    # Records of the killed run may be ahead of its last checkpoint: wait for two records of this run.
+    stop_gracefully(run, lambda: len(metrics_steps(ckpt_dir)) >= reported + 2, rank=1)
     assert f"resumed from {killed_at.path}" in run.output()
     stopped_at = latest_complete_checkpoint(ckpt_dir)
     meta = stopped_at.meta
     assert meta.reason == "emergency" and meta.world_size == 2 and "stop requested (on another rank)" in run.output()
 
-    run = Run(command, trainer_env, tmp_path / "run3.log")
-    assert run.wait() == 0, run.output()
+    run_to_end(command, trainer_env, tmp_path / "run3.log")
     assert final_weights(ckpt_dir, 200) == references("ddp")
 
 
@@ -182,13 +174,7 @@ def test_fsdp_two_processes_train_checkpoint_and_resume_in_the_full_format(tmp_p
     ckpt_dir = tmp_path / "ckpt"
     command = [*TORCHRUN, "-m", "astrai.train", "--config", str(path), "--parallel_mode", "fsdp", "--format", "full"]
 
-    run = Run(command, trainer_env, tmp_path / "run1.log")
-    try:
-        wait_for(lambda: metrics_step(ckpt_dir) >= 30, run)
-        os.kill(run.workers()[0], signal.SIGTERM)
-        assert run.proc.wait(timeout=60) == 0, run.output()
-    finally:
-        run.kill()
+    stop_gracefully(Run(command, trainer_env, tmp_path / "run1.log"), lambda: metrics_step(ckpt_dir) >= 30, rank=0)
     stopped = latest_complete_checkpoint(ckpt_dir)
     assert stopped.meta.reason == "emergency" and stopped.meta.parallel_mode == "fsdp"
     # The full model in one file, and an optimizer state keyed by parameter name, loadable without pickle.
@@ -196,8 +182,7 @@ def test_fsdp_two_processes_train_checkpoint_and_resume_in_the_full_format(tmp_p
     optimizer = torch.load(stopped.path / "optimizer.pt", weights_only=True)
     assert optimizer["state"]["tok_embeddings.weight"]["exp_avg"].shape == (320, 128)
 
-    run = Run(command, trainer_env, tmp_path / "run2.log")
-    assert run.wait() == 0, run.output()
+    run = run_to_end(command, trainer_env, tmp_path / "run2.log")
     assert f"resumed from {stopped.path}" in run.output() and "final checkpoint" in run.output()
     assert latest_complete_checkpoint(ckpt_dir).step == 60
     losses = [json.loads(line)["loss"] for line in (ckpt_dir / "metrics.jsonl").read_text().splitlines()]
@@ -216,5 +201,4 @@ def test_a_stop_short_of_the_end_exits_with_the_code_a_retrying_scheduler_is_giv
         run.kill()
     assert latest_complete_checkpoint(tmp_path / "ckpt").meta.reason == "emergency"
     # The same run resumed to its end exits 0.
-    rerun = Run([*TRAINER, "--config", str(path)], env, tmp_path / "rerun.log")
-    assert rerun.wait(timeout=300) == 0, rerun.output()
+    run_to_end([*TRAINER, "--config", str(path)], env, tmp_path / "rerun.log", timeout=300)

@@ -1,4 +1,5 @@
-"""Trainer subprocesses for the tests that kill, stop and restart them: launch, find the workers, wait, compare."""
+"""Trainer subprocesses for the tests that kill, stop and restart them: launch, find the workers, stop or kill them,
+wait, compare."""
 
 from __future__ import annotations
 
@@ -79,6 +80,57 @@ def wait_for(condition, run: Run, timeout: float = 120) -> None:
         assert run.proc.poll() is None, f"trainer exited early:\n{run.output()}"
         assert time.monotonic() < deadline, f"timed out:\n{run.output()}"
         time.sleep(0.02)
+
+
+def run_to_end(command: list[str], env: dict, log: Path, timeout: float = 240) -> Run:
+    """A run waited for until it ends, which must be with exit code 0."""
+    run = Run(command, env, log)
+    assert run.wait(timeout) == 0, run.output()
+    return run
+
+
+def stop_gracefully(run: Run, condition, rank: int | None = None, timeout: float = 60) -> None:
+    """Once ``condition()`` holds, SIGTERM the run (its whole session, or torchrun's worker of ``rank``): it must exit
+    0 within ``timeout`` seconds. Whatever is left of it is killed."""
+    try:
+        wait_for(condition, run)
+        if rank is None:
+            os.killpg(run.proc.pid, signal.SIGTERM)
+        else:
+            os.kill(run.workers()[rank], signal.SIGTERM)
+        assert run.proc.wait(timeout=timeout) == 0, run.output()
+    finally:
+        run.kill()
+
+
+def _killed_once_training(run: Run, ckpt_dir: Path, moment) -> bool:
+    """Once the run writes a progress record of its own (60 s at most), wait for ``moment(run)`` and SIGKILL it if
+    it still runs; whether it was killed."""
+    reported = len(metrics_steps(ckpt_dir))
+    deadline = time.monotonic() + 60
+    while run.proc.poll() is None and len(metrics_steps(ckpt_dir)) <= reported and time.monotonic() < deadline:
+        time.sleep(0.01)
+    moment(run)
+    if run.proc.poll() is not None:
+        return False
+    run.kill()
+    return True
+
+
+def kill_at_moments(command: list[str], env: dict, log: Path, ckpt_dir: Path, moments) -> tuple[Run, int]:
+    """Start the trainer again and again, each time SIGKILLed at the next of ``moments`` once it trains; the run after
+    them, or one that ended before its kill, must exit 0. That last run and the number of kills."""
+    kills = 0
+    for moment in moments:
+        run = Run(command, env, log)
+        try:
+            if not _killed_once_training(run, ckpt_dir, moment):
+                assert run.wait() == 0, run.output()
+                return run, kills
+        finally:
+            run.kill()
+        kills += 1
+    return run_to_end(command, env, log), kills
 
 
 def final_weights(ckpt_dir: Path, step: int) -> bytes:
