@@ -504,8 +504,19 @@ def build_config(*layers: dict) -> TrainerConfig:
 
 
 def load_trainer_config(path: Path, overrides: list[tuple[str, str]] = ()) -> TrainerConfig:
-    """The resolved config: defaults, then the YAML file, then command-line overrides."""
-    return build_config(trainer_sections(path), parse_overrides(list(overrides)))
+    """The resolved config: defaults, then the YAML file, then command-line overrides.
+
+    The file's problems and the command line's are reported together; the sections' own checks, once both read.
+    """
+    layers, problems = [], []
+    for read in (lambda: trainer_sections(path), lambda: parse_overrides(list(overrides))):
+        try:
+            layers.append(read())
+        except ConfigError as error:
+            problems += error.messages
+    if problems:
+        raise ConfigError(problems)
+    return build_config(*layers)
 
 
 class _ArgumentParser(argparse.ArgumentParser):

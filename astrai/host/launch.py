@@ -2,8 +2,8 @@
 
 Compose (:mod:`astrai.host.compose`), the Slurm script (:mod:`astrai.host.slurm_script`, for its pyxis and
 apptainer launchers; its docker launcher runs Compose on each node) and the Kubernetes manifests
-(:mod:`astrai.host.kubernetes`) render a :class:`LaunchSpec`; none of them names a mount, a variable or a trainer
-argument of its own. Two kinds of spec exist:
+(:mod:`astrai.host.kubernetes`) render a :class:`LaunchSpec`; none of them states a mount or a variable of the
+trainer's of its own (Kubernetes adds only its Job's retry rule, ASTRAI_STOPPED_EXIT_CODE). Two kinds of spec exist:
 
 - :func:`node_spec`: one node's container, started by the host itself (``invoke start --node N``, and each
   node's task under Slurm's docker launcher). It holds that node's rank and the rendezvous.

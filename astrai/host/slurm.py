@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -419,3 +420,10 @@ def _gpu_check(partition: str, gpus: int):
             "list fewer GPUs in runtime.gpu.devices, or choose a GPU partition",
         )
     return Check(PASS, "gpus", f"{gpus} GPU(s) per node; partition {partition}'s nodes have up to {best}")
+
+
+if __name__ == "__main__":
+    # A script written before the node task moved (`python -m astrai.host.slurm node --config ...`) runs again on
+    # every requeue: hand it to astrai.host.slurm_node in this same process (the container watches this pid).
+    arguments = sys.argv[2:] if sys.argv[1:2] == ["node"] else sys.argv[1:]
+    os.execv(sys.executable, [sys.executable, "-m", "astrai.host.slurm_node", *arguments])

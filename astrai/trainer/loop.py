@@ -20,6 +20,7 @@ In-process use (benchmarks, tests)::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -52,7 +53,7 @@ from astrai.common.fit import (
     BatchShape,
 )
 from astrai.trainer import build
-from astrai.trainer.checkpoint.files import LoadedCheckpoint, NonFiniteWeights, Progress
+from astrai.trainer.checkpoint.files import SCHEDULE, LoadedCheckpoint, NonFiniteWeights, Progress
 from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
 from astrai.trainer.checkpoint.state import run_state
 from astrai.trainer.distributed import (
@@ -146,6 +147,7 @@ class Trainer:
             data.names,
         )
         self.model = build.build_model(config, env, start)
+        start = dataclasses.replace(start, weights=None)  # in the model now: not held while the reference loads
         self.optimizer = build_optimizer(self.model, training, env.device, env.parallel_mode)
         self.schedule = Schedule.of(training)
         self.progress = Progress()
@@ -204,7 +206,7 @@ class Trainer:
         )
 
     def _resume_or_start(self, loaded: LoadedCheckpoint | None, notes: list[str], source: Path) -> None:
-        """Restore the optimizer and every part from the checkpoint, or seed a fresh start: the last step of a build."""
+        """Restore the optimizer and every part from the checkpoint, or seed a fresh start (before the loader runs)."""
         if loaded is not None:
             self.checkpointer.restore(loaded)
             # The checkpoint brought the optimizer's moments; its settings are this run's config.
@@ -212,7 +214,7 @@ class Trainer:
             self._note_resume(loaded, notes)
             return
         torch.manual_seed(self.config.training.random_seed + self.env.rank)
-        if self.env.master_process:  # only node 0 has the base model folder
+        if self.env.master_process:  # rank 0 read the base model
             self.log(
                 f"starting from base model {self.config.ckpt.param_path}: {describe_folder(source)} "
                 f"(world size {self.env.world_size}, device {self.env.device})"
@@ -258,7 +260,7 @@ class Trainer:
             f"world size {self.env.world_size}, device {self.env.device})"
         )
         changes = describe_changes(
-            loaded.scheduler_state,
+            self.parts.parts[SCHEDULE].saved,
             loaded.optimizer_state.get("param_groups", []),
             self.schedule,
             self.config.training,

@@ -19,7 +19,7 @@ from torch.utils.data import default_collate
 from astrai.trainer.distributed import DistEnv
 
 
-@dataclass
+@dataclass(eq=False)
 class Validator:
     """Evaluates a model on the fixed held-out windows; every rank gets the same result.
 

@@ -331,8 +331,10 @@ def test_a_part_of_the_run_s_own_is_one_entry_saved_and_restored_with_the_rest(t
         load_latest(tmp_path / "plain", init_distributed("none", "cpu"), print)
     )
     assert late.loaded is None and late.count == 0
-    with pytest.raises(ValueError, match="first part must be 'progress'"):
+    with pytest.raises(ValueError, match="must start with 'progress', 'schedule', 'rng'"):
         RunState({"counter": late})
+    with pytest.raises(ValueError, match="may not be called 'rng'"):
+        _manager(tmp_path / "plain", training_state, rng=late)
 
 
 def test_a_checkpoint_without_rng_state_resumes_with_seeded_rng_and_says_so(tmp_path, training_state):

@@ -9,6 +9,7 @@ the sharded format every rank writes and reads its own rows, and rank 0 the smal
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable
@@ -215,7 +216,7 @@ class CheckpointManager:
         model_state, optimizer_state = get_state_dict(
             self.model, self.optimizer.parts, options=StateDictOptions(full_state_dict=True, cpu_offload=fsdp)
         )
-        states = self.parts.state_dict()
+        states = self._parts_state(wait)
         if self.env.master_process:
             # The full weights are here on rank 0 after every collective of the save, so the check costs no
             # extra collective; on failure nothing is written.
@@ -249,6 +250,12 @@ class CheckpointManager:
             # No rank reports or exits before the checkpoint is on disk.
             dist.barrier(group=self.env.control_group)
         return final
+
+    def _parts_state(self, wait: bool) -> dict[str, dict]:
+        """Every part's state (all ranks call this: a part may gather); a periodic save, written while training
+        goes on, gets its own copy, so a part whose state_dict hands out live values is still saved as it was."""
+        states = self.parts.state_dict()
+        return states if wait else copy.deepcopy(states)
 
     def host_copy_bytes(self) -> int:
         """Host memory the periodic saves keep for their copies of the state (reused from one save to the next)."""
@@ -305,7 +312,7 @@ class CheckpointManager:
         bad = first_non_finite(state.model_rows())
         if failed_ranks(self.env, bad is not None, self.env.control_group):
             raise NonFiniteWeights(f"{bad or 'a weight'} holds NaN or infinity")
-        states = self.parts.state_dict()
+        states = self._parts_state(wait)
         if not wait or self.env.device.type != "cpu":
             state.copy_rows(self._host_copy.copy)
         small = None

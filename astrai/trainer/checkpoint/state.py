@@ -25,7 +25,9 @@ from astrai.trainer.optim import Schedule
 
 
 class Stateful(Protocol):
-    def state_dict(self) -> dict: ...
+    def state_dict(self) -> dict:
+        """Plain values and tensors (``torch.load(weights_only=True)`` reads them back). A periodic save copies them
+        before training goes on, so a part may hand out its live values."""
 
     def load_state_dict(self, state: dict | None) -> None:
         """Restore the saved state; None when the checkpoint holds none for this part (an older one, say)."""
@@ -35,8 +37,10 @@ class RunState:
     """The run's parts by name, saved and restored together; the progress comes first, the others read it."""
 
     def __init__(self, parts: dict[str, Stateful]):
-        if next(iter(parts), None) != PROGRESS:
-            raise ValueError(f"the first part must be {PROGRESS!r}: the others restore themselves at its step")
+        if list(parts)[:3] != [PROGRESS, SCHEDULE, RNG]:
+            raise ValueError(
+                f"the parts must start with {PROGRESS!r}, {SCHEDULE!r}, {RNG!r}: every checkpoint holds them"
+            )
         self.parts = dict(parts)
 
     @property
@@ -55,6 +59,9 @@ def run_state(
     progress: Progress, schedule: Schedule, env: DistEnv, seed: int, log: Callable[[str], None], **others: Stateful
 ) -> RunState:
     """The parts every run has (progress, schedule, RNG), then the run's own (``others``, by name)."""
+    taken = {PROGRESS, SCHEDULE, RNG} & set(others)
+    if taken:
+        raise ValueError(f"a part of the run's own may not be called {sorted(taken)[0]!r}: every run has one")
     return RunState(
         {
             PROGRESS: progress,
@@ -69,7 +76,7 @@ class ScheduleState:
     """The learning-rate schedule as ``scheduler.pt`` records it: its settings and the step it was saved at.
 
     The schedule itself is this run's config; a resume keeps what the checkpoint recorded (``saved``) only to
-    say what changed since.
+    say what changed since (the trainer's resume note).
     """
 
     def __init__(self, schedule: Schedule, progress: Progress):
