@@ -117,10 +117,6 @@ class LoadedCheckpoint:
         return Progress(**self.state[PROGRESS])
 
     @property
-    def scheduler_state(self) -> dict:
-        return self.state[SCHEDULE]
-
-    @property
     def rng_state(self) -> dict[str, torch.Tensor] | None:
         """None when the folder has no rng_state.safetensors (resume then derives each rank's RNG seed)."""
         return self.state.get(RNG)
