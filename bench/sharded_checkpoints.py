@@ -50,6 +50,7 @@ def worker(preset: str, window: str, batch: str, repeats: str, params: str, data
 
     from astrai.common.checkpoints import list_complete_checkpoints
     from astrai.common.contract import CKPT_FORMATS
+    from astrai.trainer.checkpoint.formats import checkpoint_format
     from astrai.trainer.checkpoint.manager import load_latest
     from astrai.trainer.distributed import init_distributed, shutdown_distributed
     from astrai.trainer.loop import open_trainer
@@ -98,7 +99,7 @@ def worker(preset: str, window: str, batch: str, repeats: str, params: str, data
         work()
         seconds = time.perf_counter() - start
         # Under FSDP only the sharded format copies the state to host buffers; the full one gathers fresh tensors.
-        sharded = trainer.checkpointer.format == "sharded"
+        sharded = trainer.checkpointer.format.name == "sharded"
         kept = trainer.checkpointer.host_copy_bytes() if save and sharded else 0
         return seconds, (status_kib("VmHWM") - before) * 1024 + kept
 
@@ -111,7 +112,7 @@ def worker(preset: str, window: str, batch: str, repeats: str, params: str, data
     samples: dict[str, dict[str, list]] = {name: {} for name in CKPT_FORMATS}
     for repeat in range(-1, int(repeats)):  # -1: an uncounted warm-up (first-use buffers, page faults)
         for format in CKPT_FORMATS if repeat % 2 == 0 else CKPT_FORMATS[::-1]:
-            trainer.checkpointer.format = format
+            trainer.checkpointer.format = checkpoint_format(format)
             figures = {}
             figures["save"] = measured(lambda: trainer.save_checkpoint("final"))
             dist.barrier()

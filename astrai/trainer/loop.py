@@ -54,6 +54,7 @@ from astrai.common.fit import (
 )
 from astrai.trainer import build
 from astrai.trainer.checkpoint.files import SCHEDULE, LoadedCheckpoint, NonFiniteWeights, Progress
+from astrai.trainer.checkpoint.formats import checkpoint_format
 from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
 from astrai.trainer.checkpoint.state import run_state
 from astrai.trainer.distributed import (
@@ -96,12 +97,10 @@ def open_trainer(config: TrainerConfig, env: DistEnv, stop: GracefulStop | None 
     """
     # Checked before anything is loaded: a world size that does not fit the global batch fails at once.
     resolve_grad_accum_steps(config.training, env.world_size)
-    # Under FSDP in the sharded format each rank reads its own rows of the weights and moments (after the
-    # model is built and sharded); otherwise rank 0 reads the whole checkpoint and every rank receives it.
-    rows = resolve_ckpt_format(config.ckpt.format, env.parallel_mode) == CKPT_FORMAT_SHARDED and (
-        env.parallel_mode == "fsdp"
-    )
-    loaded = load_latest(Path(config.ckpt.ckpt_dir), env, _logger(env), whole=not rows)
+    # Rank 0 reads the whole checkpoint and every rank receives it, or (sharded under FSDP) each rank reads its own
+    # rows of the weights and moments once the model is built and sharded.
+    format = checkpoint_format(resolve_ckpt_format(config.ckpt.format, env.parallel_mode))
+    loaded = load_latest(Path(config.ckpt.ckpt_dir), env, _logger(env), whole=format.reads_whole(env))
     max_steps = config.training.max_steps
     if loaded is not None and loaded.progress.step >= max_steps:
         _logger(env)(

@@ -28,6 +28,7 @@ from astrai.common.checkpoints import (
 )
 from astrai.common.contract import REQUIRED_FILES
 from astrai.trainer.checkpoint import files as checkpoint_io
+from astrai.trainer.checkpoint import formats
 from astrai.trainer.checkpoint.files import CheckpointError, Progress, first_non_finite, read_checkpoint
 from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
 from astrai.trainer.checkpoint.state import RunState, run_state
@@ -237,7 +238,7 @@ def test_tensors_streamed_as_safetensors_read_back_exactly_with_safetensors_itse
         "steps": torch.arange(4, dtype=torch.int64),
     }
     with checkpoint_io._WritebackFile(tmp_path / "t.safetensors") as out:
-        checkpoint_io._write_safetensors(tensors, out, {"format": "pt"})
+        checkpoint_io.write_safetensors(tensors, out, {"format": "pt"})
     loaded = load_file(tmp_path / "t.safetensors")
     assert set(loaded) == set(tensors)
     for name, tensor in tensors.items():
@@ -245,7 +246,7 @@ def test_tensors_streamed_as_safetensors_read_back_exactly_with_safetensors_itse
     with safe_open(tmp_path / "t.safetensors", framework="pt") as handle:
         assert handle.metadata() == {"format": "pt"}
     with checkpoint_io._WritebackFile(tmp_path / "bad.safetensors") as out, pytest.raises(ValueError, match="complex"):
-        checkpoint_io._write_safetensors({"z": torch.zeros(2, dtype=torch.complex64)}, out)
+        checkpoint_io.write_safetensors({"z": torch.zeros(2, dtype=torch.complex64)}, out)
 
 
 def test_background_save_keeps_a_snapshot_of_the_moment(tmp_path, training_state):
@@ -355,7 +356,7 @@ def test_a_failed_write_leaves_nothing_visible_and_is_reported(tmp_path, trainin
         (folder / "model.safetensors").write_text("half")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint_io.CheckpointFiles, "write", fail)
+    monkeypatch.setattr(formats.FullSnapshot, "write", fail)
     manager = _manager(tmp_path, training_state)
     _save(manager, step=10, wait=False)
     with pytest.raises(CheckpointError, match="No space left on device"):

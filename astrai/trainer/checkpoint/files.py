@@ -28,7 +28,6 @@ import io
 import os
 import pickle
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,7 +36,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from astrai.common.checkpoints import (
-    SMALL_FILES_BYTES,
     Checkpoint,
     CheckpointMeta,
     DamagedCheckpoint,
@@ -52,12 +50,11 @@ from astrai.common.contract import (
     RNG_FILE,
     SCHEDULER_FILE,
     TRAINER_STATE_FILE,
-    WEIGHTS_FILE,
 )
 from astrai.common.errors import AstraiError
 from astrai.common.model_folder import inspect_weights, read_layout
 from astrai.common.safetensors_file import CODES, header
-from astrai.trainer.model import ModelConfig, ModelLoadError, hf_state_dict, read_weights
+from astrai.trainer.model import ModelConfig, ModelLoadError, read_weights
 
 # What a damaged checkpoint file raises when read: truncated zip or safetensors, bad JSON,
 # a pickle that weights_only refuses, missing keys or wrong types.
@@ -123,11 +120,13 @@ class LoadedCheckpoint:
 
 
 @dataclass
-class CheckpointFiles:
-    """Everything one checkpoint holds, ready to be written into a folder."""
+class SmallFiles:
+    """What a checkpoint holds besides the weights and the optimizer's tensors; rank 0 writes them.
 
-    model_state: dict
-    optimizer_state: dict
+    They go first and are handed to the disk without waiting, so that their fsyncs at the end (:meth:`finish`)
+    find them written: one journal commit instead of one each.
+    """
+
     state: dict[str, dict]
     """The run's parts by name (RunState.state_dict): progress goes into meta, the others into their files."""
     model_config: ModelConfig
@@ -135,40 +134,11 @@ class CheckpointFiles:
     extra_files: dict[str, bytes] = field(default_factory=dict)
     """Files every checkpoint carries as they are, by name (the tokenizer's, the base model's generation config)."""
 
-    def nbytes(self) -> int:
-        """About how much disk the checkpoint takes: its tensors plus the small files."""
-        return _tree_bytes((self.model_state, self.optimizer_state, self.state)) + SMALL_FILES_BYTES
-
-    def write(self, folder: Path) -> None:
-        """Write every file into ``folder`` and flush it to disk; meta.json goes last.
-
-        The small files go first and are handed to the disk without waiting, so that their fsyncs at the
-        end find them written (one journal commit instead of one each). The two large files are written
-        at the same time, ``model.safetensors`` by a helper thread and ``optimizer.pt`` by this one: both
-        go to the page cache in parallel (the kernel's copy runs without the GIL), and each file's fsync
-        overlaps the other's serialization. Tensors are written straight from their memory, never copied
-        into an intermediate buffer.
-        """
-        small = self.small_files()
-        written = write_small_files(folder, small, self.extra_files)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-model") as pool:
-            # Hugging Face names and config.json: the folder loads in transformers as it is.
-            model = pool.submit(
-                write_file,
-                folder / WEIGHTS_FILE,
-                hf_state_dict(self.model_state),
-                _write_safetensors,
-                {"format": "pt"},
-            )
-            write_file(folder / OPTIMIZER_FILE, self.optimizer_state, torch.save)
-            model.result()
-        finish_folder(folder, written, self.meta)
-
-    def small_files(self) -> dict:
+    def files(self) -> dict:
         """The small files by name: (content, writer)."""
         files = {
             SCHEDULER_FILE: (self.state[SCHEDULE], torch.save),
-            RNG_FILE: (self.state[RNG], _write_safetensors),
+            RNG_FILE: (self.state[RNG], write_safetensors),
             MODEL_CONFIG_FILE: (self.model_config.to_json(), _write_text),
         }
         others = {name: state for name, state in self.state.items() if name not in (PROGRESS, *_PART_FILES)}
@@ -176,31 +146,30 @@ class CheckpointFiles:
             files[TRAINER_STATE_FILE] = (others, torch.save)
         return files
 
+    def write(self, folder: Path) -> list[str]:
+        """Write every small file and the extra ones, without waiting for the disk; their names."""
+        small = self.files()
+        for name, (content, write) in small.items():
+            write_file(folder / name, content, write, durable=False)
+        for name, content in self.extra_files.items():
+            (folder / name).write_bytes(content)
+        return [*small, *self.extra_files]
 
-def write_small_files(folder: Path, small: dict, extra_files: dict[str, bytes]) -> list[str]:
-    """Write the small files and the extra ones, handing them to the disk without waiting; their names."""
-    for name, (content, write) in small.items():
-        write_file(folder / name, content, write, durable=False)
-    for name, content in extra_files.items():
-        (folder / name).write_bytes(content)
-    return [*small, *extra_files]
+    def finish(self, folder: Path, written: list[str]) -> None:
+        """Flush the files named ``written``, then write ``meta.json`` and flush the folder: the last step of a save."""
+        for name in written:
+            fsync_path(folder / name)
+        write_file(folder / META_FILE, self.meta.to_json(), _write_text)
+        fsync_path(folder)
 
 
-def finish_folder(folder: Path, written: list[str], meta: CheckpointMeta) -> None:
-    """Flush the files named ``written``, then write ``meta.json`` and flush the folder: the last step of a save."""
-    for name in written:
-        fsync_path(folder / name)
-    write_file(folder / META_FILE, meta.to_json(), _write_text)
-    fsync_path(folder)
-
-
-def _tree_bytes(tree) -> int:
+def tree_bytes(tree) -> int:
     if isinstance(tree, torch.Tensor):
         return tree.numel() * tree.element_size()
     if isinstance(tree, dict):
-        return sum(_tree_bytes(value) for value in tree.values())
+        return sum(tree_bytes(value) for value in tree.values())
     if isinstance(tree, (list, tuple)):
-        return sum(_tree_bytes(value) for value in tree)
+        return sum(tree_bytes(value) for value in tree)
     return 0
 
 
@@ -268,7 +237,7 @@ def tensor_bytes(tensor: torch.Tensor):
     return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-def _write_safetensors(
+def write_safetensors(
     tensors: dict[str, torch.Tensor], out: io.RawIOBase, metadata: dict[str, str] | None = None
 ) -> None:
     """Write ``tensors`` in the safetensors format into ``out``, each straight from its own memory.

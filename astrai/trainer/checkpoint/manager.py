@@ -1,14 +1,14 @@
-"""Checkpoint policy for one run: when to save, the background writer, the collectives, resuming with fallback.
+"""Checkpoint policy for one run: when to save, the one save path, the background writer, resuming with fallback.
 
-The file format is :mod:`astrai.trainer.checkpoint.files` (and, for ``ckpt.format: sharded``,
-:mod:`astrai.trainer.checkpoint.sharded`); the folder rules are :mod:`astrai.common.checkpoints`.
-In the full format only rank 0 (on node 0) reads and writes the files; the other ranks take part
-in the collectives that gather the full state, and receive the state of a resume from rank 0. In
-the sharded format every rank writes and reads its own rows, and rank 0 the small files.
+What a save holds and how it is written and read is the format's (:mod:`astrai.trainer.checkpoint.formats`:
+``full``, where rank 0 gathers and writes the state, or ``sharded``, where every rank writes its own rows);
+the files are :mod:`astrai.trainer.checkpoint.files`, the folder rules :mod:`astrai.common.checkpoints`.
+Every format is saved the same way: snapshot, check, copy, stage, write, agree, publish, retain.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
@@ -18,12 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_optimizer_state_dict,
-    set_state_dict,
-)
 
 from astrai.common.checkpoints import (
     CheckpointMeta,
@@ -35,30 +29,16 @@ from astrai.common.checkpoints import (
     remove_job_entry,
     scan_job_dir,
 )
-from astrai.common.contract import (
-    CKPT_FORMAT_FULL,
-    CKPT_FORMAT_SHARDED,
-    OPTIMIZER_FILE,
-    REASON_EMERGENCY,
-    REASON_FINAL,
-    REASON_PERIODIC,
-    REASONS,
-)
+from astrai.common.contract import CKPT_FORMAT_FULL, REASON_EMERGENCY, REASON_FINAL, REASON_PERIODIC, REASONS
 from astrai.trainer.checkpoint.files import (
     CheckpointError,
-    CheckpointFiles,
     LoadedCheckpoint,
     NonFiniteWeights,
-    finish_folder,
-    first_non_finite,
-    has_rows,
-    own_copy,
+    SmallFiles,
     read_checkpoint,
     write_failure,
-    write_file,
-    write_small_files,
 )
-from astrai.trainer.checkpoint.sharded import ShardedState, check_shared_job_dir, read_rows
+from astrai.trainer.checkpoint.formats import Snapshot, checkpoint_format
 from astrai.trainer.checkpoint.state import RunState
 from astrai.trainer.distributed import DistEnv, broadcast_from_master, failed_ranks
 from astrai.trainer.model import ModelConfig
@@ -141,7 +121,7 @@ class CheckpointManager:
         self.extra_files = dict(extra_files or {})
         """Files written into every checkpoint as they are, by name (the data's tokenizer files, the base model's
         generation config): read once at start, so a data folder prepared again meanwhile changes nothing."""
-        self.format = format
+        self.format = checkpoint_format(format)
         """full: rank 0 gathers the state and writes it; sharded: every rank writes its own rows."""
         self._host_copy = _HostCopy(pin=env.device.type == "cuda")
         self._writer: threading.Thread | None = None
@@ -151,8 +131,7 @@ class CheckpointManager:
             # Staging and trash folders an interrupted save or delete left behind.
             for path in scan_job_dir(self.job_dir).staging:
                 remove_job_entry(self.job_dir, path)
-        if format == CKPT_FORMAT_SHARDED and env.distributed:
-            check_shared_job_dir(self.job_dir, env)
+        self.format.check_job_dir(self.job_dir, env)
 
     def reason_for(self, step: int, stopping: bool) -> str | None:
         """Why a checkpoint is due after ``step``, or None."""
@@ -167,88 +146,45 @@ class CheckpointManager:
     # Resuming
 
     def restore(self, loaded: LoadedCheckpoint) -> None:
-        """Load the optimizer's state (the weights went in before wrapping), then every part's, in order."""
-        if loaded.model_state is None:
-            self._read_rows(loaded)
-        else:
-            set_optimizer_state_dict(
-                self.model, self.optimizer.parts, loaded.optimizer_state, options=StateDictOptions(full_state_dict=True)
-            )
+        """Load the optimizer's state (the weights went in before wrapping, unless each rank reads its own rows),
+        then every part's, in order."""
+        self.format.restore(self.model, self.optimizer, loaded, self.env)
         self.parts.load_state_dict(loaded.state)
-
-    def _read_rows(self, loaded: LoadedCheckpoint) -> None:
-        """Every rank reads its own rows of the weights and the optimizer's moments, and loads them."""
-        model_state, optimizer_state = get_state_dict(
-            self.model, self.optimizer.parts, options=StateDictOptions(full_state_dict=False)
-        )
-        error = None
-        try:
-            read_rows(loaded.checkpoint.path, loaded.optimizer_state, model_state, optimizer_state)
-        except Exception as failure:  # every rank learns of it below, so none waits for the others alone
-            error = failure
-        failed = failed_ranks(self.env, error is not None, self.env.control_group)
-        if failed:
-            detail = f": {error}" if error is not None else f" (rank {failed[0]} could not read its part)"
-            raise CheckpointError(f"reading {loaded.checkpoint.path} failed{detail}")
-        set_state_dict(
-            self.model,
-            self.optimizer.parts,
-            model_state_dict=model_state,
-            optim_state_dict=optimizer_state,
-            options=StateDictOptions(full_state_dict=False),
-        )
 
     # Saving
 
     def save(self, reason: str, wait: bool) -> Path:
-        """Snapshot the training state now and write it as ``epoch_<E>_step_<S>`` (all ranks call this)."""
+        """Snapshot the training state now and write it as ``epoch_<E>_step_<S>`` (all ranks call this).
+
+        One path for every format: wait for the previous save, snapshot, check, copy, stage, write (in the
+        background for a periodic save), agree, publish, retain.
+        """
         if reason not in REASONS:
             raise ValueError(f"reason must be one of {REASONS}, got {reason!r}")
         self._wait_everywhere()
         progress = self.parts.progress
         final = self.job_dir / checkpoint_name(progress.epoch, progress.step)
-        if self.format == CKPT_FORMAT_SHARDED:
-            self._save_sharded(reason, wait, final)
-            return final
-        fsdp = self.env.parallel_mode == "fsdp"
-        # Full (unsharded) state. FSDP gathers it into fresh CPU tensors on rank 0 (other ranks get empty
-        # dicts); otherwise the tensors are the live parameters and optimizer moments themselves.
-        model_state, optimizer_state = get_state_dict(
-            self.model, self.optimizer.parts, options=StateDictOptions(full_state_dict=True, cpu_offload=fsdp)
-        )
+        snapshot = self.format.snapshot(self.model, self.optimizer, self.env)
+        bad = snapshot.first_non_finite()
+        if failed_ranks(self.env, bad is not None, self.env.control_group):  # nothing is written
+            raise NonFiniteWeights(f"{bad or 'a weight'} holds NaN or infinity")
         states = self._parts_state(wait)
+        # Live tensors must be copied when training goes on during the write, or when they sit on a GPU.
+        if not wait or self.env.device.type != "cpu":
+            snapshot.copy_to_host(self._host_copy.copy)
+        small = None
         if self.env.master_process:
-            # The full weights are here on rank 0 after every collective of the save, so the check costs no
-            # extra collective; on failure nothing is written.
-            bad = first_non_finite(model_state)
-            if bad is not None:
-                raise NonFiniteWeights(f"{bad} holds NaN or infinity")
-            # Live tensors must be copied when training goes on during the write, or when they sit on a GPU.
-            if not fsdp and (not wait or self.env.device.type != "cpu"):
-                model_state, optimizer_state = self._host_copy.copy((model_state, optimizer_state))
-            elif fsdp:
-                # FSDP gathered fresh copies of the sharded tensors, but not of the step counters, which the
-                # optimizer goes on updating in place while a periodic save is written.
-                optimizer_state = {
-                    **optimizer_state,
-                    "state": {
-                        param: {key: value if has_rows(value) else own_copy(value) for key, value in values.items()}
-                        for param, values in optimizer_state["state"].items()
-                    },
-                }
-            files = CheckpointFiles(
-                model_state, optimizer_state, states, self.model_config, self._meta(reason), self.extra_files
-            )
+            small = SmallFiles(states, self.model_config, self._meta(reason), self.extra_files)
+        staging = self._stage(snapshot, final)
+        if snapshot.writes:
             self._write_error = None
             self._writer = threading.Thread(
-                target=self._write, args=(files, final, reason), name="checkpoint-writer", daemon=False
+                target=self._write, args=(snapshot, small, staging, final, reason), name="checkpoint-writer"
             )
             self._writer.start()
-            if wait:
-                self.wait()
-        if wait and self.env.distributed:
-            # No rank reports or exits before the checkpoint is on disk.
-            dist.barrier(group=self.env.control_group)
+        if wait:
+            # No rank reports or exits before the checkpoint is on disk, and every rank learns if it is not.
+            self._wait_everywhere()
         return final
 
     def _parts_state(self, wait: bool) -> dict[str, dict]:
@@ -256,6 +192,84 @@ class CheckpointManager:
         goes on, gets its own copy, so a part whose state_dict hands out live values is still saved as it was."""
         states = self.parts.state_dict()
         return states if wait else copy.deepcopy(states)
+
+    def _stage(self, snapshot: Snapshot, final: Path) -> Path:
+        """Rank 0 creates the staging folder and what the writers need in it; every rank learns where, or why not."""
+        created: list = [None]
+        if self.env.master_process:
+            staging = None
+            try:
+                staging = new_staging_dir(self.job_dir, final.name)
+                snapshot.create(staging)
+                created[0] = str(staging)
+            except Exception as error:  # every rank raises it below
+                created[0] = write_failure(error, final, snapshot.nbytes())
+                if staging is not None:
+                    with contextlib.suppress(OSError):  # else left as a staging folder, which the next start removes
+                        remove_job_entry(self.job_dir, staging)
+        if self.env.distributed:
+            dist.broadcast_object_list(created, src=0, group=self.env.control_group)
+        if not isinstance(created[0], str):
+            raise created[0]
+        return Path(created[0])
+
+    def _write(self, snapshot: Snapshot, small: SmallFiles | None, staging: Path, final: Path, reason: str) -> None:
+        """The writer thread of each rank that writes: rank 0's small files and this rank's share, agreement,
+        then rank 0's meta.json and publish, agreement again, then retention."""
+        error: Exception | None = None
+        failed: list[int] = []
+        written: list[str] = []
+        try:
+            if small is not None:
+                written = small.write(staging)
+            snapshot.write(staging)
+        except Exception as failure:  # every writing rank learns of it below
+            error = failure
+        try:
+            failed = self._agree(error is not None)
+            if not failed:
+                if small is not None:
+                    try:
+                        small.finish(staging, written)
+                        publish(staging, final)
+                    except Exception as failure:  # rank 0 could not finish: the others learn of it below
+                        error = failure
+                failed = self._agree(error is not None)
+        except Exception as failure:  # the agreement itself failed: a rank is gone
+            error = error or failure
+            failed = failed or [self.env.rank]
+        if not failed:
+            if small is not None:
+                self._published(final, small.meta, reason)
+            return
+        try:
+            if small is not None and staging.exists():
+                remove_job_entry(self.job_dir, staging)
+        finally:
+            if error is not None:
+                self._write_error = write_failure(error, final, snapshot.nbytes())
+            else:
+                self._write_error = CheckpointError(
+                    f"writing checkpoint {final} failed on rank {failed[0]} (its error is in that rank's output)"
+                )
+
+    def _agree(self, failed: bool) -> list[int]:
+        """The writing ranks that failed: agreed by every rank when every rank writes, else this rank's own word."""
+        if not self.format.every_rank_writes:
+            return [self.env.rank] if failed else []
+        return failed_ranks(self.env, failed, self.env.checkpoint_group)
+
+    def _published(self, final: Path, meta: CheckpointMeta, reason: str) -> None:
+        """Rank 0, once a checkpoint is in place: the retention rule, and a word for a periodic save."""
+        try:
+            if self.keep_last is not None:
+                self._apply_retention((meta.epoch, meta.step))
+        except Exception as failure:  # the checkpoint is published; the run stops at the next step
+            self._write_error = CheckpointError(
+                f"checkpoint {final} is written, but removing older ones (ckpt.keep_last) failed: {failure}"
+            )
+        if reason == REASON_PERIODIC:
+            self.log(f"saved periodic checkpoint {final}")
 
     def host_copy_bytes(self) -> int:
         """Host memory the periodic saves keep for their copies of the state (reused from one save to the next)."""
@@ -273,8 +287,7 @@ class CheckpointManager:
             raise error
         if failed:
             raise CheckpointError(
-                f"the background checkpoint failed on rank {failed[0]} (its error is in that rank's output); "
-                "the run stops here"
+                f"the checkpoint failed on rank {failed[0]} (its error is in that rank's output); the run stops here"
             )
 
     def _meta(self, reason: str) -> CheckpointMeta:
@@ -294,107 +307,10 @@ class CheckpointManager:
             global_batch=self.facts.global_batch,
             train_type=self.facts.train_type,
             reference=self.facts.reference,
-            format=self.format,
+            format=self.format.name,
             optimizer=self.facts.optimizer,
             data_digest=self.facts.data_digest,
         )
-
-    def _save_sharded(self, reason: str, wait: bool, final: Path) -> None:
-        """Every rank writes its own rows of the weights and moments; rank 0 the rest, then publishes.
-
-        The state is this rank's shard (FSDP) or its chunk of rows; a periodic save copies it to host memory
-        (this rank's share, nothing more) and returns while the writer threads write and agree.
-        """
-        model_state, optimizer_state = get_state_dict(
-            self.model, self.optimizer.parts, options=StateDictOptions(full_state_dict=False)
-        )
-        state = ShardedState(model_state, optimizer_state, self.env.rank, self.env.world_size)
-        bad = first_non_finite(state.model_rows())
-        if failed_ranks(self.env, bad is not None, self.env.control_group):
-            raise NonFiniteWeights(f"{bad or 'a weight'} holds NaN or infinity")
-        states = self._parts_state(wait)
-        if not wait or self.env.device.type != "cpu":
-            state.copy_rows(self._host_copy.copy)
-        small = None
-        created = [None]
-        if self.env.master_process:
-            staging = None
-            try:
-                small = CheckpointFiles(
-                    {}, state.optimizer_rest, states, self.model_config, self._meta(reason), self.extra_files
-                )
-                staging = new_staging_dir(self.job_dir, final.name)
-                state.create_files(staging)
-                created[0] = str(staging)
-            except Exception as error:  # every rank raises it below
-                created[0] = write_failure(error, final, state.nbytes() * self.env.world_size)
-                if staging is not None:
-                    try:
-                        remove_job_entry(self.job_dir, staging)
-                    except OSError:
-                        pass  # left as a staging folder, which the next start removes
-        if self.env.distributed:
-            dist.broadcast_object_list(created, src=0, group=self.env.control_group)
-        if not isinstance(created[0], str):  # rank 0 could not create the staging folder: nothing was written
-            raise created[0]
-        self._write_error = None
-        self._writer = threading.Thread(
-            target=self._write_sharded,
-            args=(state, small, Path(created[0]), final, reason),
-            name="checkpoint-writer",
-            daemon=False,
-        )
-        self._writer.start()
-        if wait:
-            self.wait()
-
-    def _write_sharded(
-        self, state: ShardedState, small: CheckpointFiles | None, staging: Path, final: Path, reason: str
-    ) -> None:
-        """The writer thread of every rank: its rows, then agreement, then (rank 0) the small files and publish."""
-        error: Exception | None = None
-        failed: list[int] = []
-        try:
-            state.write_rows(staging)
-        except Exception as failure:  # every rank learns of it below
-            error = failure
-        try:
-            failed = failed_ranks(self.env, error is not None, self.env.checkpoint_group)
-            if not failed:
-                if small is not None:
-                    try:
-                        written = write_small_files(staging, small.small_files(), small.extra_files)
-                        write_file(staging / OPTIMIZER_FILE, small.optimizer_state, torch.save)
-                        finish_folder(staging, [*written, OPTIMIZER_FILE], small.meta)
-                        publish(staging, final)
-                    except Exception as failure:  # rank 0 could not finish: the others learn of it below
-                        error = failure
-                failed = failed_ranks(self.env, error is not None, self.env.checkpoint_group)
-        except Exception as failure:  # the agreement itself failed: a rank is gone
-            error = error or failure
-            failed = failed or [self.env.rank]
-        if not failed:
-            if small is not None:
-                try:
-                    if self.keep_last is not None:
-                        self._apply_retention((small.meta.epoch, small.meta.step))
-                except Exception as failure:  # the checkpoint is published; the run stops at the next step
-                    self._write_error = CheckpointError(
-                        f"checkpoint {final} is written, but removing older ones (ckpt.keep_last) failed: {failure}"
-                    )
-                if reason == REASON_PERIODIC:
-                    self.log(f"saved periodic checkpoint {final}")
-            return
-        try:
-            if small is not None and staging.exists():
-                remove_job_entry(self.job_dir, staging)
-        finally:
-            if error is not None:
-                self._write_error = write_failure(error, final, state.nbytes() * self.env.world_size)
-            else:
-                self._write_error = CheckpointError(
-                    f"writing checkpoint {final} failed on rank {failed[0]} (its error is in that rank's output)"
-                )
 
     def wait(self) -> None:
         """Block until the save in progress (if any) is published; re-raise its error."""
@@ -426,24 +342,6 @@ class CheckpointManager:
         raise CheckpointError(
             "a background checkpoint failed on another rank (its error is in that rank's output); the run stops here"
         )
-
-    def _write(self, files: CheckpointFiles, final: Path, reason: str) -> None:
-        staging = None
-        try:
-            staging = new_staging_dir(self.job_dir, final.name)
-            files.write(staging)
-            publish(staging, final)
-            staging = None
-            if self.keep_last is not None:
-                self._apply_retention((files.meta.epoch, files.meta.step))
-            if reason == REASON_PERIODIC:
-                self.log(f"saved periodic checkpoint {final}")
-        except Exception as error:  # any failure: wait() hands it to the main thread
-            try:
-                if staging is not None and staging.exists():
-                    remove_job_entry(self.job_dir, staging)
-            finally:
-                self._write_error = write_failure(error, final, files.nbytes())
 
     def _apply_retention(self, newest: tuple[int, int]) -> None:
         # Only checkpoints up to the one just written count: a newer leftover (one that failed to load)

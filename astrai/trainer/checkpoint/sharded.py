@@ -43,11 +43,13 @@ from astrai.common.safetensors_file import FLOAT_DTYPES, read_layout
 from astrai.trainer.checkpoint.files import (
     OPTIMIZER_TENSORS_KEY,
     CheckpointError,
+    first_non_finite,
     has_rows,
     own_copy,
     safetensors_layout,
     submit_for_writeback,
     tensor_bytes,
+    write_file,
 )
 from astrai.trainer.distributed import DistEnv, gather_objects
 from astrai.trainer.model import hf_name
@@ -97,6 +99,7 @@ class ShardedState:
 
     def __init__(self, model_state: dict, optimizer_state: dict, rank: int, world: int):
         self.rank = rank
+        self.world = world
         self.pieces: list[_Piece] = []
         shapes: dict[str, dict] = {WEIGHTS_FILE: {}, OPTIMIZER_TENSORS_FILE: {}}
         for name, value in model_state.items():
@@ -132,24 +135,33 @@ class ShardedState:
         row_bytes = math.prod(value.shape[1:]) * value.dtype.itemsize
         self.pieces.append(_Piece(file, name, start, rows, row_bytes))
 
-    def model_rows(self) -> dict[str, torch.Tensor]:
-        return {piece.name: piece.rows for piece in self.pieces if piece.file == WEIGHTS_FILE}
+    writes = True
+    """Every rank writes its own rows (a Snapshot of astrai.trainer.checkpoint.formats)."""
+
+    def first_non_finite(self) -> str | None:
+        return first_non_finite({piece.name: piece.rows for piece in self.pieces if piece.file == WEIGHTS_FILE})
 
     def nbytes(self) -> int:
-        """This rank's bytes to write."""
-        return sum(piece.rows.numel() * piece.rows.element_size() for piece in self.pieces)
+        """This rank's bytes to write, times the ranks: about what the checkpoint's tensors take on disk."""
+        return sum(piece.rows.numel() * piece.rows.element_size() for piece in self.pieces) * self.world
 
-    def copy_rows(self, copy) -> None:
+    def copy_to_host(self, copy) -> None:
         """Replace the rows by host copies (``copy`` maps a list of tensors to their copies), so training may go on."""
         for piece, copied in zip(self.pieces, copy([piece.rows for piece in self.pieces]), strict=True):
             piece.rows = copied
 
-    def create_files(self, folder: Path) -> None:
+    def create(self, staging: Path) -> None:
         """Rank 0: each file with its header, at its full size; the data is written by every rank."""
         for file, (head, _) in self.layouts.items():
-            with open(folder / file, "wb") as out:
+            with open(staging / file, "wb") as out:
                 out.write(head)
                 out.truncate(self.file_sizes[file])
+
+    def write(self, staging: Path) -> None:
+        """This rank's rows; rank 0 also the rest of the optimizer state (optimizer.pt)."""
+        self.write_rows(staging)
+        if self.rank == 0:
+            write_file(staging / OPTIMIZER_FILE, self.optimizer_rest, torch.save)
 
     def write_rows(self, folder: Path) -> None:
         """Write this rank's rows at their offsets and flush them to disk."""
