@@ -13,6 +13,7 @@ neighbouring windows share one token and every token is used.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import mmap
@@ -52,6 +53,161 @@ def mask_file_name(shard: str) -> str:
 def records_file_name(shard: str) -> str:
     """The lengths of a post-training shard's sequences, uint32 little-endian, in order."""
     return shard.replace("shard_", "records_", 1)
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One shard of a data folder, as the manifest lists it."""
+
+    file: str
+    num_tokens: int
+    mask: str | None = None
+    """Post-training data: the supervision mask beside the shard (mask_file_name)."""
+    records: str | None = None
+    """Post-training data: the lengths of the shard's sequences (records_file_name)."""
+    num_records: int = 0
+
+    def files(self) -> list[str]:
+        return [self.file, *(name for name in (self.mask, self.records) if name is not None)]
+
+    def to_dict(self) -> dict:
+        entry = {"file": self.file, "num_tokens": self.num_tokens}
+        if self.mask is not None:
+            entry.update(mask=self.mask, records=self.records, num_records=self.num_records)
+        return entry
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ShardEntry:
+        entry = cls(str(raw["file"]), int(raw["num_tokens"]), raw.get("mask"), raw.get("records"))
+        return dataclasses.replace(entry, num_records=int(raw.get("num_records", 0)))
+
+
+@dataclass(frozen=True)
+class SourceEntry:
+    """One input file of a data folder, and what it gave."""
+
+    file: str
+    size: int = 0
+    sha256: str | None = None
+    documents: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    empty: int = 0
+    first_skipped: str | None = None
+    """Where the first record that was skipped is, and why (with --skip_bad)."""
+    left_out: str | None = None
+    """Why the file was left out whole (with --skip_bad)."""
+
+    def to_dict(self) -> dict:
+        entry = dataclasses.asdict(self)
+        for key in ("empty", "first_skipped", "left_out"):
+            if not entry[key]:
+                del entry[key]
+        return entry
+
+
+@dataclass(frozen=True)
+class DataManifest:
+    """What ``manifest.json`` records: the folder's tokens, shards, tokenizer and sources.
+
+    One typed record, written by ``prepare`` and read by the trainer, preflight and ``info`` alike,
+    as :class:`astrai.common.checkpoints.CheckpointMeta` is for a checkpoint. Keys this version does
+    not know are ignored, and keys older folders lack take their defaults.
+    """
+
+    tokenizer: str
+    """byte, or the library that tokenized it (tokenizers)."""
+    vocab_size: int
+    dtype: str
+    num_tokens: int
+    shards: tuple[ShardEntry, ...]
+    kind: str = "seq"
+    end_of_text: int | None = None
+    documents: int | None = None
+    """Documents (records) it holds; None for folders prepared before prepare counted them."""
+    skipped: int = 0
+    empty: int = 0
+    left_out: tuple[str, ...] = ()
+    """Inputs left out whole (with --skip_bad), each with its reason."""
+    field: str | None = None
+    sources: tuple[SourceEntry, ...] = ()
+    end_of_text_token: str | None = None
+    special_tokens: dict[str, int] | None = None
+    tokenizer_sha256: str | None = None
+    tokenizer_digest: str | None = None
+    """What the tokenizer does (tokenizer_digest()); None in older folders and byte-level data."""
+    tokenizer_files: tuple[str, ...] = ()
+    """Tokenizer files in the folder, copied into every checkpoint."""
+
+    @property
+    def end_of_text_shown(self) -> str | int | None:
+        """The end-of-text token as a user reads it: its text, or (byte-level data) its id."""
+        return self.end_of_text_token if self.end_of_text_token is not None else self.end_of_text
+
+    _TOKENIZER_KEYS = ("end_of_text_token", "special_tokens", "tokenizer_sha256", "tokenizer_digest")
+
+    def to_dict(self) -> dict:
+        values = {
+            "format": FORMAT,
+            "version": 2,
+            "byte_order": "little",
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+            "shards": [shard.to_dict() for shard in self.shards],
+            "sources": [source.to_dict() for source in self.sources],
+            "left_out": list(self.left_out),
+            "tokenizer_files": list(self.tokenizer_files),
+        }
+        if self.tokenizer_sha256 is None:  # byte-level data: no tokenizer file, none of its facts
+            for key in (*self._TOKENIZER_KEYS, "tokenizer_files"):
+                del values[key]
+        return values
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_dict(cls, raw) -> DataManifest:
+        """The record of a parsed manifest; ValueError, KeyError or TypeError names what is wrong."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
+        if raw.get("format") != FORMAT or raw.get("dtype") not in DTYPES:
+            raise ValueError(f"expected format {FORMAT!r} with dtype {' or '.join(map(repr, DTYPES))}")
+        tokenizer_files = tuple(str(name) for name in raw.get("tokenizer_files", ()))
+        if any(Path(name).name != name for name in tokenizer_files):
+            raise ValueError(f"tokenizer_files must be file names, got {list(tokenizer_files)}")
+        manifest = cls(
+            tokenizer=str(raw["tokenizer"]),
+            vocab_size=int(raw["vocab_size"]),
+            dtype=raw["dtype"],
+            num_tokens=int(raw["num_tokens"]),
+            shards=tuple(ShardEntry.from_dict(shard) for shard in raw["shards"]),
+            kind=str(raw.get("kind", "seq")),
+            end_of_text=raw.get("end_of_text"),
+            documents=raw.get("documents"),
+            skipped=int(raw.get("skipped", 0)),
+            empty=int(raw.get("empty", 0)),
+            left_out=tuple(raw.get("left_out", ())),
+            field=raw.get("field"),
+            # Folders of the first version list their sources by name only.
+            sources=tuple(
+                SourceEntry(**{key: value for key, value in entry.items() if key in _SOURCE_KEYS})
+                if isinstance(entry, dict)
+                else SourceEntry(str(entry))
+                for entry in raw.get("sources", ())
+            ),
+            tokenizer_files=tokenizer_files,
+            **{key: raw.get(key) for key in cls._TOKENIZER_KEYS},
+        )
+        if manifest.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {manifest.kind!r}")
+        return manifest
+
+    @classmethod
+    def read(cls, path: Path) -> DataManifest:
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+_SOURCE_KEYS = {f.name for f in dataclasses.fields(SourceEntry)}
 
 
 @dataclass(frozen=True)
@@ -112,34 +268,27 @@ class TokenData:
         if not manifest_path.is_file():
             raise DataError(f"data folder {root} has no {DATA_MANIFEST_FILE}; it is empty or not prepared ({how})")
         try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-            if manifest.get("format") != FORMAT or manifest.get("dtype") not in DTYPES:
-                raise ValueError(f"expected format {FORMAT!r} with dtype {' or '.join(map(repr, DTYPES))}")
-            shards = [(root / shard["file"], int(shard["num_tokens"])) for shard in manifest["shards"]]
-            tokenizer_files = tuple(str(name) for name in manifest.get("tokenizer_files", ()))
-            if any(Path(name).name != name for name in tokenizer_files):
-                raise ValueError(f"tokenizer_files must be file names, got {list(tokenizer_files)}")
-            data = cls(
-                root=root,
-                vocab_size=int(manifest["vocab_size"]),
-                tokenizer=str(manifest["tokenizer"]),
-                num_tokens=int(manifest["num_tokens"]),
-                shard_files=tuple(path for path, _ in shards),
-                shard_tokens=tuple(count for _, count in shards),
-                dtype=manifest["dtype"],
-                tokenizer_sha256=manifest.get("tokenizer_sha256"),
-                tokenizer_digest=manifest.get("tokenizer_digest"),
-                tokenizer_files=tokenizer_files,
-                end_of_text=manifest.get("end_of_text"),
-                documents=manifest.get("documents"),
-                source_files=len(manifest.get("sources", [])),
-                kind=str(manifest.get("kind", "seq")),
-                record_counts=tuple(int(shard.get("num_records", 0)) for shard in manifest["shards"]),
-            )
-            if data.kind not in KINDS:
-                raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {data.kind!r}")
+            manifest = DataManifest.read(manifest_path)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             raise DataError(f"{manifest_path}: unreadable manifest ({error}); {how}") from None
+        shards = [(root / shard.file, shard.num_tokens) for shard in manifest.shards]
+        data = cls(
+            root=root,
+            vocab_size=manifest.vocab_size,
+            tokenizer=manifest.tokenizer,
+            num_tokens=manifest.num_tokens,
+            shard_files=tuple(path for path, _ in shards),
+            shard_tokens=tuple(count for _, count in shards),
+            dtype=manifest.dtype,
+            tokenizer_sha256=manifest.tokenizer_sha256,
+            tokenizer_digest=manifest.tokenizer_digest,
+            tokenizer_files=manifest.tokenizer_files,
+            end_of_text=manifest.end_of_text,
+            documents=manifest.documents,
+            source_files=len(manifest.sources),
+            kind=manifest.kind,
+            record_counts=tuple(shard.num_records for shard in manifest.shards),
+        )
         if data.num_tokens == 0 or not shards:
             raise DataError(f"data folder {root} holds no tokens; {how}")
         width = DTYPES[data.dtype]

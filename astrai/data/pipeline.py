@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
-import json
 import multiprocessing
 import os
 import shutil
@@ -42,10 +42,12 @@ from pathlib import Path
 from astrai.common.contract import DATA_MANIFEST_FILE, TOKENIZER_FILES
 from astrai.common.data_folder import (
     DTYPES,
-    FORMAT,
     KINDS,
     SHARD_PATTERN,
     DataError,
+    DataManifest,
+    ShardEntry,
+    SourceEntry,
     TokenData,
     mask_file_name,
     records_file_name,
@@ -128,7 +130,7 @@ def prepare(
     progress: bool = False,
     say=None,
     kind: str = "seq",
-) -> dict:
+) -> DataManifest:
     """Tokenize ``inputs`` into shards in ``out_dir``; returns the manifest.
 
     Without ``tokenizer`` the text is tokenized byte by byte. The output is written into a staging
@@ -172,7 +174,7 @@ def prepare(
         manifest = _prepare_into(
             staging, sources, shard_tokens, tokenizer, fields, workers, skip_bad, progress, kind, messages_field
         )
-        manifest["left_out"] = left_out + manifest["left_out"]
+        manifest = dataclasses.replace(manifest, left_out=(*left_out, *manifest.left_out))
         with _signals_held():
             _publish(staging, out_dir, manifest)
     except BaseException:
@@ -195,7 +197,7 @@ def _prepare_into(
     progress: bool,
     kind: str = "seq",
     messages_field: str | None = None,
-) -> dict:
+) -> DataManifest:
     chosen = tokenizer or ByteTokenizer()
     dtype = token_dtype(chosen.vocab_size)
     shards = _ShardWriter(staging, shard_tokens, DTYPES[dtype], group=2 if kind == "dpo" else 1 if kind == "sft" else 0)
@@ -258,51 +260,49 @@ def _prepare_into(
     return _manifest(chosen, tokenizer, staging, dtype, kind, shards, sources, stats, checksums, field)
 
 
-def _manifest(chosen, tokenizer, staging, dtype, kind, shards, sources, stats, checksums, field) -> dict:
+def _manifest(chosen, tokenizer, staging, dtype, kind, shards, sources, stats, checksums, field) -> DataManifest:
     """The manifest of a folder whose shards are written: what it holds, and what each source gave."""
     if isinstance(field, list):
         field = ".".join(field)
     copied = copy_tokenizer_files(tokenizer, staging)
-    manifest = {
-        "format": FORMAT,
-        "version": 2,
-        "kind": kind,
-        "tokenizer": chosen.name,
-        "vocab_size": chosen.vocab_size,
-        "end_of_text": chosen.end_of_text,
-        "dtype": dtype,
-        "byte_order": "little",
-        "num_tokens": shards.total,
-        "documents": sum(entry.documents for entry in stats),
-        "skipped": sum(entry.skipped for entry in stats),
-        "empty": sum(entry.empty for entry in stats),
-        "left_out": [entry.failed for entry in stats if entry.failed is not None],
-        "field": field,
-        "shards": shards.shards,
-        "sources": [
-            {
-                "file": source.name,
-                "size": source.size,
-                "sha256": checksums.get(number),
-                "documents": entry.documents,
-                "tokens": entry.tokens,
-                "skipped": entry.skipped,
-                **({"empty": entry.empty} if entry.empty else {}),
-                **({"first_skipped": entry.first_bad} if entry.first_bad else {}),
-                **({"left_out": entry.failed} if entry.failed else {}),
-            }
-            for number, (source, entry) in enumerate(zip(sources, stats, strict=True))
-        ],
-    }
+    facts = {}
     if tokenizer is not None:
-        manifest.update(
-            end_of_text_token=tokenizer.end_of_text_token,
-            special_tokens=tokenizer.special_tokens,
-            tokenizer_sha256=tokenizer.sha256,
-            tokenizer_digest=tokenizer_digest(tokenizer.file),
-            tokenizer_files=copied,
-        )
-    return manifest
+        facts = {
+            "end_of_text_token": tokenizer.end_of_text_token,
+            "special_tokens": tokenizer.special_tokens,
+            "tokenizer_sha256": tokenizer.sha256,
+            "tokenizer_digest": tokenizer_digest(tokenizer.file),
+            "tokenizer_files": tuple(copied),
+        }
+    return DataManifest(
+        kind=kind,
+        tokenizer=chosen.name,
+        vocab_size=chosen.vocab_size,
+        end_of_text=chosen.end_of_text,
+        dtype=dtype,
+        num_tokens=shards.total,
+        documents=sum(entry.documents for entry in stats),
+        skipped=sum(entry.skipped for entry in stats),
+        empty=sum(entry.empty for entry in stats),
+        left_out=tuple(entry.failed for entry in stats if entry.failed is not None),
+        field=field,
+        shards=tuple(ShardEntry.from_dict(shard) for shard in shards.shards),
+        sources=tuple(
+            SourceEntry(
+                file=source.name,
+                size=source.size,
+                sha256=checksums.get(number),
+                documents=entry.documents,
+                tokens=entry.tokens,
+                skipped=entry.skipped,
+                empty=entry.empty,
+                first_skipped=entry.first_bad,
+                left_out=entry.failed,
+            )
+            for number, (source, entry) in enumerate(zip(sources, stats, strict=True))
+        ),
+        **facts,
+    )
 
 
 def _run(setup: tuple, work, workers: int):
@@ -653,14 +653,14 @@ def _signals_held():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _publish(staging: Path, out_dir: Path, manifest: dict) -> None:
+def _publish(staging: Path, out_dir: Path, manifest: DataManifest) -> None:
     """Move a prepared data set from ``staging`` into ``out_dir``, the manifest last.
 
     From the first shard moved until the new manifest is in place, out_dir has no manifest and reads as
     not prepared; shards and tokenizer files of an earlier data set that the new one does not have go.
     """
-    names = [name for shard in manifest["shards"] for name in _shard_files(shard)]
-    names += list(manifest.get("tokenizer_files", []))
+    names = [name for shard in manifest.shards for name in shard.files()]
+    names += list(manifest.tokenizer_files)
     (out_dir / DATA_MANIFEST_FILE).unlink(missing_ok=True)
     for name in names:
         os.replace(staging / name, out_dir / name)
@@ -672,12 +672,8 @@ def _publish(staging: Path, out_dir: Path, manifest: dict) -> None:
         if name not in names:
             (out_dir / name).unlink(missing_ok=True)
     tmp = staging / DATA_MANIFEST_FILE
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n", encoding="utf-8")
+    tmp.write_text(manifest.to_json(), encoding="utf-8")
     os.replace(tmp, out_dir / DATA_MANIFEST_FILE)
-
-
-def _shard_files(shard: dict) -> list[str]:
-    return [shard["file"], *(shard[key] for key in ("mask", "records") if key in shard)]
 
 
 def _stderr(message: str) -> None:
@@ -700,33 +696,33 @@ UNIT_OF_KIND = {"seq": "documents", "sft": "records", "dpo": "pairs"}
 def describe_folder(folder: Path) -> str:
     """What ``python -m astrai.data info`` prints: the folder's totals, tokenizer and every source file."""
     data = TokenData.open(folder)
-    manifest = json.loads((folder / DATA_MANIFEST_FILE).read_text(encoding="utf-8"))
-    documents = manifest.get("documents")
+    manifest = DataManifest.read(folder / DATA_MANIFEST_FILE)
+    documents = manifest.documents
     lines = [
         f"{folder}: {data.num_tokens:,} tokens"
         + (f" in {documents:,} {UNIT_OF_KIND[data.kind]}" if isinstance(documents, int) else "")
         + f", {len(data.shard_files)} shard(s) of {data.dtype}",
         f"tokenizer   {data.tokenizer_description}, vocabulary {data.vocab_size}, end of text "
-        f"{manifest.get('end_of_text_token', manifest.get('end_of_text'))!r}",
+        f"{manifest.end_of_text_shown!r}",
     ]
     if data.kind != "seq":
         sequences = sum(data.record_counts)
         units = f"{sequences:,} SFT sequences" if data.kind == "sft" else f"{sequences // 2:,} DPO pairs"
         lines.append(f"kind        {data.kind}: {units}, {_supervised(folder):,} tokens supervised")
-    if manifest.get("field"):
-        lines.append(f"field       {manifest['field']}")
-    sources = manifest.get("sources", [])
-    if sources and isinstance(sources[0], dict):
-        lines.append(f"sources     {len(sources)} file(s), {manifest.get('skipped', 0):,} record(s) skipped")
-        width = max(len(entry["file"]) for entry in sources)
+    if manifest.field:
+        lines.append(f"field       {manifest.field}")
+    sources = manifest.sources
+    if sources and sources[0].sha256 is not None:
+        lines.append(f"sources     {len(sources)} file(s), {manifest.skipped:,} record(s) skipped")
+        width = max(len(entry.file) for entry in sources)
         for entry in sources:
-            skipped = f", {entry['skipped']:,} skipped" if entry.get("skipped") else ""
+            skipped = f", {entry.skipped:,} skipped" if entry.skipped else ""
             lines.append(
-                f"  {entry['file']:<{width}}  {entry['size']:>14,} B  sha256 {entry['sha256'][:12]}  "
-                f"{entry['documents']:>10,} documents  {entry['tokens']:>14,} tokens{skipped}"
+                f"  {entry.file:<{width}}  {entry.size:>14,} B  sha256 {entry.sha256[:12]}  "
+                f"{entry.documents:>10,} documents  {entry.tokens:>14,} tokens{skipped}"
             )
     elif sources:
-        lines.append(f"sources     {', '.join(map(str, sources))}")
+        lines.append(f"sources     {', '.join(entry.file for entry in sources)}")
     return "\n".join(lines)
 
 
@@ -830,21 +826,21 @@ def _prepare_command(args) -> int:
         progress=sys.stderr.isatty(),
         kind=args.kind,
     )
-    for problem in manifest["left_out"]:
+    for problem in manifest.left_out:
         print(f"left out {problem}")
-    if manifest["empty"]:
-        print(f"left out {manifest['empty']:,} empty record(s): no text, no document")
-    for entry in manifest["sources"]:
-        if entry["skipped"]:
-            print(f"skipped {entry['skipped']:,} bad record(s) in {entry['file']} (first: {entry['first_skipped']})")
-    what = f"{manifest['documents']:,} documents"
+    if manifest.empty:
+        print(f"left out {manifest.empty:,} empty record(s): no text, no document")
+    for entry in manifest.sources:
+        if entry.skipped:
+            print(f"skipped {entry.skipped:,} bad record(s) in {entry.file} (first: {entry.first_skipped})")
+    what = f"{manifest.documents:,} documents"
     if args.kind != "seq":
         records = "records" if args.kind == "sft" else "pairs"
-        what = f"{manifest['documents']:,} {records}, {_supervised(out):,} tokens supervised"
+        what = f"{manifest.documents:,} {records}, {_supervised(out):,} tokens supervised"
     print(
-        f"wrote {manifest['num_tokens']:,} tokens ({what}) from "
-        f"{len(manifest['sources'])} file(s) in {len(manifest['shards'])} shard(s) to {out} "
-        f"(tokenizer {manifest['tokenizer']}, vocab {manifest['vocab_size']}, {manifest['dtype']}, "
-        f"end of text {manifest.get('end_of_text_token', manifest['end_of_text'])!r}, {workers} worker(s))"
+        f"wrote {manifest.num_tokens:,} tokens ({what}) from "
+        f"{len(manifest.sources)} file(s) in {len(manifest.shards)} shard(s) to {out} "
+        f"(tokenizer {manifest.tokenizer}, vocab {manifest.vocab_size}, {manifest.dtype}, "
+        f"end of text {manifest.end_of_text_shown!r}, {workers} worker(s))"
     )
     return 0

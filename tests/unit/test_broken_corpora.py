@@ -123,7 +123,7 @@ def test_an_empty_text_is_no_document(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     manifest = prepare(tmp_path / "data", [corpus])
     assert _documents(tmp_path / "data") == ["one", "two"]
-    assert manifest["documents"] == 2 and manifest["empty"] == 1
+    assert manifest.documents == 2 and manifest.empty == 1
     with pytest.raises(DataError, match="the inputs are empty"):
         prepare(tmp_path / "text", [tmp_path / "empty.txt"])
 

@@ -85,8 +85,8 @@ def test_each_record_is_one_document_in_order(tmp_path, make):
     made = make(tmp_path)
     manifest = prepare(tmp_path / "out", [made])
     assert _documents(tmp_path / "out") == TEXTS
-    assert manifest["documents"] == len(TEXTS) and manifest["sources"][0]["documents"] == len(TEXTS)
-    assert manifest["sources"][0]["tokens"] == manifest["num_tokens"]
+    assert manifest.documents == len(TEXTS) and manifest.sources[0].documents == len(TEXTS)
+    assert manifest.sources[0].tokens == manifest.num_tokens
 
 
 @pytest.mark.parametrize("workers", [1, 2, 4])
@@ -105,7 +105,7 @@ def test_any_number_of_workers_writes_the_same_shards(tmp_path, monkeypatch, wor
     manifest = prepare(tmp_path / "out", inputs, shard_tokens=5000, workers=workers)
     documents = _documents(tmp_path / "out")
     assert documents == TEXTS + TEXTS[:120] + TEXTS[:90] + ["".join(TEXTS)]
-    assert manifest["documents"] == len(documents) == 200 + 120 + 90 + 1
+    assert manifest.documents == len(documents) == 200 + 120 + 90 + 1
     reference = TokenData.open(tmp_path / "ref")
     assert _shard_bytes(TokenData.open(tmp_path / "out")) == _shard_bytes(reference) and len(reference.shard_files) > 3
     assert (tmp_path / "out" / "manifest.json").read_text() == (tmp_path / "ref" / "manifest.json").read_text()
@@ -132,8 +132,8 @@ def test_nested_fields_save_to_disk_folders_and_folders_of_files(tmp_path):
     nested = [{"meta": {"content": text}, "text": 1} for text in TEXTS[:50]]
     datasets.Dataset.from_list(nested).save_to_disk(str(tmp_path / "saved"))
     manifest = prepare(tmp_path / "out", [tmp_path / "saved"], field="meta.content")
-    assert _documents(tmp_path / "out") == TEXTS[:50] and manifest["field"] == "meta.content"
-    assert manifest["sources"][0]["file"].endswith("data-00000-of-00001.arrow")
+    assert _documents(tmp_path / "out") == TEXTS[:50] and manifest.field == "meta.content"
+    assert manifest.sources[0].file.endswith("data-00000-of-00001.arrow")
 
     folder = tmp_path / "download"
     (folder / "data").mkdir(parents=True)
@@ -144,7 +144,7 @@ def test_nested_fields_save_to_disk_folders_and_folders_of_files(tmp_path):
     notes = []
     manifest = prepare(tmp_path / "out2", [folder], say=notes.append)
     assert _documents(tmp_path / "out2") == TEXTS
-    assert [Path(entry["file"]).name for entry in manifest["sources"]] == ["train-00000.parquet", "train-00001.parquet"]
+    assert [Path(entry.file).name for entry in manifest.sources] == ["train-00000.parquet", "train-00001.parquet"]
     assert any("left out README.md" in note for note in notes)
 
     datasets.DatasetDict({"train": datasets.Dataset.from_list(RECORDS[:3])}).save_to_disk(str(tmp_path / "dict"))
@@ -175,8 +175,8 @@ def test_a_bad_record_is_named_by_file_and_line_and_nothing_is_written(tmp_path,
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
 
     manifest = prepare(tmp_path / "out", [path], workers=2, skip_bad=True)
-    assert manifest["sources"][0]["skipped"] == 1 and manifest["skipped"] == 1
-    assert manifest["sources"][0]["first_skipped"].startswith(f"{path}:151: ")
+    assert manifest.sources[0].skipped == 1 and manifest.skipped == 1
+    assert manifest.sources[0].first_skipped.startswith(f"{path}:151: ")
     assert _documents(tmp_path / "out") == TEXTS
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from astrai.common.data_folder import DataError, TokenData
+from astrai.common.data_folder import DataError, DataManifest, TokenData
 from astrai.data import pipeline as data_module
 from astrai.data.pipeline import prepare
 from astrai.data.tokenizing import ByteTokenizer
@@ -36,6 +36,24 @@ def test_prepare_writes_byte_tokens_and_a_manifest(tmp_path, capsys):
     tokens = [int.from_bytes(raw[i : i + 2], "little") for i in range(0, len(raw), 2)]
     assert tokens == TOKENIZER.encode("héllo") + [256] + TOKENIZER.encode("world\n") + [256]
     assert TOKENIZER.decode(tokens) == "hélloworld\n"
+
+
+def test_the_manifest_is_one_record_written_and_read_alike_and_older_folders_still_read(tmp_path, capsys):
+    corpus = _write(tmp_path / "c.txt", "one\n")
+    written = prepare(tmp_path / "out", [corpus])
+    text = (tmp_path / "out" / "manifest.json").read_text()
+    assert DataManifest.from_dict(json.loads(text)) == written and written.to_json() == text
+    assert written.sources[0].file == str(corpus) and written.sources[0].documents == 1
+    # The first version listed its sources by name and counted neither documents nor skips.
+    old = {key: value for key, value in json.loads(text).items() if key not in ("documents", "skipped", "empty")}
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps({**old, "sources": ["c.txt"], "version": 1}))
+    assert TokenData.open(tmp_path / "out").documents is None
+    assert data_module.main(["info", str(tmp_path / "out")]) == 0
+    assert "sources     c.txt" in capsys.readouterr().out
+    for broken, named in (({**old, "shards": [{"file": "x"}]}, "num_tokens"), ({**old, "kind": "rl"}, "kind")):
+        (tmp_path / "out" / "manifest.json").write_text(json.dumps(broken))
+        with pytest.raises(DataError, match=f"unreadable manifest.*{named}"):
+            TokenData.open(tmp_path / "out")
 
 
 def test_windows_come_from_the_shards_and_never_cross_them(tmp_path):

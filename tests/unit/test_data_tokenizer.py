@@ -156,7 +156,7 @@ def test_a_vocabulary_beyond_uint16_gets_uint32_shards(tmp_path):
     text = tmp_path / "doc.txt"
     text.write_text("w1 w65535 w65536 w69998\nw3 w4\n")
     manifest = data_module.prepare(tmp_path / "data", [text], tokenizer=data_module.HFTokenizer(tokenizer))
-    assert manifest["dtype"] == "uint32" and manifest["vocab_size"] == 70_000
+    assert manifest.dtype == "uint32" and manifest.vocab_size == 70_000
     assert _tokens(tmp_path / "data") == [1, 65535, 65536, 69998, 3, 4, 69_999]
     opened = TokenData.open(tmp_path / "data")
     assert WindowDataset(opened, 4)[0].tolist() == [1, 65535, 65536, 69998, 3]
