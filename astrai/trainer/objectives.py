@@ -28,6 +28,7 @@ from astrai.common.contract import (
     METRIC_REWARDS_REJECTED,
 )
 from astrai.trainer.distributed import DistEnv
+from astrai.trainer.records import DPOPair, SFTWindow
 from astrai.trainer.reference import summed_log_probs
 
 
@@ -66,16 +67,16 @@ class Supervised:
 
     def step_scale(self, batches) -> torch.Tensor:
         """Supervised tokens of the whole global batch (this step's micro-batches on every rank)."""
-        count = sum(batch[2].sum() for batch in batches).to(self.env.device, dtype=torch.float32)
+        count = sum(batch.weights.sum() for batch in batches).to(self.env.device, dtype=torch.float32)
         if self.env.distributed:
             dist.all_reduce(count)
         return count.clamp(min=1.0)
 
-    def _summed(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets, weights, positions, segments = (part.to(self.env.device, non_blocking=True) for part in batch)
-        logits = model(inputs, positions, segments)
-        losses = F.cross_entropy(logits.float().view(-1, self.vocab_size), targets.reshape(-1), reduction="none")
-        return (losses * weights.reshape(-1)).sum(), weights.sum()
+    def _summed(self, model, batch: SFTWindow) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = batch.to(self.env.device)
+        logits = model(batch.inputs, batch.positions, batch.segments)
+        losses = F.cross_entropy(logits.float().view(-1, self.vocab_size), batch.targets.reshape(-1), reduction="none")
+        return (losses * batch.weights.reshape(-1)).sum(), batch.weights.sum()
 
     def micro(self, model, batch, scale, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
         summed, _ = self._summed(model, batch)
@@ -104,14 +105,14 @@ class Preference:
     def step_scale(self, batches) -> None:
         return None
 
-    def _pairs(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets, weights, numbers = (part.to(self.env.device, non_blocking=True) for part in batch)
-        policy = summed_log_probs(model, self.vocab_size, inputs, targets, weights)
+    def _pairs(self, model, batch: DPOPair) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = batch.to(self.env.device)
+        policy = summed_log_probs(model, self.vocab_size, batch)
         if isinstance(self.reference, torch.Tensor):
-            reference = self.reference[numbers]
+            reference = self.reference[batch.number]
         else:
             with torch.no_grad():
-                reference = summed_log_probs(self.reference, self.vocab_size, inputs, targets, weights)
+                reference = summed_log_probs(self.reference, self.vocab_size, batch)
         rewards = self.beta * (policy - reference)
         margins = rewards[:, 0] - rewards[:, 1]
         return -F.logsigmoid(margins), rewards.detach()

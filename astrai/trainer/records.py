@@ -11,11 +11,44 @@ left out (``drop``); the trainer says how many at start.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.utils.data import Dataset
 
 from astrai.common.data_folder import Packing, Pairs, TokenData, WindowSplit
 from astrai.trainer.windows import map_token_shards
+
+
+class SFTWindow(NamedTuple):
+    """One packed SFT window, or (collated) a batch of them: each field ``window`` entries per row."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    weights: torch.Tensor
+    """1.0 where the target is a supervised token, else 0.0."""
+    positions: torch.Tensor
+    """Each token's position inside its own sequence (restarting at every sequence)."""
+    segments: torch.Tensor
+    """Which sequence of the window each token belongs to; attention stays inside a segment."""
+
+    def to(self, device: torch.device) -> SFTWindow:
+        return SFTWindow(*(part.to(device, non_blocking=True) for part in self))
+
+
+class DPOPair(NamedTuple):
+    """One DPO pair, or (collated) a batch of them: rows (2, window) per pair, row 0 chosen, row 1 rejected."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    weights: torch.Tensor
+    """1.0 where the target is a token of the answer, else 0.0."""
+    number: int | torch.Tensor
+    """The pair's number: its row in a precomputed reference table."""
+
+    def to(self, device: torch.device) -> DPOPair:
+        moved = (part.to(device, non_blocking=True) if isinstance(part, torch.Tensor) else part for part in self)
+        return DPOPair(*moved)
 
 
 class RecordIndex:
@@ -69,7 +102,7 @@ class _Units(Dataset):
 
 
 class PackedSFT(_Units):
-    """Training window i as (inputs, targets, weights, positions, segments), each of ``window`` entries.
+    """Training window i as an :class:`SFTWindow`.
 
     ``weights`` is 1 where the target is a supervised token; padding (after the last sequence) is its own
     segment per position, attends only to itself and has weight 0.
@@ -79,7 +112,7 @@ class PackedSFT(_Units):
         super().__init__(index, window, split)
         self.packing = packing
 
-    def item(self, number: int):
+    def item(self, number: int) -> SFTWindow:
         """Window ``number`` of the packing (training or held out)."""
         size = self.window_size
         inputs = torch.zeros(size, dtype=torch.int64)
@@ -97,18 +130,17 @@ class PackedSFT(_Units):
             positions[at : at + count] = torch.arange(count)
             segments[at : at + count] = segment
             at += count
-        return inputs, targets, weights, positions, segments
+        return SFTWindow(inputs, targets, weights, positions, segments)
 
 
 class DPOPairs(_Units):
-    """Training pair i as (inputs, targets, weights, number): three (2, window) tensors, row 0 the chosen answer,
-    row 1 the rejected, and the pair's number (its row in a precomputed reference table)."""
+    """Training pair i as a :class:`DPOPair`."""
 
     def __init__(self, index: RecordIndex, pairs: Pairs, window: int, split: WindowSplit):
         super().__init__(index, window, split)
         self.pairs = pairs
 
-    def item(self, number: int):
+    def item(self, number: int) -> DPOPair:
         size = self.window_size
         inputs = torch.zeros(2, size, dtype=torch.int64)
         targets = torch.zeros(2, size, dtype=torch.int64)
@@ -120,4 +152,4 @@ class DPOPairs(_Units):
             inputs[row, :count] = ids[:-1]
             targets[row, :count] = ids[1:]
             weights[row, :count] = mask[1:].to(torch.float32)
-        return inputs, targets, weights, number
+        return DPOPair(inputs, targets, weights, number)

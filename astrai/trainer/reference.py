@@ -26,17 +26,19 @@ from astrai.common.checkpoints import fsync_path
 from astrai.common.contract import REFERENCE_LOG_PROBS_FILE
 from astrai.trainer.distributed import DistEnv, broadcast_from_master
 from astrai.trainer.model import save_tensors
+from astrai.trainer.records import DPOPair
 
 TABLE_KEY = "log_probs"
 
 
-def summed_log_probs(model, vocab_size: int, inputs, targets, weights) -> torch.Tensor:
+def summed_log_probs(model, vocab_size: int, pairs: DPOPair) -> torch.Tensor:
     """Summed log-probability of each row's supervised tokens under ``model``: (pairs, 2) for (pairs, 2, T) rows."""
-    logits = model(inputs.view(-1, inputs.shape[-1]))
+    width = pairs.inputs.shape[-1]
+    logits = model(pairs.inputs.view(-1, width))
     token = -torch.nn.functional.cross_entropy(
-        logits.float().view(-1, vocab_size), targets.reshape(-1), reduction="none"
+        logits.float().view(-1, vocab_size), pairs.targets.reshape(-1), reduction="none"
     )
-    return (token * weights.reshape(-1)).view(-1, 2, inputs.shape[-1]).sum(-1)
+    return (token * pairs.weights.reshape(-1)).view(-1, 2, width).sum(-1)
 
 
 def reference_table(
@@ -69,9 +71,9 @@ def reference_table(
         for index in range(batches):
             chunk = mine[index * batch_size : (index + 1) * batch_size]
             batch = default_collate([dataset.item(number) for number in chunk or [0]])
-            inputs, targets, weights = (part.to(env.device) for part in batch[:3])
+            batch = batch.to(env.device)
             with autocast:
-                scores = summed_log_probs(reference, vocab_size, inputs, targets, weights)
+                scores = summed_log_probs(reference, vocab_size, batch)
             if chunk:
                 table[torch.tensor(chunk, device=env.device)] = scores.float()
     if env.distributed:
