@@ -87,7 +87,7 @@ def _docker_run(job, documents: list[dict], index: int, controller_uid: str, nam
     return [*command, container["image"], *container.get("args", [])]
 
 
-def test_the_rendered_pod_spec_trains_two_indexes_stops_gracefully_and_resumes(make_job):
+def test_the_rendered_pod_spec_trains_two_indexes_stops_gracefully_and_resumes(make_job, request):
     if not _port_free(kubernetes.RENDEZVOUS_PORT):
         pytest.skip(f"port {kubernetes.RENDEZVOUS_PORT} (the manifest's rendezvous port) is in use on this host")
     job = make_job(
@@ -100,6 +100,14 @@ def test_the_rendered_pod_spec_trains_two_indexes_stops_gracefully_and_resumes(m
     )
     document = yaml.safe_load(job.config.read_text())
     image = f"{compose.project_name(job.name, 0)}-{compose.SERVICE}"
+    started: list[str] = []
+
+    def remove_pods_and_image() -> None:  # pass or fail
+        if started:
+            subprocess.run(["docker", "rm", "-f", *started], capture_output=True)
+        subprocess.run(["docker", "image", "rm", "--force", image], capture_output=True)
+
+    request.addfinalizer(remove_pods_and_image)
     document["runtime"]["kubernetes"] = {
         "namespace": "ml",
         "image": image,
@@ -126,6 +134,7 @@ def test_the_rendered_pod_spec_trains_two_indexes_stops_gracefully_and_resumes(m
     def run_pods(round_: int) -> list[str]:
         controller_uid = str(uuid.uuid4())  # a Job created again gets a new uid, so a fresh rendezvous
         names = [f"{job.name}-pod{index}-{round_}-{secrets.token_hex(2)}" for index in (0, 1)]
+        started.extend(names)
         for index in (1, 0):  # pods start in any order
             subprocess.run(
                 _docker_run(job, documents, index, controller_uid, names[index]), check=True, capture_output=True
@@ -161,5 +170,3 @@ def test_the_rendered_pod_spec_trains_two_indexes_stops_gracefully_and_resumes(m
     assert exit_codes(second) == [0, 0], logs(second)
     assert "resumed from" in logs(second[:1])
     assert job.checkpoints()[-1] == (60, "final")
-    subprocess.run(["docker", "rm", "-f", *first, *second], capture_output=True)
-    subprocess.run(["docker", "image", "rm", "--force", image], capture_output=True)
