@@ -82,9 +82,9 @@ class ShardEntry:
         return dataclasses.replace(entry, num_records=int(raw.get("num_records", 0)))
 
 
-@dataclass(frozen=True)
+@dataclass
 class SourceEntry:
-    """One input file of a data folder, and what it gave."""
+    """One input file of a data folder, and what it gave (counted up by prepare as the pieces come in)."""
 
     file: str
     size: int = 0

@@ -102,20 +102,12 @@ class PieceResult:
     """Why the piece's source cannot be read to its end (with --skip_bad; the source is left out whole)."""
 
 
-@dataclass
-class _SourceStats:
-    documents: int = 0
-    tokens: int = 0
-    skipped: int = 0
-    empty: int = 0
-    first_bad: str | None = None
-    failed: str | None = None
-
-    def add(self, result: PieceResult) -> None:
-        self.documents += result.documents
-        self.tokens += result.tokens
-        self.skipped += result.skipped
-        self.empty += result.empty
+def _count(entry: SourceEntry, result: PieceResult) -> None:
+    """Add what one piece of a source gave to the source's entry."""
+    entry.documents += result.documents
+    entry.tokens += result.tokens
+    entry.skipped += result.skipped
+    entry.empty += result.empty
 
 
 def prepare(
@@ -201,7 +193,7 @@ def _prepare_into(
     chosen = tokenizer or ByteTokenizer()
     dtype = token_dtype(chosen.vocab_size)
     shards = _ShardWriter(staging, shard_tokens, DTYPES[dtype], group=2 if kind == "dpo" else 1 if kind == "sft" else 0)
-    stats = [_SourceStats() for _ in sources]
+    stats = [SourceEntry(source.name, source.size) for source in sources]
     checksums = _Checksums(sources)
     meter = _Progress(total_bytes(sources)) if progress else None
     setup = (chosen.spec(), sources, fields, staging, skip_bad, kind, messages_field)
@@ -219,15 +211,15 @@ def _prepare_into(
             if held and result.source != held[0].source:
                 settle()
             entry = stats[result.source]
-            if entry.failed is not None or result.failed is not None:
+            if entry.left_out is not None or result.failed is not None:
                 _discard(result)
-                if entry.failed is None:
+                if entry.left_out is None:
                     if not skip_bad:
                         raise DataError(f"{result.failed}; {LEFT_OUT_HINT}")
                     for earlier in held:
                         _discard(earlier)
                     held.clear()
-                    stats[result.source] = _SourceStats(failed=result.failed)
+                    stats[result.source] = SourceEntry(entry.file, entry.size, left_out=result.failed)
                 continue
             if result.first_bad is not None:
                 where = describe_where(sources[result.source], result.first_bad[0])
@@ -236,8 +228,8 @@ def _prepare_into(
                     raise DataError(
                         f"{where}: {result.first_bad[1]}; nothing was written (--skip_bad skips such records)"
                     )
-                entry.first_bad = entry.first_bad or f"{where}: {result.first_bad[1]}"
-            entry.add(result)
+                entry.first_skipped = entry.first_skipped or f"{where}: {result.first_bad[1]}"
+            _count(entry, result)
             if meter is not None:
                 meter.add(result.documents, result.tokens, result.bytes_read)
             if skip_bad:
@@ -252,15 +244,15 @@ def _prepare_into(
         if meter is not None:
             meter.done()
     if shards.total == 0 or all(entry.tokens == entry.documents for entry in stats):
-        failed = [entry.failed for entry in stats if entry.failed]
+        failed = [entry.left_out for entry in stats if entry.left_out]
         if failed:
             raise DataError(f"nothing is left to train on: every input was left out (first: {failed[0]})")
         raise DataError("the inputs are empty: they hold no text to train on")
     field = fields or messages_field
-    return _manifest(chosen, tokenizer, staging, dtype, kind, shards, sources, stats, checksums, field)
+    return _manifest(chosen, tokenizer, staging, dtype, kind, shards, stats, checksums, field)
 
 
-def _manifest(chosen, tokenizer, staging, dtype, kind, shards, sources, stats, checksums, field) -> DataManifest:
+def _manifest(chosen, tokenizer, staging, dtype, kind, shards, stats, checksums, field) -> DataManifest:
     """The manifest of a folder whose shards are written: what it holds, and what each source gave."""
     if isinstance(field, list):
         field = ".".join(field)
@@ -284,23 +276,10 @@ def _manifest(chosen, tokenizer, staging, dtype, kind, shards, sources, stats, c
         documents=sum(entry.documents for entry in stats),
         skipped=sum(entry.skipped for entry in stats),
         empty=sum(entry.empty for entry in stats),
-        left_out=tuple(entry.failed for entry in stats if entry.failed is not None),
+        left_out=tuple(entry.left_out for entry in stats if entry.left_out is not None),
         field=field,
         shards=tuple(ShardEntry.from_dict(shard) for shard in shards.shards),
-        sources=tuple(
-            SourceEntry(
-                file=source.name,
-                size=source.size,
-                sha256=checksums.get(number),
-                documents=entry.documents,
-                tokens=entry.tokens,
-                skipped=entry.skipped,
-                empty=entry.empty,
-                first_skipped=entry.first_bad,
-                left_out=entry.failed,
-            )
-            for number, (source, entry) in enumerate(zip(sources, stats, strict=True))
-        ),
+        sources=tuple(dataclasses.replace(entry, sha256=checksums.get(number)) for number, entry in enumerate(stats)),
         **facts,
     )
 
