@@ -25,6 +25,9 @@ Needs root (debootstrap, chroot), ``debootstrap`` and a reachable Docker daemon.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
@@ -64,10 +67,34 @@ def ensure_base_image(
     torch_requirement: str = DEFAULT_TORCH,
     log=print,
 ) -> bool:
-    """Build ``tag`` unless it exists; return True when it was built now."""
+    """Build ``tag`` unless it exists; return True when it was built now.
+
+    Two builds of one tag at once (two test workers, two terminals) take turns: the second waits for the
+    first and then finds the image there.
+    """
     if image_exists(tag):
         log(f"base image {tag} is already present; reusing it")
         return False
+    with _build_lock(tag):
+        if image_exists(tag):
+            log(f"base image {tag} was built meanwhile; reusing it")
+            return False
+        _build(tag, suite, mirror, torch_requirement, log)
+    return True
+
+
+@contextlib.contextmanager
+def _build_lock(tag: str):
+    name = hashlib.sha256(tag.encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"astrai-baseimage-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build(tag: str, suite: str, mirror: str, torch_requirement: str, log) -> None:
     _check_prerequisites()
     with tempfile.TemporaryDirectory(prefix="astrai-baseimage-") as work:
         rootfs = Path(work) / "rootfs"
@@ -101,7 +128,6 @@ def ensure_base_image(
         _trim(rootfs)
         log(f"docker import as {tag}")
         _docker_import(rootfs, tag)
-    return True
 
 
 def _check_prerequisites() -> None:
