@@ -1,0 +1,113 @@
+"""LoRA adapters on our model, against PEFT on transformers' model of the same folder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_folders import make_hf_model
+
+from astrai.trainer import lora
+from astrai.trainer.model import load_pretrained
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+SETTINGS = lora.LoRASettings(rank=4, alpha=8.0, dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("lora") / "base", kv_heads=2, seed=3)
+
+
+def _ours(folder, settings=SETTINGS, seed=0):
+    model = load_pretrained(folder)
+    lora.add_adapters(model, settings, torch.Generator().manual_seed(seed))
+    return model
+
+
+def _peft(folder, adapters: dict[str, torch.Tensor], settings=SETTINGS):
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=0.0, target_modules=list(settings.targets)
+    )
+    model = peft.get_peft_model(base, config)
+    result = peft.set_peft_model_state_dict(model, {lora.peft_name(name): value for name, value in adapters.items()})
+    assert not [key for key in result.unexpected_keys if "lora" in key], result.unexpected_keys
+    return model
+
+
+def _nonzero_b(model, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in lora.adapter_layers(model).values():
+            layer.lora_B.weight.copy_(0.05 * torch.randn(layer.lora_B.weight.shape, generator=generator))
+
+
+TOKENS = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def test_at_the_start_the_adapted_model_is_the_base_model_and_only_adapters_train(folder):
+    base, model = load_pretrained(folder), _ours(folder)
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS), base(TOKENS))
+    adapted = lora.adapter_layers(model)
+    assert len(adapted) == 2 * 7 and all(layer.lora_B.weight.abs().sum() == 0 for layer in adapted.values())
+    trainable, frozen = lora.parameter_counts(model)
+    assert frozen == sum(p.numel() for p in base.parameters())
+    assert trainable == sum(4 * (layer.in_features + layer.out_features) for layer in adapted.values())
+    model(TOKENS).sum().backward()
+    assert all((p.grad is None) != lora.is_adapter(name) for name, p in model.named_parameters())
+    # The base weights keep their names; the adapters are beside them.
+    assert set(base.state_dict()) == {name for name in model.state_dict() if not lora.is_adapter(name)}
+
+
+def test_logits_and_one_adamw_step_equal_peft_on_transformers(folder):
+    ours = _ours(folder)
+    _nonzero_b(ours)
+    theirs = _peft(folder, lora.adapter_state_dict(ours))
+    with torch.no_grad():
+        difference = (ours(TOKENS) - theirs(input_ids=TOKENS).logits).abs().max().item()
+    assert difference <= 1e-5, difference
+
+    targets = torch.roll(TOKENS, -1, dims=1)
+    before = {name: value.clone() for name, value in lora.adapter_state_dict(ours).items()}
+    for logits_of, model in ((lambda: ours(TOKENS), ours), (lambda: theirs(input_ids=TOKENS).logits, theirs)):
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        loss = torch.nn.functional.cross_entropy(logits_of().reshape(-1, 300), targets.reshape(-1))
+        loss.backward()
+        optimizer.step()
+    assert all(not torch.equal(before[name], value) for name, value in lora.adapter_state_dict(ours).items())
+    after = {lora.peft_name(name): value for name, value in lora.adapter_state_dict(ours).items()}
+    stepped = peft.get_peft_model_state_dict(theirs)
+    assert after.keys() == stepped.keys()
+    for name, value in after.items():
+        torch.testing.assert_close(value, stepped[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_merged_weights_and_adapters_off_give_the_adapted_and_the_base_model(folder):
+    model = _ours(folder, lora.LoRASettings(rank=2, alpha=3.0, targets=("q_proj", "down_proj")))
+    _nonzero_b(model)
+    merged = load_pretrained(folder)
+    merged.load_state_dict(lora.merged_state_dict(model))
+    with torch.no_grad():
+        assert (merged(TOKENS) - model(TOKENS)).abs().max().item() <= 1e-5
+        with lora.adapters_off(model):
+            assert torch.equal(model(TOKENS), load_pretrained(folder)(TOKENS))
+        assert not torch.equal(model(TOKENS), load_pretrained(folder)(TOKENS))
+
+
+def test_bf16_base_weights_keep_fp32_adapters(folder):
+    model = load_pretrained(folder).to(torch.bfloat16)
+    lora.add_adapters(model, SETTINGS)
+    layer = next(iter(lora.adapter_layers(model).values()))
+    assert layer.weight.dtype == torch.bfloat16 and layer.lora_A.weight.dtype == torch.float32
+    assert model(TOKENS).dtype == torch.bfloat16
+
+
+def test_unknown_targets_and_a_zero_rank_are_refused(folder):
+    with pytest.raises(ValueError, match="unknown qkv; choose from q_proj"):
+        lora.add_adapters(load_pretrained(folder), lora.LoRASettings(rank=2, alpha=2, targets=("qkv",)))
+    with pytest.raises(ValueError, match="at least 1"):
+        lora.add_adapters(load_pretrained(folder), lora.LoRASettings(rank=0, alpha=2))
