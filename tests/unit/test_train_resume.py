@@ -89,6 +89,7 @@ def test_sigterm_stops_within_a_step_and_a_save_and_resumes_bitwise_equal(
     run = Run([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "run.log")
     try:
         wait_for(lambda: metrics_step(ckpt_dir) >= 50, run)
+        logged = metrics_step(ckpt_dir)
         started = time.monotonic()
         os.killpg(run.proc.pid, signal.SIGTERM)
         time.sleep(0.05)
@@ -100,11 +101,14 @@ def test_sigterm_stops_within_a_step_and_a_save_and_resumes_bitwise_equal(
         run.kill()
     output = run.output()
     assert code == 0, output
-    # One step (~0.03 s) plus one save of a tiny model (~0.1 s) plus 2 s.
-    assert elapsed < 2.5, output
     assert "emergency checkpoint" in output
     latest = latest_complete_checkpoint(ckpt_dir)
-    assert latest.meta.reason == "emergency" and 50 <= latest.step < 200
+    # Within a step: the step under way when the signal came (metrics are written every log_interval steps,
+    # so at most that many past the last logged one) is the last one trained.
+    assert latest.meta.reason == "emergency" and logged <= latest.step <= logged + 10 < 200, (logged, latest.step)
+    # And quickly: one step (~0.03 s) and one save of a tiny model (~0.1 s); the rest is the process's exit,
+    # slower on a loaded machine, but far short of the ~10 s the remaining steps take.
+    assert elapsed < 5, output
 
     rerun = run_to_end([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "rerun.log")
     assert f"resumed from {latest.path}" in rerun.output()
