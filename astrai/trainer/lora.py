@@ -18,13 +18,19 @@ is said with PEFT's (Hugging Face's) module names: ``q_proj``, ``k_proj``, ``v_p
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
+from astrai.common.atomic import write_text_atomically
+from astrai.common.contract import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+from astrai.common.errors import AstraiError
 from astrai.common.model_folder import hf_name
 
 TARGETS = {
@@ -170,3 +176,118 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
     """(trainable, frozen) parameters."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, sum(p.numel() for p in model.parameters()) - trainable
+
+
+# --- PEFT adapter folders ----------------------------------------------------------------------------
+
+
+class AdapterError(AstraiError):
+    """A PEFT adapter folder that cannot be read, or does not fit the model it is meant for."""
+
+
+def write_peft_adapter(folder: Path, model: nn.Module, settings: LoRASettings, base_model: str = "") -> None:
+    """Write the adapters as a PEFT adapter folder that ``peft.PeftModel.from_pretrained(base, folder)`` loads."""
+    from astrai.trainer.model import save_tensors  # the model module imports nothing of this one
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        peft_name(name): value.detach().float().contiguous() for name, value in adapter_state_dict(model).items()
+    }
+    save_tensors(tensors, folder / ADAPTER_WEIGHTS_FILE, metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": settings.rank,
+        "lora_alpha": settings.alpha,
+        "lora_dropout": settings.dropout,
+        "target_modules": sorted(settings.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+    }
+    write_text_atomically(folder / ADAPTER_CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def read_peft_adapter(folder: Path) -> tuple[LoRASettings, dict[str, torch.Tensor]]:
+    """The settings and weights (by our names) of a PEFT LoRA adapter folder; AdapterError says what does not fit."""
+    folder = Path(folder)
+    try:
+        raw = json.loads((folder / ADAPTER_CONFIG_FILE).read_text(encoding="utf-8"))
+        tensors = load_file(folder / ADAPTER_WEIGHTS_FILE, device="cpu")
+    except (OSError, ValueError) as error:
+        raise AdapterError(f"{folder}: not a PEFT adapter folder ({error})") from None
+    if not isinstance(raw, dict) or raw.get("peft_type") != "LORA":
+        raise AdapterError(f"{folder / ADAPTER_CONFIG_FILE}: peft_type must be LORA, got {raw.get('peft_type')!r}")
+    unsupported = {key: raw.get(key) for key in ("use_dora", "use_rslora", "fan_in_fan_out") if raw.get(key)}
+    if raw.get("bias", "none") != "none" or raw.get("modules_to_save") or unsupported:
+        raise AdapterError(
+            f"{folder / ADAPTER_CONFIG_FILE}: only plain LoRA adapters are read (bias none, no modules_to_save, "
+            f"no DoRA, rsLoRA or fan_in_fan_out); it has {unsupported or {'bias': raw.get('bias')}}"
+        )
+    targets = raw.get("target_modules")
+    targets = [targets] if isinstance(targets, str) else targets
+    unknown = sorted(set(targets or ()) - set(TARGETS))
+    if not targets or unknown:
+        raise AdapterError(
+            f"{folder / ADAPTER_CONFIG_FILE}: target_modules {unknown or targets} are not among {', '.join(TARGETS)}"
+        )
+    try:
+        settings = LoRASettings(
+            int(raw["r"]), float(raw["lora_alpha"]), float(raw.get("lora_dropout", 0.0)), tuple(targets)
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise AdapterError(f"{folder / ADAPTER_CONFIG_FILE}: r and lora_alpha must be numbers ({error})") from None
+    ours = {}
+    for name, value in tensors.items():
+        mine = _our_name(name)
+        if mine is None:
+            raise AdapterError(
+                f"{folder / ADAPTER_WEIGHTS_FILE}: {name} is not a LoRA weight of a layer this model has"
+            )
+        ours[mine] = value
+    return settings, ours
+
+
+def _hf_module(ours: str) -> str:
+    """Hugging Face's module of a block for ours: ``attention.wq`` -> ``self_attn.q_proj``."""
+    return hf_name(f"layers.0.{ours}.weight").removeprefix("model.layers.0.").removesuffix(".weight")
+
+
+_OURS_BY_HF = {_hf_module(ours): ours for ours in TARGETS.values()}
+
+
+def _our_name(peft: str) -> str | None:
+    """Ours for a PEFT adapter tensor name (the inverse of peft_name), or None."""
+    head, found, part = peft.removeprefix(PEFT_PREFIX + "model.layers.").partition(".lora_")
+    index, _, module = head.partition(".")
+    if not peft.startswith(PEFT_PREFIX) or not found or not index.isdigit() or part not in ("A.weight", "B.weight"):
+        return None
+    ours = _OURS_BY_HF.get(module)
+    return None if ours is None else f"layers.{index}.{ours}.lora_{part}"
+
+
+def load_adapters(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Put adapter weights (by our names) into a model that has adapters of the same shapes; AdapterError if not."""
+    state = adapter_state_dict(model)
+    missing, extra = sorted(set(state) - set(tensors)), sorted(set(tensors) - set(state))
+    if missing or extra:
+        raise AdapterError(
+            f"{where}: its adapters do not fit this model's: "
+            + "; ".join(
+                f"{what} {names[0]}{' and more' if len(names) > 1 else ''}"
+                for what, names in (("missing", missing), ("not in the model", extra))
+                if names
+            )
+        )
+    for name, target in state.items():  # every shape checked before any is loaded: a refusal changes nothing
+        if tuple(tensors[name].shape) != tuple(target.shape):
+            raise AdapterError(f"{where}: {name} is {list(tensors[name].shape)}, this model's is {list(target.shape)}")
+    with torch.no_grad():
+        for name, target in state.items():
+            target.copy_(tensors[name])

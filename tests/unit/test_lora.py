@@ -111,3 +111,48 @@ def test_unknown_targets_and_a_zero_rank_are_refused(folder):
         lora.add_adapters(load_pretrained(folder), lora.LoRASettings(rank=2, alpha=2, targets=("qkv",)))
     with pytest.raises(ValueError, match="at least 1"):
         lora.add_adapters(load_pretrained(folder), lora.LoRASettings(rank=0, alpha=2))
+
+
+def test_a_peft_adapter_folder_goes_both_ways(folder, tmp_path):
+    ours = _ours(folder)
+    _nonzero_b(ours)
+    lora.write_peft_adapter(tmp_path / "ours", ours, SETTINGS, base_model=str(folder))
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "ours").eval()
+    with torch.no_grad():
+        expected = ours(TOKENS)
+        assert (loaded(input_ids=TOKENS).logits - expected).abs().max().item() <= 1e-5
+
+    # An adapter PEFT wrote (someone's adapter to continue) reads back into our model with the same logits.
+    loaded.save_pretrained(tmp_path / "theirs")
+    settings, tensors = lora.read_peft_adapter(tmp_path / "theirs")
+    assert (settings.rank, settings.alpha, set(settings.targets)) == (4, 8.0, set(lora.TARGETS))
+    again = _ours(folder, settings, seed=9)
+    lora.load_adapters(again, tensors, "theirs")
+    with torch.no_grad():
+        assert (again(TOKENS) - expected).abs().max().item() <= 1e-5
+
+    smaller = _ours(folder, lora.LoRASettings(rank=2, alpha=8.0))
+    with pytest.raises(lora.AdapterError, match=r"theirs: layers.0.attention.wq.lora_A.weight is \[4, 64\], this"):
+        lora.load_adapters(smaller, tensors, "theirs")
+    fewer = _ours(folder, lora.LoRASettings(rank=4, alpha=8.0, targets=("q_proj",)))
+    with pytest.raises(lora.AdapterError, match="do not fit this model's: not in the model layers.0"):
+        lora.load_adapters(fewer, tensors, "theirs")
+
+
+def test_adapter_folders_lora_cannot_read_are_refused_naming_the_key(tmp_path):
+    import json
+
+    lora.write_peft_adapter(tmp_path, _ours(make_hf_model(tmp_path / "base")), SETTINGS)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    for change, message in (
+        ({"peft_type": "IA3"}, "peft_type must be LORA, got 'IA3'"),
+        ({"use_dora": True}, "no DoRA.*'use_dora': True"),
+        ({"target_modules": ["qkv"]}, r"target_modules \['qkv'\] are not among q_proj"),
+        ({"r": "four"}, "r and lora_alpha must be numbers"),
+    ):
+        (tmp_path / "adapter_config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(lora.AdapterError, match=message):
+            lora.read_peft_adapter(tmp_path)
+    with pytest.raises(lora.AdapterError, match="not a PEFT adapter folder"):
+        lora.read_peft_adapter(tmp_path / "base")
