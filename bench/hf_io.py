@@ -73,7 +73,7 @@ def prepare_vs_tokenizers(folder: Path, quick: bool, figures: Figures) -> None:
     written = []
 
     def ours_run():
-        written.append(prepare(folder / "data", files, tokenizer=ours, workers=available_cpus())["num_tokens"])
+        written.append(prepare(folder / "data", files, tokenizer=ours, workers=available_cpus()).num_tokens)
 
     ours_rates, plain_rates = [], []
     for _ in range(3 if quick else 5):

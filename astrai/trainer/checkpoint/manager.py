@@ -287,7 +287,8 @@ class CheckpointManager:
             raise error
         if failed:
             raise CheckpointError(
-                f"the checkpoint failed on rank {failed[0]} (its error is in that rank's output); the run stops here"
+                f"rank {failed[0]} reported a checkpoint error (its message is in that rank's output); "
+                "the run stops here"
             )
 
     def _meta(self, reason: str) -> CheckpointMeta:
