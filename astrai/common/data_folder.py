@@ -61,11 +61,11 @@ class ShardEntry:
 
     file: str
     num_tokens: int
-    mask: str | None = None
-    """Post-training data: the supervision mask beside the shard (mask_file_name)."""
-    records: str | None = None
-    """Post-training data: the lengths of the shard's sequences (records_file_name)."""
     num_records: int = 0
+    """Post-training data: the sequences in the shard, whose lengths its records file holds (records_file_name),
+    and whose supervised tokens its mask file marks (mask_file_name)."""
+    mask: str | None = None
+    records: str | None = None
 
     def files(self) -> list[str]:
         return [self.file, *(name for name in (self.mask, self.records) if name is not None)]
@@ -78,8 +78,13 @@ class ShardEntry:
 
     @classmethod
     def from_dict(cls, raw: dict) -> ShardEntry:
-        entry = cls(str(raw["file"]), int(raw["num_tokens"]), raw.get("mask"), raw.get("records"))
-        return dataclasses.replace(entry, num_records=int(raw.get("num_records", 0)))
+        return cls(
+            file=str(raw["file"]),
+            num_tokens=int(raw["num_tokens"]),
+            num_records=int(raw.get("num_records", 0)),
+            mask=raw.get("mask"),
+            records=raw.get("records"),
+        )
 
 
 @dataclass
