@@ -91,6 +91,8 @@ def test_ctrl_c_during_a_foreground_start_leaves_no_container_or_stops_gracefull
     said_stopped = "stopping the job gracefully" in output
     assert said_nothing_runs or said_stopped, output
     if said_stopped:
-        assert final is not None and final.exit_code == 0, output
+        # A SIGTERM before the interpreter has even started the entrypoint ends it at once (143): nothing ran.
+        before_any_step = "while the trainer was still starting (no step taken, nothing lost)" in output
+        assert final is not None and final.exit_code in ((0, 143) if before_any_step else (0,)), output
     if moment == "training":
         assert said_stopped and job.checkpoints()[-1][1] == "emergency", output
