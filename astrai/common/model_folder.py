@@ -358,7 +358,8 @@ def num_parameters(config: ModelConfig) -> int:
     return sum(math.prod(shape) for shape in tensor_shapes(config).values())
 
 
-_LAYER_PARTS = {
+LAYER_PARTS = {
+    # ours -> Hugging Face's, for the modules of a block
     "attention_norm": "input_layernorm",
     "attention.wq": "self_attn.q_proj",
     "attention.wk": "self_attn.k_proj",
@@ -383,7 +384,7 @@ def hf_name(name: str) -> str:
     if module in _TOP_PARTS:
         return f"{_TOP_PARTS[module]}.{leaf}"
     _, index, part = module.split(".", 2)
-    return f"model.layers.{index}.{_LAYER_PARTS[part]}.{leaf}"
+    return f"model.layers.{index}.{LAYER_PARTS[part]}.{leaf}"
 
 
 def hf_names(config: ModelConfig) -> dict[str, str]:

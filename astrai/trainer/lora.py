@@ -31,17 +31,10 @@ from torch import nn
 from astrai.common.atomic import write_text_atomically
 from astrai.common.contract import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from astrai.common.errors import AstraiError
-from astrai.common.model_folder import hf_name
+from astrai.common.model_folder import LAYER_PARTS, hf_name
+from astrai.trainer.model import save_tensors
 
-TARGETS = {
-    "q_proj": "attention.wq",
-    "k_proj": "attention.wk",
-    "v_proj": "attention.wv",
-    "o_proj": "attention.wo",
-    "gate_proj": "feed_forward.w1",
-    "up_proj": "feed_forward.w3",
-    "down_proj": "feed_forward.w2",
-}
+TARGETS = {hf.rpartition(".")[2]: ours for ours, hf in LAYER_PARTS.items() if hf.endswith("_proj")}
 """PEFT's name of each linear layer of a block, and ours."""
 DEFAULT_TARGETS = tuple(TARGETS)
 PEFT_PREFIX = "base_model.model."
@@ -187,8 +180,6 @@ class AdapterError(AstraiError):
 
 def write_peft_adapter(folder: Path, model: nn.Module, settings: LoRASettings, base_model: str = "") -> None:
     """Write the adapters as a PEFT adapter folder that ``peft.PeftModel.from_pretrained(base, folder)`` loads."""
-    from astrai.trainer.model import save_tensors  # the model module imports nothing of this one
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {
@@ -254,12 +245,7 @@ def read_peft_adapter(folder: Path) -> tuple[LoRASettings, dict[str, torch.Tenso
     return settings, ours
 
 
-def _hf_module(ours: str) -> str:
-    """Hugging Face's module of a block for ours: ``attention.wq`` -> ``self_attn.q_proj``."""
-    return hf_name(f"layers.0.{ours}.weight").removeprefix("model.layers.0.").removesuffix(".weight")
-
-
-_OURS_BY_HF = {_hf_module(ours): ours for ours in TARGETS.values()}
+_OURS_BY_HF = {hf: ours for ours, hf in LAYER_PARTS.items() if hf.endswith("_proj")}
 
 
 def _our_name(peft: str) -> str | None:
