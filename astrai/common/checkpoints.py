@@ -112,6 +112,10 @@ class CheckpointMeta:
     """adamw or muon: whose moments optimizer.pt holds (absent in older checkpoints)."""
     data_digest: str | None = None
     """Which prepared data it trained on: a digest of the data folders' manifests (absent in older checkpoints)."""
+    lora: dict | None = None
+    """LoRA only: ``{"rank", "alpha", "dropout", "targets", "base": {"path", "sha256"}}``. The folder's weights are
+    then the adapters alone (PEFT's names), config.json the base model's, and ``base`` which base they belong to
+    (sha256: astrai.common.model_folder.base_digest)."""
 
     def to_dict(self) -> dict:
         values = dataclasses.asdict(self)
@@ -148,6 +152,7 @@ class CheckpointMeta:
             "format": raw.get("format"),
             "optimizer": raw.get("optimizer"),
             "data_digest": raw.get("data_digest"),
+            "lora": raw.get("lora"),
         }
         if values["reason"] not in REASONS:
             allowed = ", ".join(REASONS)
@@ -166,6 +171,7 @@ class CheckpointMeta:
             isinstance(reference, dict) and all(isinstance(reference.get(key), str) for key in ("path", "sha256"))
         ):
             raise DamagedCheckpoint(f"{META_FILE}: reference must be an object with path and sha256, got {reference!r}")
+        _check_lora(values["lora"])
         moment = values["time"]
         if isinstance(moment, bool) or not isinstance(moment, (int, float)) or not math.isfinite(moment):
             raise DamagedCheckpoint(f"{META_FILE}: time must be a number, got {moment!r}")
@@ -184,6 +190,25 @@ class CheckpointMeta:
         except ValueError as error:
             raise DamagedCheckpoint(f"{META_FILE}: not valid JSON ({error})") from None
         return cls.from_dict(raw)
+
+
+def _check_lora(lora) -> None:
+    if lora is None:
+        return
+    base = lora.get("base") if isinstance(lora, dict) else None
+    rank = lora.get("rank") if isinstance(lora, dict) else None
+    if not (
+        isinstance(rank, int)
+        and rank >= 1
+        and isinstance(lora.get("alpha"), (int, float))
+        and isinstance(lora.get("targets"), list)
+        and all(isinstance(name, str) for name in lora["targets"])
+        and isinstance(base, dict)
+        and all(isinstance(base.get(key), str) for key in ("path", "sha256"))
+    ):
+        raise DamagedCheckpoint(
+            f"{META_FILE}: lora must be an object with rank, alpha, targets and base (path, sha256), got {lora!r}"
+        )
 
 
 def _count(values: dict, key: str, *, default=..., minimum: int = 0):

@@ -32,6 +32,7 @@ from astrai.common.contract import (
     container_job_dir,
 )
 from astrai.common.data_folder import KINDS
+from astrai.common.model_folder import ADAPTER_TARGETS
 
 HOST_SECTION = "runtime"
 """The section the host reads (astrai/host/runtime.py); the trainer ignores it."""
@@ -181,6 +182,16 @@ class TrainingSection:
     optimizer: str = "adamw"
     """adamw, or muon: Muon for the 2-D weight matrices of the transformer blocks, AdamW for embeddings, norms,
     biases and the output head (not under FSDP, which shards the matrices Muon orthogonalises whole)."""
+    lora_rank: int = 0
+    """0 trains every weight (full fine-tuning); r >= 1 freezes the model and trains rank-r LoRA adapters
+    (PEFT's) on the lora_targets layers of every block."""
+    lora_alpha: float = 32.0
+    """LoRA's alpha: an adapter's update is scaled by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input (training only)."""
+    lora_targets: tuple[str, ...] = ADAPTER_TARGETS
+    """Which linear layers of a block get adapters, by PEFT's names: a list, or comma-separated on the command
+    line (q_proj,v_proj)."""
     max_lr: float = 3e-4
     """Peak learning rate, reached at the end of warmup."""
     schedule: str = "cosine"
@@ -220,6 +231,16 @@ class TrainingSection:
         _check(self.schedule in SCHEDULES, "training.schedule", self.schedule, " | ".join(SCHEDULES))
         _check(self.train_type in KINDS, "training.train_type", self.train_type, " | ".join(KINDS))
         _check(self.optimizer in OPTIMIZERS, "training.optimizer", self.optimizer, " | ".join(OPTIMIZERS))
+        _check(self.lora_rank >= 0, "training.lora_rank", self.lora_rank, "an integer >= 0 (0 = full fine-tuning)")
+        _check(self.lora_alpha > 0, "training.lora_alpha", self.lora_alpha, "a number > 0")
+        _check(0 <= self.lora_dropout < 1, "training.lora_dropout", self.lora_dropout, "a number in [0, 1)")
+        _check(
+            self.optimizer != "muon" or self.lora_rank == 0,
+            "training.optimizer",
+            self.optimizer,
+            "adamw with lora_rank >= 1 (Muon orthogonalises whole weight matrices; the adapters' thin A and B "
+            "are not what it is for)",
+        )
         _check(self.dpo_beta > 0, "training.dpo_beta", self.dpo_beta, "a number > 0")
         _check(
             self.dpo_reference in DPO_REFERENCES,
@@ -280,7 +301,11 @@ class CkptSection:
     reference_path: str | None = None
     """DPO's frozen reference model (a model folder); null: the base model (param_path)."""
     format: str | None = None
-    """full (rank 0 gathers and writes) | sharded (every rank writes its own rows); null: sharded under fsdp."""
+    """full (rank 0 gathers and writes) | sharded (every rank writes its own rows); null: sharded under fsdp.
+    With LoRA, checkpoints hold only the adapters, and rank 0 writes them (null or full)."""
+    adapter_path: str | None = None
+    """LoRA: a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) of the base model that a fresh
+    run starts from instead of new adapters; its rank and targets must be this run's. null: new adapters."""
 
     def __post_init__(self) -> None:
         _check(self.ckpt_interval >= 1, "ckpt.ckpt_interval", self.ckpt_interval, "an integer >= 1")
@@ -336,6 +361,15 @@ class TrainerConfig:
                 f"data.sources: mixtures are for pre-training data; training.train_type {self.training.train_type} "
                 "trains on one data folder (data_root_path)"
             )
+        if self.training.lora_rank and self.ckpt.format == CKPT_FORMAT_SHARDED:
+            raise ConfigError(
+                "ckpt.format: sharded writes every rank's rows of the whole model, and a LoRA checkpoint (training."
+                "lora_rank >= 1) holds only the adapters, which rank 0 writes; set ckpt.format to null or full"
+            )
+        if self.ckpt.adapter_path is not None and not self.training.lora_rank:
+            raise ConfigError(
+                "ckpt.adapter_path: a PEFT adapter folder trains as LoRA; set training.lora_rank to its rank (r)"
+            )
         if self.training.optimizer == "muon" and self.parallel.parallel_mode == "fsdp":
             raise ConfigError(
                 "training.optimizer: muon orthogonalises each weight matrix whole, and parallel.parallel_mode fsdp "
@@ -387,6 +421,8 @@ def _coerce(dotted: str, value, kind, from_text: bool):
     """Check (YAML) or parse (command line text) one value against its field type."""
     if dotted.split(" ")[0] == "data.sources":
         return _sources("data.sources", value, from_text)
+    if dotted.split(" ")[0] == "training.lora_targets":
+        return _targets(dotted, value, from_text)
     optional = isinstance(kind, types.UnionType) and type(None) in kind.__args__
     if optional:
         kind = next(arg for arg in kind.__args__ if arg is not type(None))
@@ -425,6 +461,20 @@ def _coerce(dotted: str, value, kind, from_text: bool):
     if not from_text and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     raise ConfigError(f"{dotted}: expected a string, got {_got(value)}")
+
+
+def _targets(dotted: str, value, from_text: bool) -> tuple[str, ...]:
+    """lora_targets: a YAML list of module names, or comma-separated text; each one of ADAPTER_TARGETS, none twice."""
+    if from_text or isinstance(value, str):
+        value = [name.strip() for name in value.split(",")]
+    names = value if isinstance(value, list) else None
+    allowed = ", ".join(ADAPTER_TARGETS)
+    if not names or not all(isinstance(name, str) and name in ADAPTER_TARGETS for name in names):
+        bad = [name for name in names if name not in ADAPTER_TARGETS] if names else value
+        raise ConfigError(f"{dotted}: expected a non-empty list of {allowed}, got {_got(bad)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{dotted}: each module once, got {_got(names)}")
+    return tuple(names)
 
 
 def trainer_sections(path: Path) -> dict:

@@ -137,6 +137,29 @@ def check_same_tokenizer(datas: list[TokenData], names: list[str]) -> None:
             )
 
 
+def _check_same_lora(meta: CheckpointMeta, folder: Path, training) -> None:
+    """A LoRA checkpoint resumes only as LoRA with the same adapters' shapes and scaling, and a full one only as full
+    fine-tuning: one job dir holds one run."""
+    lora = meta.lora
+    if lora is None and not training.lora_rank:
+        return
+    if lora is None or not training.lora_rank:
+        held = "full fine-tuning weights" if lora is None else f"LoRA adapters (rank {lora['rank']})"
+        wanted = f"lora_rank {training.lora_rank}" if training.lora_rank else "full fine-tuning (lora_rank 0)"
+        raise SetupError(
+            f"{folder} holds {held}, and this config trains {wanted}: a job dir holds one run. Set "
+            f"training.lora_rank back to {lora['rank'] if lora else 0}, or start a new job (its own ckpt_dir)"
+        )
+    theirs = (lora["rank"], float(lora["alpha"]), sorted(lora["targets"]))
+    ours = (training.lora_rank, float(training.lora_alpha), sorted(training.lora_targets))
+    if theirs != ours:
+        raise SetupError(
+            f"{folder} holds LoRA adapters of rank {theirs[0]}, alpha {theirs[1]:g} on {', '.join(theirs[2])}, and "
+            f"this config asks for rank {ours[0]}, alpha {ours[1]:g} on {', '.join(ours[2])}: they cannot carry "
+            "over. Set training.lora_rank, lora_alpha and lora_targets back, or start a new job (its own ckpt_dir)"
+        )
+
+
 def check_resume(meta: CheckpointMeta, folder: Path, training, data_digest: str | None) -> list[str]:
     """What a resume from checkpoint ``meta`` (in ``folder``) cannot carry over raises SetupError; what it carries
     over differently comes back as notes to announce. One rule for the trainer and `invoke preflight`."""
@@ -153,7 +176,10 @@ def check_resume(meta: CheckpointMeta, folder: Path, training, data_digest: str 
             f"{training.optimizer}: they cannot carry over. Resume with training.optimizer: {meta.optimizer}, or "
             f"start a new job (its own ckpt_dir) with ckpt.param_path set to that checkpoint"
         )
+    _check_same_lora(meta, folder, training)
     notes = []
+    if meta.lora is not None and meta.lora.get("dropout") != training.lora_dropout:
+        notes.append(f"lora_dropout {meta.lora.get('dropout')} -> {training.lora_dropout} since {folder.name}")
     if meta.data_digest is not None and data_digest is not None and meta.data_digest != data_digest:
         notes.append(
             f"the data was prepared again since {folder.name} was written (data digest {meta.data_digest} -> "

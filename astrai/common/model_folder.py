@@ -372,6 +372,8 @@ LAYER_PARTS = {
     "feed_forward.w3": "mlp.up_proj",
     "feed_forward.w2": "mlp.down_proj",
 }
+ADAPTER_TARGETS = tuple(hf.rpartition(".")[2] for hf in LAYER_PARTS.values() if hf.endswith("_proj"))
+"""The linear layers of a block LoRA adapts, by PEFT's (Hugging Face's) module names."""
 _TOP_PARTS = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
 
 
@@ -452,6 +454,30 @@ def model_digest(folder: Path) -> str:
                     digest.update(chunk)
         except OSError as error:
             raise ModelLoadError(f"{path}: cannot be read ({error.strerror})") from None
+    return digest.hexdigest()
+
+
+BASE_SAMPLE_BYTES = 1 << 20
+
+
+def base_digest(folder: Path) -> str:
+    """SHA-256 of what identifies a base model cheaply: config.json, and each weight file's safetensors header,
+    size and first MiB of tensor data. A LoRA checkpoint records it: its adapters belong to that base alone.
+
+    The header says which tensors there are (names, dtypes, shapes); the first bytes tell two models of the same
+    architecture apart (a base and its fine-tune) without reading gigabytes.
+    """
+    folder = Path(folder)
+    digest = hashlib.sha256()
+    try:
+        digest.update((folder / MODEL_CONFIG_FILE).read_bytes())
+        for path in weight_files(folder):
+            with path.open("rb") as handle:
+                length = int.from_bytes(handle.read(8), "little")
+                digest.update(path.name.encode() + b"\0" + str(os.fstat(handle.fileno()).st_size).encode() + b"\0")
+                digest.update(handle.read(length + BASE_SAMPLE_BYTES))
+    except OSError as error:
+        raise ModelLoadError(f"{folder}: cannot be read ({error.strerror})") from None
     return digest.hexdigest()
 
 

@@ -30,9 +30,19 @@ from astrai.common.fit import (
     check_same_tokenizer,
     tokenizer_hint,
 )
+from astrai.common.model_folder import base_digest
 from astrai.trainer.checkpoint.files import LoadedCheckpoint
 from astrai.trainer.checkpoint.manager import RunFacts
 from astrai.trainer.distributed import DistEnv, broadcast_from_master, gather_objects, parallelize
+from astrai.trainer.lora import (
+    AdapterError,
+    BaseModel,
+    LoRASettings,
+    add_adapters,
+    load_adapters,
+    parameter_counts,
+    read_peft_adapter,
+)
 from astrai.trainer.model import ModelConfig, ModelLoadError, Transformer, load_base_model, model_digest
 from astrai.trainer.objectives import NextToken, Preference, Supervised
 from astrai.trainer.records import DPOPairs, PackedSFT, RecordIndex
@@ -104,9 +114,16 @@ class Start:
     weights: dict[str, torch.Tensor] | None
     """None for a sharded resume: each rank reads its own rows once the model is sharded."""
     source: Path
+    adapters: dict[str, torch.Tensor] | None = None
+    """LoRA: the adapters to start from (a checkpoint's, or a PEFT adapter folder's); None: new ones."""
+    base_sha256: str | None = None
+    """LoRA: which base model the weights are (astrai.common.model_folder.base_digest)."""
 
 
 def read_start(config: TrainerConfig, env: DistEnv, data: RunData, loaded: LoadedCheckpoint | None) -> Start:
+    settings = LoRASettings.of(config.training)
+    if settings is not None:
+        return _lora_start(config, env, data, loaded, settings)
     if loaded is not None:
         source = loaded.checkpoint.path
         broadcast_from_master(env, lambda: check_model_tokenizer(data.first, source), errors=(SetupError, DataError))
@@ -120,6 +137,48 @@ def read_start(config: TrainerConfig, env: DistEnv, data: RunData, loaded: Loade
     # Only node 0 needs the base model: rank 0 reads it, the others receive it.
     model_config, weights = broadcast_from_master(env, read_base, errors=(ModelLoadError, SetupError, DataError))
     return Start(model_config, weights, source)
+
+
+def _lora_start(
+    config: TrainerConfig, env: DistEnv, data: RunData, loaded: LoadedCheckpoint | None, settings: LoRASettings
+) -> Start:
+    """LoRA: the frozen base model always comes from ckpt.param_path; the adapters from the checkpoint resumed, a
+    PEFT adapter folder (ckpt.adapter_path), or nowhere (new ones). A checkpoint's adapters must be of this base."""
+    base = Path(config.ckpt.param_path)
+
+    def read_base():
+        check_model_tokenizer(data.first, base)
+        model_config, weights = load_base_model(base)
+        return model_config, weights, base_digest(base)
+
+    model_config, weights, digest = broadcast_from_master(
+        env, read_base, errors=(ModelLoadError, SetupError, DataError)
+    )
+    if loaded is not None:
+        recorded = loaded.meta.lora["base"]
+        if recorded["sha256"] != digest:
+            raise SetupError(
+                f"{loaded.checkpoint.path} holds LoRA adapters of the base model {recorded['path']} (sha256 "
+                f"{recorded['sha256'][:12]}), and ckpt.param_path {base} is another model (sha256 {digest[:12]}): "
+                "adapters only fit the base they were trained on; set ckpt.param_path back to that model"
+            )
+        return Start(model_config, weights, loaded.checkpoint.path, loaded.model_state, digest)
+    if config.ckpt.adapter_path is None:
+        return Start(model_config, weights, base, None, digest)
+    folder = Path(config.ckpt.adapter_path)
+
+    def read_adapter():
+        theirs, tensors = read_peft_adapter(folder)
+        if (theirs.rank, sorted(theirs.targets)) != (settings.rank, sorted(settings.targets)):
+            raise AdapterError(
+                f"ckpt.adapter_path {folder}: its adapters are rank {theirs.rank} on {', '.join(theirs.targets)}, and "
+                f"this run's are rank {settings.rank} on {', '.join(settings.targets)}; set training.lora_rank and "
+                "lora_targets to the folder's"
+            )
+        return tensors
+
+    adapters = broadcast_from_master(env, read_adapter, errors=(AdapterError,))
+    return Start(model_config, weights, base, adapters, digest)
 
 
 def resume_notes(loaded: LoadedCheckpoint | None, config: TrainerConfig, digest: str) -> list[str]:
@@ -211,6 +270,9 @@ def make_loader(config: TrainerConfig, env: DistEnv, feed: Feed) -> DataLoader:
         pin_memory=env.device.type == "cuda",
         persistent_workers=workers > 0,
         worker_init_fn=ignore_stop_signals if workers > 0 else None,
+        # Its own generator: each new iterator (a start, a resume, an epoch) draws its workers' base seed from it,
+        # never from the global RNG, which dropout draws from and a checkpoint restores exactly.
+        generator=torch.Generator().manual_seed(config.training.random_seed),
     )
 
 
@@ -225,6 +287,12 @@ def build_model(config: TrainerConfig, env: DistEnv, start: Start) -> torch.nn.M
     else:
         model = Transformer(start.model_config, activation_checkpointing=checkpointing)
         model.load_state_dict(start.weights)
+        settings = LoRASettings.of(config.training)
+        if settings is not None:
+            # The base frozen, the adapters new (A from the seed, B zero) or the start's.
+            add_adapters(model, settings, torch.Generator().manual_seed(config.training.random_seed))
+            if start.adapters is not None:
+                load_adapters(model, start.adapters, str(start.source))
         model.to(env.device)
     if config.model.compile:
         for layer in model.layers:
@@ -256,13 +324,18 @@ def build_objective(
     feed: Feed,
     loaded: LoadedCheckpoint | None,
     log: Log,
+    model: torch.nn.Module,
+    start: Start,
 ) -> Objective:
     vocab, train_type = model_config.vocab_size, config.training.train_type
     if train_type == "seq":
         return Objective(NextToken(env, vocab))
     if train_type == "sft":
         return Objective(Supervised(env, vocab))
-    reference, recorded = _reference(config, env, model_config, records, feed, loaded, log)
+    if start.base_sha256 is not None and config.ckpt.reference_path is None:
+        reference, recorded = _base_reference(config, env, model_config, records, feed, loaded, log, model, start)
+    else:
+        reference, recorded = _reference(config, env, model_config, records, feed, loaded, log)
     return Objective(Preference(env, vocab, reference, config.training.dpo_beta), recorded)
 
 
@@ -286,13 +359,8 @@ def _reference(config, env, model_config, records, feed, loaded, log) -> tuple[o
             f"the DPO reference {path} has a vocabulary of {reference_config.vocab_size}, the trained model "
             f"{model_config.vocab_size}: the reference must score the same tokens"
         )
-    if loaded is not None and loaded.meta.reference is not None and loaded.meta.reference.get("sha256") != digest:
-        raise SetupError(
-            f"this run's DPO reference {path} (sha256 {digest[:12]}) is not the one its checkpoint "
-            f"{loaded.checkpoint.path} was trained against ({loaded.meta.reference.get('path')}, sha256 "
-            f"{loaded.meta.reference.get('sha256', '')[:12]}); set ckpt.reference_path back to it"
-        )
     recorded = {"path": str(path), "sha256": digest}
+    _check_same_reference(recorded, loaded)
     reference = Transformer(reference_config)
     reference.load_state_dict(weights)
     del weights
@@ -301,8 +369,36 @@ def _reference(config, env, model_config, records, feed, loaded, log) -> tuple[o
         reference = parallelize(reference, env)
     how = f"frozen, beta {training.dpo_beta}, {training.dpo_reference}"
     log(f"dpo: reference model {path} (sha256 {digest[:12]}), {how}")
+    return _live_or_table(config, env, model_config, records, feed, log, reference, digest), recorded
+
+
+def _base_reference(config, env, model_config, records, feed, loaded, log, model, start) -> tuple[object, dict]:
+    """LoRA's DPO reference: the trained model itself with its adapters off (no second copy in memory)."""
+    path = Path(config.ckpt.param_path)
+    recorded = {"path": str(path), "sha256": start.base_sha256}
+    _check_same_reference(recorded, loaded)
+    how = f"beta {config.training.dpo_beta}, {config.training.dpo_reference}"
+    log(f"dpo: reference is the base model {path} (sha256 {start.base_sha256[:12]}): this model, adapters off, {how}")
+    reference = BaseModel(model)
+    return _live_or_table(config, env, model_config, records, feed, log, reference, start.base_sha256), recorded
+
+
+def _check_same_reference(recorded: dict, loaded: LoadedCheckpoint | None) -> None:
+    """A resume keeps the DPO reference its checkpoint was trained against."""
+    before = loaded.meta.reference if loaded is not None else None
+    if before is not None and before.get("sha256") != recorded["sha256"]:
+        raise SetupError(
+            f"this run's DPO reference {recorded['path']} (sha256 {recorded['sha256'][:12]}) is not the one its "
+            f"checkpoint {loaded.checkpoint.path} was trained against ({before.get('path')}, sha256 "
+            f"{before.get('sha256', '')[:12]}); set ckpt.reference_path back to it"
+        )
+
+
+def _live_or_table(config, env, model_config, records, feed, log, reference, digest):
+    """The reference as the objective uses it: the model itself (live), or its table of log-probabilities."""
+    training = config.training
     if training.dpo_reference == "live":
-        return reference, recorded
+        return reference
     facts = {
         "reference_sha256": digest,
         "data": records.index.data.fingerprint(),
@@ -322,10 +418,10 @@ def _reference(config, env, model_config, records, feed, loaded, log) -> tuple[o
         model_config.vocab_size,
         log,
     )
-    return table, recorded
+    return table
 
 
-def run_facts(config: TrainerConfig, global_batch: int, data: RunData, objective: Objective) -> RunFacts:
+def run_facts(config: TrainerConfig, global_batch: int, data: RunData, objective: Objective, start: Start) -> RunFacts:
     training = config.training
     return RunFacts(
         config.config_hash(),
@@ -336,7 +432,23 @@ def run_facts(config: TrainerConfig, global_batch: int, data: RunData, objective
         reference=objective.reference,
         optimizer=training.optimizer,
         data_digest=data.digest,
+        lora=_lora_record(config, start),
     )
+
+
+def _lora_record(config: TrainerConfig, start: Start) -> dict | None:
+    settings = LoRASettings.of(config.training)
+    return None if settings is None else settings.record(config.ckpt.param_path, start.base_sha256)
+
+
+def describe_trainable(model: torch.nn.Module, config: TrainerConfig) -> str | None:
+    """LoRA's line at start: its settings and how much of the model trains; None for full fine-tuning."""
+    settings = LoRASettings.of(config.training)
+    if settings is None:
+        return None
+    trainable, frozen = parameter_counts(model)
+    share = trainable / (trainable + frozen)
+    return f"lora: {settings.describe()}: {trainable:,} trainable of {trainable + frozen:,} parameters ({share:.2%})"
 
 
 def carried_files(data: TokenData, model_source: Path) -> dict[str, bytes]:

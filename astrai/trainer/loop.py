@@ -54,7 +54,7 @@ from astrai.common.fit import (
 )
 from astrai.trainer import build
 from astrai.trainer.checkpoint.files import SCHEDULE, LoadedCheckpoint, NonFiniteWeights, Progress
-from astrai.trainer.checkpoint.formats import checkpoint_format
+from astrai.trainer.checkpoint.formats import run_format
 from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
 from astrai.trainer.checkpoint.state import run_state
 from astrai.trainer.distributed import (
@@ -99,7 +99,7 @@ def open_trainer(config: TrainerConfig, env: DistEnv, stop: GracefulStop | None 
     resolve_grad_accum_steps(config.training, env.world_size)
     # Rank 0 reads the whole checkpoint and every rank receives it, or (sharded under FSDP) each rank reads its own
     # rows of the weights and moments once the model is built and sharded.
-    format = checkpoint_format(resolve_ckpt_format(config.ckpt.format, env.parallel_mode))
+    format = run_format(config.ckpt.format, env.parallel_mode, bool(config.training.lora_rank))
     loaded = load_latest(Path(config.ckpt.ckpt_dir), env, _logger(env), whole=format.reads_whole(env))
     max_steps = config.training.max_steps
     if loaded is not None and loaded.progress.step >= max_steps:
@@ -134,9 +134,9 @@ class Trainer:
         self.tokens_per_step = self.global_batch * self.window_size * (2 if self.train_type == "dpo" else 1)
 
         data = build.open_run_data(config, env)
+        notes = build.resume_notes(loaded, config, data.digest)
         start = build.read_start(config, env, data, loaded)
         self.model_config = start.model_config
-        notes = build.resume_notes(loaded, config, data.digest)
         records = build.post_training_records(config, data, self.log)
         feed = build.build_feed(config, env, data, start, batch, records)
         self.dataset, self.sampler, self.mixture, self.source_names = (
@@ -146,16 +146,22 @@ class Trainer:
             data.names,
         )
         self.model = build.build_model(config, env, start)
-        start = dataclasses.replace(start, weights=None)  # in the model now: not held while the reference loads
+        start = dataclasses.replace(start, weights=None, adapters=None)  # in the model now: not held twice
+        trainable = build.describe_trainable(self.model, config)
+        if trainable is not None:
+            self.log(trainable)
         self.optimizer = build_optimizer(self.model, training, env.device, env.parallel_mode)
         self.schedule = Schedule.of(training)
         self.progress = Progress()
         # Everything a checkpoint holds besides the model and the optimizer; a new part is one more entry here.
         self.parts = run_state(self.progress, self.schedule, env, training.random_seed, self.log)
         self.autocast = build.autocast_for(env)
-        objective = build.build_objective(config, env, self.model_config, records, feed, loaded, self.log)
+        objective = build.build_objective(
+            config, env, self.model_config, records, feed, loaded, self.log, self.model, start
+        )
         self.objective = objective.loss
-        self.checkpointer = self._checkpointer(build.run_facts(config, self.global_batch, data, objective), data, start)
+        facts = build.run_facts(config, self.global_batch, data, objective, start)
+        self.checkpointer = self._checkpointer(facts, data, start)
         if env.watch is not None and env.master_process:
             # A node lost while a periodic save is being written: publish it before this process exits (the full
             # format's; a sharded save needs every rank's part, so it stays an unpublished staging folder).
@@ -201,7 +207,7 @@ class Trainer:
             # A checkpoint is a complete model folder: the data's tokenizer goes into each one, and the model's
             # generation settings (its stop tokens) stay with it.
             extra_files=build.carried_files(data.first, start.source),
-            format=resolve_ckpt_format(config.ckpt.format, self.env.parallel_mode),
+            format=run_format(config.ckpt.format, self.env.parallel_mode, bool(config.training.lora_rank)),
         )
 
     def _resume_or_start(self, loaded: LoadedCheckpoint | None, notes: list[str], source: Path) -> None:
@@ -469,6 +475,8 @@ def dry_run(config: TrainerConfig) -> int:
     how = (
         "every rank writes its own rows" if format == CKPT_FORMAT_SHARDED else "rank 0 gathers the state and writes it"
     )
+    if training.lora_rank:
+        format, how = "LoRA", f"the adapters alone, rank {training.lora_rank}; the base stays in ckpt.param_path"
     print(f"checkpoints: {format} format ({how})")
     print(f"resume decision: {_resume_decision(config)}")
     return 0

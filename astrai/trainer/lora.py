@@ -31,12 +31,12 @@ from torch import nn
 from astrai.common.atomic import write_text_atomically
 from astrai.common.contract import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from astrai.common.errors import AstraiError
-from astrai.common.model_folder import LAYER_PARTS, hf_name
+from astrai.common.model_folder import ADAPTER_TARGETS, LAYER_PARTS, hf_name
 from astrai.trainer.model import save_tensors
 
 TARGETS = {hf.rpartition(".")[2]: ours for ours, hf in LAYER_PARTS.items() if hf.endswith("_proj")}
 """PEFT's name of each linear layer of a block, and ours."""
-DEFAULT_TARGETS = tuple(TARGETS)
+DEFAULT_TARGETS = ADAPTER_TARGETS
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a Hugging Face module name in an adapter file."""
 
@@ -51,6 +51,33 @@ class LoRASettings:
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+    @classmethod
+    def of(cls, training) -> LoRASettings | None:
+        """The settings of a config's training section; None for full fine-tuning (lora_rank 0)."""
+        if not training.lora_rank:
+            return None
+        return cls(training.lora_rank, training.lora_alpha, training.lora_dropout, tuple(training.lora_targets))
+
+    @classmethod
+    def of_record(cls, record: dict) -> LoRASettings:
+        """The settings a checkpoint's meta.json records (its ``lora`` entry)."""
+        return cls(
+            int(record["rank"]), float(record["alpha"]), float(record.get("dropout", 0.0)), tuple(record["targets"])
+        )
+
+    def record(self, base_path: str, base_sha256: str) -> dict:
+        """What meta.json records of a LoRA run: these settings and the base model the adapters belong to."""
+        return {
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "targets": list(self.targets),
+            "base": {"path": base_path, "sha256": base_sha256},
+        }
+
+    def describe(self) -> str:
+        return f"rank {self.rank}, alpha {self.alpha:g}, dropout {self.dropout:g} on {', '.join(self.targets)}"
 
 
 class LoRALinear(nn.Linear):
@@ -130,6 +157,43 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: value for name, value in model.state_dict().items() if is_adapter(name)}
 
 
+def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The adapters' parameters by our names, whatever wraps the model (DDP's ``module.`` prefix left out)."""
+    inner = getattr(model, "module", model)
+    return {name: param for name, param in inner.named_parameters() if is_adapter(name)}
+
+
+def peft_state_dict(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Adapter tensors by PEFT's names, as ``adapter_model.safetensors`` (and a LoRA checkpoint) hold them."""
+    return {peft_name(name): value for name, value in adapters.items()}
+
+
+def from_peft_names(tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """Adapter tensors by our names; AdapterError for a tensor that is not a LoRA weight of a block's layer."""
+    ours = {}
+    for name, value in tensors.items():
+        mine = _our_name(name)
+        if mine is None:
+            raise AdapterError(f"{where}: {name} is not a LoRA weight of a layer this model has")
+        ours[mine] = value
+    return ours
+
+
+class BaseModel:
+    """The model with its adapters off, scoring as the base model did: DPO's reference without a second copy."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def eval(self) -> BaseModel:
+        self.model.eval()
+        return self
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        with adapters_off(self.model):
+            return self.model(inputs)
+
+
 def peft_name(name: str) -> str:
     """PEFT's name in ``adapter_model.safetensors`` for one of our adapter names.
 
@@ -186,6 +250,11 @@ def write_peft_adapter(folder: Path, model: nn.Module, settings: LoRASettings, b
         peft_name(name): value.detach().float().contiguous() for name, value in adapter_state_dict(model).items()
     }
     save_tensors(tensors, folder / ADAPTER_WEIGHTS_FILE, metadata={"format": "pt"})
+    write_text_atomically(folder / ADAPTER_CONFIG_FILE, peft_config_json(settings, base_model))
+
+
+def peft_config_json(settings: LoRASettings, base_model: str = "") -> str:
+    """adapter_config.json of a plain LoRA adapter with these settings, as PEFT writes and reads it."""
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -202,7 +271,7 @@ def write_peft_adapter(folder: Path, model: nn.Module, settings: LoRASettings, b
         "use_rslora": False,
         "use_dora": False,
     }
-    write_text_atomically(folder / ADAPTER_CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
 def read_peft_adapter(folder: Path) -> tuple[LoRASettings, dict[str, torch.Tensor]]:
@@ -234,15 +303,7 @@ def read_peft_adapter(folder: Path) -> tuple[LoRASettings, dict[str, torch.Tenso
         )
     except (KeyError, TypeError, ValueError) as error:
         raise AdapterError(f"{folder / ADAPTER_CONFIG_FILE}: r and lora_alpha must be numbers ({error})") from None
-    ours = {}
-    for name, value in tensors.items():
-        mine = _our_name(name)
-        if mine is None:
-            raise AdapterError(
-                f"{folder / ADAPTER_WEIGHTS_FILE}: {name} is not a LoRA weight of a layer this model has"
-            )
-        ours[mine] = value
-    return settings, ours
+    return settings, from_peft_names(tensors, str(folder / ADAPTER_WEIGHTS_FILE))
 
 
 _OURS_BY_HF = {hf: ours for ours, hf in LAYER_PARTS.items() if hf.endswith("_proj")}

@@ -107,12 +107,14 @@ class Preference:
 
     def _pairs(self, model, batch: DPOPair) -> tuple[torch.Tensor, torch.Tensor]:
         batch = batch.to(self.env.device)
-        policy = summed_log_probs(model, self.vocab_size, batch)
         if isinstance(self.reference, torch.Tensor):
             reference = self.reference[batch.number]
         else:
+            # First: a LoRA reference is the policy's own model with its adapters off, and its forward pass
+            # must not come between the policy's and its backward.
             with torch.no_grad():
                 reference = summed_log_probs(self.reference, self.vocab_size, batch)
+        policy = summed_log_probs(model, self.vocab_size, batch)
         rewards = self.beta * (policy - reference)
         margins = rewards[:, 0] - rewards[:, 1]
         return -F.logsigmoid(margins), rewards.detach()

@@ -7,7 +7,8 @@ checkpoint folder holds::
 
     meta.json              progress, data position, reason, config hash (astrai.common.checkpoints.CheckpointMeta)
     config.json            the model architecture (Hugging Face Llama form)
-    model.safetensors      the full model, even under FSDP, under Hugging Face's tensor names
+    model.safetensors      the full model, even under FSDP, under Hugging Face's tensor names (LoRA: the
+                           adapters alone, under PEFT's names; config.json is then the base model's)
     optimizer.pt           full optimizer state keyed by parameter name (tensors and plain values only);
                            in the sharded format its parameter-shaped tensors are in optimizer.safetensors
                            (astrai.trainer.checkpoint.sharded), and join_optimizer_tensors puts them back
@@ -50,10 +51,12 @@ from astrai.common.contract import (
     RNG_FILE,
     SCHEDULER_FILE,
     TRAINER_STATE_FILE,
+    WEIGHTS_FILE,
 )
 from astrai.common.errors import AstraiError
 from astrai.common.model_folder import inspect_weights, read_layout
 from astrai.common.safetensors_file import CODES, header
+from astrai.trainer.lora import AdapterError, from_peft_names
 from astrai.trainer.model import ModelConfig, ModelLoadError, read_weights
 
 # What a damaged checkpoint file raises when read: truncated zip or safetensors, bad JSON,
@@ -388,7 +391,12 @@ def read_checkpoint(checkpoint: Checkpoint, whole: bool = True) -> LoadedCheckpo
     try:
         found = examine(path)
         model_config = ModelConfig.load(path)
-        if whole:
+        if found.meta.lora is not None:
+            # The adapters alone, under PEFT's names; their shapes are checked when they go into the model.
+            model_state = from_peft_names(load_file(path / WEIGHTS_FILE, device="cpu"), f"{path / WEIGHTS_FILE}")
+            optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+            names = set(model_state)
+        elif whole:
             model_state = read_weights(path, model_config)
             optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
             if isinstance(optimizer_state, dict):
@@ -407,7 +415,7 @@ def read_checkpoint(checkpoint: Checkpoint, whole: bool = True) -> LoadedCheckpo
         if not isinstance(optimizer_state, dict) or not set(optimizer_state.get("state", {})) <= names:
             raise ValueError("optimizer.pt: not an optimizer state keyed by this model's parameter names")
         state = _read_parts(path, found.meta)
-    except (ModelLoadError, DamagedCheckpoint) as error:
+    except (ModelLoadError, DamagedCheckpoint, AdapterError) as error:
         raise CheckpointError(str(error)) from None
     except _DAMAGED as error:
         raise CheckpointError(f"{type(error).__name__}: {error}") from None

@@ -9,6 +9,9 @@ copy it to host memory when training goes on meanwhile, stage, write, agree, pub
 - **sharded**: every rank writes its own rows of the weights and the optimizer's moments into files
   laid out whole (:mod:`astrai.trainer.checkpoint.sharded`); under FSDP every rank reads its own rows
   back too, so no rank ever holds more than its share.
+- **LoRA** (:data:`LORA`, whenever ``training.lora_rank`` is set): the full format's files, holding only what
+  trains: the adapters (gathered on rank 0, under PEFT's names) and their optimizer state; the frozen base
+  weights stay in the base model's folder, which ``meta.json`` names with a digest.
 
 Either format resumes from a folder written in either.
 """
@@ -23,12 +26,15 @@ from typing import Protocol
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_optimizer_state_dict,
     get_state_dict,
     set_optimizer_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from astrai.common.checkpoints import SMALL_FILES_BYTES
+from astrai.common.config import resolve_ckpt_format
 from astrai.common.contract import CKPT_FORMAT_FULL, CKPT_FORMAT_SHARDED, OPTIMIZER_FILE, WEIGHTS_FILE
 from astrai.trainer.checkpoint.files import (
     CheckpointError,
@@ -42,6 +48,7 @@ from astrai.trainer.checkpoint.files import (
 )
 from astrai.trainer.checkpoint.sharded import ShardedState, check_shared_job_dir, read_rows
 from astrai.trainer.distributed import DistEnv, failed_ranks
+from astrai.trainer.lora import adapter_parameters, peft_state_dict
 from astrai.trainer.model import hf_state_dict
 from astrai.trainer.optim import Optimizers
 
@@ -95,11 +102,13 @@ class CheckpointFormat(Protocol):
 class FullSnapshot:
     """The whole state on rank 0: FSDP gathers it into fresh CPU tensors; otherwise it is the live state itself."""
 
-    def __init__(self, model_state: dict, optimizer_state: dict, master: bool, gathered: bool):
+    def __init__(self, model_state: dict, optimizer_state: dict, master: bool, gathered: bool, names=hf_state_dict):
         self.model_state = model_state
         self.optimizer_state = optimizer_state
         self.writes = master
         self.gathered = gathered
+        self.names = names
+        """Our names to the file's: Hugging Face's for a model, PEFT's for adapters."""
 
     def first_non_finite(self) -> str | None:
         # The full weights are on rank 0 after the gather, so checking them there costs no extra collective.
@@ -138,7 +147,7 @@ class FullSnapshot:
             model = pool.submit(
                 write_file,
                 staging / WEIGHTS_FILE,
-                hf_state_dict(self.model_state),
+                self.names(self.model_state),
                 write_safetensors,
                 {"format": "pt"},
             )
@@ -225,7 +234,33 @@ class ShardedFormat:
         )
 
 
+# --- LoRA -------------------------------------------------------------------------------------------
+
+
+class LoRAFormat(FullFormat):
+    """The full format's files, of the adapters alone: what trains, gathered on rank 0 whatever the base's size."""
+
+    def snapshot(self, model: torch.nn.Module, optimizer: Optimizers, env: DistEnv) -> FullSnapshot:
+        fsdp = env.parallel_mode == "fsdp"
+        adapters = {}
+        for name, param in adapter_parameters(model).items():  # in the same order on every rank: FSDP gathers
+            value = param.full_tensor() if isinstance(param, DTensor) else param
+            if env.master_process:
+                adapters[name] = value.detach().cpu() if fsdp else value.detach()
+        # The optimizer holds the adapters alone, so this gathers only their moments.
+        optimizer_state = get_optimizer_state_dict(
+            model, optimizer.parts, options=StateDictOptions(full_state_dict=True, cpu_offload=fsdp)
+        )
+        return FullSnapshot(adapters, optimizer_state, env.master_process, gathered=fsdp, names=peft_state_dict)
+
+
 FORMATS: dict[str, CheckpointFormat] = {CKPT_FORMAT_FULL: FullFormat(), CKPT_FORMAT_SHARDED: ShardedFormat()}
+LORA = LoRAFormat()
+
+
+def run_format(requested: str | None, parallel_mode: str, lora: bool) -> CheckpointFormat:
+    """The format a run writes: LoRA's when it trains adapters, else ``ckpt.format`` resolved for the mode."""
+    return LORA if lora else checkpoint_format(resolve_ckpt_format(requested, parallel_mode))
 
 
 def checkpoint_format(name: str) -> CheckpointFormat:

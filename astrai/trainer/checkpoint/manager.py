@@ -38,7 +38,7 @@ from astrai.trainer.checkpoint.files import (
     read_checkpoint,
     write_failure,
 )
-from astrai.trainer.checkpoint.formats import Snapshot, checkpoint_format
+from astrai.trainer.checkpoint.formats import CheckpointFormat, Snapshot, checkpoint_format
 from astrai.trainer.checkpoint.state import RunState
 from astrai.trainer.distributed import DistEnv, broadcast_from_master, failed_ranks
 from astrai.trainer.model import ModelConfig
@@ -80,6 +80,8 @@ class RunFacts:
     """DPO: the frozen reference (path, sha256), never saved itself."""
     optimizer: str | None = None
     data_digest: str | None = None
+    lora: dict | None = None
+    """LoRA: its settings and the base model the adapters belong to (LoRASettings.record)."""
 
 
 class CheckpointManager:
@@ -105,7 +107,7 @@ class CheckpointManager:
         interval: int,
         keep_last: int | None = None,
         extra_files: dict[str, bytes] | None = None,
-        format: str = CKPT_FORMAT_FULL,
+        format: str | CheckpointFormat = CKPT_FORMAT_FULL,
     ):
         self.job_dir = Path(job_dir)
         self.env = env
@@ -121,7 +123,7 @@ class CheckpointManager:
         self.extra_files = dict(extra_files or {})
         """Files written into every checkpoint as they are, by name (the data's tokenizer files, the base model's
         generation config): read once at start, so a data folder prepared again meanwhile changes nothing."""
-        self.format = checkpoint_format(format)
+        self.format = checkpoint_format(format) if isinstance(format, str) else format
         """full: rank 0 gathers the state and writes it; sharded: every rank writes its own rows."""
         self._host_copy = _HostCopy(pin=env.device.type == "cuda")
         self._writer: threading.Thread | None = None
@@ -311,6 +313,7 @@ class CheckpointManager:
             format=self.format.name,
             optimizer=self.facts.optimizer,
             data_digest=self.facts.data_digest,
+            lora=self.facts.lora,
         )
 
     def wait(self) -> None:

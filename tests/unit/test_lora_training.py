@@ -1,0 +1,205 @@
+"""LoRA in the trainer: only the adapters train and are saved, a resume is exact, DPO's reference is the base.
+
+In-process runs on one thread for what one process shows; real ``python -m astrai.train`` subprocesses (DDP and
+FSDP under torchrun) for stops, kills and several ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from trainer_runs import (
+    TORCHRUN,
+    Run,
+    final_weights,
+    kill_at_moments,
+    metrics_step,
+    run_to_end,
+    stop_gracefully,
+)
+
+from astrai.common.checkpoints import examine, folder_bytes, latest_complete_checkpoint, list_complete_checkpoints
+from astrai.common.fit import SetupError
+from astrai.common.model_folder import ADAPTER_TARGETS, base_digest
+from astrai.trainer.lora import AdapterError, BaseModel, LoRASettings, adapter_parameters, write_peft_adapter
+from astrai.trainer.model import PRESETS, write_base_model
+
+LORA = {"lora_rank": 4, "lora_alpha": 8}
+
+
+def _adapters(trainer) -> dict[str, torch.Tensor]:
+    return {name: param.detach().clone() for name, param in adapter_parameters(trainer.model).items()}
+
+
+def test_only_the_adapters_train_and_a_checkpoint_holds_only_them(
+    tmp_path, job_yaml, make_trainer, tiny_model, one_thread
+):
+    path = job_yaml(max_steps=4, ckpt_interval=2, **LORA)
+    trainer = make_trainer(path)
+    try:
+        base = {name: value.clone() for name, value in trainer.model.state_dict().items() if ".lora_" not in name}
+        trained = {id(param) for group in trainer.optimizer.param_groups for param in group["params"]}
+        adapters = adapter_parameters(trainer.model)
+        assert trained == {id(param) for param in adapters.values()}
+        assert len(adapters) == 2 * len(ADAPTER_TARGETS) * PRESETS["tiny"].n_layers
+        trainer.train()
+        after = trainer.model.state_dict()
+        assert all(torch.equal(after[name], value) for name, value in base.items()), "a frozen weight moved"
+        assert any(after[name].abs().sum() > 0 for name in after if ".lora_B." in name), "B never left zero"
+    finally:
+        trainer.close()
+    checkpoints = list_complete_checkpoints(tmp_path / "ckpt")
+    assert [c.step for c in checkpoints] == [2, 4]  # a checkpoint by the one rule: list, latest, retention
+    final = checkpoints[-1]
+    assert examine(final.path).meta.lora["base"] == {"path": str(tiny_model), "sha256": base_digest(tiny_model)}
+    saved = load_file(final.path / "model.safetensors")
+    assert set(saved) == {
+        f"base_model.model.model.layers.{i}.{part}.lora_{ab}.weight"
+        for i in range(PRESETS["tiny"].n_layers)
+        for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+        + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+        for ab in "AB"
+    }
+    assert json.loads((final.path / "config.json").read_text()) == json.loads((tiny_model / "config.json").read_text())
+    # The adapters and their two moments against the base's weights: a few percent of a full checkpoint.
+    assert folder_bytes(final.path) < 0.2 * folder_bytes(tiny_model) * 3
+
+
+def test_a_resume_takes_the_steps_an_uninterrupted_run_takes(
+    tmp_path, train_yaml, make_trainer, run_trainer, one_thread
+):
+    keys = {"max_steps": 6, "ckpt_interval": 3, "lora_dropout": 0.1, **LORA}
+    whole = train_yaml(tmp_path / "whole.yaml", ckpt_dir=str(tmp_path / "whole"), **keys)
+    run_trainer(whole)
+    parts = train_yaml(tmp_path / "parts.yaml", ckpt_dir=str(tmp_path / "parts"), **keys)
+    run_trainer(parts, steps=3)
+    resumed = make_trainer(parts)
+    try:
+        assert resumed.progress.step == 3
+        resumed.train()
+    finally:
+        resumed.close()
+    assert final_weights(tmp_path / "parts", 6) == final_weights(tmp_path / "whole", 6)
+
+
+def test_a_resume_with_another_base_or_other_adapters_is_refused_naming_both(
+    tmp_path, job_yaml, train_yaml, run_trainer, make_trainer, one_thread
+):
+    path = job_yaml(max_steps=4, ckpt_interval=2, **LORA)
+    run_trainer(path, steps=2)
+    other = tmp_path / "other-base"
+    write_base_model(other, PRESETS["tiny"], seed=1)
+    with pytest.raises(SetupError, match=r"holds LoRA adapters of the base model .*another model"):
+        make_trainer(path, param_path=other)
+    with pytest.raises(SetupError, match=r"rank 4, alpha 8 on .* asks for rank 8, alpha 8"):
+        make_trainer(path, lora_rank=8)
+    with pytest.raises(SetupError, match=r"holds LoRA adapters \(rank 4\), and this config trains full fine-tuning"):
+        make_trainer(path, lora_rank=0)
+    full = train_yaml(tmp_path / "full.yaml", max_steps=4, ckpt_interval=1, ckpt_dir=str(tmp_path / "full"))
+    run_trainer(full, steps=1)
+    with pytest.raises(SetupError, match=r"holds full fine-tuning weights, and this config trains lora_rank 4"):
+        make_trainer(full, **LORA)
+
+
+def test_a_run_starts_from_a_peft_adapter_folder_and_refuses_one_that_does_not_fit(
+    tmp_path, train_yaml, make_trainer, one_thread
+):
+    def job_yaml(name, **keys):
+        return train_yaml(tmp_path / f"{name}.yaml", ckpt_dir=str(tmp_path / name), **keys)
+
+    source = make_trainer(job_yaml("first", **LORA))
+    try:
+        for param in adapter_parameters(source.model).values():
+            with torch.no_grad():
+                param.copy_(torch.randn_like(param))
+        folder = tmp_path / "adapter folder é"
+        write_peft_adapter(folder, source.model, LoRASettings(4, 8.0))
+        expected = _adapters(source)
+    finally:
+        source.close()
+    started = make_trainer(job_yaml("second", adapter_path=str(folder), **LORA))
+    try:
+        got = _adapters(started)
+        assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    finally:
+        started.close()
+    with pytest.raises(AdapterError, match=r"its adapters are rank 4 on .* this run's are rank 2"):
+        make_trainer(job_yaml("third", adapter_path=str(folder), lora_rank=2))
+
+
+@pytest.mark.parametrize("reference", ["live", "precomputed"])
+def test_dpo_uses_the_model_with_its_adapters_off_as_reference_and_starts_at_ln2(
+    tmp_path, post_yaml, make_trainer, one_thread, reference
+):
+    path = post_yaml(
+        tmp_path / "dpo.yaml",
+        "dpo",
+        ckpt_dir=str(tmp_path / "ckpt"),
+        max_steps=2,
+        log_interval=1,
+        batch_per_device=2,
+        dpo_reference=reference,
+        **LORA,
+    )
+    trainer = make_trainer(path)
+    try:
+        held = trainer.objective.reference
+        assert isinstance(held, BaseModel if reference == "live" else torch.Tensor)
+        trainer.train()
+    finally:
+        trainer.close()
+    first = json.loads((tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()[0])
+    assert abs(first["loss"] - math.log(2)) <= 1e-6 and abs(first["rewards_margin"]) <= 1e-7, first
+    assert latest_complete_checkpoint(tmp_path / "ckpt").meta.reference["sha256"] == base_digest(
+        trainer.config.ckpt.param_path
+    )
+
+
+@pytest.mark.slow
+def test_sft_on_two_ddp_ranks_killed_twice_ends_bitwise_as_an_uninterrupted_run(tmp_path, post_yaml, trainer_env):
+    keys = {"max_steps": 16, "batch_per_device": 2, "ckpt_interval": 4, "parallel_mode": "ddp", **LORA}
+    command = [*TORCHRUN, "-m", "astrai.train", "--config"]
+    whole = post_yaml(tmp_path / "whole.yaml", "sft", ckpt_dir=str(tmp_path / "whole"), **keys)
+    run_to_end([*command, str(whole)], trainer_env, tmp_path / "whole.log")
+    path = post_yaml(tmp_path / "killed.yaml", "sft", ckpt_dir=str(tmp_path / "killed"), **keys)
+    rng = random.Random(27)
+
+    def at_random(run: Run) -> None:
+        time.sleep(rng.uniform(0.0, 0.5))
+
+    run, kills = kill_at_moments(
+        [*command, str(path)], trainer_env, tmp_path / "killed.log", tmp_path / "killed", [at_random] * 2
+    )
+    assert kills >= 1, run.output()
+    assert final_weights(tmp_path / "killed", 16) == final_weights(tmp_path / "whole", 16)
+
+
+@pytest.mark.slow
+def test_dpo_under_fsdp_with_adapters_starts_at_ln2_stops_and_resumes(tmp_path, post_yaml, trainer_env):
+    ckpt_dir = tmp_path / "ckpt"
+    path = post_yaml(
+        tmp_path / "dpo.yaml",
+        "dpo",
+        ckpt_dir=str(ckpt_dir),
+        max_steps=10,
+        batch_per_device=2,
+        dpo_reference="live",
+        log_interval=1,
+        **LORA,
+    )
+    command = [*TORCHRUN, "-m", "astrai.train", "--config", str(path), "--parallel_mode", "fsdp"]
+    stop_gracefully(Run(command, trainer_env, tmp_path / "run1.log"), lambda: metrics_step(ckpt_dir) >= 3, rank=1)
+    first = json.loads((ckpt_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert abs(first["loss"] - math.log(2)) <= 1e-5, first
+    stopped = latest_complete_checkpoint(ckpt_dir)
+    assert stopped.meta.parallel_mode == "fsdp" and stopped.meta.lora["rank"] == 4
+    run = run_to_end(command, trainer_env, tmp_path / "run2.log")
+    assert f"resumed from {stopped.path}" in run.output()
+    final = latest_complete_checkpoint(ckpt_dir)
+    assert final.step == 10 and all(".lora_" in name for name in load_file(final.path / "model.safetensors"))
