@@ -296,10 +296,26 @@ def clean(c, config=DEFAULT_CONFIG, node="0", keep=None, force=False, damaged=Fa
         "dtype": "float32, bfloat16 or float16 (fp32, bf16, fp16) (default: as stored)",
         "max_shard_size": "largest weight file, e.g. 5GB, 500MB, 2GiB or bytes; beyond it, shards and an index "
         "(default: 5GB)",
+        "adapter": "a LoRA checkpoint as a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) "
+        "instead of merged into its base model",
+        "base": "a LoRA checkpoint's base model folder (default: the one it records, under the job's model folder)",
     },
 )
-def export(c, config=DEFAULT_CONFIG, node="0", checkpoint=None, out=None, dtype=None, max_shard_size=None):
-    """Write a checkpoint as a standalone Hugging Face model folder (weights, config, tokenizer; no training state)."""
+def export(
+    c,
+    config=DEFAULT_CONFIG,
+    node="0",
+    checkpoint=None,
+    out=None,
+    dtype=None,
+    max_shard_size=None,
+    adapter=False,
+    base=None,
+):
+    """Write a checkpoint as a standalone Hugging Face model folder (weights, config, tokenizer; no training state).
+
+    A LoRA checkpoint is written merged into its base model, or with --adapter as a PEFT adapter folder.
+    """
     from pathlib import Path
 
     from astrai.host import export as ex
@@ -315,12 +331,14 @@ def export(c, config=DEFAULT_CONFIG, node="0", checkpoint=None, out=None, dtype=
     except ValueError as error:
         raise Exit(f"error: --max-shard-size {error}", code=2) from None
     with _user_errors():
+        runtime = None
         if ex.needs_job_dir(checkpoint):
             _, runtime = _load(config, node)
             source = ex.job_checkpoint(runtime, checkpoint)
         else:
             source = Path(checkpoint)
-        print(ex.export_checkpoint(source, Path(out), dtype, max_shard_bytes).summary())
+        base = Path(base) if base else None if adapter else ex.lora_base(source, runtime)
+        print(ex.export_checkpoint(source, Path(out), dtype, max_shard_bytes, base=base, adapter=adapter).summary())
 
 
 @task(

@@ -374,6 +374,42 @@ LAYER_PARTS = {
 }
 ADAPTER_TARGETS = tuple(hf.rpartition(".")[2] for hf in LAYER_PARTS.values() if hf.endswith("_proj"))
 """The linear layers of a block LoRA adapts, by PEFT's (Hugging Face's) module names."""
+PEFT_PREFIX = "base_model.model."
+"""What PEFT puts before a Hugging Face module name in an adapter file."""
+
+
+def peft_adapter_config(rank: int, alpha: float, dropout: float, targets, base_model: str = "") -> str:
+    """adapter_config.json of a plain LoRA adapter (no bias, DoRA or rsLoRA), as PEFT writes and reads it."""
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+    }
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def peft_target(name: str) -> tuple[str, str] | None:
+    """(the Hugging Face weight an adapter tensor of PEFT's name belongs to, "A" or "B"), or None.
+
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` -> ``model.layers.0.self_attn.q_proj.weight``
+    """
+    head, found, part = name.removeprefix(PEFT_PREFIX).partition(".lora_")
+    if not name.startswith(PEFT_PREFIX) or not found or part not in ("A.weight", "B.weight"):
+        return None
+    return f"{head}.weight", part[0]
+
+
 _TOP_PARTS = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
 
 

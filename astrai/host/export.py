@@ -24,6 +24,7 @@ Torch-free: NumPy does the arithmetic, and is imported only when an export runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import math
@@ -32,17 +33,27 @@ import re
 import secrets
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-from astrai.common.checkpoints import DamagedCheckpoint, examine, fsync_path, parse_checkpoint_name
+from astrai.common.checkpoints import CheckpointMeta, DamagedCheckpoint, examine, fsync_path, parse_checkpoint_name
 from astrai.common.contract import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
     CHECKPOINT_INTERNALS,
+    CONTAINER_MODEL,
     MODEL_CONFIG_FILE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
 )
 from astrai.common.errors import AstraiError
-from astrai.common.model_folder import ModelLoadError, read_layout, weight_files
+from astrai.common.model_folder import (
+    ModelLoadError,
+    base_digest,
+    peft_adapter_config,
+    peft_target,
+    read_layout,
+    weight_files,
+)
 from astrai.common.paths import folder_problem, nearest_existing
 from astrai.common.safetensors_file import FLOAT_DTYPES, ITEMSIZE, header
 from astrai.common.values import format_bytes
@@ -130,6 +141,18 @@ def job_checkpoint(runtime: Runtime, name: str | None) -> Path:
     return path
 
 
+def lora_base(source: Path, runtime: Runtime | None) -> Path | None:
+    """The host folder of the base model a LoRA checkpoint's adapters belong to (None for another source): its
+    recorded path, read under the job's model folder when it is the container's model mount."""
+    lora = _lora_of(Path(source))
+    if lora is None:
+        return None
+    recorded = PurePosixPath(lora["base"]["path"])
+    if runtime is not None and recorded.is_relative_to(CONTAINER_MODEL):
+        return runtime.model_dir / recorded.relative_to(CONTAINER_MODEL)
+    return Path(recorded) if Path(recorded).is_dir() else None
+
+
 @dataclass(frozen=True)
 class _Tensor:
     """One tensor of the source, and what the export makes of it."""
@@ -142,6 +165,8 @@ class _Tensor:
     """Where its bytes begin in ``file``."""
     nbytes: int
     out_dtype: str
+    merge: tuple[_Tensor, _Tensor, float] | None = None
+    """LoRA: the adapter's (A, B, scaling), folded into this weight as it is written (W + scaling * B @ A)."""
 
     @property
     def out_nbytes(self) -> int:
@@ -292,11 +317,20 @@ class ExportResult:
 
 
 def export_checkpoint(
-    source: Path, out: Path, dtype: str | None, max_shard_bytes: int, *, chunk_bytes: int = CHUNK_BYTES
+    source: Path,
+    out: Path,
+    dtype: str | None,
+    max_shard_bytes: int,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+    base: Path | None = None,
+    adapter: bool = False,
 ) -> ExportResult:
     """Write ``source`` (a checkpoint or a model folder) as a Hugging Face model folder at ``out``.
 
     ``dtype``: float32, bfloat16 or float16 (see :func:`parse_dtype`), None to keep each tensor as stored.
+    A LoRA checkpoint is written merged (the base model ``base`` with the adapters folded in), or with ``adapter``
+    as a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``).
     Refused with nothing written: a source that is not a complete checkpoint or not a model folder, an ``out``
     that exists and is not empty or lies inside the source, a disk without room for the export.
     """
@@ -307,16 +341,27 @@ def export_checkpoint(
         raise ValueError("max_shard_bytes must be positive and chunk_bytes at least 8")
     chunk_bytes -= chunk_bytes % 8  # a whole number of elements of every dtype
     config, tensors, weights = _read_source(source, dtype)
+    lora = _lora_of(source)
+    if adapter and lora is None:
+        raise ExportError(f"--adapter: {source} holds no LoRA adapters (not a checkpoint of a lora_rank run)", code=2)
     _check_out(source, out)
-    if any(t.dtype != t.out_dtype for t in tensors):
-        _need_numpy()
     others = _other_files(source, weights)
-    shards = shard_plan(tensors, max_shard_bytes)
-    names = shard_names(len(shards))
+    if lora is not None and not adapter:
+        config, tensors, base_weights = _merged(source, lora, base, dtype, tensors)
+        weights = [*base_weights, *weights]
+    if any(t.dtype != t.out_dtype or t.merge is not None for t in tensors):
+        _need_numpy()
+    shards = [tensors] if adapter else shard_plan(tensors, max_shard_bytes)
+    names = [ADAPTER_WEIGHTS_FILE] if adapter else shard_names(len(shards))
     headers = [_header(shard) for shard in shards]
     found = sorted({t.out_dtype for t in tensors}, key=lambda code: (code not in _DTYPE_NAMES, code))
     config_dtype = dtype or (_DTYPE_NAMES[found[0]] if len(found) == 1 and found[0] in _DTYPE_NAMES else None)
-    config_text = (json.dumps(updated_config(config, config_dtype), indent=2, ensure_ascii=False) + "\n").encode()
+    config_name = ADAPTER_CONFIG_FILE if adapter else MODEL_CONFIG_FILE
+    if adapter:
+        settings = (lora["rank"], lora["alpha"], lora.get("dropout", 0.0), lora["targets"], lora["base"]["path"])
+        config_text = peft_adapter_config(*settings).encode()
+    else:
+        config_text = (json.dumps(updated_config(config, config_dtype), indent=2, ensure_ascii=False) + "\n").encode()
     index_text = None
     if len(shards) > 1:
         weight_map = {t.name: name for name, shard in zip(names, shards, strict=True) for t in shard}
@@ -343,8 +388,8 @@ def export_checkpoint(
             readers[path] = open(path, "rb", buffering=0)
         staging.mkdir()
         _own(staging)
-        _write_bytes(staging / MODEL_CONFIG_FILE, config_text)
-        written.append(MODEL_CONFIG_FILE)
+        _write_bytes(staging / config_name, config_text)
+        written.append(config_name)
         for path in others:
             _copy(path, staging / path.name)
             written.append(path.name)
@@ -369,6 +414,51 @@ def export_checkpoint(
             reader.close()
     dtypes = tuple(_DTYPE_NAMES.get(code, code) for code in found)
     return ExportResult(source, out, dtypes, tuple(names), tuple(sorted(written)), needed)
+
+
+def _lora_of(source: Path) -> dict | None:
+    """The ``lora`` record of a LoRA checkpoint's meta.json (its settings and base), None for any other folder."""
+    if parse_checkpoint_name(source.name) is None:
+        return None
+    return CheckpointMeta.read(source).lora
+
+
+def _merged(
+    source: Path, lora: dict, base: Path | None, dtype: str | None, adapters: list[_Tensor]
+) -> tuple[dict, list[_Tensor], list[Path]]:
+    """The base model's config, tensors and weight files, each adapted weight to be written with its update folded
+    in; refused when ``base`` is missing or is not the model the adapters were trained on."""
+    recorded = lora["base"]
+    if base is None:
+        raise ExportError(
+            f"{source} holds LoRA adapters of the base model {recorded['path']}, not a whole model: export it from "
+            "its job (which names the base model folder), or with --adapter for a PEFT adapter folder",
+            code=2,
+        )
+    base = Path(base)
+    found = base_digest(base)
+    if found != recorded["sha256"]:
+        raise ExportError(
+            f"{source} holds adapters of the base model {recorded['path']} (sha256 {recorded['sha256'][:12]}), and "
+            f"{base} is another model (sha256 {found[:12]}): the adapters fit only the base they were trained on"
+        )
+    config, tensors, weights = _read_source(base, dtype)
+    by_name = {t.name: t for t in tensors}
+    pairs: dict[str, dict[str, _Tensor]] = {}
+    for tensor in adapters:
+        target = peft_target(tensor.name)
+        if target is None or target[0] not in by_name:
+            raise ExportError(f"{source}: {tensor.name} is not an adapter of a weight of {base}")
+        pairs.setdefault(target[0], {})[target[1]] = tensor
+    scaling = float(lora["alpha"]) / int(lora["rank"])
+    for name, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            raise ExportError(f"{source}: the adapter of {name} lacks its {'B' if 'A' in pair else 'A'} matrix")
+        weight = by_name[name]
+        if (pair["B"].shape[0], pair["A"].shape[1]) != tuple(weight.shape):
+            raise ExportError(f"{source}: the adapter of {name} does not fit its shape {list(weight.shape)}")
+        by_name[name] = dataclasses.replace(weight, merge=(pair["A"], pair["B"], scaling))
+    return config, list(by_name.values()), weights
 
 
 def _check_out(source: Path, out: Path) -> None:
@@ -451,11 +541,31 @@ def _write_weights(path: Path, header: bytes, tensors: list[_Tensor], readers: d
         _own(path)
         handle.write(header)
         for tensor in tensors:
+            if tensor.merge is not None:
+                handle.write(_merged_bytes(tensor, readers, buffer))
+                continue
             convert = _converter(tensor.dtype, tensor.out_dtype)
             for piece in _pieces(readers[tensor.file], tensor, buffer):
                 handle.write(piece if convert is None else convert(piece))
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def _merged_bytes(tensor: _Tensor, readers: dict, buffer: bytearray) -> bytes:
+    """An adapted weight with its LoRA update folded in, computed in float32, in the export's dtype (the weight is
+    read whole: one matrix of a block at a time)."""
+    import numpy as np
+
+    def f32(part: _Tensor):
+        data = b"".join(bytes(piece) for piece in _pieces(readers[part.file], part, buffer))
+        convert = _converter(part.dtype, "F32")
+        return np.frombuffer(data if convert is None else convert(data), dtype="<f4").reshape(part.shape)
+
+    a, b, scaling = tensor.merge
+    merged = f32(tensor) + np.float32(scaling) * (f32(b) @ f32(a))
+    data = merged.astype("<f4").tobytes()
+    convert = _converter("F32", tensor.out_dtype)
+    return data if convert is None else convert(data)
 
 
 def _pieces(reader, tensor: _Tensor, buffer: bytearray):

@@ -31,14 +31,12 @@ from torch import nn
 from astrai.common.atomic import write_text_atomically
 from astrai.common.contract import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from astrai.common.errors import AstraiError
-from astrai.common.model_folder import ADAPTER_TARGETS, LAYER_PARTS, hf_name
+from astrai.common.model_folder import ADAPTER_TARGETS, LAYER_PARTS, PEFT_PREFIX, hf_name, peft_adapter_config
 from astrai.trainer.model import save_tensors
 
 TARGETS = {hf.rpartition(".")[2]: ours for ours, hf in LAYER_PARTS.items() if hf.endswith("_proj")}
 """PEFT's name of each linear layer of a block, and ours."""
 DEFAULT_TARGETS = ADAPTER_TARGETS
-PEFT_PREFIX = "base_model.model."
-"""What PEFT puts before a Hugging Face module name in an adapter file."""
 
 
 @dataclass(frozen=True)
@@ -255,23 +253,7 @@ def write_peft_adapter(folder: Path, model: nn.Module, settings: LoRASettings, b
 
 def peft_config_json(settings: LoRASettings, base_model: str = "") -> str:
     """adapter_config.json of a plain LoRA adapter with these settings, as PEFT writes and reads it."""
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": settings.rank,
-        "lora_alpha": settings.alpha,
-        "lora_dropout": settings.dropout,
-        "target_modules": sorted(settings.targets),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        "modules_to_save": None,
-        "use_rslora": False,
-        "use_dora": False,
-    }
-    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+    return peft_adapter_config(settings.rank, settings.alpha, settings.dropout, settings.targets, base_model)
 
 
 def read_peft_adapter(folder: Path) -> tuple[LoRASettings, dict[str, torch.Tensor]]:

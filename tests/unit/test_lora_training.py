@@ -25,9 +25,18 @@ from trainer_runs import (
 )
 
 from astrai.common.checkpoints import examine, folder_bytes, latest_complete_checkpoint, list_complete_checkpoints
+from astrai.common.contract import REASON_EMERGENCY
 from astrai.common.fit import SetupError
 from astrai.common.model_folder import ADAPTER_TARGETS, base_digest
-from astrai.trainer.lora import AdapterError, BaseModel, LoRASettings, adapter_parameters, write_peft_adapter
+from astrai.host.export import ExportError, export_checkpoint
+from astrai.trainer.lora import (
+    AdapterError,
+    BaseModel,
+    LoRASettings,
+    adapter_parameters,
+    adapters_off,
+    write_peft_adapter,
+)
 from astrai.trainer.model import PRESETS, write_base_model
 
 LORA = {"lora_rank": 4, "lora_alpha": 8}
@@ -203,3 +212,51 @@ def test_dpo_under_fsdp_with_adapters_starts_at_ln2_stops_and_resumes(tmp_path, 
     assert f"resumed from {stopped.path}" in run.output()
     final = latest_complete_checkpoint(ckpt_dir)
     assert final.step == 10 and all(".lora_" in name for name in load_file(final.path / "model.safetensors"))
+
+
+def test_export_writes_a_merged_model_and_a_peft_folder_with_the_trainers_logits(
+    tmp_path, job_yaml, make_trainer, tiny_model, one_thread
+):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    trainer = make_trainer(job_yaml(max_steps=4, lora_targets="q_proj,v_proj,down_proj", **LORA))
+    try:
+        generator = torch.Generator().manual_seed(3)
+        for param in adapter_parameters(trainer.model).values():
+            with torch.no_grad():
+                param.copy_(0.05 * torch.randn(param.shape, generator=generator))
+        tokens = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 24), generator=generator)
+        trainer.model.eval()
+        with torch.no_grad():
+            ours = trainer.model(tokens)
+            with adapters_off(trainer.model):
+                base_logits = trainer.model(tokens)
+        checkpoint = trainer.save_checkpoint(REASON_EMERGENCY)
+    finally:
+        trainer.close()
+    assert (ours - base_logits).abs().max() > 1e-2  # the adapters change what the model says
+    with pytest.raises(ExportError, match="holds LoRA adapters of the base model"):
+        export_checkpoint(checkpoint, tmp_path / "nowhere", None, 1 << 30)
+    other = tmp_path / "other-base"
+    write_base_model(other, PRESETS["tiny"], seed=1)
+    with pytest.raises(ExportError, match=r"is another model \(sha256"):
+        export_checkpoint(checkpoint, tmp_path / "nowhere", None, 1 << 30, base=other)
+    assert not (tmp_path / "nowhere").exists()
+
+    merged = tmp_path / "merged"
+    export_checkpoint(checkpoint, merged, "float32", 1 << 30, base=tiny_model)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (hf(tokens).logits - ours).abs().max() <= 1e-4
+
+    folder = tmp_path / "adapter"
+    export_checkpoint(checkpoint, folder, None, 1 << 30, adapter=True)
+    assert json.loads((folder / "adapter_config.json").read_text())["target_modules"] == [
+        "down_proj",
+        "q_proj",
+        "v_proj",
+    ]
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(base, folder).eval()
+    with torch.no_grad():
+        assert (loaded(tokens).logits - ours).abs().max() <= 1e-4
