@@ -358,6 +358,17 @@ def num_parameters(config: ModelConfig) -> int:
     return sum(math.prod(shape) for shape in tensor_shapes(config).values())
 
 
+def num_adapter_parameters(config: ModelConfig, rank: int, targets) -> int:
+    """What LoRA of ``rank`` on ``targets`` (PEFT's names) trains: rank * (in + out) for each adapted matrix."""
+    ours = {hf.rpartition(".")[2]: name for name, hf in LAYER_PARTS.items()}
+    shapes = tensor_shapes(config)
+    return sum(
+        rank * sum(shapes[f"layers.{index}.{ours[target]}.weight"])
+        for index in range(config.n_layers)
+        for target in targets
+    )
+
+
 LAYER_PARTS = {
     # ours -> Hugging Face's, for the modules of a block
     "attention_norm": "input_layernorm",

@@ -30,6 +30,7 @@ from astrai.common.contract import (
     MODEL_CONFIG_FILE,
     TORCH_VERSION,
     WEIGHTS_INDEX_FILE,
+    resolve_parallel_mode,
 )
 from astrai.common.data_folder import DataError, TokenData, data_digest, describe_units, training_units
 from astrai.common.fit import (
@@ -41,7 +42,15 @@ from astrai.common.fit import (
     check_same_tokenizer,
     tokenizer_hint,
 )
-from astrai.common.model_folder import ModelConfig, ModelLoadError, describe, inspect_weights, num_parameters
+from astrai.common.model_folder import (
+    ModelConfig,
+    ModelLoadError,
+    base_digest,
+    describe,
+    inspect_weights,
+    num_adapter_parameters,
+    num_parameters,
+)
 from astrai.common.paths import folder_problem, length_problem, nearest_existing, read_only
 from astrai.common.values import format_bytes
 from astrai.host import compose, engine
@@ -92,12 +101,13 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = (), *, this_host: boo
     checks.append(check)
     if runtime.node == 0:
         checks.append(_fit_check(runtime, config, data, model))
+        checks.append(_training_state_check(runtime, config, model))
         latest = _latest_checkpoint(runtime)
         if latest is not None and config is not None and data is not None:
             checks.append(_resume_check(latest, config, data))
         if config is not None and config.training.train_type == "dpo":
             checks.append(_reference_check(runtime, config, model, data))
-    checks.append(_disk_space_check(runtime))
+    checks.append(_disk_space_check(runtime, config))
     if runtime.multi_node:
         checks += node_checks(runtime)
         if config is not None:
@@ -274,7 +284,7 @@ def _model_check(runtime: Runtime, config: TrainerConfig | None) -> tuple[tuple[
             "newest checkpoint and sends the state to every node",
         )
     latest = _latest_checkpoint(runtime)
-    if latest is not None:
+    if latest is not None and latest.meta.lora is None:
         try:
             return (ModelConfig.load(latest.path), latest.path), Check(
                 PASS, "base model", f"not needed: the job resumes from {latest.path}"
@@ -304,7 +314,19 @@ def _model_check(runtime: Runtime, config: TrainerConfig | None) -> tuple[tuple[
     unreadable = _unreadable("base model", files, folder)
     if unreadable is not None:
         return None, unreadable
-    return (model, folder), Check(PASS, "base model", f"{folder}: {describe(folder, model, weights)}")
+    found = f"{folder}: {describe(folder, model, weights)}"
+    if latest is not None:  # a LoRA checkpoint: its adapters resume onto this base, which must be theirs
+        recorded = latest.meta.lora["base"]
+        if base_digest(folder) != recorded["sha256"]:
+            return None, Check(
+                FAIL,
+                "base model",
+                f"{latest.path} holds LoRA adapters of the base model {recorded['path']} (sha256 "
+                f"{recorded['sha256'][:12]}), and {folder} is another model (sha256 {base_digest(folder)[:12]})",
+                "set ckpt.param_path (or runtime.paths.model) back to the model the adapters were trained on",
+            )
+        found += f"; the LoRA adapters of {latest.path.name} resume onto it"
+    return (model, folder), Check(PASS, "base model", found)
 
 
 def _fit_check(
@@ -354,6 +376,37 @@ def _fit_check(
         PASS,
         "data fits model",
         f"{windows:,} training {what}{steps} at world size {world}{counted}{detail}",
+    )
+
+
+TRAINING_BYTES_PER_PARAMETER = 16
+"""An fp32 weight that trains, its gradient and AdamW's two moments."""
+FROZEN_BYTES_PER_PARAMETER = 4
+"""An fp32 weight that does not train (LoRA's base)."""
+
+
+def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model) -> Check:
+    """What the training state takes per rank, for full fine-tuning and for LoRA: why LoRA fits where full does not."""
+    if config is None or model is None:
+        return Check(SKIP, "training state", "not estimated: see the lines above")
+    model_config = model[0]
+    world = runtime.world_size if runtime.world_size is not None else max(1, _visible_gpus() * runtime.node_count)
+    sharded = resolve_parallel_mode(config.parallel.parallel_mode, world) == "fsdp"
+    share = world if sharded else 1
+    total = num_parameters(model_config)
+    training = config.training
+    rank = training.lora_rank or 16
+    adapters = num_adapter_parameters(model_config, rank, training.lora_targets)
+    full = total * TRAINING_BYTES_PER_PARAMETER / share
+    lora = (total * FROZEN_BYTES_PER_PARAMETER + adapters * TRAINING_BYTES_PER_PARAMETER) / share
+    chosen = "LoRA" if training.lora_rank else "full fine-tuning"
+    per = f" per rank ({world} under FSDP)" if sharded else " per process"
+    return Check(
+        PASS,
+        "training state",
+        f"{chosen} (this config){per}, weights + gradients + AdamW moments before activations: full fine-tuning "
+        f"{format_bytes(full)} ({total:,} trainable); LoRA rank {rank} on {len(training.lora_targets)} projections "
+        f"{format_bytes(lora)} ({adapters:,} trainable, {adapters / (total + adapters):.2%}, {total:,} frozen)",
     )
 
 
@@ -418,7 +471,7 @@ def _unreadable(name: str, paths: list[Path], folder: Path) -> Check | None:
     )
 
 
-def _disk_space_check(runtime: Runtime) -> Check:
+def _disk_space_check(runtime: Runtime, config: TrainerConfig | None = None) -> Check:
     """Room for two checkpoints: a save writes the new one in full before retention removes an old one."""
     if runtime.node != 0:
         return Check(SKIP, "checkpoint space", f"not needed on node {runtime.node}: only node 0 writes checkpoints")
@@ -430,7 +483,7 @@ def _disk_space_check(runtime: Runtime) -> Check:
         size = (
             folder_bytes(latest.path)
             if latest
-            else estimate_checkpoint_bytes(num_parameters(ModelConfig.load(runtime.model_dir)))
+            else estimate_checkpoint_bytes(_saved_parameters(ModelConfig.load(runtime.model_dir), config))
         )
     except (OSError, ModelLoadError):
         return Check(SKIP, "checkpoint space", "not checked: no readable checkpoint or base model to size")
@@ -445,6 +498,14 @@ def _disk_space_check(runtime: Runtime) -> Check:
             "stops the trainer",
         )
     return Check(PASS, "checkpoint space", f"{found} (room for {free // size})")
+
+
+def _saved_parameters(model: ModelConfig, config: TrainerConfig | None) -> int:
+    """What a checkpoint holds the weights of: every one, or LoRA's adapters alone."""
+    training = config.training if config is not None else None
+    if training is not None and training.lora_rank:
+        return num_adapter_parameters(model, training.lora_rank, training.lora_targets)
+    return num_parameters(model)
 
 
 def _latest_checkpoint(runtime: Runtime):

@@ -32,6 +32,7 @@ from astrai.common.contract import (
     METRICS_FILE,
 )
 from astrai.common.metrics import MetricsFile
+from astrai.common.model_folder import ModelConfig, ModelLoadError, num_adapter_parameters, num_parameters
 from astrai.common.values import format_duration, local_time
 from astrai.host import compose, engine, preflight, slurm, timer
 from astrai.host.runtime import Runtime, check_paths
@@ -145,6 +146,9 @@ def format_status(status: JobStatus) -> list[str]:
     if status.latest is not None:
         reason = status.latest.meta.reason
         lines.append(f"latest      {status.latest.path} ({reason}; {status.checkpoints} checkpoint(s))")
+        lora = _lora_line(status.latest)
+        if lora:
+            lines.append(f"lora        {lora}")
     else:
         lines.append("latest      no checkpoint")
     if status.not_checkpoints:
@@ -239,3 +243,20 @@ def _age(moment: datetime | None) -> str:
     if moment is None:
         return "?"
     return format_duration((datetime.now(timezone.utc) - moment).total_seconds())
+
+
+def _lora_line(latest: Checkpoint) -> str | None:
+    """A LoRA checkpoint's rank, targets and trainable share, and the base its adapters belong to."""
+    lora = latest.meta.lora
+    if lora is None:
+        return None
+    try:
+        model = ModelConfig.load(latest.path)
+    except ModelLoadError:
+        return f"rank {lora['rank']} on {', '.join(lora['targets'])}; base {lora['base']['path']}"
+    trainable = num_adapter_parameters(model, lora["rank"], lora["targets"])
+    share = trainable / (trainable + num_parameters(model))
+    return (
+        f"rank {lora['rank']} on {', '.join(lora['targets'])}: {trainable:,} trainable parameters ({share:.2%}); "
+        f"base {lora['base']['path']}"
+    )

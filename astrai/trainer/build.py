@@ -441,6 +441,14 @@ def _lora_record(config: TrainerConfig, start: Start) -> dict | None:
     return None if settings is None else settings.record(config.ckpt.param_path, start.base_sha256)
 
 
+def trainable_tag(model: torch.nn.Module, config: TrainerConfig) -> str | None:
+    """LoRA's rank and trainable share for the progress line (``lora r16 0.52%``); None for full fine-tuning."""
+    if not config.training.lora_rank:
+        return None
+    trainable, frozen = parameter_counts(model)
+    return f"lora r{config.training.lora_rank} {trainable / (trainable + frozen):.2%}"
+
+
 def describe_trainable(model: torch.nn.Module, config: TrainerConfig) -> str | None:
     """LoRA's line at start: its settings and how much of the model trains; None for full fine-tuning."""
     settings = LoRASettings.of(config.training)

@@ -238,6 +238,7 @@ class Trainer:
             peak=peak_tflops(device_name, self.config.log.peak_tflops),
             resumed_step=self.progress.step,
             log=self.log,
+            tag=build.trainable_tag(self.model, self.config),
         )
 
     def _note_mixture(self, splits) -> None:

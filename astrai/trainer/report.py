@@ -253,8 +253,11 @@ class ProgressReporter:
         peak: float | None,
         resumed_step: int,
         log: Callable[[str], None],
+        tag: str | None = None,
     ):
         self.job_dir = Path(job_dir)
+        self.tag = tag
+        """Said on every progress line (LoRA's rank and trainable share)."""
         self.master = master
         self.max_steps = max_steps
         self.tokens_per_step = tokens_per_step
@@ -308,6 +311,8 @@ class ProgressReporter:
         line += f" | {tokens_per_s:,.0f} tokens/s | mfu {'n/a' if utilization is None else f'{utilization:.1%}'}"
         if report.max_allocated_gib is not None:
             line += f" | mem {report.max_allocated_gib:.2f} GiB"
+        if self.tag:
+            line += f" | {self.tag}"
         line += f" | eta {format_duration(eta_s) if eta_s is not None else 'n/a'}"
         self.log(line)
         try:

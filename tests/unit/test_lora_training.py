@@ -27,14 +27,16 @@ from trainer_runs import (
 from astrai.common.checkpoints import examine, folder_bytes, latest_complete_checkpoint, list_complete_checkpoints
 from astrai.common.contract import REASON_EMERGENCY
 from astrai.common.fit import SetupError
-from astrai.common.model_folder import ADAPTER_TARGETS, base_digest
+from astrai.common.model_folder import ADAPTER_TARGETS, base_digest, num_adapter_parameters, num_parameters
 from astrai.host.export import ExportError, export_checkpoint
+from astrai.host.status import _lora_line
 from astrai.trainer.lora import (
     AdapterError,
     BaseModel,
     LoRASettings,
     adapter_parameters,
     adapters_off,
+    parameter_counts,
     write_peft_adapter,
 )
 from astrai.trainer.model import PRESETS, write_base_model
@@ -57,6 +59,9 @@ def test_only_the_adapters_train_and_a_checkpoint_holds_only_them(
         adapters = adapter_parameters(trainer.model)
         assert trained == {id(param) for param in adapters.values()}
         assert len(adapters) == 2 * len(ADAPTER_TARGETS) * PRESETS["tiny"].n_layers
+        # What preflight and status count from config.json alone is what the trainer trains.
+        counted = num_adapter_parameters(trainer.model_config, 4, ADAPTER_TARGETS)
+        assert parameter_counts(trainer.model) == (counted, num_parameters(trainer.model_config))
         trainer.train()
         after = trainer.model.state_dict()
         assert all(torch.equal(after[name], value) for name, value in base.items()), "a frozen weight moved"
@@ -75,6 +80,9 @@ def test_only_the_adapters_train_and_a_checkpoint_holds_only_them(
         + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
         for ab in "AB"
     }
+    assert _lora_line(final).startswith(
+        f"rank 4 on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj: {counted:,}"
+    )
     assert json.loads((final.path / "config.json").read_text()) == json.loads((tiny_model / "config.json").read_text())
     # The adapters and their two moments against the base's weights: a few percent of a full checkpoint.
     assert folder_bytes(final.path) < 0.2 * folder_bytes(tiny_model) * 3
