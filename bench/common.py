@@ -95,6 +95,12 @@ class Figures(dict):
         worst = min(names, key=lambda name: self[name])
         return self._put(key, self[worst], {"method": "lowest", "of": names}, self.get(f"{worst}_spread"))
 
+    def highest(self, key: str, keys: list[str]) -> float:
+        """The worst (highest) of several figures of this section whose target is an upper bound."""
+        names = [self.prefix + name for name in keys]
+        worst = max(names, key=lambda name: self[name])
+        return self._put(key, self[worst], {"method": "highest", "of": names}, self.get(f"{worst}_spread"))
+
     def count(self, key: str, outcomes: list, *, of=True) -> int:
         """How many of ``outcomes`` equal ``of`` (every outcome when ``of`` is None)."""
         outcomes = list(outcomes)

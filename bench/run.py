@@ -37,6 +37,7 @@ from bench import (
     hf_io,
     host_commands,
     image_build,
+    lora,
     post_training,
     sharded_checkpoints,
     stop_latency,
@@ -137,6 +138,22 @@ TARGETS = {
     "sharded_stall_vs_full": ("loop pause of a periodic sharded save over a full one's", "<=", 1.0),
     "sharded_save_s": ("sharded save of `base` on 4 processes, seconds (state 1.5 GB)", None, None),
     "full_save_s": ("full save of the same, seconds", None, None),
+    "lora_tokens_per_s_vs_full": (
+        "LoRA r16 tokens per CPU-second over full fine-tuning (worst of small, base)",
+        ">=",
+        1.2,
+    ),
+    "small_lora_tokens_per_s_vs_full": ("the same on `small`", ">=", 1.2),
+    "base_lora_tokens_per_s_vs_full": ("the same on `base`", ">=", 1.2),
+    "lora_peak_mem_vs_full": ("LoRA's peak memory growth over full fine-tuning's (worst of small, base)", "<=", 0.5),
+    "small_lora_peak_mem_vs_full": ("the same on `small`", "<=", 0.5),
+    "base_lora_peak_mem_vs_full": ("the same on `base`", "<=", 0.5),
+    "lora_ckpt_bytes_vs_full": ("a LoRA checkpoint's bytes over a full one's (worst of small, base)", "<=", 0.05),
+    "small_lora_ckpt_bytes_vs_full": ("the same on `small`", "<=", 0.05),
+    "base_lora_ckpt_bytes_vs_full": ("the same on `base`", "<=", 0.05),
+    "lora_save_vs_full": ("a LoRA checkpoint save's time over a full one's (worst of small, base)", "<=", 0.2),
+    "small_lora_save_vs_full": ("the same on `small`", "<=", 0.2),
+    "base_lora_save_vs_full": ("the same on `base`", "<=", 0.2),
 }
 
 
@@ -152,6 +169,7 @@ SECTIONS = {
     "corpora": lambda quick, image: corpora.run(quick),
     "post-training": lambda quick, image: post_training.run(quick),
     "sharded checkpoints": lambda quick, image: sharded_checkpoints.run(quick),
+    "lora": lambda quick, image: lora.run(quick),
 }
 
 
@@ -189,8 +207,9 @@ def recompute(results: dict, key: str) -> tuple[object, float | None]:
     if method == "quotient":
         numerator, denominator = sample["of"]
         return recompute(results, numerator)[0] / recompute(results, denominator)[0], None
-    if method == "lowest":
-        worst = min(sample["of"], key=lambda name: recompute(results, name)[0])
+    if method in ("lowest", "highest"):
+        pick = min if method == "lowest" else max
+        worst = pick(sample["of"], key=lambda name: recompute(results, name)[0])
         return recompute(results, worst)
     if method == "count":
         outcomes = sample["outcomes"]
