@@ -57,7 +57,7 @@ from astrai.common.contract import (
     SCHEDULER_FILE,
     WEIGHTS_FILE,
 )
-from astrai.common.model_folder import ModelConfig, ModelLoadError, read_header
+from astrai.common.model_folder import ADAPTER_TARGETS, ModelConfig, ModelLoadError, read_header
 
 STAGING_PREFIX = ".staging-"
 TRASH_PREFIX = ".trash-"
@@ -197,18 +197,27 @@ def _check_lora(lora) -> None:
         return
     base = lora.get("base") if isinstance(lora, dict) else None
     rank = lora.get("rank") if isinstance(lora, dict) else None
+    targets = lora.get("targets") if isinstance(lora, dict) else None
     if not (
         isinstance(rank, int)
+        and not isinstance(rank, bool)
         and rank >= 1
-        and isinstance(lora.get("alpha"), (int, float))
-        and isinstance(lora.get("targets"), list)
-        and all(isinstance(name, str) for name in lora["targets"])
+        and _is_number(lora.get("alpha"))
+        and _is_number(lora.get("dropout", 0.0))
+        and isinstance(targets, list)
+        and targets
+        and all(isinstance(name, str) and name in ADAPTER_TARGETS for name in targets)
         and isinstance(base, dict)
         and all(isinstance(base.get(key), str) for key in ("path", "sha256"))
     ):
         raise DamagedCheckpoint(
-            f"{META_FILE}: lora must be an object with rank, alpha, targets and base (path, sha256), got {lora!r}"
+            f"{META_FILE}: lora must be an object with rank, alpha, dropout, targets (of {', '.join(ADAPTER_TARGETS)}) "
+            f"and base (path, sha256), got {lora!r}"
         )
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _count(values: dict, key: str, *, default=..., minimum: int = 0):

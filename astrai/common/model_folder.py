@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from astrai.common.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
+from astrai.common.contract import META_FILE, MODEL_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from astrai.common.safetensors_file import FLOAT_DTYPES, ModelLoadError, read_header, read_layout  # noqa: F401
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -504,25 +504,47 @@ def model_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
-BASE_SAMPLE_BYTES = 1 << 20
+def _refuse_adapters_only(folder: Path) -> None:
+    """A LoRA checkpoint's weights are adapters, not a model: say so, and how to get a model folder from it."""
+    try:
+        lora = json.loads((folder / META_FILE).read_bytes()).get("lora")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(lora, dict):
+        base = lora.get("base", {}).get("path") if isinstance(lora.get("base"), dict) else None
+        raise ModelLoadError(
+            f"{folder} is a LoRA checkpoint: its weights are adapters of the base model {base}, not a whole model; "
+            "`invoke export --checkpoint ... --out DIR` writes it merged into a model folder to start from"
+        )
+
+
+BASE_SAMPLES_PER_TENSOR = 8
+BASE_SAMPLE_BYTES = 4096
 
 
 def base_digest(folder: Path) -> str:
-    """SHA-256 of what identifies a base model cheaply: config.json, and each weight file's safetensors header,
-    size and first MiB of tensor data. A LoRA checkpoint records it: its adapters belong to that base alone.
+    """SHA-256 of what identifies a base model cheaply: config.json, each weight file's safetensors header and size,
+    and eight evenly spaced 4 KiB samples of every tensor's data. A LoRA checkpoint records it: its adapters
+    belong to that base alone.
 
-    The header says which tensors there are (names, dtypes, shapes); the first bytes tell two models of the same
-    architecture apart (a base and its fine-tune) without reading gigabytes.
+    The header says which tensors there are (names, dtypes, shapes); the samples of every tensor tell two models of
+    the same architecture apart (a base, its fine-tune, its merge with adapters, which changes whole matrices)
+    while reading a few megabytes of an 8B model instead of all of it.
     """
     folder = Path(folder)
     digest = hashlib.sha256()
     try:
         digest.update((folder / MODEL_CONFIG_FILE).read_bytes())
         for path in weight_files(folder):
+            data_start, layout = read_layout(path)
             with path.open("rb") as handle:
-                length = int.from_bytes(handle.read(8), "little")
                 digest.update(path.name.encode() + b"\0" + str(os.fstat(handle.fileno()).st_size).encode() + b"\0")
-                digest.update(handle.read(length + BASE_SAMPLE_BYTES))
+                digest.update(handle.read(data_start))
+                for _, _, (begin, stop) in sorted(layout.values(), key=lambda entry: entry[2]):
+                    step = max((stop - begin) // BASE_SAMPLES_PER_TENSOR, 1)
+                    for offset in range(begin, stop, step)[:BASE_SAMPLES_PER_TENSOR]:
+                        handle.seek(data_start + offset)
+                        digest.update(handle.read(min(BASE_SAMPLE_BYTES, stop - offset)))
     except OSError as error:
         raise ModelLoadError(f"{folder}: cannot be read ({error.strerror})") from None
     return digest.hexdigest()
@@ -530,6 +552,7 @@ def base_digest(folder: Path) -> str:
 
 def inspect_weights(folder: Path, config: ModelConfig) -> WeightsSummary:
     """Check, from the file headers alone, that a folder's weights are exactly what its config implies."""
+    _refuse_adapters_only(Path(folder))
     files = weight_files(folder)
     shapes, from_hf = _expected(config)
     names: dict[Path, dict[str, str]] = {}

@@ -420,7 +420,10 @@ def _lora_of(source: Path) -> dict | None:
     """The ``lora`` record of a LoRA checkpoint's meta.json (its settings and base), None for any other folder."""
     if parse_checkpoint_name(source.name) is None:
         return None
-    return CheckpointMeta.read(source).lora
+    try:
+        return CheckpointMeta.read(source).lora
+    except DamagedCheckpoint:  # not a checkpoint: reading the source says so
+        return None
 
 
 def _merged(

@@ -555,6 +555,8 @@ MOUNTINFO = Path("/proc/self/mountinfo")
 def shared_checkpoints_check(runtime: Runtime, config: TrainerConfig) -> Check:
     """Sharded checkpoints on several nodes: every node writes into the checkpoints folder, so it must be shared."""
     format = resolve_ckpt_format(config.ckpt.format, runtime.parallel_mode)
+    if config.training.lora_rank:
+        return Check(PASS, "shared checkpoints", "LoRA: only node 0 writes checkpoints (the adapters alone)")
     if format != CKPT_FORMAT_SHARDED:
         return Check(PASS, "shared checkpoints", f"ckpt.format {format}: only node 0 writes checkpoints")
     kind = file_system_type(runtime.job_dir)

@@ -34,6 +34,8 @@ _MOUNTED = {
     "param_path": ("model", CONTAINER_MODEL),
     # DPO's reference model; null (the base model) needs no mount of its own.
     "reference_path": ("model", CONTAINER_MODEL),
+    # LoRA: a PEFT adapter folder to start from; null (new adapters) needs no mount.
+    "adapter_path": ("model", CONTAINER_MODEL),
 }
 
 
@@ -119,7 +121,7 @@ def mount_problem(runtime: Runtime, key: str, value) -> str | None:
             f"lost when it exits; to keep them in another folder, change runtime.paths.checkpoints "
             f"(the job dir is <runtime.paths.checkpoints>/<runtime.job_name>)"
         )
-    if key not in _MOUNTED or (key == "reference_path" and value in (None, "null", "")):
+    if key not in _MOUNTED or (key in ("reference_path", "adapter_path") and value in (None, "null", "")):
         return None
     runtime_key, mount = _MOUNTED[key]
     if isinstance(value, str) and _inside(value, mount):

@@ -169,11 +169,12 @@ def _lora_start(
 
     def read_adapter():
         theirs, tensors = read_peft_adapter(folder)
-        if (theirs.rank, sorted(theirs.targets)) != (settings.rank, sorted(settings.targets)):
+        mine = (settings.rank, settings.alpha, sorted(settings.targets))
+        if (theirs.rank, theirs.alpha, sorted(theirs.targets)) != mine:
             raise AdapterError(
-                f"ckpt.adapter_path {folder}: its adapters are rank {theirs.rank} on {', '.join(theirs.targets)}, and "
-                f"this run's are rank {settings.rank} on {', '.join(settings.targets)}; set training.lora_rank and "
-                "lora_targets to the folder's"
+                f"ckpt.adapter_path {folder}: its adapters are rank {theirs.rank}, alpha {theirs.alpha:g} on "
+                f"{', '.join(theirs.targets)}, and this run's are rank {settings.rank}, alpha {settings.alpha:g} on "
+                f"{', '.join(settings.targets)}; set training.lora_rank, lora_alpha and lora_targets to the folder's"
             )
         return tensors
 

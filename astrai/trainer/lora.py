@@ -266,11 +266,16 @@ def read_peft_adapter(folder: Path) -> tuple[LoRASettings, dict[str, torch.Tenso
         raise AdapterError(f"{folder}: not a PEFT adapter folder ({error})") from None
     if not isinstance(raw, dict) or raw.get("peft_type") != "LORA":
         raise AdapterError(f"{folder / ADAPTER_CONFIG_FILE}: peft_type must be LORA, got {raw.get('peft_type')!r}")
-    unsupported = {key: raw.get(key) for key in ("use_dora", "use_rslora", "fan_in_fan_out") if raw.get(key)}
+    unsupported = {
+        key: raw.get(key)
+        for key in ("use_dora", "use_rslora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "layers_to_transform")
+        if raw.get(key)
+    }
     if raw.get("bias", "none") != "none" or raw.get("modules_to_save") or unsupported:
         raise AdapterError(
             f"{folder / ADAPTER_CONFIG_FILE}: only plain LoRA adapters are read (bias none, no modules_to_save, "
-            f"no DoRA, rsLoRA or fan_in_fan_out); it has {unsupported or {'bias': raw.get('bias')}}"
+            f"no DoRA, rsLoRA, fan_in_fan_out, per-layer rank or alpha patterns, or layers_to_transform); it has "
+            f"{unsupported or {'bias': raw.get('bias'), 'modules_to_save': raw.get('modules_to_save')}}"
         )
     targets = raw.get("target_modules")
     targets = [targets] if isinstance(targets, str) else targets

@@ -28,7 +28,7 @@ from astrai.common.checkpoints import examine, folder_bytes, latest_complete_che
 from astrai.common.contract import REASON_EMERGENCY
 from astrai.common.fit import SetupError
 from astrai.common.model_folder import ADAPTER_TARGETS, base_digest, num_adapter_parameters, num_parameters
-from astrai.host.export import ExportError, export_checkpoint
+from astrai.host.export import ExportError, export_checkpoint, lora_base
 from astrai.host.status import _lora_line
 from astrai.trainer.lora import (
     AdapterError,
@@ -146,8 +146,10 @@ def test_a_run_starts_from_a_peft_adapter_folder_and_refuses_one_that_does_not_f
         assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
     finally:
         started.close()
-    with pytest.raises(AdapterError, match=r"its adapters are rank 4 on .* this run's are rank 2"):
-        make_trainer(job_yaml("third", adapter_path=str(folder), lora_rank=2))
+    with pytest.raises(AdapterError, match=r"its adapters are rank 4, alpha 8 on .* this run's are rank 2, alpha 8"):
+        make_trainer(job_yaml("third", adapter_path=str(folder), lora_rank=2, lora_alpha=8))
+    with pytest.raises(AdapterError, match=r"rank 4, alpha 8 on .* this run's are rank 4, alpha 16"):
+        make_trainer(job_yaml("fourth", adapter_path=str(folder), lora_rank=4, lora_alpha=16))
 
 
 @pytest.mark.parametrize("reference", ["live", "precomputed"])
@@ -268,3 +270,42 @@ def test_export_writes_a_merged_model_and_a_peft_folder_with_the_trainers_logits
     loaded = peft.PeftModel.from_pretrained(base, folder).eval()
     with torch.no_grad():
         assert (loaded(tokens).logits - ours).abs().max() <= 1e-4
+
+
+def test_the_base_digest_tells_a_base_from_its_merge_and_a_changed_matrix(tmp_path, tiny_model):
+    """Two models of one architecture whose embeddings and headers are the same still differ."""
+    from astrai.trainer.lora import add_adapters, merged_state_dict
+    from astrai.trainer.model import Transformer, load_base_model, save_model_folder
+
+    config, weights = load_base_model(tiny_model)
+    model = Transformer(config)
+    model.load_state_dict(weights)
+    add_adapters(model, LoRASettings(4, 8.0))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0, 0.01)
+    save_model_folder(tmp_path / "merged", config, merged_state_dict(model))
+    assert base_digest(tmp_path / "merged") != base_digest(tiny_model)
+    save_model_folder(tmp_path / "same", config, weights)
+    assert base_digest(tmp_path / "same") == base_digest(tiny_model)
+
+
+def test_damaged_lora_facts_and_adapters_only_folders_are_refused_with_a_reason(tmp_path, job_yaml, run_trainer):
+    from astrai.common.checkpoints import DamagedCheckpoint, is_complete
+    from astrai.common.model_folder import ModelConfig, ModelLoadError, inspect_weights
+
+    run_trainer(job_yaml(max_steps=2, ckpt_interval=2, **LORA))
+    folder = latest_complete_checkpoint(tmp_path / "ckpt").path
+    with pytest.raises(ModelLoadError, match="is a LoRA checkpoint: its weights are adapters of the base model"):
+        inspect_weights(folder, ModelConfig.load(folder))  # what a base model or a DPO reference is read with
+    meta = json.loads((folder / "meta.json").read_text())
+    for bad in ({"targets": ["bogus"]}, {"rank": True}, {"dropout": "abc"}, {"base": {"path": "/m"}}):
+        (folder / "meta.json").write_text(json.dumps({**meta, "lora": {**meta["lora"], **bad}}))
+        with pytest.raises(DamagedCheckpoint, match="lora must be an object with rank"):
+            examine(folder)
+        assert not is_complete(folder)
+    (folder / "meta.json").unlink()
+    assert lora_base(folder, None) is None  # `invoke export` asks before the export reads (and refuses) it
+    with pytest.raises(ExportError, match="is not a complete checkpoint: incomplete: meta.json missing"):
+        export_checkpoint(folder, tmp_path / "out", None, 1 << 30)
