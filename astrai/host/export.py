@@ -340,15 +340,7 @@ def export_checkpoint(
     if max_shard_bytes < 1 or chunk_bytes < 8:
         raise ValueError("max_shard_bytes must be positive and chunk_bytes at least 8")
     chunk_bytes -= chunk_bytes % 8  # a whole number of elements of every dtype
-    config, tensors, weights = _read_source(source, dtype)
-    lora = _lora_of(source)
-    if adapter and lora is None:
-        raise ExportError(f"--adapter: {source} holds no LoRA adapters (not a checkpoint of a lora_rank run)", code=2)
-    _check_out(source, out)
-    others = _other_files(source, weights)
-    if lora is not None and not adapter:
-        config, tensors, base_weights = _merged(source, lora, base, dtype, tensors)
-        weights = [*base_weights, *weights]
+    config, tensors, weights, others, lora = _what_to_write(source, out, dtype, base, adapter)
     if any(t.dtype != t.out_dtype or t.merge is not None for t in tensors):
         _need_numpy()
     shards = [tensors] if adapter else shard_plan(tensors, max_shard_bytes)
@@ -356,18 +348,8 @@ def export_checkpoint(
     headers = [_header(shard) for shard in shards]
     found = sorted({t.out_dtype for t in tensors}, key=lambda code: (code not in _DTYPE_NAMES, code))
     config_dtype = dtype or (_DTYPE_NAMES[found[0]] if len(found) == 1 and found[0] in _DTYPE_NAMES else None)
-    config_name = ADAPTER_CONFIG_FILE if adapter else MODEL_CONFIG_FILE
-    if adapter:
-        settings = (lora["rank"], lora["alpha"], lora.get("dropout", 0.0), lora["targets"], lora["base"]["path"])
-        config_text = peft_adapter_config(*settings).encode()
-    else:
-        config_text = (json.dumps(updated_config(config, config_dtype), indent=2, ensure_ascii=False) + "\n").encode()
-    index_text = None
-    if len(shards) > 1:
-        weight_map = {t.name: name for name, shard in zip(names, shards, strict=True) for t in shard}
-        total = sum(t.out_nbytes for t in tensors)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        index_text = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+    config_name, config_text = _config_file(config, config_dtype, lora if adapter else None)
+    index_text = _index_text(names, shards) if len(shards) > 1 else None
     needed = sum(len(head) + sum(t.out_nbytes for t in ordered) for head, ordered in headers)
     needed += len(config_text) + len(index_text or b"") + sum(path.stat().st_size for path in others)
     free = _free_bytes(out.parent)
@@ -414,6 +396,41 @@ def export_checkpoint(
             reader.close()
     dtypes = tuple(_DTYPE_NAMES.get(code, code) for code in found)
     return ExportResult(source, out, dtypes, tuple(names), tuple(sorted(written)), needed)
+
+
+def _what_to_write(
+    source: Path, out: Path, dtype: str | None, base: Path | None, adapter: bool
+) -> tuple[dict, list[_Tensor], list[Path], list[Path], dict | None]:
+    """The export's config, its tensors, the weight files they are read from, the files copied as they are, and
+    the source's LoRA record (None unless it is a LoRA checkpoint)."""
+    config, tensors, weights = _read_source(source, dtype)
+    lora = _lora_of(source)
+    if adapter and lora is None:
+        raise ExportError(f"--adapter: {source} holds no LoRA adapters (not a checkpoint of a lora_rank run)", code=2)
+    _check_out(source, out)
+    others = _other_files(source, weights)
+    if lora is not None and not adapter:
+        config, tensors, base_weights = _merged(source, lora, base, dtype, tensors)
+        weights = [*base_weights, *weights]
+    return config, tensors, weights, others, lora
+
+
+def _config_file(config: dict, dtype: str | None, adapter: dict | None) -> tuple[str, bytes]:
+    """config.json saying the dtype, or for a PEFT adapter folder (``adapter``: the LoRA record) its config."""
+    if adapter is None:
+        return MODEL_CONFIG_FILE, (
+            json.dumps(updated_config(config, dtype), indent=2, ensure_ascii=False) + "\n"
+        ).encode()
+    settings = (adapter["rank"], adapter["alpha"], adapter.get("dropout", 0.0), adapter["targets"])
+    return ADAPTER_CONFIG_FILE, peft_adapter_config(*settings, adapter["base"]["path"]).encode()
+
+
+def _index_text(names: list[str], shards: list[list[_Tensor]]) -> bytes:
+    """model.safetensors.index.json of a sharded export, as transformers writes it."""
+    weight_map = {t.name: name for name, shard in zip(names, shards, strict=True) for t in shard}
+    total = sum(t.out_nbytes for shard in shards for t in shard)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
 
 
 def _lora_of(source: Path) -> dict | None:
