@@ -112,12 +112,14 @@ def test_a_resume_with_another_base_or_other_adapters_is_refused_naming_both(
     run_trainer(path, steps=2)
     other = tmp_path / "other-base"
     write_base_model(other, PRESETS["tiny"], seed=1)
+    before = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "ckpt").rglob("*"))
     with pytest.raises(SetupError, match=r"holds LoRA adapters of the base model .*another model"):
         make_trainer(path, param_path=other)
     with pytest.raises(SetupError, match=r"rank 4, alpha 8 on .* asks for rank 8, alpha 8"):
         make_trainer(path, lora_rank=8)
     with pytest.raises(SetupError, match=r"holds LoRA adapters \(rank 4\), and this config trains full fine-tuning"):
         make_trainer(path, lora_rank=0)
+    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "ckpt").rglob("*")) == before  # nothing changed
     full = train_yaml(tmp_path / "full.yaml", max_steps=4, ckpt_interval=1, ckpt_dir=str(tmp_path / "full"))
     run_trainer(full, steps=1)
     with pytest.raises(SetupError, match=r"holds full fine-tuning weights, and this config trains lora_rank 4"):

@@ -1,4 +1,4 @@
-"""SFT, DPO and the Muon optimizer resume as exactly as pre-training: stopped, killed, restarted, bitwise equal.
+"""SFT, DPO, the Muon optimizer and LoRA resume as exactly as pre-training: stopped, killed, restarted, bitwise equal.
 
 Real ``python -m astrai.train`` subprocesses on one CPU thread, as in test_train_resume.py.
 """
@@ -35,6 +35,8 @@ CASES = {
     "dpo": ("dpo", {}),
     "sft-muon-wsd": ("sft", {"optimizer": "muon", "schedule": "wsd", "decay_ratio": 0.3}),
     "dpo-muon-constant": ("dpo", {"optimizer": "muon", "schedule": "constant", "dpo_reference": "live"}),
+    # LoRA adapters (their reference: the model with its adapters off), with dropout on the adapters' input.
+    "dpo-lora": ("dpo", {"lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1}),
 }
 STEPS = 24
 SMALL = {"max_steps": STEPS, "batch_per_device": 2}
@@ -58,7 +60,7 @@ def uninterrupted(tmp_path_factory, post_yaml):
     return get
 
 
-@pytest.mark.parametrize("case", ["sft", "dpo", "sft-muon-wsd"])
+@pytest.mark.parametrize("case", ["sft", "dpo", "sft-muon-wsd", "dpo-lora"])
 def test_a_graceful_stop_then_a_restart_ends_bitwise_equal(tmp_path, post_yaml, trainer_env, uninterrupted, case):
     kind, keys = CASES[case]
     ckpt_dir = tmp_path / "ckpt"
