@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from astrai.common.checkpoints import folder_bytes
+from astrai.common.checkpoints import folder_bytes, latest_complete_checkpoint
 from astrai.common.config import build_config
 from astrai.common.contract import REASON_EMERGENCY
 from astrai.data.pipeline import prepare
@@ -133,8 +133,6 @@ def measure(folder: Path, preset: str, quick: bool, figures: Figures) -> None:
 
 
 def _newest(sides: dict) -> dict[str, Path]:
-    from astrai.common.checkpoints import latest_complete_checkpoint
-
     return {name: latest_complete_checkpoint(trainer.job_dir).path for name, trainer in sides.items()}
 
 

@@ -316,13 +316,13 @@ def _model_check(runtime: Runtime, config: TrainerConfig | None) -> tuple[tuple[
         return None, unreadable
     found = f"{folder}: {describe(folder, model, weights)}"
     if latest is not None:  # a LoRA checkpoint: its adapters resume onto this base, which must be theirs
-        recorded = latest.meta.lora["base"]
-        if base_digest(folder) != recorded["sha256"]:
+        recorded, digest = latest.meta.lora["base"], base_digest(folder)
+        if digest != recorded["sha256"]:
             return None, Check(
                 FAIL,
                 "base model",
                 f"{latest.path} holds LoRA adapters of the base model {recorded['path']} (sha256 "
-                f"{recorded['sha256'][:12]}), and {folder} is another model (sha256 {base_digest(folder)[:12]})",
+                f"{recorded['sha256'][:12]}), and {folder} is another model (sha256 {digest[:12]})",
                 "set ckpt.param_path (or runtime.paths.model) back to the model the adapters were trained on",
             )
         found += f"; the LoRA adapters of {latest.path.name} resume onto it"
