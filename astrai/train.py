@@ -28,9 +28,14 @@ if __name__ == "__main__":
 
     signals.catch()
 
+import gc
 import sys
 
 from astrai.trainer.loop import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Done: what is left is freed by the exit, without a last collection over torch's objects that would take
+    # seconds of the stop timeout (astrai/trainer/torchrun.py says more).
+    gc.freeze()
+    sys.exit(code)

@@ -142,13 +142,14 @@ def worker(preset: str, window: str, batch: str, repeats: str, params: str, data
 
 def measure(preset: str, window: int, batch: int, processes: int, repeats: int, work: Path) -> dict:
     """Run the worker under torchrun; its samples (``{format: {what: [[seconds, bytes], ...]}}``) and shares."""
+    from astrai.common.contract import TORCHRUN_MODULE
     from bench.trainer_speed import make_assets
 
     params, data = make_assets(work, preset)
     command = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        TORCHRUN_MODULE,
         "--standalone",
         "--nproc-per-node",
         str(processes),

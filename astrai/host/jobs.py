@@ -408,6 +408,14 @@ def _stop_container(runtime: Runtime) -> None:
     if final.exit_code == 0 and emergency is not None:
         _say(f"stopped in {seconds:.1f} s; emergency checkpoint {emergency.path} (step {emergency.step})")
         return
+    if final.exit_code == 128 + 9 and emergency is not None:
+        # Killed at the timeout while exiting: the checkpoint was published whole before, so nothing is lost.
+        _say(
+            f"stopped in {seconds:.1f} s; emergency checkpoint {emergency.path} (step {emergency.step}); the trainer "
+            "was killed while exiting after writing it, at runtime.container.stop_timeout_seconds "
+            f"({runtime.stop_timeout_seconds} s): raise it if the checkpoint itself may need longer"
+        )
+        return
     latest = scan_job_dir(runtime.job_dir).complete
     where = latest[-1].path if latest else "none"
     if final.exit_code == 0 and runtime.node != 0:

@@ -72,6 +72,7 @@ from astrai.common.contract import (
     ENV_STOPPED_EXIT_CODE,
     ENV_SUPERVISOR_PID,
     MODEL_CONFIG_FILE,
+    TORCHRUN_MODULE,
     TRAINER_MODULE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
@@ -164,7 +165,7 @@ def plan_launch(
         command = [
             python,
             "-m",
-            "torch.distributed.run",
+            TORCHRUN_MODULE,
             *_rendezvous_args(env, job_name, nodes, node),
             "--nproc-per-node",
             str(processes),
@@ -180,7 +181,7 @@ def plan_launch(
         command = [
             python,
             "-m",
-            "torch.distributed.run",
+            TORCHRUN_MODULE,
             "--standalone",
             "--nproc-per-node",
             str(processes),

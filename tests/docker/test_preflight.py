@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from astrai.common.contract import TORCHRUN_MODULE
 from astrai.host import compose
 
 pytestmark = pytest.mark.docker
@@ -101,4 +102,4 @@ def test_listed_gpus_render_one_reservation_and_the_entrypoint_picks_ddp(make_jo
     )
     decision = json.loads(plan.stdout)
     assert (decision["processes"], decision["parallel_mode"]) == (2, "ddp")
-    assert decision["command"][1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    assert decision["command"][1:6] == ["-m", TORCHRUN_MODULE, "--standalone", "--nproc-per-node", "2"]

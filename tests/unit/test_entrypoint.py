@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from astrai.common.contract import TORCHRUN_MODULE
 from astrai.trainer import entrypoint
 from astrai.trainer.entrypoint import EntrypointError, check_mounts, plan_launch
 from tests.support import REPO, placeholder_checkpoint
@@ -56,7 +57,7 @@ def test_two_listed_gpus_mean_ddp_with_two_processes_under_torchrun():
     assert plan.command == [
         PY,
         "-m",
-        "torch.distributed.run",
+        TORCHRUN_MODULE,
         "--standalone",
         "--nproc-per-node",
         "2",
@@ -302,7 +303,7 @@ def _node_command(backend: str, *rendezvous: str) -> list[str]:
     return [
         PY,
         "-m",
-        "torch.distributed.run",
+        TORCHRUN_MODULE,
         "--nnodes",
         "2",
         "--rdzv-backend",

@@ -25,6 +25,7 @@ from astrai.common.checkpoints import (
     list_complete_checkpoints,
     scan_job_dir,
 )
+from astrai.common.contract import TORCHRUN_MODULE
 from astrai.trainer.checkpoint.files import join_optimizer_tensors
 from astrai.trainer.checkpoint.sharded import row_range
 from astrai.trainer.model import load_pretrained
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 
 def _torchrun(processes: int, config: Path, *args: str) -> list[str]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+    launcher = [sys.executable, "-m", TORCHRUN_MODULE, "--standalone", "--nproc-per-node", str(processes)]
     return [*launcher, "-m", "astrai.train", "--config", str(config), "--parallel_mode", "fsdp", *args]
 
 

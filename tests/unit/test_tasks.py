@@ -487,3 +487,35 @@ def test_every_task_answers_dash_h_with_its_help():
     for name in names:
         result = invoke(name, "-h")
         assert result.returncode == 0 and result.stdout.startswith(f"Usage: inv[oke] [--core-opts] {name}"), name
+
+
+def _stopped_container(monkeypatch, exit_code: int) -> list[str]:
+    """Make the job's container one that `docker stop` ends with ``exit_code``; what stop prints goes in the list."""
+    from astrai.host import engine, jobs
+
+    running = engine.Container("c1", "j-trainer-1", "running", 0, "2026-01-01T00:00:00Z", "")
+    monkeypatch.setattr(jobs, "job_container", lambda runtime: running)
+    monkeypatch.setattr(engine, "stop_container", lambda *args: subprocess.CompletedProcess(args, 0, "", ""))
+    monkeypatch.setattr(
+        engine, "inspect_container", lambda _: dataclasses.replace(running, status="exited", exit_code=exit_code)
+    )
+    said: list[str] = []
+    monkeypatch.setattr(jobs, "_say", said.append)
+    return said
+
+
+def test_a_trainer_killed_at_the_stop_timeout_after_its_emergency_checkpoint_has_stopped_cleanly(job, monkeypatch):
+    # Under load, the exit after the checkpoint can outlast the timeout: Docker's SIGKILL loses nothing then.
+    from astrai.host import jobs
+    from astrai.host.runtime import resolve_runtime
+
+    config, job_dir = job
+    runtime = resolve_runtime(config)
+    placeholder_checkpoint(job_dir, 0, 40)
+    said = _stopped_container(monkeypatch, 137)
+    with pytest.raises(jobs.JobError, match=r"exited with code 137 .*killed: it did not finish.*epoch_0_step_40"):
+        jobs._stop_container(runtime)  # the newest checkpoint is a periodic one: the stop's was lost
+    placeholder_checkpoint(job_dir, 0, 43, reason="emergency")
+    jobs._stop_container(runtime)
+    assert "emergency checkpoint" in said[-1] and "(step 43)" in said[-1], said
+    assert "killed while exiting after writing it" in said[-1] and "stop_timeout_seconds" in said[-1], said

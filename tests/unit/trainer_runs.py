@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 from astrai.common.checkpoints import STAGING_PREFIX, latest_complete_checkpoint
+from astrai.common.contract import TORCHRUN_MODULE
 from astrai.trainer.entrypoint import child_pids
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+TORCHRUN = [sys.executable, "-m", TORCHRUN_MODULE, "--standalone", "--nproc-per-node", "2"]
 TRAINER = [sys.executable, "-m", "astrai.train"]
 
 
@@ -153,7 +154,7 @@ def node_command(node: int, port: int, backend: str = "static", parallel_mode: s
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        TORCHRUN_MODULE,
         "--nnodes",
         "2",
         "--nproc-per-node",
