@@ -461,3 +461,13 @@ def test_a_launcher_signalled_with_its_ranks_exits_0_when_the_emergency_checkpoi
         tmp_path, _LAUNCHER_SIGNALLED_TOO, ["ready"], "save" if saved else "none", job_dir=tmp_path / "job", settle=0.3
     )
     assert code == (0 if saved else 1)
+
+
+def test_torchrun_reports_a_failed_rank_in_one_line_without_a_traceback(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text('import os, sys\nsys.exit(3 if os.environ["RANK"] == "1" else 0)\n')
+    command = [sys.executable, "-m", TORCHRUN_MODULE, "--standalone", "--nproc-per-node", "2", str(script)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert f"torchrun: rank 1 of {script} ended with exit code 3" in done.stderr and "Traceback" not in done.stderr
