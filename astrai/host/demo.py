@@ -30,7 +30,7 @@ from astrai.host.runtime import load_job_config
 CORPUS_DIR = compose.PROJECT_ROOT / "examples" / "corpus"
 JOB_NAME = "astrai-demo"
 PULL_TIMEOUT_SECONDS = 120
-STOP_AFTER_STEP = 150
+STOP_AFTER_STEP = 120
 WAIT_TIMEOUT_SECONDS = 900
 
 TRAINER_SETTINGS = {
@@ -38,7 +38,7 @@ TRAINER_SETTINGS = {
     "data": {"data_root_path": CONTAINER_DATA, "window_size": 64, "num_workers": 1},
     "parallel": {"parallel_mode": "none"},
     "training": {
-        "max_steps": 600,
+        "max_steps": 300,
         "batch_per_device": 16,
         "grad_accum_steps": 1,
         "max_lr": 3e-3,

@@ -2,11 +2,11 @@
 
 Each node's task starts its container on the local engine as `invoke start --node N`
 does; the rendezvous comes from the allocation (the first node's NodeAddr). The
-tests: a two-node job trains to the end; a time limit shorter than the run stops,
-checkpoints, requeues and finishes in a later allocation with bitwise the final
-weights of the uninterrupted run; `invoke stop` and a plain `scancel` stop it with
-an emergency checkpoint and no requeue; a task killed outright takes its container
-with it. After each, no trainer container runs.
+tests: a time limit shorter than the run stops, checkpoints, requeues and finishes
+in a later allocation with bitwise the final weights of an uninterrupted run beside
+it (which is also the test of a two-node job trained to the end); `invoke stop` and
+a plain `scancel` stop a job with an emergency checkpoint and no requeue; a task
+killed outright takes its container with it. After each, no trainer container runs.
 """
 
 from __future__ import annotations
@@ -167,33 +167,20 @@ def _step_daemons(job_id: int) -> list[int]:
     return found
 
 
-def test_a_two_node_job_trains_to_the_end_and_status_logs_know_it(slurm_job, cluster):
-    job = slurm_job()
-    job_id = _submit(job)
-    running = _wait_state(cluster, job, job_id, ("RUNNING",), 60)
-    assert running["NodeList"] == "n[1-2]"
-    job.wait_for("training on both nodes", lambda: job.progress_step() >= 5, timeout=300)
-    status = job.invoke("status").stdout
-    assert re.search(rf"slurm\s+job {job_id} RUNNING on n\[1-2\]", status), status
-    by_hand = job.invoke("start", check=False)  # a second trainer on the same job dir
-    assert by_hand.returncode == 2 and f"submitted to Slurm (job {job_id}" in by_hand.stderr, by_hand
-    _wait_state(cluster, job, job_id, ("COMPLETED", "FAILED", "CANCELLED"), 600)
-    output = _output(job, job_id)
-    assert _state(cluster, job_id)["JobState"] == "COMPLETED", output
-    assert job.checkpoints()[-1] == (120, "final"), output
-    assert "0: astrai: node 0 of 2" in output and "1: astrai: node 1 of 2" in output
-    logs = job.invoke("logs", "--no-follow", "--tail", "all").stdout
-    assert "final checkpoint" in logs and f"Slurm job {job_id}" in logs
-    assert _running_containers(job) == []
-
-
 def test_a_time_limit_stops_checkpoints_requeues_and_finishes_bitwise_as_an_uninterrupted_run(slurm_job, cluster):
-    steps = 600
+    """The uninterrupted run beside the limited one is also the plain case: a two-node job trained to the end, which
+    status shows while it runs, a second start refuses, and whose logs the host reads."""
+    steps = 400
     reference = slurm_job(max_steps=steps)
     limited = slurm_job(time_limit="00:02:00", max_steps=steps)
     reference_id, limited_id = _submit(reference), _submit(limited)  # side by side: one CPU of each node each
     for job, job_id in ((reference, reference_id), (limited, limited_id)):
-        _wait_state(cluster, job, job_id, ("RUNNING",), 60)
+        assert _wait_state(cluster, job, job_id, ("RUNNING",), 60)["NodeList"] == "n[1-2]"
+    reference.wait_for("training on both nodes", lambda: reference.progress_step() >= 5, timeout=300)
+    status = reference.invoke("status").stdout
+    assert re.search(rf"slurm\s+job {reference_id} RUNNING on n\[1-2\]", status), status
+    by_hand = reference.invoke("start", check=False)  # a second trainer on the same job dir
+    assert by_hand.returncode == 2 and f"submitted to Slurm (job {reference_id}" in by_hand.stderr, by_hand
     # The warning comes STOP_TIMEOUT + 30 s before the limit (Slurm may send it up to a minute early).
     _wait_requeued(cluster, limited, limited_id, 180)
     first = _output(limited, limited_id)
@@ -210,6 +197,11 @@ def test_a_time_limit_stops_checkpoints_requeues_and_finishes_bitwise_as_an_unin
     assert "allocation 2" in output and "resumed from" in output
     assert _final_weights(limited) == _final_weights(reference), output
     assert _final_weights(limited)[:2] == (steps, "final")
+    plain = _output(reference, reference_id)
+    assert _state(cluster, reference_id)["JobState"] == "COMPLETED", plain
+    assert "0: astrai: node 0 of 2" in plain and "1: astrai: node 1 of 2" in plain
+    logs = reference.invoke("logs", "--no-follow", "--tail", "all").stdout
+    assert "final checkpoint" in logs and f"Slurm job {reference_id}" in logs
     assert _running_containers(limited) == _running_containers(reference) == []
 
 
