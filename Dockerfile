@@ -97,6 +97,9 @@ ENV HOME=/home/astrai
 WORKDIR /app
 ENV PYTHONPATH=/app
 COPY astrai /app/astrai
+# Compiled once here: the root file system is read-only at run time, so every trainer process would compile the
+# package from source again (torch and the other packages come compiled by pip).
+RUN python3 -m compileall -q /app/astrai
 USER ${UID}:${GID}
 
 ENTRYPOINT ["python3", "-m", "astrai.trainer.entrypoint"]

@@ -157,6 +157,8 @@ def _write_config(workdir: Path, image: str, job_name: str) -> Path:
             "job_name": job_name,
             "paths": {"data": "./data", "model": "./params", "checkpoints": "./checkpoints"},
             "gpu": {"devices": "none", "processes": 1, "parallel_mode": "auto"},
+            # One torch thread: the tiny model gains little from more, and a busy machine slows it far less.
+            "environment": {"OMP_NUM_THREADS": "1"},
             "container": {
                 "cuda_tag": "cpu",
                 "base_image": image,

@@ -194,6 +194,9 @@ def make_job(tmp_path, base_image, assets, request):
             "job_name": name,
             "paths": {"data": "./data", "model": "./params", "checkpoints": "./checkpoints"},
             "gpu": {"devices": "none"},
+            # One torch thread per trainer process: two threads on a CPU that the other test worker shares spend
+            # most of their time waiting for each other.
+            "environment": {"OMP_NUM_THREADS": "1"},
             "container": {
                 "cuda_tag": "cpu",
                 "base_image": base_image,

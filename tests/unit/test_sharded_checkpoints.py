@@ -64,30 +64,40 @@ def test_row_ranges_cover_every_row_once_as_fsdp_splits_them():
             assert [stop - start for start, stop in ranges] == sizes + [0] * (world - len(sizes))
 
 
-@pytest.mark.parametrize("processes", [2, 4])
-def test_a_sharded_folder_is_the_full_one_tensor_for_tensor_loads_in_transformers_and_resumes_either_way(
-    tmp_path, train_yaml, trainer_env, processes
-):
-    keys = {"max_steps": 20, "ckpt_interval": 10, "global_batch_size": 16}
+def _sharded_and_full_runs(tmp_path, train_yaml, trainer_env, processes: int, keys: dict) -> dict[str, dict]:
+    """The same run in both formats on ``processes`` ranks; {format: {step: checkpoint folder}}."""
     folders = {}
     for format in ("sharded", "full"):
         config = train_yaml(tmp_path / f"{format}.yaml", ckpt_dir=str(tmp_path / format), **keys)
         _train(_torchrun(processes, config, "--format", format), trainer_env, tmp_path / f"{format}.log")
         folders[format] = {c.step: c.path for c in list_complete_checkpoints(tmp_path / format)}
-        assert sorted(folders[format]) == [10, 20]
+    return folders
+
+
+def _assert_same_checkpoint(sharded: Path, full: Path) -> None:
+    """The sharded folder holds the full one's tensors: the same model bytes, the same optimizer state."""
+    assert json.loads((sharded / "meta.json").read_text())["format"] == "sharded"
+    assert (sharded / "optimizer.safetensors").is_file() and not (full / "optimizer.safetensors").exists()
+    ours, theirs = load_file(sharded / "model.safetensors"), load_file(full / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
+    # Laid out alike, too: the very same bytes.
+    assert (sharded / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    mine, other = _optimizer(sharded), _optimizer(full)
+    assert mine["param_groups"] == other["param_groups"] and mine["state"].keys() == other["state"].keys()
+    for param, values in other["state"].items():
+        assert values.keys() == mine["state"][param].keys()
+        assert all(torch.equal(value, mine["state"][param][key]) for key, value in values.items())
+
+
+def test_a_sharded_folder_is_the_full_one_tensor_for_tensor_loads_in_transformers_and_resumes_either_way(
+    tmp_path, train_yaml, trainer_env
+):
+    processes = 2  # 4 ranks: the next test
+    keys = {"max_steps": 20, "ckpt_interval": 10, "global_batch_size": 16}
+    folders = _sharded_and_full_runs(tmp_path, train_yaml, trainer_env, processes, keys)
+    assert sorted(folders["sharded"]) == sorted(folders["full"]) == [10, 20]
     for step in (10, 20):
-        sharded, full = folders["sharded"][step], folders["full"][step]
-        assert json.loads((sharded / "meta.json").read_text())["format"] == "sharded"
-        assert (sharded / "optimizer.safetensors").is_file() and not (full / "optimizer.safetensors").exists()
-        ours, theirs = load_file(sharded / "model.safetensors"), load_file(full / "model.safetensors")
-        assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
-        # Laid out alike, too: the very same bytes.
-        assert (sharded / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
-        mine, other = _optimizer(sharded), _optimizer(full)
-        assert mine["param_groups"] == other["param_groups"] and mine["state"].keys() == other["state"].keys()
-        for param, values in other["state"].items():
-            assert values.keys() == mine["state"][param].keys()
-            assert all(torch.equal(value, mine["state"][param][key]) for key, value in values.items())
+        _assert_same_checkpoint(folders["sharded"][step], folders["full"][step])
 
     tokens = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(0))
     final = folders["sharded"][20]
@@ -97,7 +107,7 @@ def test_a_sharded_folder_is_the_full_one_tensor_for_tensor_loads_in_transformer
     # A full checkpoint resumes in the sharded format (its optimizer.pt mapped, each rank reading its rows), and a
     # sharded one in the full format; both end on the same weights as the uninterrupted runs (on 2 processes: the
     # other world sizes are the next test's).
-    for source, format in (("full", "sharded"), ("sharded", "full")) if processes == 2 else ():
+    for source, format in (("full", "sharded"), ("sharded", "full")):
         job = tmp_path / f"{source}-as-{format}"
         job.mkdir()
         shutil.copytree(folders[source][10], job / folders[source][10].name)
@@ -111,9 +121,12 @@ def test_a_sharded_folder_is_the_full_one_tensor_for_tensor_loads_in_transformer
 
 def test_stop_then_resume_on_4_2_and_1_processes_trains_the_same_following_steps(tmp_path, train_yaml, trainer_env):
     keys = {"max_steps": 24, "ckpt_interval": 1000, "global_batch_size": 16, "log_interval": 1}
-    reference = train_yaml(tmp_path / "reference.yaml", ckpt_dir=str(tmp_path / "reference"), **keys)
-    _train(_torchrun(4, reference), trainer_env, tmp_path / "reference.log")
-    expected = _losses(tmp_path / "reference")
+    # The uninterrupted runs, in both formats on 4 ranks: as on 2 (the test above), the same checkpoints.
+    folders = _sharded_and_full_runs(tmp_path, train_yaml, trainer_env, 4, {**keys, "ckpt_interval": 12})
+    for step in (12, 24):
+        _assert_same_checkpoint(folders["sharded"][step], folders["full"][step])
+    expected = _losses(tmp_path / "sharded")
+    assert _losses(tmp_path / "full") == expected
 
     stopped_dir = tmp_path / "stopped"
     config = train_yaml(tmp_path / "stopped.yaml", ckpt_dir=str(stopped_dir), **keys)
