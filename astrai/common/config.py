@@ -156,6 +156,15 @@ SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
 OVERLONG = ("truncate", "drop")
 DPO_REFERENCES = ("precomputed", "live")
+LORA_BASE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def resolve_lora_base_dtype(requested: str, device_type: str) -> str:
+    """The dtype LoRA's frozen base is held in: ``auto`` is bfloat16 on CUDA (where autocast computes in bfloat16
+    anyway) and float32 on CPU (which computes in float32)."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if device_type == "cuda" else "float32"
 
 
 @dataclass(frozen=True)
@@ -192,6 +201,9 @@ class TrainingSection:
     lora_targets: tuple[str, ...] = ADAPTER_TARGETS
     """Which linear layers of a block get adapters, by PEFT's names: a list, or comma-separated on the command
     line (q_proj,v_proj)."""
+    lora_base_dtype: str = "auto"
+    """How LoRA's frozen base matrices are held: float32, bfloat16 (half the memory; the adapters stay float32 and
+    every layer still computes in the activations' dtype), or auto: bfloat16 on CUDA, float32 on CPU."""
     max_lr: float = 3e-4
     """Peak learning rate, reached at the end of warmup."""
     schedule: str = "cosine"
@@ -234,6 +246,12 @@ class TrainingSection:
         _check(self.lora_rank >= 0, "training.lora_rank", self.lora_rank, "an integer >= 0 (0 = full fine-tuning)")
         _check(self.lora_alpha > 0, "training.lora_alpha", self.lora_alpha, "a number > 0")
         _check(0 <= self.lora_dropout < 1, "training.lora_dropout", self.lora_dropout, "a number in [0, 1)")
+        _check(
+            self.lora_base_dtype in LORA_BASE_DTYPES,
+            "training.lora_base_dtype",
+            self.lora_base_dtype,
+            " | ".join(LORA_BASE_DTYPES),
+        )
         _check(
             self.optimizer != "muon" or self.lora_rank == 0,
             "training.optimizer",

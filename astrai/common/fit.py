@@ -180,6 +180,9 @@ def check_resume(meta: CheckpointMeta, folder: Path, training, data_digest: str 
     notes = []
     if meta.lora is not None and meta.lora.get("dropout") != training.lora_dropout:
         notes.append(f"lora_dropout {meta.lora.get('dropout')} -> {training.lora_dropout} since {folder.name}")
+    held, wanted = (meta.lora or {}).get("base_dtype", "float32"), training.lora_base_dtype
+    if meta.lora is not None and wanted != "auto" and held != wanted:
+        notes.append(f"lora_base_dtype {held} -> {wanted} since {folder.name}: the frozen base is held differently")
     if meta.data_digest is not None and data_digest is not None and meta.data_digest != data_digest:
         notes.append(
             f"the data was prepared again since {folder.name} was written (data digest {meta.data_digest} -> "

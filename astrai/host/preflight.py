@@ -21,7 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.checkpoints import estimate_checkpoint_bytes, folder_bytes, latest_complete_checkpoint
-from astrai.common.config import TrainerConfig, resolve_ckpt_format, resolve_grad_accum_steps
+from astrai.common.config import (
+    TrainerConfig,
+    resolve_ckpt_format,
+    resolve_grad_accum_steps,
+    resolve_lora_base_dtype,
+)
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import (
     CKPT_FORMAT_SHARDED,
@@ -381,8 +386,8 @@ def _fit_check(
 
 TRAINING_BYTES_PER_PARAMETER = 16
 """An fp32 weight that trains, its gradient and AdamW's two moments."""
-FROZEN_BYTES_PER_PARAMETER = 4
-"""An fp32 weight that does not train (LoRA's base)."""
+FROZEN_BYTES_PER_PARAMETER = {"float32": 4, "bfloat16": 2}
+"""A weight that does not train (LoRA's base), by the dtype it is held in (training.lora_base_dtype)."""
 
 
 def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model) -> Check:
@@ -397,8 +402,10 @@ def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model)
     training = config.training
     rank = training.lora_rank or 16
     adapters = num_adapter_parameters(model_config, rank, training.lora_targets)
+    device = training.device if training.device != "auto" else "cuda" if runtime.uses_gpu else "cpu"
+    base_dtype = resolve_lora_base_dtype(training.lora_base_dtype, device)
     full = total * TRAINING_BYTES_PER_PARAMETER / share
-    lora = (total * FROZEN_BYTES_PER_PARAMETER + adapters * TRAINING_BYTES_PER_PARAMETER) / share
+    lora = (total * FROZEN_BYTES_PER_PARAMETER[base_dtype] + adapters * TRAINING_BYTES_PER_PARAMETER) / share
     chosen = "LoRA" if training.lora_rank else "full fine-tuning"
     per = f" per rank ({world} under FSDP)" if sharded else " per process"
     return Check(
@@ -406,7 +413,8 @@ def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model)
         "training state",
         f"{chosen} (this config){per}, weights + gradients + AdamW moments before activations: full fine-tuning "
         f"{format_bytes(full)} ({total:,} trainable); LoRA rank {rank} on {len(training.lora_targets)} projections "
-        f"{format_bytes(lora)} ({adapters:,} trainable, {adapters / (total + adapters):.2%}, {total:,} frozen)",
+        f"{format_bytes(lora)} ({adapters:,} trainable, {adapters / (total + adapters):.2%}, {total:,} frozen in "
+        f"{base_dtype})",
     )
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from astrai.common.config import TrainerConfig
+from astrai.common.config import TrainerConfig, resolve_lora_base_dtype
 from astrai.common.contract import GENERATION_CONFIG_FILE
 from astrai.common.data_folder import DataError, TokenData, data_digest, describe_units, training_units
 from astrai.common.fit import (
@@ -39,6 +39,8 @@ from astrai.trainer.lora import (
     BaseModel,
     LoRASettings,
     add_adapters,
+    frozen_dtype,
+    hold_base_in,
     load_adapters,
     parameter_counts,
     read_peft_adapter,
@@ -294,6 +296,8 @@ def build_model(config: TrainerConfig, env: DistEnv, start: Start) -> torch.nn.M
             add_adapters(model, settings, torch.Generator().manual_seed(config.training.random_seed))
             if start.adapters is not None:
                 load_adapters(model, start.adapters, str(start.source))
+            held = resolve_lora_base_dtype(config.training.lora_base_dtype, env.device.type)
+            hold_base_in(model, getattr(torch, held))
         model.to(env.device)
     if config.model.compile:
         for layer in model.layers:
@@ -422,7 +426,9 @@ def _live_or_table(config, env, model_config, records, feed, log, reference, dig
     return table
 
 
-def run_facts(config: TrainerConfig, global_batch: int, data: RunData, objective: Objective, start: Start) -> RunFacts:
+def run_facts(
+    config: TrainerConfig, env: DistEnv, global_batch: int, data: RunData, objective: Objective, start: Start
+) -> RunFacts:
     training = config.training
     return RunFacts(
         config.config_hash(),
@@ -433,13 +439,16 @@ def run_facts(config: TrainerConfig, global_batch: int, data: RunData, objective
         reference=objective.reference,
         optimizer=training.optimizer,
         data_digest=data.digest,
-        lora=_lora_record(config, start),
+        lora=_lora_record(config, env, start),
     )
 
 
-def _lora_record(config: TrainerConfig, start: Start) -> dict | None:
+def _lora_record(config: TrainerConfig, env: DistEnv, start: Start) -> dict | None:
     settings = LoRASettings.of(config.training)
-    return None if settings is None else settings.record(config.ckpt.param_path, start.base_sha256)
+    if settings is None:
+        return None
+    base_dtype = resolve_lora_base_dtype(config.training.lora_base_dtype, env.device.type)
+    return settings.record(config.ckpt.param_path, start.base_sha256, base_dtype)
 
 
 def trainable_tag(model: torch.nn.Module, config: TrainerConfig) -> str | None:
@@ -457,7 +466,11 @@ def describe_trainable(model: torch.nn.Module, config: TrainerConfig) -> str | N
         return None
     trainable, frozen = parameter_counts(model)
     share = trainable / (trainable + frozen)
-    return f"lora: {settings.describe()}: {trainable:,} trainable of {trainable + frozen:,} parameters ({share:.2%})"
+    held = frozen_dtype(model)
+    return (
+        f"lora: {settings.describe()}: {trainable:,} trainable of {trainable + frozen:,} parameters ({share:.2%}); "
+        f"the frozen base held in {held}"
+    )
 
 
 def carried_files(data: TokenData, model_source: Path) -> dict[str, bytes]:

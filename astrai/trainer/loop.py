@@ -39,6 +39,7 @@ from astrai.common.config import (
     parse_args,
     resolve_ckpt_format,
     resolve_grad_accum_steps,
+    resolve_lora_base_dtype,
 )
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import (
@@ -162,7 +163,7 @@ class Trainer:
             config, env, self.model_config, records, feed, loaded, self.log, self.model, start
         )
         self.objective = objective.loss
-        facts = build.run_facts(config, self.global_batch, data, objective, start)
+        facts = build.run_facts(config, env, self.global_batch, data, objective, start)
         self.checkpointer = self._checkpointer(facts, data, start)
         if env.watch is not None and env.master_process:
             # A node lost while a periodic save is being written: publish it before this process exits (the full
@@ -491,7 +492,9 @@ def dry_run(config: TrainerConfig) -> int:
         "every rank writes its own rows" if format == CKPT_FORMAT_SHARDED else "rank 0 gathers the state and writes it"
     )
     if training.lora_rank:
+        held = resolve_lora_base_dtype(training.lora_base_dtype, device.type)
         format, how = "LoRA", f"the adapters alone, rank {training.lora_rank}; the base stays in ckpt.param_path"
+        print(f"lora: rank {training.lora_rank}, the frozen base held in {held}, the adapters in float32")
     print(f"checkpoints: {format} format ({how})")
     print(f"resume decision: {_resume_decision(config)}")
     return 0

@@ -8,6 +8,10 @@ An adapted layer keeps its weight ``W`` frozen and adds two small trainable matr
 first step the adapted model is the base model exactly. The adapters are float32 whatever the base
 weights' dtype; their output is cast back to the layer's.
 
+The frozen base may be held in bfloat16 (``training.lora_base_dtype``, :func:`hold_base_in`): half the
+memory of its weights, while every layer still computes in the activations' dtype (float32 on CPU, as
+autocast says on CUDA), widening one weight at a time.
+
 The adapted layer is still an ``nn.Linear`` holding its own ``weight`` (and ``bias``), so the base
 weights keep their names (``layers.0.attention.wq.weight``) and load, shard and export as before;
 the adapters are ``<layer>.lora_A.weight`` and ``<layer>.lora_B.weight``. Which layers are adapted
@@ -24,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
@@ -32,7 +35,7 @@ from astrai.common.atomic import write_text_atomically
 from astrai.common.contract import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from astrai.common.errors import AstraiError
 from astrai.common.model_folder import ADAPTER_TARGETS, LAYER_PARTS, PEFT_PREFIX, hf_name, peft_adapter_config
-from astrai.trainer.model import save_tensors
+from astrai.trainer.model import frozen_linear, save_tensors
 
 TARGETS = {hf.rpartition(".")[2]: ours for ours, hf in LAYER_PARTS.items() if hf.endswith("_proj")}
 """PEFT's name of each linear layer of a block, and ours."""
@@ -64,24 +67,27 @@ class LoRASettings:
             int(record["rank"]), float(record["alpha"]), float(record.get("dropout", 0.0)), tuple(record["targets"])
         )
 
-    def record(self, base_path: str, base_sha256: str) -> dict:
-        """What meta.json records of a LoRA run: these settings and the base model the adapters belong to."""
+    def record(self, base_path: str, base_sha256: str, base_dtype: str = "float32") -> dict:
+        """What meta.json records of a LoRA run: these settings and the base model the adapters belong to (and the
+        dtype its frozen weights were held in)."""
         return {
             "rank": self.rank,
             "alpha": self.alpha,
             "dropout": self.dropout,
             "targets": list(self.targets),
             "base": {"path": base_path, "sha256": base_sha256},
+            "base_dtype": base_dtype,
         }
 
     def describe(self) -> str:
         return f"rank {self.rank}, alpha {self.alpha:g}, dropout {self.dropout:g} on {', '.join(self.targets)}"
 
 
-class LoRALinear(nn.Linear):
-    """A linear layer with its weight frozen and a low-rank update beside it."""
+class FrozenLinear(nn.Linear):
+    """A linear layer whose weight (and bias) do not train, and may be held narrower than the activations (bfloat16
+    under float32): it computes in the activations' dtype. Same parameter names as the layer it replaces."""
 
-    def __init__(self, base: nn.Linear, settings: LoRASettings, generator: torch.Generator | None = None):
+    def __init__(self, base: nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
@@ -89,6 +95,16 @@ class LoRALinear(nn.Linear):
         self.weight.requires_grad_(False)
         if self.bias is not None:
             self.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return frozen_linear(x, self.weight, self.bias)
+
+
+class LoRALinear(FrozenLinear):
+    """A linear layer with its weight frozen and a low-rank update beside it."""
+
+    def __init__(self, base: nn.Linear, settings: LoRASettings, generator: torch.Generator | None = None):
+        super().__init__(base)
         device = base.weight.device
         self.lora_A = nn.Linear(self.in_features, settings.rank, bias=False, device=device, dtype=torch.float32)
         self.lora_B = nn.Linear(settings.rank, self.out_features, bias=False, device=device, dtype=torch.float32)
@@ -101,11 +117,12 @@ class LoRALinear(nn.Linear):
         """Off: the layer is the base layer (DPO's reference is the same model with its adapters off)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = frozen_linear(x, self.weight, self.bias)
         if not self.adapters_on:
             return out
         update = self.lora_B(self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype))))
-        return out + (update * self.scaling).to(out.dtype)
+        # In place: the base layer's backward does not need its output, and no second full-width tensor is made.
+        return out.add_(update.to(out.dtype), alpha=self.scaling)
 
     def merged_weight(self) -> torch.Tensor:
         """The base weight with the update folded in, in the base weight's dtype."""
@@ -139,6 +156,27 @@ def add_adapters(model: nn.Module, settings: LoRASettings, generator: torch.Gene
             setattr(owner, leaf, LoRALinear(base, settings, generator))
             adapted.append(f"layers.{index}.{TARGETS[target]}")
     return adapted
+
+
+def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Hold the frozen matrices of a model with adapters (every linear weight but the adapters', the embeddings)
+    in ``dtype``; the norms and biases stay as they are, and so does what the layers compute in."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear and not child.weight.requires_grad:
+                setattr(module, name, FrozenLinear(child))
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.requires_grad and param.dim() >= 2 and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+
+
+def frozen_dtype(model: nn.Module) -> str:
+    """The dtype the frozen matrices are held in (``float32``, ``bfloat16``); ``-`` when nothing is frozen."""
+    for param in model.parameters():
+        if not param.requires_grad and param.dim() >= 2:
+            return str(param.dtype).removeprefix("torch.")
+    return "-"
 
 
 def adapter_layers(model: nn.Module) -> dict[str, LoRALinear]:

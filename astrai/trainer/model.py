@@ -99,6 +99,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
+class _UpcastLinear(torch.autograd.Function):
+    """``x @ W.T + b`` in x's dtype for a frozen ``W`` stored narrower: the wide copy of ``W`` lives only while one
+    product is computed (autograd keeps the narrow one for the backward pass, and no gradient for ``W``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        grad_x = grad @ weight.to(grad.dtype) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None
+
+
+def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a weight that may be held in a narrower dtype than ``x`` (LoRA's bfloat16 base): computed in
+    x's dtype, or as autocast says. A weight of x's dtype is plain ``F.linear`` (it may train)."""
+    if weight.dtype == x.dtype or torch.is_autocast_enabled(x.device.type):
+        return F.linear(x, weight, bias)
+    return _UpcastLinear.apply(x, weight, bias)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -222,7 +246,8 @@ class Transformer(nn.Module):
             allowed = (segments.unsqueeze(2) == segments.unsqueeze(1)).logical_and(causal).unsqueeze(1)
             # Additive (0 / -inf), built once for every layer: attention with a float mask is the faster path.
             mask = torch.zeros(allowed.shape, device=tokens.device).masked_fill_(~allowed, float("-inf"))
-        x = self.tok_embeddings(tokens)
+        # The activations are in the norms' dtype, which a narrower (frozen) embedding table does not change.
+        x = self.tok_embeddings(tokens).to(self.norm.weight.dtype)
         for layer in self.layers:
             if self.activation_checkpointing and self.training:
                 x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
@@ -230,7 +255,7 @@ class Transformer(nn.Module):
                 x = layer(x, cos, sin, mask)
         x = self.norm(x)
         if self.output is None:
-            return F.linear(x, self.tok_embeddings.weight)
+            return frozen_linear(x, self.tok_embeddings.weight)
         return self.output(x)
 
 

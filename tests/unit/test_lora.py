@@ -106,6 +106,40 @@ def test_bf16_base_weights_keep_fp32_adapters(folder):
     assert model(TOKENS).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("targets", [lora.DEFAULT_TARGETS, ("q_proj", "v_proj")])
+def test_a_bf16_base_computes_as_its_rounded_fp32_weights_would_and_holds_half_the_bytes(folder, targets):
+    settings = lora.LoRASettings(rank=4, alpha=8.0, targets=targets)
+    model, rounded = _ours(folder, settings), _ours(folder, settings)
+    _nonzero_b(model)
+    rounded.load_state_dict(model.state_dict())
+    lora.hold_base_in(model, torch.bfloat16)
+    with torch.no_grad():
+        for param in rounded.parameters():
+            if not param.requires_grad and param.dim() >= 2:
+                param.copy_(param.to(torch.bfloat16).float())
+    held = {name: param.dtype for name, param in model.named_parameters()}
+    assert {held[name] for name in held if lora.is_adapter(name)} == {torch.float32}
+    assert {held[name] for name in held if name.endswith("norm.weight")} == {torch.float32}
+    assert {held[name] for name in held if not lora.is_adapter(name) and name.endswith("proj.weight")} <= {
+        torch.bfloat16
+    }
+    assert held["tok_embeddings.weight"] == torch.bfloat16 and lora.frozen_dtype(model) == "bfloat16"
+    assert set(model.state_dict()) == set(rounded.state_dict())  # same names: checkpoints and exports unchanged
+
+    logits = model(TOKENS)
+    assert logits.dtype == torch.float32
+    assert (logits - rounded(TOKENS)).abs().max().item() <= 1e-5
+    logits.square().mean().backward()
+    rounded(TOKENS).square().mean().backward()
+    grads = dict(rounded.named_parameters())
+    for name, param in model.named_parameters():
+        assert (param.grad is None) != lora.is_adapter(name), name
+        if lora.is_adapter(name):
+            torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-5, atol=1e-7)
+    with lora.adapters_off(model), torch.no_grad():
+        assert (model(TOKENS) - lora.BaseModel(rounded)(TOKENS)).abs().max().item() <= 1e-5
+
+
 def test_unknown_targets_and_a_zero_rank_are_refused(folder):
     with pytest.raises(ValueError, match="unknown qkv; choose from q_proj"):
         lora.add_adapters(load_pretrained(folder), lora.LoRASettings(rank=2, alpha=2, targets=("qkv",)))

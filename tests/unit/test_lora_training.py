@@ -25,10 +25,20 @@ from trainer_runs import (
 )
 
 from astrai.common.checkpoints import examine, folder_bytes, latest_complete_checkpoint, list_complete_checkpoints
+from astrai.common.config import build_config
 from astrai.common.contract import REASON_EMERGENCY
-from astrai.common.fit import SetupError
-from astrai.common.model_folder import ADAPTER_TARGETS, base_digest, num_adapter_parameters, num_parameters
+from astrai.common.fit import SetupError, check_resume
+from astrai.common.model_folder import (
+    ADAPTER_TARGETS,
+    ModelConfig,
+    base_digest,
+    num_adapter_parameters,
+    num_parameters,
+)
+from astrai.common.values import format_bytes
+from astrai.host import preflight
 from astrai.host.export import ExportError, export_checkpoint, lora_base
+from astrai.host.runtime import resolve_runtime
 from astrai.host.status import _lora_line
 from astrai.trainer.lora import (
     AdapterError,
@@ -40,6 +50,7 @@ from astrai.trainer.lora import (
     write_peft_adapter,
 )
 from astrai.trainer.model import PRESETS, write_base_model
+from tests.support import write_config
 
 LORA = {"lora_rank": 4, "lora_alpha": 8}
 
@@ -72,6 +83,11 @@ def test_only_the_adapters_train_and_a_checkpoint_holds_only_them(
     assert [c.step for c in checkpoints] == [2, 4]  # a checkpoint by the one rule: list, latest, retention
     final = checkpoints[-1]
     assert examine(final.path).meta.lora["base"] == {"path": str(tiny_model), "sha256": base_digest(tiny_model)}
+    assert examine(final.path).meta.lora["base_dtype"] == "float32"  # auto, on a CPU
+    held_otherwise = build_config({"training": {**LORA, "lora_base_dtype": "bfloat16"}}).training
+    assert check_resume(examine(final.path).meta, final.path, held_otherwise, None) == [
+        f"lora_base_dtype float32 -> bfloat16 since {final.path.name}: the frozen base is held differently"
+    ]
     saved = load_file(final.path / "model.safetensors")
     assert set(saved) == {
         f"base_model.model.model.layers.{i}.{part}.lora_{ab}.weight"
@@ -88,10 +104,11 @@ def test_only_the_adapters_train_and_a_checkpoint_holds_only_them(
     assert folder_bytes(final.path) < 0.2 * folder_bytes(tiny_model) * 3
 
 
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
 def test_a_resume_takes_the_steps_an_uninterrupted_run_takes(
-    tmp_path, train_yaml, make_trainer, run_trainer, one_thread
+    tmp_path, train_yaml, make_trainer, run_trainer, one_thread, base_dtype
 ):
-    keys = {"max_steps": 6, "ckpt_interval": 3, "lora_dropout": 0.1, **LORA}
+    keys = {"max_steps": 6, "ckpt_interval": 3, "lora_dropout": 0.1, "lora_base_dtype": base_dtype, **LORA}
     whole = train_yaml(tmp_path / "whole.yaml", ckpt_dir=str(tmp_path / "whole"), **keys)
     run_trainer(whole)
     parts = train_yaml(tmp_path / "parts.yaml", ckpt_dir=str(tmp_path / "parts"), **keys)
@@ -99,6 +116,9 @@ def test_a_resume_takes_the_steps_an_uninterrupted_run_takes(
     resumed = make_trainer(parts)
     try:
         assert resumed.progress.step == 3
+        assert {p.dtype for p in resumed.model.parameters() if p.dim() == 2 and not p.requires_grad} == {
+            getattr(torch, base_dtype)
+        }
         resumed.train()
     finally:
         resumed.close()
@@ -185,6 +205,7 @@ def test_dpo_uses_the_model_with_its_adapters_off_as_reference_and_starts_at_ln2
 @pytest.mark.slow
 def test_sft_on_two_ddp_ranks_killed_twice_ends_bitwise_as_an_uninterrupted_run(tmp_path, post_yaml, trainer_env):
     keys = {"max_steps": 16, "batch_per_device": 2, "ckpt_interval": 4, "parallel_mode": "ddp", **LORA}
+    keys["lora_base_dtype"] = "bfloat16"  # the frozen base in bf16 beside fp32 adapters, through DDP
     command = [*TORCHRUN, "-m", "astrai.train", "--config"]
     whole = post_yaml(tmp_path / "whole.yaml", "sft", ckpt_dir=str(tmp_path / "whole"), **keys)
     run_to_end([*command, str(whole)], trainer_env, tmp_path / "whole.log")
@@ -212,6 +233,7 @@ def test_dpo_under_fsdp_with_adapters_starts_at_ln2_stops_and_resumes(tmp_path, 
         batch_per_device=2,
         dpo_reference="live",
         log_interval=1,
+        lora_base_dtype="bfloat16",  # FSDP shards a bf16 frozen base beside fp32 adapters
         **LORA,
     )
     command = [*TORCHRUN, "-m", "astrai.train", "--config", str(path), "--parallel_mode", "fsdp"]
@@ -220,6 +242,7 @@ def test_dpo_under_fsdp_with_adapters_starts_at_ln2_stops_and_resumes(tmp_path, 
     assert abs(first["loss"] - math.log(2)) <= 1e-5, first
     stopped = latest_complete_checkpoint(ckpt_dir)
     assert stopped.meta.parallel_mode == "fsdp" and stopped.meta.lora["rank"] == 4
+    assert stopped.meta.lora["base_dtype"] == "bfloat16"
     run = run_to_end(command, trainer_env, tmp_path / "run2.log")
     assert f"resumed from {stopped.path}" in run.output()
     final = latest_complete_checkpoint(ckpt_dir)
@@ -311,3 +334,23 @@ def test_damaged_lora_facts_and_adapters_only_folders_are_refused_with_a_reason(
     assert lora_base(folder, None) is None  # `invoke export` asks before the export reads (and refuses) it
     with pytest.raises(ExportError, match="is not a complete checkpoint: incomplete: meta.json missing"):
         export_checkpoint(folder, tmp_path / "out", None, 1 << 30)
+
+
+@pytest.mark.parametrize(("devices", "held", "bytes_each"), [("all", "bfloat16", 2), ("none", "float32", 4)])
+def test_preflight_sizes_an_8b_models_training_state_with_the_base_held_as_the_device_gets_it(
+    tmp_path, devices, held, bytes_each
+):
+
+    llama_8b = ModelConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, vocab_size=128256, tie_embeddings=False
+    )
+    cuda_tag = "cu128" if devices == "all" else "cpu"
+    runtime_block = {"gpu": {"devices": devices}, "container": {"cuda_tag": cuda_tag}}
+    runtime = resolve_runtime(write_config(tmp_path, runtime_block))
+    config = build_config({"training": {"lora_rank": 16}})
+    check = preflight._training_state_check(runtime, config, (llama_8b,))
+    total, adapters = num_parameters(llama_8b), num_adapter_parameters(llama_8b, 16, ADAPTER_TARGETS)
+    assert 8.0e9 < total < 8.1e9
+    assert f"full fine-tuning {format_bytes(16 * total)}" in check.detail
+    assert f"{format_bytes(bytes_each * total + 16 * adapters)} ({adapters:,} trainable" in check.detail
+    assert check.detail.endswith(f"{total:,} frozen in {held})")
