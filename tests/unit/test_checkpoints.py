@@ -404,3 +404,39 @@ def test_the_finiteness_check_finds_nan_and_infinity_and_passes_large_finite_val
     half = torch.ones(3, dtype=torch.float16)
     half[1] = float("inf")
     assert first_non_finite({"h": half}) == "h"
+
+
+@pytest.mark.parametrize("kind", ["adamw", "muon", "lora", "before the first step"])
+def test_the_optimizer_state_a_save_takes_is_torchs_own_by_parameter_name(kind):
+    """What a full or LoRA save writes of the optimizer, taken without torch's state-dict walk, is what torch's
+    get_optimizer_state_dict gives (the format checkpoints always had)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from astrai.common.config import build_config
+    from astrai.trainer.lora import LoRASettings, add_adapters
+    from astrai.trainer.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = Transformer(PRESETS["tiny"])
+    training = {"optimizer": "muon"} if kind == "muon" else {"lora_rank": 4} if kind == "lora" else {}
+    if kind == "lora":
+        add_adapters(model, LoRASettings(4, 8.0), torch.Generator().manual_seed(0))
+    optimizer = build_optimizer(model, build_config({"training": training}).training, torch.device("cpu"))
+    if kind != "before the first step":
+        tokens = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 16))
+        model(tokens).square().mean().backward()
+        optimizer.step()
+    ours = formats.named_optimizer_state(model, optimizer)
+    theirs = get_optimizer_state_dict(model, optimizer.parts, options=StateDictOptions(full_state_dict=True))
+    assert ours["param_groups"] == theirs["param_groups"]
+    assert list(ours["state"]) == list(theirs["state"]) and ours["state"]
+    for name, values in theirs["state"].items():
+        assert ours["state"][name].keys() == values.keys()
+        for key, value in values.items():
+            assert torch.equal(ours["state"][name][key], value), (name, key)
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    assert list(weights) == list(model.state_dict())  # the full format's weights: the model's own state dict

@@ -167,15 +167,41 @@ class FullFormat:
 
     def snapshot(self, model: torch.nn.Module, optimizer: Optimizers, env: DistEnv) -> FullSnapshot:
         fsdp = env.parallel_mode == "fsdp"
-        # FSDP gathers into fresh CPU tensors on rank 0 (other ranks get empty dicts); otherwise the tensors are
-        # the live parameters and optimizer moments themselves.
+        if not fsdp:  # the live parameters and optimizer moments themselves
+            state = (_unwrapped(model).state_dict(), named_optimizer_state(model, optimizer))
+            return FullSnapshot(*state, env.master_process, gathered=False)
+        # FSDP gathers into fresh CPU tensors on rank 0 (other ranks get empty dicts).
         model_state, optimizer_state = get_state_dict(
-            model, optimizer.parts, options=StateDictOptions(full_state_dict=True, cpu_offload=fsdp)
+            model, optimizer.parts, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        return FullSnapshot(model_state, optimizer_state, env.master_process, gathered=fsdp)
+        return FullSnapshot(model_state, optimizer_state, env.master_process, gathered=True)
 
     def restore(self, model: torch.nn.Module, optimizer: Optimizers, loaded: LoadedCheckpoint, env: DistEnv) -> None:
         _restore_whole(model, optimizer, loaded)
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP's wrapper (whose parameter names start with ``module.``)."""
+    return getattr(model, "module", model)
+
+
+def named_optimizer_state(model: torch.nn.Module, optimizer: Optimizers) -> dict:
+    """The optimizers' state keyed by parameter name, as torch's ``get_optimizer_state_dict`` gives it for a model
+    that is not sharded (one process, DDP): the same dict, without that function's walk of every module at each
+    save (half of a LoRA save's time). An optimizer that has not stepped yet goes through torch's function, which
+    gives its state a form first."""
+    if any(not part.state for part in optimizer.parts):
+        return get_optimizer_state_dict(model, optimizer.parts, options=StateDictOptions(full_state_dict=True))
+    names = {param: name for name, param in _unwrapped(model).named_parameters()}
+    merged = {"state": {}, "param_groups": []}
+    for part in optimizer.parts:
+        params = [param for group in part.param_groups for param in group["params"]]
+        raw = part.state_dict()
+        merged["state"].update({names[params[index]]: values for index, values in raw["state"].items()})
+        merged["param_groups"].extend(
+            {**group, "params": [names[params[index]] for index in group["params"]]} for group in raw["param_groups"]
+        )
+    return merged
 
 
 def _restore_whole(model: torch.nn.Module, optimizer: Optimizers, loaded: LoadedCheckpoint) -> None:
@@ -248,9 +274,12 @@ class LoRAFormat(FullFormat):
             if env.master_process:
                 adapters[name] = value.detach().cpu() if fsdp else value.detach()
         # The optimizer holds the adapters alone, so this gathers only their moments.
-        optimizer_state = get_optimizer_state_dict(
-            model, optimizer.parts, options=StateDictOptions(full_state_dict=True, cpu_offload=fsdp)
-        )
+        if fsdp:
+            optimizer_state = get_optimizer_state_dict(
+                model, optimizer.parts, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+        else:
+            optimizer_state = named_optimizer_state(model, optimizer)
         return FullSnapshot(adapters, optimizer_state, env.master_process, gathered=fsdp, names=peft_state_dict)
 
 
