@@ -85,11 +85,12 @@ def test_sigkill_at_random_moments_then_a_restart_ends_bitwise_equal(
     rng = random.Random(case)
 
     def at_random(run: Run) -> None:
-        time.sleep(rng.uniform(0.0, 0.4))
+        time.sleep(rng.uniform(0.0, 0.25))
 
     command = [*TRAINER, "--config", str(path)]
     run, kills = kill_at_moments(command, trainer_env, tmp_path / "run.log", ckpt_dir, [at_random] * 3)
-    assert kills == 3, run.output()
+    # On a fast machine the last run may finish its 24 steps before its moment comes: that one ends normally.
+    assert kills >= 2, run.output()
     assert final_weights(ckpt_dir, STEPS) == uninterrupted(case)
     assert not staging(ckpt_dir)
 
