@@ -1,8 +1,9 @@
 """Fine-tuning in the container as the README walks it: SFT on chat data, then DPO from the SFT result.
 
 The data is prepared on the host with the base model's chat template; both jobs run in the real
-engine, preflight and status say what a user needs to see, a stop is honoured, and the final
-checkpoint chats in transformers with its own template.
+engine, preflight and status say what a user needs to see, a stop is honoured. The DPO job trains
+LoRA adapters (asked for on the command line, its base held in bf16), and its final checkpoint,
+exported merged into the SFT model, chats in transformers with its own template.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from astrai.common.checkpoints import latest_complete_checkpoint
 
@@ -69,10 +71,11 @@ def test_sft_then_dpo_jobs_run_in_the_container_and_end_as_a_chat_model(make_job
     checklist = dpo.invoke("preflight").stdout
     reference = next(line for line in checklist.splitlines() if "dpo reference" in line)
     assert reference.startswith("✓") and str(tuned.path) in reference, checklist
-    dpo.invoke("start")
+    dpo.invoke("start", "--", "--lora_rank", "4", "--lora_alpha", "8", "--lora_base_dtype", "bfloat16")
     assert dpo.wait_for_exit().exit_code == 0, dpo.logs()
     logs = dpo.logs()
     assert "dpo: reference log-probabilities of 160 pairs computed" in logs, logs
+    assert "the frozen base held in bfloat16" in logs and "| lora r4 " in logs, logs
     assert (dpo.job_dir / "reference_logps.safetensors").is_file()
     status = dpo.invoke("status").stdout
     line = next(line for line in status.splitlines() if line.startswith("dpo"))
@@ -80,9 +83,13 @@ def test_sft_then_dpo_jobs_run_in_the_container_and_end_as_a_chat_model(make_job
     final = latest_complete_checkpoint(dpo.job_dir)
     assert final.meta.train_type == "dpo" and final.meta.reference["path"] == "/models/base"
     assert len(final.meta.reference["sha256"]) == 64
+    assert final.meta.lora["rank"] == 4 and final.meta.lora["base_dtype"] == "bfloat16"
+    assert all(".lora_" in name for name in load_file(final.path / "model.safetensors"))
 
-    tokenizer = AutoTokenizer.from_pretrained(final.path)
-    model = AutoModelForCausalLM.from_pretrained(final.path)
+    merged = tmp_path / "merged"
+    dpo.invoke("export", "--out", str(merged))  # the adapters folded into the job's model folder (the SFT result)
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    model = AutoModelForCausalLM.from_pretrained(merged)
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "cat sat"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
