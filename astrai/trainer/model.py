@@ -139,7 +139,13 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
     ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
@@ -148,6 +154,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin)
+        if cache is not None:  # generation: attend to every token so far (the mask says which)
+            k, v = cache.store(layer, k, v)
         gqa = self.n_kv_heads != self.n_heads
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -180,10 +188,54 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, layer)
         return x + self.feed_forward(self.ffn_norm(x))
+
+
+class KVCache:
+    """Every layer's keys and values of the tokens seen so far, in buffers sized for the whole generation."""
+
+    def __init__(self, config: ModelConfig, batch: int, capacity: int, device: torch.device, dtype: torch.dtype):
+        shape = (batch, config.n_kv_heads, capacity, config.head_size)
+        self.keys = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.values = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.real = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        """Which cached positions hold a token (not left padding)."""
+        self.length = 0
+        """Positions filled; the tokens of the forward pass under way go after them."""
+
+    def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put a layer's new keys and values (B, H, T, D) after the cached ones; all of them so far."""
+        end = self.length + keys.shape[2]
+        self.keys[layer][:, :, self.length : end] = keys
+        self.values[layer][:, :, self.length : end] = values
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def begin(self, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Note which of the next T tokens (B, T) are real; their positions (B, T) and the additive attention
+        mask (B, 1, T, length + T) of the forward pass that adds them."""
+        start, count = self.length, real.shape[1]
+        end = start + count
+        self.real[:, start:end] = real
+        positions = (self.real[:, :end].cumsum(dim=1) - 1).clamp(min=0)[:, start:]
+        query = torch.arange(start, end, device=real.device).unsqueeze(1)
+        key = torch.arange(end, device=real.device).unsqueeze(0)
+        allowed = (key <= query).unsqueeze(0) & self.real[:, None, :end]
+        # A padding query sees itself: its row stays finite (and nothing real ever attends to it).
+        allowed = allowed | (key == query).unsqueeze(0)
+        mask = torch.zeros(allowed.shape, device=real.device).masked_fill_(~allowed, float("-inf"))
+        return positions, mask.unsqueeze(1)
+
+    def advance(self, count: int) -> None:
+        self.length += count
 
 
 class Transformer(nn.Module):
@@ -254,6 +306,21 @@ class Transformer(nn.Module):
             else:
                 x = layer(x, cos, sin, mask)
         x = self.norm(x)
+        if self.output is None:
+            return frozen_linear(x, self.tok_embeddings.weight)
+        return self.output(x)
+
+    def decode(self, tokens: torch.Tensor, real: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The next-token logits (B, vocab) after ``tokens`` (B, T), which follow the ones in ``cache`` (and go into
+        it); ``real`` (B, T) is False at left padding. See :mod:`astrai.trainer.generate`."""
+        positions, mask = cache.begin(real)
+        cos, sin = self._rotary(cache.length + tokens.shape[1], tokens.device)
+        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        x = self.tok_embeddings(tokens).to(self.norm.weight.dtype)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, index)
+        cache.advance(tokens.shape[1])
+        x = self.norm(x[:, -1])
         if self.output is None:
             return frozen_linear(x, self.tok_embeddings.weight)
         return self.output(x)
@@ -389,9 +456,12 @@ _CLI_FIELDS = [
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, more: dict | None = None) -> int:
+    """``python -m astrai.model``: ``init``, and each of ``more`` (name: (add its parser, run it))."""
     parser = argparse.ArgumentParser(prog="python -m astrai.model", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    for add, _ in (more or {}).values():
+        add(commands)
     init = commands.add_parser("init", help="write a freshly initialised base model (config.json, model.safetensors)")
     init.add_argument("dir", help="model folder to write")
     init.add_argument("--preset", choices=sorted(PRESETS), required=True, help="architecture to start from")
@@ -401,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         kind = _parse_bool if field.type == "bool" else float if field.type == "float" else int
         init.add_argument(f"--{field.name}", type=kind, help=f"override the preset's {field.name}")
     args = parser.parse_args(argv)
+    if args.command in (more or {}):
+        return more[args.command][1](args)
 
     overrides = {f.name: getattr(args, f.name) for f in _CLI_FIELDS if getattr(args, f.name) is not None}
     try:

@@ -1,0 +1,181 @@
+"""Sampling from the trainer's own model, with a key/value cache: what online RL and users' spot checks need.
+
+Prompts of different lengths go in one batch, padded on the left so that every row's next token is in the
+last column. Each row's positions count its own tokens only, and no query sees a padding key, so a row
+samples what it would sample alone. Settings follow ``transformers``' ``generate``: ``temperature`` 0 is
+greedy (its output equals ``generate(do_sample=False)`` token for token), otherwise the logits are divided
+by the temperature, cut to the ``top_k`` most likely tokens and to the smallest set whose probability
+reaches ``top_p``, and a token is drawn. A row ends at any of the ``stop`` tokens (which it keeps), or at
+``max_new_tokens``.
+
+Randomness comes only from the ``torch.Generator`` given, so a run that seeds it from its seed and step
+samples the same completions after a resume.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from astrai.common.contract import GENERATION_CONFIG_FILE
+from astrai.common.model_folder import ModelConfig
+from astrai.trainer.model import KVCache, load_pretrained
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen; the defaults are greedy decoding."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    """0 picks the most likely token; above 0 the logits are divided by it and a token drawn."""
+    top_k: int = 0
+    """Draw among the k most likely tokens only; 0 = all."""
+    top_p: float = 1.0
+    """Draw among the smallest set of most likely tokens whose probability reaches top_p; 1 = all."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = every token), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token of each row (B,) from its logits (B, vocab)."""
+    if sampling.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / sampling.temperature
+    if 0 < sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1:
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        probabilities = ordered.softmax(dim=-1)
+        # Drop a token once the more likely ones before it already reach top_p (the most likely always stays).
+        before = probabilities.cumsum(dim=-1) - probabilities
+        ordered = ordered.masked_fill(before >= sampling.top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    stop: set[int] | frozenset[int] = frozenset(),
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """The completion of each prompt (token ids, ending with its stop token when it met one)."""
+    if not prompts or any(not prompt for prompt in prompts):
+        raise ValueError("every prompt needs at least one token")
+    config: ModelConfig = model.config
+    longest = max(len(prompt) for prompt in prompts)
+    capacity = longest + sampling.max_new_tokens
+    limit = min(config.max_seq_len, config.sliding_window or config.max_seq_len)
+    if capacity > limit:
+        raise ValueError(
+            f"the longest prompt ({longest} tokens) and max_new_tokens ({sampling.max_new_tokens}) make {capacity} "
+            f"positions; the model takes at most {limit}"
+        )
+    device = next(model.parameters()).device
+    tokens = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
+    real = torch.zeros(len(prompts), longest, dtype=torch.bool, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, longest - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        real[row, longest - len(prompt) :] = True
+    cache = KVCache(config, len(prompts), capacity, device, model.norm.weight.dtype)
+    stops = torch.tensor(sorted(stop), dtype=torch.long, device=device)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    completions = []
+    logits = model.decode(tokens, real, cache)
+    for _ in range(sampling.max_new_tokens):
+        chosen = pick(logits, sampling, generator).masked_fill(done, 0)
+        completions.append(chosen)
+        done = done | torch.isin(chosen, stops)
+        if bool(done.all()):
+            break
+        logits = model.decode(chosen.unsqueeze(1), torch.ones_like(real[:, :1]), cache)
+    columns = torch.stack(completions, dim=1).tolist()
+    return [_until_stop(row, stop) for row in columns]
+
+
+def _until_stop(row: list[int], stop) -> list[int]:
+    for index, token in enumerate(row):
+        if token in stop:
+            return row[: index + 1]
+    return row
+
+
+# --- python -m astrai.model generate -------------------------------------------------------------------
+
+
+def add_command(commands) -> None:
+    """``generate`` among ``python -m astrai.model``'s subcommands."""
+    command = commands.add_parser("generate", help="sample a completion from a model folder or checkpoint")
+    command.add_argument("dir", help="a model folder or a full checkpoint, holding its tokenizer.json")
+    command.add_argument("--prompt", required=True, help="the text to complete (with --chat: the user's message)")
+    command.add_argument("--chat", action="store_true", help="wrap the prompt in the folder's chat template")
+    command.add_argument("--max_new_tokens", type=int, default=64, help="at most this many new tokens (default 64)")
+    command.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    command.add_argument("--top_k", type=int, default=0, help="draw among the k most likely tokens (0: all)")
+    command.add_argument("--top_p", type=float, default=1.0, help="draw among the top tokens reaching p (1: all)")
+    command.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+
+
+def run_command(args) -> int:
+    """Print the completion of ``args.prompt``; 2 for bad settings, 1 for a folder that cannot be used."""
+    from astrai.common.data_folder import DataError
+    from astrai.common.model_folder import ModelLoadError
+    from astrai.data.chat import ChatTemplate, RecordError
+    from astrai.data.tokenizing import HFTokenizer
+
+    try:
+        sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    except ValueError as error:
+        print(f"error: --{error}", file=sys.stderr)
+        return 2
+    folder = Path(args.dir)
+    try:
+        tokenizer = HFTokenizer(folder)
+        prompt = args.prompt
+        if args.chat:
+            template = ChatTemplate.of_folder(folder)
+            if template is None:
+                raise DataError(f"--chat: {folder} has no chat template (tokenizer_config.json or chat_template.jinja)")
+            prompt = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        model = load_pretrained(folder)
+        ids = tokenizer.ids([prompt])[0]
+        stop = _stop_tokens(model.config, folder, tokenizer)
+        completion = generate(model, [ids], sampling, stop, torch.Generator().manual_seed(args.seed))[0]
+    except (DataError, ModelLoadError, RecordError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(tokenizer.tokenizer.decode(completion, skip_special_tokens=True))
+    return 0
+
+
+def _stop_tokens(config: ModelConfig, folder: Path, tokenizer) -> set[int]:
+    """The model's end-of-sequence ids (config.json, generation_config.json) and the tokenizer's end of text."""
+    stop = set()
+    found = [config.eos_token_id]
+    generation = folder / GENERATION_CONFIG_FILE
+    if generation.is_file():
+        try:
+            found.append(json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id"))
+        except (ValueError, AttributeError):
+            pass  # an unreadable generation config adds no stop token; config.json's still count
+    for value in found:
+        stop.update(value if isinstance(value, (list, tuple)) else [] if value is None else [value])
+    if tokenizer.end_of_text is not None:
+        stop.add(tokenizer.end_of_text)
+    return {token for token in stop if isinstance(token, int)}

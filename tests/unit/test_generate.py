@@ -1,0 +1,143 @@
+"""Sampling with the trainer's own model and its key/value cache, against transformers' generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_folders import make_hf_model
+
+from astrai.model import main as model_main
+from astrai.trainer.generate import Sampling, generate, pick
+from astrai.trainer.model import KVCache, load_pretrained
+
+transformers = pytest.importorskip("transformers")
+
+# Prompts of different lengths in one batch (so the shorter ones are padded).
+PROMPTS = [[5, 17, 42, 7, 99, 3, 12], [8, 250], [61, 62, 63, 64]]
+FOLDERS = {
+    # GQA, untied output head.
+    "llama": {"model_type": "llama", "kv_heads": 2},
+    # Biases on q, k, v; tied embeddings.
+    "qwen2": {"model_type": "qwen2", "kv_heads": 2, "tie": True},
+    # Per-head norms of queries and keys, a head size of its own.
+    "qwen3": {"model_type": "qwen3", "kv_heads": 1, "head_dim": 32, "tie": True},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FOLDERS))
+def folder(request, tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp(request.param) / "model", seed=11, **FOLDERS[request.param])
+
+
+def _theirs(folder, prompts: list[list[int]], new: int, eos: int | None = None) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    longest = max(len(prompt) for prompt in prompts)
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    completions = out[:, longest:].tolist()
+    if eos is None:
+        return completions
+    return [row[: row.index(eos) + 1] if eos in row else row for row in completions]
+
+
+def test_greedy_equals_transformers_token_for_token_on_a_padded_batch(folder):
+    ours = generate(load_pretrained(folder), PROMPTS, Sampling(max_new_tokens=12))
+    assert ours == _theirs(folder, PROMPTS, 12)
+    # Alone, each prompt gives the same completion as in the batch: padding changes nothing.
+    assert [generate(load_pretrained(folder), [prompt], Sampling(max_new_tokens=12))[0] for prompt in PROMPTS] == ours
+
+
+def test_a_row_ends_at_its_stop_token_and_the_others_go_on(folder):
+    model = load_pretrained(folder)
+    free = generate(model, PROMPTS, Sampling(max_new_tokens=10))
+    stop = free[1][3]  # a token the second row produces
+    stopped = generate(model, PROMPTS, Sampling(max_new_tokens=10), stop={stop})
+    for row, full in zip(stopped, free, strict=True):
+        cut = full.index(stop) + 1 if stop in full else len(full)
+        assert row == full[:cut]
+    assert stopped == _theirs(folder, PROMPTS, 10, eos=stop)
+
+
+def test_the_cache_gives_the_logits_of_the_whole_sequence(folder):
+    model = load_pretrained(folder)
+    tokens = torch.tensor([PROMPTS[0] + [4, 9, 1]])
+    whole = model(tokens)[0]
+    cache = KVCache(model.config, 1, 16, torch.device("cpu"), torch.float32)
+    first = model.decode(tokens[:, :7], torch.ones(1, 7, dtype=torch.bool), cache)
+    steps = [model.decode(tokens[:, i : i + 1], torch.ones(1, 1, dtype=torch.bool), cache) for i in range(7, 10)]
+    torch.testing.assert_close(first[0], whole[6], rtol=1e-5, atol=1e-5)
+    for offset, logits in enumerate(steps):
+        torch.testing.assert_close(logits[0], whole[7 + offset], rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_is_a_function_of_the_generator_and_keeps_to_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    draws = {}
+    for name, sampling in {
+        "all": Sampling(temperature=1.0),
+        "top_k": Sampling(temperature=1.0, top_k=2),
+        "top_p": Sampling(temperature=1.0, top_p=0.8),
+    }.items():
+        first = pick(logits, sampling, torch.Generator().manual_seed(3))
+        assert torch.equal(first, pick(logits, sampling, torch.Generator().manual_seed(3)))
+        draws[name] = torch.bincount(first, minlength=4).float() / len(first)
+    assert (draws["all"] - torch.tensor([0.5, 0.3, 0.15, 0.05])).abs().max() < 0.03
+    assert draws["top_k"][2:].sum() == 0 and abs(draws["top_k"][0] - 0.5 / 0.8) < 0.03
+    # 0.5 + 0.3 reaches 0.8: the third and fourth tokens are cut.
+    assert draws["top_p"][2:].sum() == 0
+    assert torch.equal(pick(logits[:2], Sampling()), torch.tensor([0, 0]))
+
+
+def test_settings_and_prompts_it_cannot_take_are_refused(folder):
+    for bad in ({"max_new_tokens": 0}, {"temperature": -1}, {"top_k": -2}, {"top_p": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Sampling(**bad)
+    model = load_pretrained(folder)
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(model, [[1], []], Sampling())
+    with pytest.raises(ValueError, match="the model takes at most 256"):
+        generate(model, [[1] * 250], Sampling(max_new_tokens=10))
+
+
+def test_the_command_completes_a_chat_prompt_as_transformers_does(tmp_path, capsys):
+    """`python -m astrai.model generate DIR --chat`: the folder's template and tokenizer, greedy, stopped at the
+    end of the assistant's turn; the same text transformers gives. A folder without a tokenizer is refused."""
+    import json
+    import shutil
+
+    from chat_data import make_chat_world
+
+    from tests.support import run_python
+
+    world = make_chat_world(tmp_path / "world")
+    vocab = len(json.loads((world.tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
+    folder = make_hf_model(tmp_path / "model", vocab_size=vocab + 8, seed=5)
+    for path in world.tokenizer.iterdir():
+        shutil.copy(path, folder / path.name)
+    done = run_python(
+        "-m", "astrai.model", "generate", str(folder), "--chat", "--prompt", "cat sat", "--max_new_tokens", "8"
+    )
+    assert done.returncode == 0, done.stderr
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "cat sat"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    out = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+    expected = tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True)
+    assert done.stdout == expected + "\n" and expected.strip(), (done.stdout, expected)
+
+    (folder / "tokenizer.json").unlink()
+    assert model_main(["generate", str(folder), "--prompt", "x"]) == 1
+    assert "holds no tokenizer.json" in capsys.readouterr().err
+    assert model_main(["generate", str(folder), "--prompt", "x", "--top_p", "1e-3", "--top_k", "-1"]) == 2
+    assert "top_k must be >= 0" in capsys.readouterr().err
