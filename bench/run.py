@@ -34,6 +34,7 @@ from bench import (
     checkpoint_cost,
     corpora,
     faults,
+    generation,
     hf_io,
     host_commands,
     image_build,
@@ -156,6 +157,12 @@ TARGETS = {
     "lora_save_vs_full": ("a LoRA checkpoint save's time over a full one's (worst of small, base)", "<=", 0.2),
     "small_lora_save_vs_full": ("the same on `small`", "<=", 0.2),
     "base_lora_save_vs_full": ("the same on `base`", "<=", 0.2),
+    "generate_vs_transformers": (
+        "new tokens per CPU-second of the trainer's cached sampling over transformers' generate (8 x 128, greedy)",
+        ">=",
+        1.0,
+    ),
+    "generate_same_tokens": ("both sides' greedy tokens equal", None, None),
 }
 
 
@@ -172,6 +179,7 @@ SECTIONS = {
     "post-training": lambda quick, image: post_training.run(quick),
     "sharded checkpoints": lambda quick, image: sharded_checkpoints.run(quick),
     "lora": lambda quick, image: lora.run(quick),
+    "generation": lambda quick, image: generation.run(quick),
 }
 
 
