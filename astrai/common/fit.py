@@ -160,9 +160,12 @@ def _check_same_lora(meta: CheckpointMeta, folder: Path, training) -> None:
         )
 
 
-def check_resume(meta: CheckpointMeta, folder: Path, training, data_digest: str | None) -> list[str]:
+def check_resume(
+    meta: CheckpointMeta, folder: Path, training, data_digest: str | None, base_dtype: str | None = None
+) -> list[str]:
     """What a resume from checkpoint ``meta`` (in ``folder``) cannot carry over raises SetupError; what it carries
-    over differently comes back as notes to announce. One rule for the trainer and `invoke preflight`."""
+    over differently comes back as notes to announce. One rule for the trainer and `invoke preflight`.
+    ``base_dtype``: what LoRA's base is held in on this device (``training.lora_base_dtype`` resolved)."""
     train_type = meta.train_type or "seq"
     if train_type != training.train_type:
         raise SetupError(
@@ -180,7 +183,7 @@ def check_resume(meta: CheckpointMeta, folder: Path, training, data_digest: str 
     notes = []
     if meta.lora is not None and meta.lora.get("dropout") != training.lora_dropout:
         notes.append(f"lora_dropout {meta.lora.get('dropout')} -> {training.lora_dropout} since {folder.name}")
-    held, wanted = (meta.lora or {}).get("base_dtype", "float32"), training.lora_base_dtype
+    held, wanted = (meta.lora or {}).get("base_dtype", "float32"), base_dtype or training.lora_base_dtype
     if meta.lora is not None and wanted != "auto" and held != wanted:
         notes.append(f"lora_base_dtype {held} -> {wanted} since {folder.name}: the frozen base is held differently")
     if meta.data_digest is not None and data_digest is not None and meta.data_digest != data_digest:

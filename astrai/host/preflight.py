@@ -109,7 +109,7 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = (), *, this_host: boo
         checks.append(_training_state_check(runtime, config, model))
         latest = _latest_checkpoint(runtime)
         if latest is not None and config is not None and data is not None:
-            checks.append(_resume_check(latest, config, data))
+            checks.append(_resume_check(runtime, latest, config, data))
         if config is not None and config.training.train_type == "dpo":
             checks.append(_reference_check(runtime, config, model, data))
     checks.append(_disk_space_check(runtime, config))
@@ -402,8 +402,7 @@ def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model)
     training = config.training
     rank = training.lora_rank or 16
     adapters = num_adapter_parameters(model_config, rank, training.lora_targets)
-    device = training.device if training.device != "auto" else "cuda" if runtime.uses_gpu else "cpu"
-    base_dtype = resolve_lora_base_dtype(training.lora_base_dtype, device)
+    base_dtype = _lora_base_dtype(runtime, training)
     full = total * TRAINING_BYTES_PER_PARAMETER / share
     lora = (total * FROZEN_BYTES_PER_PARAMETER[base_dtype] + adapters * TRAINING_BYTES_PER_PARAMETER) / share
     chosen = "LoRA" if training.lora_rank else "full fine-tuning"
@@ -418,10 +417,17 @@ def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model)
     )
 
 
-def _resume_check(latest, config: TrainerConfig, datas: list[TokenData]) -> Check:
+def _lora_base_dtype(runtime: Runtime, training) -> str:
+    """What the container will hold LoRA's base in: training.lora_base_dtype for the device it will train on."""
+    device = training.device if training.device != "auto" else "cuda" if runtime.uses_gpu else "cpu"
+    return resolve_lora_base_dtype(training.lora_base_dtype, device)
+
+
+def _resume_check(runtime: Runtime, latest, config: TrainerConfig, datas: list[TokenData]) -> Check:
     """What the resume carries over: the trainer's own rule (a changed optimizer refused, other data announced)."""
     try:
-        notes = check_resume(latest.meta, latest.path, config.training, data_digest(datas))
+        held = _lora_base_dtype(runtime, config.training)
+        notes = check_resume(latest.meta, latest.path, config.training, data_digest(datas), held)
     except SetupError as error:
         return Check(FAIL, "resume", str(error))
     if latest.meta.optimizer is None:  # written before meta.json recorded it: the trainer reads it from optimizer.pt

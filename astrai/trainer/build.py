@@ -184,7 +184,7 @@ def _lora_start(
     return Start(model_config, weights, base, adapters, digest)
 
 
-def resume_notes(loaded: LoadedCheckpoint | None, config: TrainerConfig, digest: str) -> list[str]:
+def resume_notes(loaded: LoadedCheckpoint | None, config: TrainerConfig, digest: str, env: DistEnv) -> list[str]:
     """What changed since the checkpoint that the resume goes on with; SetupError for what it cannot."""
     if loaded is None:
         return []
@@ -192,7 +192,8 @@ def resume_notes(loaded: LoadedCheckpoint | None, config: TrainerConfig, digest:
     groups = loaded.optimizer_state.get("param_groups", [])
     if meta.optimizer is None and groups:  # an older checkpoint: AdamW has two groups, Muon adds a third
         meta = dataclasses.replace(meta, optimizer="muon" if len(groups) == 3 else "adamw")
-    return check_resume(meta, loaded.checkpoint.path, config.training, digest)
+    held = resolve_lora_base_dtype(config.training.lora_base_dtype, env.device.type)
+    return check_resume(meta, loaded.checkpoint.path, config.training, digest, held)
 
 
 @dataclass(frozen=True)
@@ -411,6 +412,8 @@ def _live_or_table(config, env, model_config, records, feed, log, reference, dig
         "overlong": config.data.overlong,
         "device_type": env.device.type,
     }
+    if isinstance(reference, BaseModel):  # LoRA: the base as held (a bf16 base scores otherwise than an fp32 one)
+        facts["base_dtype"] = frozen_dtype(reference.model)
     table = reference_table(
         reference,
         feed.dataset,

@@ -3,7 +3,7 @@
 Prompts of different lengths go in one batch, padded on the left so that every row's next token is in the
 last column. Each row's positions count its own tokens only, and no query sees a padding key, so a row
 samples what it would sample alone. Settings follow ``transformers``' ``generate``: ``temperature`` 0 is
-greedy (its output equals ``generate(do_sample=False)`` token for token), otherwise the logits are divided
+greedy (on the same prompt tokens its output equals ``generate(do_sample=False)``), otherwise the logits are divided
 by the temperature, cut to the ``top_k`` most likely tokens and to the smallest set whose probability
 reaches ``top_p``, and a token is drawn. A row ends at any of the ``stop`` tokens (which it keeps), or at
 ``max_new_tokens``.
@@ -15,15 +15,19 @@ samples the same completions after a resume.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from astrai.common.contract import GENERATION_CONFIG_FILE
+from astrai.common.contract import GENERATION_CONFIG_FILE, TOKENIZER_FILE
 from astrai.common.model_folder import ModelConfig
 from astrai.trainer.model import KVCache, load_pretrained
+
+MIN_TEMPERATURE = 1e-3
+"""Below it the scaled logits overflow float32; 0 is greedy."""
 
 
 @dataclass(frozen=True)
@@ -41,8 +45,8 @@ class Sampling:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = every token), got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -80,11 +84,11 @@ def generate(
         raise ValueError("every prompt needs at least one token")
     config: ModelConfig = model.config
     longest = max(len(prompt) for prompt in prompts)
-    capacity = longest + sampling.max_new_tokens
+    capacity = longest + sampling.max_new_tokens - 1  # the last new token is never fed back
     limit = min(config.max_seq_len, config.sliding_window or config.max_seq_len)
     if capacity > limit:
         raise ValueError(
-            f"the longest prompt ({longest} tokens) and max_new_tokens ({sampling.max_new_tokens}) make {capacity} "
+            f"the longest prompt ({longest} tokens) and max_new_tokens ({sampling.max_new_tokens}) need {capacity} "
             f"positions; the model takes at most {limit}"
         )
     device = next(model.parameters()).device
@@ -98,11 +102,11 @@ def generate(
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     completions = []
     logits = model.decode(tokens, real, cache)
-    for _ in range(sampling.max_new_tokens):
+    for made in range(1, sampling.max_new_tokens + 1):
         chosen = pick(logits, sampling, generator).masked_fill(done, 0)
         completions.append(chosen)
         done = done | torch.isin(chosen, stops)
-        if bool(done.all()):
+        if bool(done.all()) or made == sampling.max_new_tokens:
             break
         logits = model.decode(chosen.unsqueeze(1), torch.ones_like(real[:, :1]), cache)
     columns = torch.stack(completions, dim=1).tolist()
@@ -130,10 +134,11 @@ def add_command(commands) -> None:
     command.add_argument("--top_k", type=int, default=0, help="draw among the k most likely tokens (0: all)")
     command.add_argument("--top_p", type=float, default=1.0, help="draw among the top tokens reaching p (1: all)")
     command.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    command.add_argument("--eos", help="the tokenizer's end-of-text token, when it has none or several")
 
 
 def run_command(args) -> int:
-    """Print the completion of ``args.prompt``; 2 for bad settings, 1 for a folder that cannot be used."""
+    """Print the completion of ``args.prompt``; 2 for a setting out of range, 1 for what the folder cannot do."""
     from astrai.common.data_folder import DataError
     from astrai.common.model_folder import ModelLoadError
     from astrai.data.chat import ChatTemplate, RecordError
@@ -141,20 +146,31 @@ def run_command(args) -> int:
 
     try:
         sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+        if not 0 <= args.seed < 2**63:
+            raise ValueError(f"seed must be from 0 to 2**63 - 1, got {args.seed}")
     except ValueError as error:
         print(f"error: --{error}", file=sys.stderr)
         return 2
     folder = Path(args.dir)
     try:
-        tokenizer = HFTokenizer(folder)
-        prompt = args.prompt
+        if not folder.is_dir():
+            raise DataError(f"DIR {folder}: not a folder; give a model folder or a checkpoint")
+        if not (folder / TOKENIZER_FILE).is_file():
+            raise DataError(
+                f"{folder} holds no {TOKENIZER_FILE}: generate needs the model's tokenizer (a checkpoint carries it; "
+                "copy it into a base model folder)"
+            )
+        tokenizer = HFTokenizer(folder, args.eos)
         if args.chat:
             template = ChatTemplate.of_folder(folder)
             if template is None:
                 raise DataError(f"--chat: {folder} has no chat template (tokenizer_config.json or chat_template.jinja)")
-            prompt = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            # The template writes every special token itself (transformers' apply_chat_template adds none).
+            text = template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+            ids = tokenizer.ids([text])[0]
+        else:  # as transformers' tokenizer(prompt): with the special tokens the tokenizer adds (a BOS, say)
+            ids = tokenizer.tokenizer.encode(args.prompt, add_special_tokens=True).ids
         model = load_pretrained(folder)
-        ids = tokenizer.ids([prompt])[0]
         stop = _stop_tokens(model.config, folder, tokenizer)
         completion = generate(model, [ids], sampling, stop, torch.Generator().manual_seed(args.seed))[0]
     except (DataError, ModelLoadError, RecordError, ValueError) as error:

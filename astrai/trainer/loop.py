@@ -136,7 +136,7 @@ class Trainer:
         self.tokens_per_step = self.global_batch * self.window_size * (2 if self.train_type == "dpo" else 1)
 
         data = build.open_run_data(config, env)
-        notes = build.resume_notes(loaded, config, data.digest)
+        notes = build.resume_notes(loaded, config, data.digest, env)
         start = build.read_start(config, env, data, loaded)
         self.model_config = start.model_config
         records = build.post_training_records(config, data, self.log)

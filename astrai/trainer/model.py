@@ -106,7 +106,9 @@ class _UpcastLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(weight)
-        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        # The bias added afterwards: F.linear with a bias may return a view, which LoRA's in-place add refuses.
+        out = F.linear(x, weight.to(x.dtype))
+        return out if bias is None else out.add_(bias.to(x.dtype))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -120,6 +122,8 @@ def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     x's dtype, or as autocast says. A weight of x's dtype is plain ``F.linear`` (it may train)."""
     if weight.dtype == x.dtype or torch.is_autocast_enabled(x.device.type):
         return F.linear(x, weight, bias)
+    if weight.requires_grad:
+        raise ValueError(f"a {weight.dtype} weight that trains cannot compute in {x.dtype}: it would get no gradient")
     return _UpcastLinear.apply(x, weight, bias)
 
 

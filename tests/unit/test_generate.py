@@ -97,14 +97,15 @@ def test_sampling_is_a_function_of_the_generator_and_keeps_to_top_k_and_top_p():
 
 
 def test_settings_and_prompts_it_cannot_take_are_refused(folder):
-    for bad in ({"max_new_tokens": 0}, {"temperature": -1}, {"top_k": -2}, {"top_p": 0}):
+    for bad in ({"max_new_tokens": 0}, {"temperature": -1}, {"temperature": 1e-45}, {"top_k": -2}, {"top_p": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Sampling(**bad)
     model = load_pretrained(folder)
     with pytest.raises(ValueError, match="at least one token"):
         generate(model, [[1], []], Sampling())
-    with pytest.raises(ValueError, match="the model takes at most 256"):
+    with pytest.raises(ValueError, match="need 259 positions; the model takes at most 256"):
         generate(model, [[1] * 250], Sampling(max_new_tokens=10))
+    assert len(generate(model, [[1] * 247], Sampling(max_new_tokens=10))[0]) == 10  # the last is never fed back
 
 
 def test_the_command_completes_a_chat_prompt_as_transformers_does(tmp_path, capsys):
@@ -141,3 +142,5 @@ def test_the_command_completes_a_chat_prompt_as_transformers_does(tmp_path, caps
     assert "holds no tokenizer.json" in capsys.readouterr().err
     assert model_main(["generate", str(folder), "--prompt", "x", "--top_p", "1e-3", "--top_k", "-1"]) == 2
     assert "top_k must be >= 0" in capsys.readouterr().err
+    assert model_main(["generate", str(folder / "nothing"), "--prompt", "x"]) == 1
+    assert "not a folder" in capsys.readouterr().err

@@ -106,8 +106,15 @@ def test_bf16_base_weights_keep_fp32_adapters(folder):
     assert model(TOKENS).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("targets", [lora.DEFAULT_TARGETS, ("q_proj", "v_proj")])
-def test_a_bf16_base_computes_as_its_rounded_fp32_weights_would_and_holds_half_the_bytes(folder, targets):
+@pytest.mark.parametrize(
+    ("targets", "kind"),
+    [(lora.DEFAULT_TARGETS, "llama"), (("q_proj", "v_proj"), "llama"), (lora.DEFAULT_TARGETS, "qwen2")],
+)
+def test_a_bf16_base_computes_as_its_rounded_fp32_weights_would_and_holds_half_the_bytes(
+    folder, tmp_path, targets, kind
+):
+    if kind == "qwen2":  # biases on q, k and v, a tied output head
+        folder = make_hf_model(tmp_path / "qwen2", model_type="qwen2", kv_heads=2, tie=True, seed=4)
     settings = lora.LoRASettings(rank=4, alpha=8.0, targets=targets)
     model, rounded = _ours(folder, settings), _ours(folder, settings)
     _nonzero_b(model)
@@ -126,6 +133,7 @@ def test_a_bf16_base_computes_as_its_rounded_fp32_weights_would_and_holds_half_t
     assert held["tok_embeddings.weight"] == torch.bfloat16 and lora.frozen_dtype(model) == "bfloat16"
     assert set(model.state_dict()) == set(rounded.state_dict())  # same names: checkpoints and exports unchanged
 
+    model.train()  # as the trainer runs it: the biased layers' outputs take the adapters' update in place
     logits = model(TOKENS)
     assert logits.dtype == torch.float32
     assert (logits - rounded(TOKENS)).abs().max().item() <= 1e-5

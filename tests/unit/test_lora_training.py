@@ -85,9 +85,12 @@ def test_only_the_adapters_train_and_a_checkpoint_holds_only_them(
     assert examine(final.path).meta.lora["base"] == {"path": str(tiny_model), "sha256": base_digest(tiny_model)}
     assert examine(final.path).meta.lora["base_dtype"] == "float32"  # auto, on a CPU
     held_otherwise = build_config({"training": {**LORA, "lora_base_dtype": "bfloat16"}}).training
-    assert check_resume(examine(final.path).meta, final.path, held_otherwise, None) == [
-        f"lora_base_dtype float32 -> bfloat16 since {final.path.name}: the frozen base is held differently"
-    ]
+    note = f"lora_base_dtype float32 -> bfloat16 since {final.path.name}: the frozen base is held differently"
+    assert check_resume(examine(final.path).meta, final.path, held_otherwise, None) == [note]
+    # auto, resumed on a GPU (where it holds the base in bf16): announced too
+    auto = build_config({"training": LORA}).training
+    assert check_resume(examine(final.path).meta, final.path, auto, None, "bfloat16") == [note]
+    assert check_resume(examine(final.path).meta, final.path, auto, None, "float32") == []
     saved = load_file(final.path / "model.safetensors")
     assert set(saved) == {
         f"base_model.model.model.layers.{i}.{part}.lora_{ab}.weight"
