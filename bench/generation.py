@@ -21,6 +21,7 @@ import torch
 from astrai.trainer.generate import Sampling, generate
 from astrai.trainer.model import PRESETS, load_pretrained, write_base_model
 from bench.common import Figures, fix_threads
+from tests.support import transformers_generate
 
 PROMPTS, NEW_TOKENS, VOCAB = 8, 128, 2000
 
@@ -28,22 +29,6 @@ PROMPTS, NEW_TOKENS, VOCAB = 8, 128, 2000
 def _prompts() -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(VOCAB) for _ in range(rng.randint(12, 40))] for _ in range(PROMPTS)]
-
-
-def _transformers(model, prompts: list[list[int]]) -> list[list[int]]:
-    longest = max(len(prompt) for prompt in prompts)
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[:, longest:].tolist()
 
 
 def run(quick: bool) -> Figures:
@@ -61,7 +46,7 @@ def run(quick: bool) -> Figures:
         theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         sides = {
             "ours": lambda: generate(ours, prompts, sampling),
-            "transformers": lambda: _transformers(theirs, prompts),
+            "transformers": lambda: transformers_generate(theirs, prompts, NEW_TOKENS),
         }
         same = sides["ours"]() == sides["transformers"]()  # warm-up, and the same tokens on both sides
         times = {name: [] for name in sides}

@@ -117,3 +117,24 @@ def placeholder_checkpoint(
         else:
             (folder / name).write_bytes(contents[name])
     return folder
+
+
+def transformers_generate(model, prompts: list[list[int]], max_new_tokens: int, eos: int | None = None) -> list:
+    """transformers' greedy ``generate`` of a loaded model on prompts of any lengths (left-padded with 0, with their
+    attention mask): each row's new tokens, up to and with ``eos`` when given (else all ``max_new_tokens``)."""
+    import torch
+
+    longest = max(len(prompt) for prompt in prompts)
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=None if eos is not None else max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    completions = out[:, longest:].tolist()
+    return [row[: row.index(eos) + 1] if eos in row else row for row in completions]

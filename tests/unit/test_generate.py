@@ -9,6 +9,7 @@ from hf_folders import make_hf_model
 from astrai.model import main as model_main
 from astrai.trainer.generate import Sampling, generate, pick
 from astrai.trainer.model import KVCache, load_pretrained
+from tests.support import transformers_generate
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,21 +32,7 @@ def folder(request, tmp_path_factory):
 
 def _theirs(folder, prompts: list[list[int]], new: int, eos: int | None = None) -> list[list[int]]:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    longest = max(len(prompt) for prompt in prompts)
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=new,
-        do_sample=False,
-        eos_token_id=eos,
-        pad_token_id=0,
-    )
-    completions = out[:, longest:].tolist()
-    if eos is None:
-        return completions
-    return [row[: row.index(eos) + 1] if eos in row else row for row in completions]
+    return transformers_generate(model, prompts, new, eos)
 
 
 def test_greedy_equals_transformers_token_for_token_on_a_padded_batch(folder):
