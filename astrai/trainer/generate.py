@@ -134,6 +134,11 @@ def add_command(commands) -> None:
     command.add_argument("--top_k", type=int, default=0, help="draw among the k most likely tokens (0: all)")
     command.add_argument("--top_p", type=float, default=1.0, help="draw among the top tokens reaching p (1: all)")
     command.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    command.add_argument(
+        "--tokenizer",
+        help="the tokenizer when DIR has none: a tokenizer.json or a folder holding one, or bytes (data prepared "
+        "without --tokenizer)",
+    )
     command.add_argument("--eos", help="the tokenizer's end-of-text token, when it has none or several")
 
 
@@ -141,8 +146,7 @@ def run_command(args) -> int:
     """Print the completion of ``args.prompt``; 2 for a setting out of range, 1 for what the folder cannot do."""
     from astrai.common.data_folder import DataError
     from astrai.common.model_folder import ModelLoadError
-    from astrai.data.chat import ChatTemplate, RecordError
-    from astrai.data.tokenizing import HFTokenizer
+    from astrai.data.chat import RecordError
 
     try:
         sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
@@ -155,29 +159,45 @@ def run_command(args) -> int:
     try:
         if not folder.is_dir():
             raise DataError(f"DIR {folder}: not a folder; give a model folder or a checkpoint")
-        if not (folder / TOKENIZER_FILE).is_file():
-            raise DataError(
-                f"{folder} holds no {TOKENIZER_FILE}: generate needs the model's tokenizer (a checkpoint carries it; "
-                "copy it into a base model folder)"
-            )
-        tokenizer = HFTokenizer(folder, args.eos)
-        if args.chat:
-            template = ChatTemplate.of_folder(folder)
-            if template is None:
-                raise DataError(f"--chat: {folder} has no chat template (tokenizer_config.json or chat_template.jinja)")
-            # The template writes every special token itself (transformers' apply_chat_template adds none).
-            text = template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-            ids = tokenizer.ids([text])[0]
-        else:  # as transformers' tokenizer(prompt): with the special tokens the tokenizer adds (a BOS, say)
-            ids = tokenizer.tokenizer.encode(args.prompt, add_special_tokens=True).ids
+        tokenizer, ids = _prompt_ids(args, folder)
         model = load_pretrained(folder)
         stop = _stop_tokens(model.config, folder, tokenizer)
         completion = generate(model, [ids], sampling, stop, torch.Generator().manual_seed(args.seed))[0]
     except (DataError, ModelLoadError, RecordError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(tokenizer.tokenizer.decode(completion, skip_special_tokens=True))
+    if hasattr(tokenizer, "tokenizer"):
+        print(tokenizer.tokenizer.decode(completion, skip_special_tokens=True))
+    else:
+        print(tokenizer.decode(completion))
     return 0
+
+
+def _prompt_ids(args, folder: Path) -> tuple[object, list[int]]:
+    """The tokenizer (the folder's, ``--tokenizer``'s, or the byte-level one) and the prompt's token ids."""
+    from astrai.common.data_folder import DataError
+    from astrai.data.chat import ChatTemplate
+    from astrai.data.tokenizing import ByteTokenizer, HFTokenizer
+
+    if args.tokenizer == "bytes":  # what `prepare` without --tokenizer encodes with: no template, no special tokens
+        if args.chat:
+            raise DataError("--chat: the byte-level tokenizer has no chat template")
+        return ByteTokenizer(), ByteTokenizer().ids([args.prompt])[0]
+    source = Path(args.tokenizer) if args.tokenizer else folder
+    if source.is_dir() and not (source / TOKENIZER_FILE).is_file():
+        raise DataError(
+            f"{source} holds no {TOKENIZER_FILE}: name the model's tokenizer with --tokenizer PATH (a tokenizer.json "
+            "or a folder holding one), or --tokenizer bytes for data prepared without one"
+        )
+    tokenizer = HFTokenizer(source, args.eos)
+    if not args.chat:  # as transformers' tokenizer(prompt): with the special tokens the tokenizer adds (a BOS, say)
+        return tokenizer, tokenizer.tokenizer.encode(args.prompt, add_special_tokens=True).ids
+    template = ChatTemplate.of_folder(source if source.is_dir() else source.parent)
+    if template is None:
+        raise DataError(f"--chat: {source} has no chat template (tokenizer_config.json or chat_template.jinja)")
+    # The template writes every special token itself (transformers' apply_chat_template adds none).
+    text = template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    return tokenizer, tokenizer.ids([text])[0]
 
 
 def _stop_tokens(config: ModelConfig, folder: Path, tokenizer) -> set[int]:

@@ -131,3 +131,23 @@ def test_the_command_completes_a_chat_prompt_as_transformers_does(tmp_path, caps
     assert "top_k must be >= 0" in capsys.readouterr().err
     assert model_main(["generate", str(folder / "nothing"), "--prompt", "x"]) == 1
     assert "not a folder" in capsys.readouterr().err
+
+
+def test_a_model_of_byte_level_data_generates_with_the_byte_tokenizer(tmp_path, capsys):
+    """The demo's models: data prepared without --tokenizer, so no tokenizer.json anywhere; --tokenizer bytes."""
+    from astrai.trainer.model import PRESETS, write_base_model
+
+    folder = tmp_path / "tiny é $x"
+    write_base_model(folder, PRESETS["tiny"], seed=0)
+    assert model_main(["generate", str(folder), "--prompt", "héllo", "--max_new_tokens", "5"]) == 1
+    assert "--tokenizer bytes" in capsys.readouterr().err
+    args = ["generate", str(folder), "--prompt", "héllo", "--max_new_tokens", "5", "--tokenizer", "bytes"]
+    assert model_main([*args, "--temperature", "0.8", "--seed", "3"]) == 0
+    sampled = capsys.readouterr().out
+    assert model_main([*args, "--temperature", "0.8", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == sampled  # the seed fixes the draws
+    expected = generate(load_pretrained(folder), [list("héllo".encode())], Sampling(max_new_tokens=5), {256})[0]
+    assert model_main(args) == 0
+    assert capsys.readouterr().out == bytes(t for t in expected if t < 256).decode("utf-8", "replace") + "\n"
+    assert model_main([*args, "--chat"]) == 1
+    assert "byte-level tokenizer has no chat template" in capsys.readouterr().err
