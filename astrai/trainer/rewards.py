@@ -1,0 +1,177 @@
+"""Reward functions for the reinforcement-learning train types, in TRL's shape, and the scores they give.
+
+A reward function is any Python callable ``fn(prompts, completions, **fields) -> list[float | None]``:
+``prompts`` and ``completions`` are lists of text of the same length, ``fields`` the prompt records'
+other fields (``answer``, say), one list each. ``None`` means "does not apply to this completion".
+``training.rewards`` lists them, each as text or as an object::
+
+    rewards:
+      - astrai.rewards:exact_answer                 # module:function, importable in the container
+      - {function: /data/my_rewards.py:brevity, weight: 0.2}   # a .py file in a mounted folder
+
+A file is read from where it is (never fetched) and runs inside the container with the trainer's
+rights. A function that raises, returns the wrong number of values, or a value that is neither
+``None`` nor a finite number stops the run with :class:`RewardError`, naming the function and the
+prompt: a broken reward is never a silent zero.
+
+A completion's total is the weighted sum of the functions that apply to it (``None`` counts for
+nothing), as TRL sums them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import math
+import numbers
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from astrai.common.errors import AstraiError
+
+
+class RewardError(AstraiError):
+    """A reward function that cannot be loaded, or that failed on a batch; the message names it."""
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """One entry of ``training.rewards``: where the function is, and its weight in the total."""
+
+    function: str
+    weight: float = 1.0
+
+    @property
+    def name(self) -> str:
+        """The function's own name (``exact_answer``), as metrics and messages call it."""
+        return self.function.rpartition(":")[2]
+
+
+def parse_rewards(value) -> tuple[RewardSpec, ...]:
+    """``training.rewards`` as written in YAML (a list of text or ``{function, weight}``); ValueError says which
+    entry is wrong and what is allowed."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"expected a list of reward functions, got {value!r}")
+    specs = []
+    for index, entry in enumerate(value):
+        where = f"entry {index}"
+        if isinstance(entry, str):
+            entry = {"function": entry}
+        if not isinstance(entry, dict) or set(entry) - {"function", "weight"} or "function" not in entry:
+            raise ValueError(
+                f"{where}: expected 'FILE.py:function', 'module:function' or {{function, weight}}, got {entry!r}"
+            )
+        function, weight = entry["function"], entry.get("weight", 1.0)
+        head, colon, name = str(function).rpartition(":")
+        if not isinstance(function, str) or not colon or not head or not name.isidentifier():
+            raise ValueError(f"{where}: function must be 'FILE.py:function' or 'module:function', got {function!r}")
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+            raise ValueError(f"{where}: weight must be a finite number, got {weight!r}")
+        specs.append(RewardSpec(function, float(weight)))
+    names = [spec.name for spec in specs]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"two reward functions named {', '.join(twice)}: metrics tell them apart by name")
+    return tuple(specs)
+
+
+@dataclass(frozen=True)
+class Reward:
+    spec: RewardSpec
+    function: Callable
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def load_reward(spec: RewardSpec) -> Reward:
+    """The callable a spec names: from a ``.py`` file (its path as written) or an importable module."""
+    source, _, name = spec.function.rpartition(":")
+    if source.endswith(".py"):
+        module = _load_file(Path(source), spec.function)
+    else:
+        try:
+            module = importlib.import_module(source)
+        except ImportError as error:
+            raise RewardError(f"reward {spec.function}: module {source} cannot be imported ({error})") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise RewardError(f"reward {spec.function}: {source} has no function {name}")
+    return Reward(spec, function)
+
+
+def _load_file(path: Path, what: str):
+    if not path.is_file():
+        raise RewardError(f"reward {what}: {path} is not a file (a reward file must be in a mounted folder)")
+    module_name = f"astrai_reward_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]}"
+    loader = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(loader)
+    sys.modules[module_name] = module
+    try:
+        loader.loader.exec_module(module)
+    except Exception as error:  # the user's code: any error of it is reported as theirs
+        del sys.modules[module_name]
+        raise RewardError(f"reward {what}: {path} failed to load ({type(error).__name__}: {error})") from None
+    return module
+
+
+@dataclass(frozen=True)
+class Scores:
+    """What the rewards gave a batch: each function's values (None where it does not apply) and each total."""
+
+    by_function: dict[str, list[float | None]]
+    total: list[float]
+
+
+def score(rewards: list[Reward], prompts: list[str], completions: list[str], fields: dict[str, list]) -> Scores:
+    """Every reward function on the batch, checked; RewardError names the function and the prompt at fault."""
+    by_function = {}
+    for reward in rewards:
+        by_function[reward.name] = _call(reward, prompts, completions, fields)
+    total = [
+        sum(
+            reward.spec.weight * values[row]
+            for reward in rewards
+            if (values := by_function[reward.name])[row] is not None
+        )
+        for row in range(len(completions))
+    ]
+    return Scores(by_function, [float(value) for value in total])
+
+
+def _call(reward: Reward, prompts: list[str], completions: list[str], fields: dict[str, list]) -> list[float | None]:
+    try:
+        values = reward.function(prompts=prompts, completions=completions, **fields)
+    except Exception as error:  # the user's code: stop the run, saying whose error it is
+        raise RewardError(
+            f"reward {reward.name} raised {type(error).__name__}: {error} (on a batch whose first prompt is "
+            f"{_short(prompts[0])})"
+        ) from None
+    if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+        count = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+        raise RewardError(
+            f"reward {reward.name} returned {count} values for {len(completions)} completions (first prompt "
+            f"{_short(prompts[0])}): it must return one float or None per completion"
+        )
+    checked = []
+    for row, value in enumerate(values):
+        if value is None:
+            checked.append(None)
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise RewardError(
+                f"reward {reward.name} gave {value!r} for the completion of prompt {_short(prompts[row])}: it must "
+                "be a finite number, or None where it does not apply"
+            )
+        checked.append(float(value))
+    return checked
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
