@@ -137,3 +137,35 @@ def grpo_loss(
             masked_mean(low), masked_mean(high), masked_mean(low | high), None if kl is None else masked_mean(kl)
         )
     return loss, stats
+
+
+def completion_logps(
+    model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each completion token's log-probability given its prompt and the tokens before it, under ``model`` (with
+    gradients when enabled): ``(logps, mask, entropy)``, each (B, longest completion), the rows padded at the end.
+
+    A row is its prompt and completion, padded at the end (which no earlier token attends to), so one forward pass
+    scores the batch; only the completions' positions go through the softmax.
+    """
+    device = next(model.parameters()).device
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    longest = max(len(c) for c in completions)
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    where = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
+    mask = torch.zeros(len(prompts), longest, device=device)
+    targets = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        if not prompt:
+            raise ValueError("every prompt needs at least one token")
+        tokens[row, : len(prompt) + len(completion)] = torch.tensor(prompt + completion, device=device)
+        # The logits at position t predict the token at t + 1.
+        where[row, : len(completion)] = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(completion))
+        mask[row, : len(completion)] = 1.0
+        targets[row, : len(completion)] = torch.tensor(completion, dtype=torch.long, device=device)
+    logits = model(tokens)
+    picked = logits.gather(1, where.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()
+    log_probs = picked.log_softmax(dim=-1)
+    logps = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+    return logps * mask, mask, entropy.detach() * mask

@@ -136,3 +136,24 @@ def test_settings_it_cannot_take_name_the_key():
         GRPOSettings(epsilon=1.5)
     with pytest.raises(ValueError, match="grpo_beta"):
         GRPOSettings(beta=-0.1)
+
+
+def test_completion_log_probabilities_of_a_padded_batch_are_each_rows_own():
+    from astrai.trainer.grpo import completion_logps
+    from astrai.trainer.model import PRESETS, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(PRESETS["tiny"])
+    prompts, completions = [[5, 6, 7], [9], [1, 2, 3, 4, 5]], [[8, 9], [10, 11, 12, 13], [6]]
+    logps, mask, entropy = completion_logps(model, prompts, completions)
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        alone = model(torch.tensor([prompt + completion]))[0].log_softmax(-1)
+        for index, token in enumerate(completion):
+            position = len(prompt) - 1 + index
+            torch.testing.assert_close(logps[row, index], alone[position, token], rtol=1e-5, atol=1e-6)
+            expected_entropy = -(alone[position].exp() * alone[position]).sum()
+            torch.testing.assert_close(entropy[row, index], expected_entropy, rtol=1e-5, atol=1e-6)
+    assert (logps[mask == 0] == 0).all() and logps.requires_grad
+    logps.sum().backward()
+    assert model.tok_embeddings.weight.grad is not None
