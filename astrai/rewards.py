@@ -1,10 +1,11 @@
-"""Reward functions that ship with the trainer, for ``training.rewards`` (``astrai.rewards:exact_answer``).
+"""Reward functions that ship with the trainer, named ``astrai.rewards:exact_answer`` and so on (see
+:mod:`astrai.trainer.rewards`; the RL train types that will take them are not in the trainer yet).
 
 Each has TRL's shape, ``fn(prompts, completions, **fields) -> list[float | None]``, and needs neither torch
 nor anything else: write your own the same way in a ``.py`` file (see :mod:`astrai.trainer.rewards`).
 
 - :func:`exact_answer` — 1.0 when the completion's final answer (:func:`final_answer`) equals the record's
-  ``answer`` field after normalisation, else 0.0.
+  ``answer`` field after normalisation (numbers by exact value, a unit or % after them left out), else 0.0.
 - :func:`think_format` — 1.0 when the completion is ``<think>...</think>`` then ``<answer>...</answer>``
   (DeepSeek-R1's format), else 0.0.
 - :func:`length_target` — 1.0 at the record's ``target_length`` (characters), falling linearly to 0.0 at
@@ -14,17 +15,21 @@ nor anything else: write your own the same way in a ``.py`` file (see :mod:`astr
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
-__all__ = ["exact_answer", "final_answer", "length_target", "normalise", "think_format"]
+__all__ = ["exact_answer", "final_answer", "length_target", "normalise", "think_format", "value_of"]
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# A number as written: thousands grouped by commas (1,000), decimals, a fraction (1/2); a sign, ASCII or Unicode.
+_NUMBER = re.compile(r"[-\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|[-\u2212]?\.\d+")
+# A number, and after it at most a unit or a percent sign ("5 cm", "50%").
+_QUANTITY = re.compile(r"(?P<number>" + _NUMBER.pattern + r")\s*(?:%|[^\W\d_]+\.?)?")
 _THINK_FORMAT = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
 
 
 def final_answer(text: str) -> str | None:
     """The answer a completion ends on: its last ``\\boxed{...}``, else its last ``<answer>...</answer>``, else
-    what follows its last ``####``, else its last number, else all of it; None for an empty one."""
+    the rest of the line after its last ``####``, else its last number, else all of it; None for an empty one."""
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed
@@ -32,7 +37,7 @@ def final_answer(text: str) -> str | None:
     if tagged:
         return tagged[-1]
     if "####" in text:
-        return text.rpartition("####")[2]
+        return text.rpartition("####")[2].lstrip().partition("\n")[0]
     numbers = _NUMBER.findall(text)
     if numbers:
         return numbers[-1]
@@ -54,15 +59,27 @@ def _last_boxed(text: str) -> str | None:
     return None
 
 
+def value_of(answer) -> Fraction | None:
+    """The exact value of an answer that is a number, with at most a unit or % after it (``1,000.50``, ``1/2``,
+    ``5 cm``, ``50%``); None for any other answer."""
+    text = " ".join(str(answer).replace("\u2212", "-").split()).rstrip(".").strip().strip("$").strip()
+    match = _QUANTITY.fullmatch(text)
+    if match is None:
+        return None
+    try:
+        return Fraction(match["number"].replace(",", "").replace("\u2212", "-"))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
 def normalise(answer) -> str:
-    """An answer as compared: trimmed, lower case, spaces collapsed, without surrounding ``$`` or a final full stop,
-    and a number written plainly (``1,000.50`` -> ``1000.5``)."""
-    text = " ".join(str(answer).lower().split()).rstrip(".").strip().strip("$").strip()
-    plain = text.replace(",", "")
-    if _NUMBER.fullmatch(plain):
-        number = float(plain)
-        return str(int(number)) if number.is_integer() else repr(number)
-    return text
+    """An answer as compared: a number by its exact value (``1,000.50`` and ``2001/2`` alike, a unit or % after it
+    left out), anything else trimmed, in lower case, spaces collapsed, without surrounding ``$`` or a final full
+    stop."""
+    value = value_of(answer)
+    if value is not None:
+        return str(value)
+    return " ".join(str(answer).lower().split()).rstrip(".").strip().strip("$").strip()
 
 
 def exact_answer(prompts, completions, answer, **fields) -> list[float | None]:

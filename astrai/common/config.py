@@ -33,6 +33,7 @@ from astrai.common.contract import (
 )
 from astrai.common.data_folder import KINDS
 from astrai.common.model_folder import ADAPTER_TARGETS
+from astrai.common.safetensors_file import DTYPE_ALIASES
 
 HOST_SECTION = "runtime"
 """The section the host reads (astrai/host/runtime.py); the trainer ignores it."""
@@ -246,11 +247,14 @@ class TrainingSection:
         _check(self.lora_rank >= 0, "training.lora_rank", self.lora_rank, "an integer >= 0 (0 = full fine-tuning)")
         _check(self.lora_alpha > 0, "training.lora_alpha", self.lora_alpha, "a number > 0")
         _check(0 <= self.lora_dropout < 1, "training.lora_dropout", self.lora_dropout, "a number in [0, 1)")
+        # bf16 and fp32 as `invoke export --dtype` takes them too.
+        if DTYPE_ALIASES.get(self.lora_base_dtype) in LORA_BASE_DTYPES:
+            object.__setattr__(self, "lora_base_dtype", DTYPE_ALIASES[self.lora_base_dtype])
         _check(
             self.lora_base_dtype in LORA_BASE_DTYPES,
             "training.lora_base_dtype",
             self.lora_base_dtype,
-            " | ".join(LORA_BASE_DTYPES),
+            " | ".join(LORA_BASE_DTYPES) + " (or fp32, f32, bf16)",
         )
         _check(
             self.optimizer != "muon" or self.lora_rank == 0,

@@ -36,6 +36,8 @@ ITEMSIZE = {
 """Bytes per element of every safetensors dtype."""
 FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 """The floating point dtypes a model may be stored in (and an export converts between), with torch's names."""
+DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
+"""Short names people type for those dtypes (``--dtype bf16``), with torch's."""
 TORCH_NAMES = {
     "F64": "float64",
     **FLOAT_DTYPES,

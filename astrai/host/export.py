@@ -55,7 +55,7 @@ from astrai.common.model_folder import (
     weight_files,
 )
 from astrai.common.paths import folder_problem, nearest_existing
-from astrai.common.safetensors_file import FLOAT_DTYPES, ITEMSIZE, header
+from astrai.common.safetensors_file import DTYPE_ALIASES, FLOAT_DTYPES, ITEMSIZE, header
 from astrai.common.values import format_bytes
 from astrai.host.hostuser import host_user_ids, make_dirs
 from astrai.host.runtime import Runtime, check_paths
@@ -67,7 +67,6 @@ STAGING_PREFIX = ".export-"
 
 DTYPES = {name: code for code, name in FLOAT_DTYPES.items()}
 """The dtypes an export converts to, by torch's name, with safetensors' name."""
-DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
 _DTYPE_NAMES = FLOAT_DTYPES
 _OTHER_FLOATS = ("F64", "F8_E5M2", "F8_E4M3")
 """Floating point dtypes an export keeps as they are but does not convert."""

@@ -157,12 +157,19 @@ def run_command(args) -> int:
         return 2
     folder = Path(args.dir)
     try:
-        if not folder.is_dir():
-            raise DataError(f"DIR {folder}: not a folder; give a model folder or a checkpoint")
+        _check_model_folder(folder)
         tokenizer, ids = _prompt_ids(args, folder)
         model = load_pretrained(folder)
+        if tokenizer.vocab_size > model.config.vocab_size:
+            raise DataError(
+                f"the tokenizer has {tokenizer.vocab_size:,} tokens and the model {model.config.vocab_size:,}: it is "
+                "not this model's tokenizer"
+            )
         stop = _stop_tokens(model.config, folder, tokenizer)
         completion = generate(model, [ids], sampling, stop, torch.Generator().manual_seed(args.seed))[0]
+    except _EmptyPrompt:
+        print("error: --prompt gives no token to start from", file=sys.stderr)
+        return 2
     except (DataError, ModelLoadError, RecordError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -173,15 +180,45 @@ def run_command(args) -> int:
     return 0
 
 
+class _EmptyPrompt(Exception):
+    """The prompt encodes to no token at all."""
+
+
+def _check_model_folder(folder: Path) -> None:
+    """A DataError saying what ``folder`` is when it is not a model folder or a checkpoint."""
+    from astrai.common.contract import ADAPTER_CONFIG_FILE, MODEL_CONFIG_FILE
+    from astrai.common.data_folder import DataError
+
+    if not folder.is_dir():
+        raise DataError(f"DIR {folder}: not a folder; give a model folder or a checkpoint")
+    if (folder / MODEL_CONFIG_FILE).is_file():
+        return
+    if (folder / ADAPTER_CONFIG_FILE).is_file():
+        raise DataError(f"{folder} is a PEFT adapter folder, not a model: merge it into its base first")
+    if any(path.name.startswith("epoch_") for path in folder.iterdir()):
+        raise DataError(f"{folder} holds checkpoints: give one of them (`invoke latest` prints the newest)")
+    raise DataError(f"{folder} holds no {MODEL_CONFIG_FILE}: give a model folder or a checkpoint")
+
+
 def _prompt_ids(args, folder: Path) -> tuple[object, list[int]]:
     """The tokenizer (the folder's, ``--tokenizer``'s, or the byte-level one) and the prompt's token ids."""
+    tokenizer, ids = _tokenize(args, folder)
+    if not ids:
+        raise _EmptyPrompt
+    return tokenizer, ids
+
+
+def _tokenize(args, folder: Path) -> tuple[object, list[int]]:
     from astrai.common.data_folder import DataError
     from astrai.data.chat import ChatTemplate
     from astrai.data.tokenizing import ByteTokenizer, HFTokenizer
 
     if args.tokenizer == "bytes":  # what `prepare` without --tokenizer encodes with: no template, no special tokens
-        if args.chat:
-            raise DataError("--chat: the byte-level tokenizer has no chat template")
+        if args.chat or args.eos:
+            raise DataError(
+                f"--{'chat' if args.chat else 'eos'}: the byte-level tokenizer has no chat template, and "
+                "its end of text is fixed"
+            )
         return ByteTokenizer(), ByteTokenizer().ids([args.prompt])[0]
     source = Path(args.tokenizer) if args.tokenizer else folder
     if source.is_dir() and not (source / TOKENIZER_FILE).is_file():

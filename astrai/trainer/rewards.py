@@ -3,7 +3,8 @@
 A reward function is any Python callable ``fn(prompts, completions, **fields) -> list[float | None]``:
 ``prompts`` and ``completions`` are lists of text of the same length, ``fields`` the prompt records'
 other fields (``answer``, say), one list each. ``None`` means "does not apply to this completion".
-``training.rewards`` lists them, each as text or as an object::
+The RL train types (not in the trainer yet: this module is their part) will take them from
+``training.rewards``, each entry as text or as an object::
 
     rewards:
       - astrai.rewards:exact_answer                 # module:function, importable in the container
@@ -98,8 +99,10 @@ def load_reward(spec: RewardSpec) -> Reward:
     else:
         try:
             module = importlib.import_module(source)
-        except ImportError as error:
-            raise RewardError(f"reward {spec.function}: module {source} cannot be imported ({error})") from None
+        except Exception as error:  # the module's own code runs here: any error of it is reported as its own
+            raise RewardError(
+                f"reward {spec.function}: module {source} cannot be imported ({type(error).__name__}: {error})"
+            ) from None
     function = getattr(module, name, None)
     if not callable(function):
         raise RewardError(f"reward {spec.function}: {source} has no function {name}")
@@ -108,14 +111,14 @@ def load_reward(spec: RewardSpec) -> Reward:
 
 def _load_file(path: Path, what: str):
     if not path.is_file():
-        raise RewardError(f"reward {what}: {path} is not a file (a reward file must be in a mounted folder)")
+        raise RewardError(f"reward {what}: {path} is not a file (in a container: a file in a mounted folder)")
     module_name = f"astrai_reward_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]}"
     loader = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(loader)
     sys.modules[module_name] = module
     try:
         loader.loader.exec_module(module)
-    except Exception as error:  # the user's code: any error of it is reported as theirs
+    except (Exception, SystemExit) as error:  # the user's code: any error of it is reported as theirs
         del sys.modules[module_name]
         raise RewardError(f"reward {what}: {path} failed to load ({type(error).__name__}: {error})") from None
     return module
@@ -131,6 +134,12 @@ class Scores:
 
 def score(rewards: list[Reward], prompts: list[str], completions: list[str], fields: dict[str, list]) -> Scores:
     """Every reward function on the batch, checked; RewardError names the function and the prompt at fault."""
+    names = [reward.name for reward in rewards]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two reward functions of one name among {', '.join(names)}: metrics tell them apart by name")
+    clash = sorted({"prompts", "completions"} & set(fields))
+    if clash:
+        raise RewardError(f"the prompt records have a field named {clash[0]}, which reward functions take as text")
     by_function = {}
     for reward in rewards:
         by_function[reward.name] = _call(reward, prompts, completions, fields)
@@ -148,16 +157,16 @@ def score(rewards: list[Reward], prompts: list[str], completions: list[str], fie
 def _call(reward: Reward, prompts: list[str], completions: list[str], fields: dict[str, list]) -> list[float | None]:
     try:
         values = reward.function(prompts=prompts, completions=completions, **fields)
-    except Exception as error:  # the user's code: stop the run, saying whose error it is
+    except (Exception, SystemExit) as error:  # the user's code: stop the run, saying whose error it is
         raise RewardError(
             f"reward {reward.name} raised {type(error).__name__}: {error} (on a batch whose first prompt is "
-            f"{_short(prompts[0])})"
+            f"{_short(prompts[0] if prompts else '')})"
         ) from None
     if not isinstance(values, (list, tuple)) or len(values) != len(completions):
         count = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
         raise RewardError(
             f"reward {reward.name} returned {count} values for {len(completions)} completions (first prompt "
-            f"{_short(prompts[0])}): it must return one float or None per completion"
+            f"{_short(prompts[0] if prompts else '')}): it must return one float or None per completion"
         )
     checked = []
     for row, value in enumerate(values):

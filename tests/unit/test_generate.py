@@ -124,6 +124,9 @@ def test_the_command_completes_a_chat_prompt_as_transformers_does(tmp_path, caps
     expected = tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True)
     assert done.stdout == expected + "\n" and expected.strip(), (done.stdout, expected)
 
+    small = make_hf_model(tmp_path / "small vocab", vocab_size=64, seed=5)
+    assert model_main(["generate", str(small), "--tokenizer", str(folder), "--prompt", "cat sat"]) == 1
+    assert "tokens and the model 64: it is not this model's tokenizer" in capsys.readouterr().err
     (folder / "tokenizer.json").unlink()
     assert model_main(["generate", str(folder), "--prompt", "x"]) == 1
     assert "holds no tokenizer.json" in capsys.readouterr().err
@@ -151,3 +154,12 @@ def test_a_model_of_byte_level_data_generates_with_the_byte_tokenizer(tmp_path, 
     assert capsys.readouterr().out == bytes(t for t in expected if t < 256).decode("utf-8", "replace") + "\n"
     assert model_main([*args, "--chat"]) == 1
     assert "byte-level tokenizer has no chat template" in capsys.readouterr().err
+    assert model_main(["generate", str(folder), "--prompt", "", "--tokenizer", "bytes"]) == 2
+    assert "--prompt gives no token" in capsys.readouterr().err
+    job = tmp_path / "job"
+    (job / "epoch_0_step_5").mkdir(parents=True)
+    assert model_main(["generate", str(job), "--prompt", "x", "--tokenizer", "bytes"]) == 1
+    assert "holds checkpoints: give one of them" in capsys.readouterr().err
+    (job / "adapter_config.json").write_text("{}")
+    assert model_main(["generate", str(job), "--prompt", "x"]) == 1
+    assert "is a PEFT adapter folder" in capsys.readouterr().err

@@ -357,3 +357,10 @@ def test_preflight_sizes_an_8b_models_training_state_with_the_base_held_as_the_d
     assert f"full fine-tuning {format_bytes(16 * total)}" in check.detail
     assert f"{format_bytes(bytes_each * total + 16 * adapters)} ({adapters:,} trainable" in check.detail
     assert check.detail.endswith(f"{total:,} frozen in {held})")
+
+
+def test_the_base_dtype_takes_the_short_names_export_takes_and_names_what_it_allows():
+    assert build_config({"training": {"lora_base_dtype": "bf16"}}).training.lora_base_dtype == "bfloat16"
+    assert build_config({"training": {"lora_base_dtype": "fp32"}}).training.lora_base_dtype == "float32"
+    with pytest.raises(Exception, match=r"training.lora_base_dtype: expected auto \| float32 \| bfloat16.*got 'fp16'"):
+        build_config({"training": {"lora_base_dtype": "fp16"}})

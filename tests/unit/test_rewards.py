@@ -76,11 +76,23 @@ def test_functions_that_cannot_be_loaded_are_named(tmp_path):
 def test_the_built_in_rewards():
     assert builtin.final_answer("so \\boxed{\\frac{1}{2}} and then") == "\\frac{1}{2}"
     assert builtin.final_answer("<think>x</think><answer> 42 </answer>") == " 42 "
-    assert builtin.final_answer("steps...\n#### 1,234") == " 1,234"
+    assert builtin.final_answer("steps...\n#### 1,234\nDone.") == "1,234"
     assert builtin.final_answer("first 3 then 7.5.") == "7.5" and builtin.final_answer(" Paris ") == "Paris"
     assert builtin.final_answer("  ") is None
-    assert builtin.normalise(" $1,000.50$. ") == "1000.5" and builtin.normalise("Paris.") == "paris"
-    assert builtin.normalise("4.0") == builtin.normalise("4")
+    assert builtin.normalise(" $1,000.50$. ") == builtin.normalise("2001/2") and builtin.normalise("Paris.") == "paris"
+    assert builtin.normalise("4.0") == builtin.normalise("4") == builtin.normalise("4 cm") == builtin.normalise("4%")
+    assert builtin.normalise("\u22125") == "-5" and builtin.value_of("1,2,3") is None
+    # Exact values: a long integer is not a float.
+    assert builtin.normalise("12345678901234567890") != builtin.normalise("12345678901234567891")
+    for completion, answer, expected in (
+        ("#### 72\nThat's all.", "72", 1.0),  # only the rest of the line after ####
+        ("The answer is 1/2.", "0.5", 1.0),
+        ("The answer is 5 cm.", "5 cm", 1.0),
+        ("So the discount is 50%.", "50%", 1.0),
+        ("1,2,3", "123", 0.0),
+        ("\\boxed{-7}", "\u22127", 1.0),
+    ):
+        assert builtin.exact_answer([""], [completion], answer=[answer]) == [expected], (completion, answer)
     assert builtin.exact_answer(PROMPTS, ["4", "#### 1000", "red"], **FIELDS) == [1.0, 1.0, None]
     assert builtin.exact_answer(PROMPTS, ["5", "100", "x"], answer=["4", "1000", "x"]) == [0.0, 0.0, 1.0]
     assert builtin.think_format(
@@ -92,3 +104,15 @@ def test_the_built_in_rewards():
         None,
     ]
     assert builtin.length_target(PROMPTS, ["a", "b", "c"]) == [None, None, None]
+
+
+def test_what_score_refuses_before_calling_anything(tmp_path):
+    path = tmp_path / "exits.py"
+    path.write_text("import sys\n\ndef leaves(prompts, completions, **fields):\n    sys.exit(3)\n")
+    with pytest.raises(RewardError, match="reward leaves raised SystemExit: 3"):
+        score([load_reward(RewardSpec(f"{path}:leaves"))], [], [], {})
+    exact = load_reward(RewardSpec("astrai.rewards:exact_answer"))
+    with pytest.raises(ValueError, match="two reward functions of one name"):
+        score([exact, exact], PROMPTS, ["1", "2", "3"], FIELDS)
+    with pytest.raises(RewardError, match="a field named completions"):
+        score([exact], PROMPTS, ["1", "2", "3"], {**FIELDS, "completions": [1, 2, 3]})
