@@ -31,9 +31,10 @@ from astrai.common.contract import (
     PARALLEL_MODES,
     container_job_dir,
 )
-from astrai.common.data_folder import KINDS
+from astrai.common.data_folder import TRAIN_TYPES
 from astrai.common.model_folder import ADAPTER_TARGETS
 from astrai.common.safetensors_file import DTYPE_ALIASES
+from astrai.trainer.rewards import RewardSpec, parse_rewards
 
 HOST_SECTION = "runtime"
 """The section the host reads (astrai/host/runtime.py); the trainer ignores it."""
@@ -157,6 +158,10 @@ SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
 OVERLONG = ("truncate", "drop")
 DPO_REFERENCES = ("precomputed", "live")
+GRPO_LOSSES = ("grpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+ONLINE_TRAIN_TYPES = ("online_grpo",)
+"""The train types that sample completions of prompts and score them with training.rewards."""
 LORA_BASE_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -182,13 +187,42 @@ class TrainingSection:
     windows in every step; null uses grad_accum_steps as given."""
     train_type: str = "seq"
     """seq: next-token loss on every token (pre-training); sft: supervised fine-tuning on the assistant turns of
-    chat data (or completions); dpo: direct preference optimisation on (prompt, chosen, rejected) pairs. The
-    data folder must hold that kind (prepare --kind)."""
+    chat data (or completions); dpo: direct preference optimisation on (prompt, chosen, rejected) pairs;
+    online_grpo: GRPO on completions the model samples for prompts, scored by training.rewards. The data folder
+    must hold that kind (prepare --kind; prompts for online_grpo)."""
     dpo_beta: float = 0.1
     """DPO's beta: how far from the reference model the policy may move (higher: closer)."""
     dpo_reference: str = "precomputed"
     """precomputed: the reference scores every pair once, before the first step (kept in the job dir for
     resumes), and leaves memory; live: it stays loaded and scores each batch (a forward pass per step)."""
+    rewards: tuple[RewardSpec, ...] = ()
+    """online_grpo: the reward functions, each 'FILE.py:function' or 'module:function' (astrai.rewards:exact_answer),
+    or {function: ..., weight: ...}; a completion's reward is their weighted sum. On the command line: the list
+    in YAML flow style ('[astrai.rewards:exact_answer, {function: /data/r.py:short, weight: 0.2}]')."""
+    num_generations: int = 8
+    """online_grpo: completions sampled per prompt (a group); batch_per_device counts prompts."""
+    max_completion_length: int = 256
+    """online_grpo: at most this many tokens per completion (with the prompt, at most the model's max_seq_len)."""
+    mask_truncated_completions: bool = False
+    """online_grpo: leave completions that reach max_completion_length without ending out of the loss."""
+    temperature: float = 1.0
+    """online_grpo: sampling temperature (0: greedy, which gives a group no spread)."""
+    top_p: float = 1.0
+    """online_grpo: sample among the most likely tokens reaching this probability (1: all)."""
+    top_k: int = 0
+    """online_grpo: sample among the k most likely tokens (0: all)."""
+    grpo_epsilon: float = 0.2
+    """online_grpo: clip the probability ratio to [1 - grpo_epsilon, 1 + grpo_epsilon_high]."""
+    grpo_epsilon_high: float | None = None
+    """online_grpo: the upper clip (DAPO's clip-higher); null: grpo_epsilon."""
+    grpo_beta: float = 0.0
+    """online_grpo: weight of the KL penalty against the frozen starting model (0: none, and no reference kept)."""
+    grpo_loss: str = "dapo"
+    """online_grpo: how token losses are averaged, as TRL names it: grpo (per completion, then over completions),
+    dr_grpo (summed, over completions x max_completion_length) or dapo (over every token of the step's batch)."""
+    scale_rewards: str = "group"
+    """online_grpo: divide each advantage by the std of its group's rewards (group), of the step's (batch), or
+    not at all (none)."""
     optimizer: str = "adamw"
     """adamw, or muon: Muon for the 2-D weight matrices of the transformer blocks, AdamW for embeddings, norms,
     biases and the output head (not under FSDP, which shards the matrices Muon orthogonalises whole)."""
@@ -242,7 +276,7 @@ class TrainingSection:
         )
         _check(self.max_lr > 0, "training.max_lr", self.max_lr, "a number > 0")
         _check(self.schedule in SCHEDULES, "training.schedule", self.schedule, " | ".join(SCHEDULES))
-        _check(self.train_type in KINDS, "training.train_type", self.train_type, " | ".join(KINDS))
+        _check(self.train_type in TRAIN_TYPES, "training.train_type", self.train_type, " | ".join(TRAIN_TYPES))
         _check(self.optimizer in OPTIMIZERS, "training.optimizer", self.optimizer, " | ".join(OPTIMIZERS))
         _check(self.lora_rank >= 0, "training.lora_rank", self.lora_rank, "an integer >= 0 (0 = full fine-tuning)")
         _check(self.lora_alpha > 0, "training.lora_alpha", self.lora_alpha, "a number > 0")
@@ -270,6 +304,7 @@ class TrainingSection:
             self.dpo_reference,
             " | ".join(DPO_REFERENCES),
         )
+        self._check_online()
         _check(0 <= self.min_lr_ratio <= 1, "training.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         _check(0 < self.decay_ratio <= 1, "training.decay_ratio", self.decay_ratio, "a number in (0, 1]")
         _check(0 <= self.warmup_ratio < 1, "training.warmup_ratio", self.warmup_ratio, "a number in [0, 1)")
@@ -280,6 +315,40 @@ class TrainingSection:
         _check(self.adam_eps > 0, "training.adam_eps", self.adam_eps, "a number > 0")
         _check(self.random_seed >= 0, "training.random_seed", self.random_seed, "an integer >= 0")
         _check(self.device in DEVICES, "training.device", self.device, " | ".join(DEVICES))
+
+    def _check_online(self) -> None:
+        _check(self.num_generations >= 1, "training.num_generations", self.num_generations, "an integer >= 1")
+        _check(
+            self.max_completion_length >= 1,
+            "training.max_completion_length",
+            self.max_completion_length,
+            "an integer >= 1",
+        )
+        _check(
+            self.temperature == 0 or 1e-3 <= self.temperature,
+            "training.temperature",
+            self.temperature,
+            "0 (greedy) or a number >= 0.001",
+        )
+        _check(0 < self.top_p <= 1, "training.top_p", self.top_p, "a number in (0, 1]")
+        _check(self.top_k >= 0, "training.top_k", self.top_k, "an integer >= 0 (0 = every token)")
+        _check(0 <= self.grpo_epsilon < 1, "training.grpo_epsilon", self.grpo_epsilon, "a number in [0, 1)")
+        _check(
+            self.grpo_epsilon_high is None or self.grpo_epsilon_high >= 0,
+            "training.grpo_epsilon_high",
+            self.grpo_epsilon_high,
+            "a number >= 0, or null for grpo_epsilon",
+        )
+        _check(self.grpo_beta >= 0, "training.grpo_beta", self.grpo_beta, "a number >= 0 (0 = no KL penalty)")
+        _check(self.grpo_loss in GRPO_LOSSES, "training.grpo_loss", self.grpo_loss, " | ".join(GRPO_LOSSES))
+        _check(
+            self.scale_rewards in SCALE_REWARDS, "training.scale_rewards", self.scale_rewards, " | ".join(SCALE_REWARDS)
+        )
+        if self.train_type in ONLINE_TRAIN_TYPES and not self.rewards:
+            raise ConfigError(
+                f"training.rewards: training.train_type {self.train_type} scores completions with reward functions; "
+                "list at least one, such as [astrai.rewards:exact_answer] or ['/data/my_rewards.py:brevity']"
+            )
 
 
 def resolve_grad_accum_steps(training: TrainingSection, world_size: int) -> int:
@@ -383,6 +452,11 @@ class TrainerConfig:
                 f"data.sources: mixtures are for pre-training data; training.train_type {self.training.train_type} "
                 "trains on one data folder (data_root_path)"
             )
+        if self.training.train_type in ONLINE_TRAIN_TYPES and self.data.val_fraction > 0:
+            raise ConfigError(
+                f"data.val_fraction: training.train_type {self.training.train_type} has no validation loss to hold "
+                "prompts out for; set it to 0 (the rewards in metrics.jsonl say how training goes)"
+            )
         if self.training.lora_rank and self.ckpt.format == CKPT_FORMAT_SHARDED:
             raise ConfigError(
                 "ckpt.format: sharded writes every rank's rows of the whole model, and a LoRA checkpoint (training."
@@ -445,6 +519,8 @@ def _coerce(dotted: str, value, kind, from_text: bool):
         return _sources("data.sources", value, from_text)
     if dotted.split(" ")[0] == "training.lora_targets":
         return _targets(dotted, value, from_text)
+    if dotted.split(" ")[0] == "training.rewards":
+        return _rewards(dotted, value, from_text)
     optional = isinstance(kind, types.UnionType) and type(None) in kind.__args__
     if optional:
         kind = next(arg for arg in kind.__args__ if arg is not type(None))
@@ -497,6 +573,24 @@ def _targets(dotted: str, value, from_text: bool) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ConfigError(f"{dotted}: each module once, got {_got(names)}")
     return tuple(names)
+
+
+def _rewards(dotted: str, value, from_text: bool) -> tuple[RewardSpec, ...]:
+    """training.rewards: a YAML list (on the command line, the list in flow style, or one function alone)."""
+    if from_text:
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(
+                f"{dotted}: expected a list like '[astrai.rewards:exact_answer, {{function: /data/r.py:short, "
+                "weight: 0.2}]'"
+            ) from None
+        if isinstance(value, (str, dict)):
+            value = [value]
+    try:
+        return parse_rewards(value)
+    except ValueError as error:
+        raise ConfigError(f"{dotted}: {error}") from None
 
 
 def trainer_sections(path: Path) -> dict:

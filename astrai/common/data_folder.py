@@ -41,13 +41,23 @@ class DataError(AstraiError):
     """A data folder that cannot be trained on; the message says what to do."""
 
 
-KINDS = ("seq", "sft", "dpo")
-"""What a data folder holds: a token stream (pre-training), supervised sequences (SFT), or pairs of them (DPO)."""
+KINDS = ("seq", "sft", "dpo", "prompts")
+"""What a data folder holds: a token stream (pre-training), supervised sequences (SFT), pairs of them (DPO), or
+prompts with their records' other fields (what the online train types sample completions for)."""
+
+KIND_OF_TRAIN_TYPE = {"seq": "seq", "sft": "sft", "dpo": "dpo", "online_grpo": "prompts"}
+"""The kind of data folder each ``training.train_type`` trains on."""
+TRAIN_TYPES = tuple(KIND_OF_TRAIN_TYPE)
 
 
 def mask_file_name(shard: str) -> str:
     """The supervision mask beside a post-training shard: one byte per token, 1 where the loss covers it."""
     return shard.replace("shard_", "mask_", 1)
+
+
+def fields_file_name(shard: str) -> str:
+    """Prompt data: a JSON line per sequence of the shard, ``{"prompt": text, "fields": {...}}``, in order."""
+    return shard.replace("shard_", "fields_", 1).removesuffix(".bin") + ".jsonl"
 
 
 def records_file_name(shard: str) -> str:
@@ -66,14 +76,18 @@ class ShardEntry:
     and whose supervised tokens its mask file marks (mask_file_name)."""
     mask: str | None = None
     records: str | None = None
+    fields: str | None = None
+    """Prompt data: each sequence's text and fields (fields_file_name)."""
 
     def files(self) -> list[str]:
-        return [self.file, *(name for name in (self.mask, self.records) if name is not None)]
+        return [self.file, *(name for name in (self.mask, self.records, self.fields) if name is not None)]
 
     def to_dict(self) -> dict:
         entry = {"file": self.file, "num_tokens": self.num_tokens}
         if self.mask is not None:
             entry.update(mask=self.mask, records=self.records, num_records=self.num_records)
+        if self.fields is not None:
+            entry["fields"] = self.fields
         return entry
 
     @classmethod
@@ -84,6 +98,7 @@ class ShardEntry:
             num_records=int(raw.get("num_records", 0)),
             mask=raw.get("mask"),
             records=raw.get("records"),
+            fields=raw.get("fields"),
         )
 
 
@@ -236,7 +251,7 @@ class TokenData:
     """Documents (records) it holds; None for folders prepared before prepare counted them."""
     source_files: int = 0
     kind: str = "seq"
-    """seq, sft or dpo (KINDS)."""
+    """seq, sft, dpo or prompts (KINDS)."""
     record_counts: tuple[int, ...] = ()
     """Post-training data: the sequences of each shard (in its records file)."""
 
@@ -245,6 +260,20 @@ class TokenData:
 
     def records_file(self, shard: int) -> Path:
         return self.shard_files[shard].with_name(records_file_name(self.shard_files[shard].name))
+
+    def fields_file(self, shard: int) -> Path:
+        return self.shard_files[shard].with_name(fields_file_name(self.shard_files[shard].name))
+
+    def prompt_records(self) -> list[dict]:
+        """Prompt data: every sequence's ``{"prompt": text, "fields": {...}}``, in order over the shards."""
+        records = []
+        for shard in range(len(self.shard_files)):
+            path = self.fields_file(shard)
+            with open(path, encoding="utf-8") as lines:
+                records += [json.loads(line) for line in lines]
+            if len(records) != sum(self.record_counts[: shard + 1]):
+                raise DataError(f"{path}: holds another number of records than the manifest lists; prepare it again")
+        return records
 
     @property
     def tokenizer_identity(self) -> tuple:
@@ -310,6 +339,10 @@ class TokenData:
                     found = path.stat().st_size if path.is_file() else None
                     if found != size:
                         raise DataError(f"{path}: expected {size} bytes, found {found}; {how}")
+        if data.kind == "prompts":
+            for index in range(len(data.shard_files)):
+                if not data.fields_file(index).is_file():
+                    raise DataError(f"{data.fields_file(index)}: missing (the manifest lists it); {how}")
         return data
 
     def sequence_lengths(self, shard: int) -> list[int]:
@@ -322,10 +355,11 @@ class TokenData:
 
     def check_kind(self, train_type: str, tokenizer_hint: str = "--tokenizer MODEL") -> None:
         """Refuse data of another kind than the training type, naming the command that prepares the right one."""
-        if self.kind == train_type:
+        kind = KIND_OF_TRAIN_TYPE[train_type]
+        if self.kind == kind:
             return
-        flag = "" if train_type == "seq" else f" --kind {train_type}"
-        holds = {"seq": "pre-training text", "sft": "SFT examples", "dpo": "DPO pairs"}
+        flag = "" if kind == "seq" else f" --kind {kind}"
+        holds = {"seq": "pre-training text", "sft": "SFT examples", "dpo": "DPO pairs", "prompts": "prompts"}
         raise DataError(
             f"data folder {self.root} holds {holds[self.kind]} (kind {self.kind}) but training.train_type is "
             f"{train_type}; prepare it with `python -m astrai.data prepare{flag} {tokenizer_hint} --out DIR FILE...`"

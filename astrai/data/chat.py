@@ -13,6 +13,11 @@ covers; `--kind dpo` turns each record into two (chosen, then rejected). A recor
 
 DPO records hold ``prompt``, ``chosen`` and ``rejected``: strings, or message lists (the prompt's
 messages, and the chosen and rejected assistant turns as a message or a list of them).
+
+`--kind prompts` keeps what the online train types sample from: each record's ``prompt`` (a string, tokenized
+as it is, or messages rendered with the template's generation prompt, as TRL's GRPO trainer tokenizes them)
+and, beside its tokens, the prompt's text and every other field of the record (``answer``, say), which reward
+functions receive.
 """
 
 from __future__ import annotations
@@ -170,6 +175,37 @@ class RecordEncoder:
                 prompt_messages + _turns(record["rejected"], "rejected"), supervise_from=len(prompt_messages)
             ),
         ]
+
+    def prompt(self, record) -> tuple[list[int], str]:
+        """A prompt record: its token ids, and its line for the fields file (the prompt's text and the other fields)."""
+        if not isinstance(record, dict):
+            raise RecordError(f"expected a JSON object, got {type(record).__name__}")
+        if "prompt" not in record:
+            raise RecordError(
+                f"has no 'prompt' field (its keys: {_keys(record)}); a prompt record holds a prompt (text or "
+                "messages) and any other fields the rewards read"
+            )
+        if isinstance(record["prompt"], str):
+            text = _text(record, "prompt")
+        else:
+            messages = _messages(record["prompt"], "prompt")
+            if messages[-1]["role"] == "assistant":
+                raise RecordError("the prompt's last message is the assistant's: a prompt ends where the reply begins")
+            if self.template is None:
+                raise RecordError(
+                    "holds messages, but the tokenizer has no chat template; give a tokenizer folder whose "
+                    "tokenizer_config.json has a chat_template (or a chat_template.jinja), or a text prompt"
+                )
+            text = self.template.render(messages, add_generation_prompt=True)
+        (ids,) = self.tokenizer.ids([text])
+        if not ids:
+            raise RecordError("the prompt is empty: there is no token to start a completion from")
+        fields = {key: value for key, value in record.items() if key != "prompt"}
+        try:
+            line = json.dumps({"prompt": text, "fields": fields}, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as error:
+            raise RecordError(f"a field is not plain JSON ({error}): the rewards receive the fields as JSON") from None
+        return ids, line
 
     def _plain(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
         prompt_ids, completion_ids = self.tokenizer.ids([prompt, completion])

@@ -49,6 +49,7 @@ from astrai.common.data_folder import (
     ShardEntry,
     SourceEntry,
     TokenData,
+    fields_file_name,
     mask_file_name,
     records_file_name,
     token_dtype,
@@ -144,7 +145,8 @@ def prepare(
         raise DataError("no input files: name the files or folders to prepare")
     if kind != "seq":
         if field != DEFAULT_FIELD and kind != "sft":
-            raise DataError(f"--field: a {kind} record is read whole (prompt, chosen, rejected); leave --field out")
+            whole = "prompt, chosen, rejected" if kind == "dpo" else "its prompt, and every other field beside it"
+            raise DataError(f"--field: a {kind} record is read whole ({whole}); leave --field out")
         messages_field = field if field != DEFAULT_FIELD else None
         fields = None  # a post-training example is the whole record
         text = [source.name for source in sources if source.kind == "text"]
@@ -192,7 +194,8 @@ def _prepare_into(
 ) -> DataManifest:
     chosen = tokenizer or ByteTokenizer()
     dtype = token_dtype(chosen.vocab_size)
-    shards = _ShardWriter(staging, shard_tokens, DTYPES[dtype], group=2 if kind == "dpo" else 1 if kind == "sft" else 0)
+    group = {"seq": 0, "dpo": 2}.get(kind, 1)
+    shards = _ShardWriter(staging, shard_tokens, DTYPES[dtype], group, fields=kind == "prompts")
     stats = [SourceEntry(source.name, source.size) for source in sources]
     checksums = _Checksums(sources)
     meter = _Progress(total_bytes(sources)) if progress else None
@@ -243,7 +246,7 @@ def _prepare_into(
         shards.close()
         if meter is not None:
             meter.done()
-    if shards.total == 0 or all(entry.tokens == entry.documents for entry in stats):
+    if shards.total == 0 or (kind == "seq" and all(entry.tokens == entry.documents for entry in stats)):
         failed = [entry.left_out for entry in stats if entry.left_out]
         if failed:
             raise DataError(f"nothing is left to train on: every input was left out (first: {failed[0]})")
@@ -423,11 +426,21 @@ def _run_records(piece: Piece) -> PieceResult:
     out = _WORKER["staging"] / f".piece-{piece.index:09d}.bin"
     records = skipped = tokens = 0
     first_bad = None
-    with open(out, "wb") as ids_file, open(_mask_of(out), "wb") as mask_file, open(_lengths_of(out), "wb") as lengths:
+    prompts = encoder.kind == "prompts"
+    with (
+        open(out, "wb") as ids_file,
+        open(_mask_of(out), "wb") as mask_file,
+        open(_lengths_of(out), "wb") as lengths,
+        open(_fields_of(out), "w", encoding="utf-8") if prompts else contextlib.nullcontext() as fields_file,
+    ):
         for item in read_piece(source, piece, None):
             if isinstance(item, Record):
                 try:
-                    sequences = encoder.encode(item.value)
+                    if prompts:
+                        ids, line = encoder.prompt(item.value)
+                        sequences = [(ids, [0] * len(ids))]
+                    else:
+                        sequences = encoder.encode(item.value)
                 except RecordError as error:
                     item = Bad(item.where, str(error))
             if isinstance(item, Bad):
@@ -441,14 +454,21 @@ def _run_records(piece: Piece) -> PieceResult:
                 mask_file.write(bytes(mask))
                 lengths.write(len(ids).to_bytes(4, "little"))
                 tokens += len(ids)
+            if prompts:
+                fields_file.write(line + "\n")
             records += 1
     return PieceResult(piece.index, piece.source, out, records, tokens, skipped, first_bad, _piece_bytes(piece))
 
 
 def _discard(result: PieceResult) -> None:
     """Remove a piece's files from the staging folder, unwritten."""
-    for path in (result.tokens_file, _mask_of(result.tokens_file), _lengths_of(result.tokens_file)):
+    for path in _piece_files(result.tokens_file):
         path.unlink(missing_ok=True)
+
+
+def _piece_files(path: Path) -> tuple[Path, ...]:
+    """A piece's tokens file and the files beside it."""
+    return path, _mask_of(path), _lengths_of(path), _fields_of(path)
 
 
 def _mask_of(path: Path) -> Path:
@@ -457,6 +477,10 @@ def _mask_of(path: Path) -> Path:
 
 def _lengths_of(path: Path) -> Path:
     return path.with_suffix(".len")
+
+
+def _fields_of(path: Path) -> Path:
+    return path.with_suffix(".fields")
 
 
 def _encode_text_window(tokenizer, window: TextWindow, source: Source) -> bytes:
@@ -491,11 +515,13 @@ class _ShardWriter:
 
     ``group`` 0 writes one stream of tokens (pre-training data, cut anywhere). Post-training data keeps
     its sequences whole, with a mask file and a file of lengths beside each shard: ``group`` 1 keeps each
-    sequence in one shard (SFT), 2 each pair of them (DPO's chosen and rejected).
+    sequence in one shard (SFT, prompts), 2 each pair of them (DPO's chosen and rejected). With ``fields``
+    (prompts), each sequence's line of text and fields goes into the shard's fields file.
     """
 
-    def __init__(self, folder: Path, shard_tokens: int, width: int, group: int = 0):
+    def __init__(self, folder: Path, shard_tokens: int, width: int, group: int = 0, fields: bool = False):
         self.folder, self.shard_tokens, self.width, self.group = folder, shard_tokens, width, group
+        self.fields = fields
         self.shards: list[dict] = []
         self.total = 0
         self._handles: list = []
@@ -509,7 +535,7 @@ class _ShardWriter:
                     while block := source.read(self.width << 18):
                         self._write(memoryview(block))
         finally:
-            for leftover in (path, _mask_of(path), _lengths_of(path)):
+            for leftover in _piece_files(path):
                 leftover.unlink(missing_ok=True)
 
     def _write(self, data: memoryview) -> None:
@@ -526,17 +552,20 @@ class _ShardWriter:
         lengths.frombytes(_lengths_of(path).read_bytes())
         if sys.byteorder == "big":
             lengths.byteswap()
-        with open(path, "rb") as ids, open(_mask_of(path), "rb") as mask:
+        fields = open(_fields_of(path), "rb") if self.fields else contextlib.nullcontext()
+        with open(path, "rb") as ids, open(_mask_of(path), "rb") as mask, fields:
             for first in range(0, len(lengths), self.group):
                 unit = lengths[first : first + self.group]
                 count = sum(unit)
                 shard = self.shards[-1] if self._handles else None
                 if shard is None or (shard["num_tokens"] and shard["num_tokens"] + count > self.shard_tokens):
                     self._next_shard()
-                tokens, masks, records = self._handles
+                tokens, masks, records = self._handles[:3]
                 tokens.write(ids.read(count * self.width))
                 masks.write(mask.read(count))
                 records.write(b"".join(length.to_bytes(4, "little") for length in unit))
+                if self.fields:
+                    self._handles[3].write(fields.readline())
                 self.shards[-1]["num_records"] += len(unit)
                 self._count(count)
 
@@ -546,8 +575,14 @@ class _ShardWriter:
         entry = {"file": name, "num_tokens": 0}
         if self.group:
             entry.update(mask=mask_file_name(name), records=records_file_name(name), num_records=0)
+        if self.fields:
+            entry["fields"] = fields_file_name(name)
         self.shards.append(entry)
-        files = [name, *([entry["mask"], entry["records"]] if self.group else [])]
+        files = [
+            name,
+            *([entry["mask"], entry["records"]] if self.group else []),
+            *([entry["fields"]] if self.fields else []),
+        ]
         self._handles = [open(self.folder / file, "wb") for file in files]
 
     def _count(self, tokens: int) -> None:
@@ -668,7 +703,7 @@ def _supervised(folder: Path) -> int:
     return sum(data.mask_file(shard).read_bytes().count(1) for shard in range(len(data.shard_files)))
 
 
-UNIT_OF_KIND = {"seq": "documents", "sft": "records", "dpo": "pairs"}
+UNIT_OF_KIND = {"seq": "documents", "sft": "records", "dpo": "pairs", "prompts": "prompts"}
 """What one of a data folder's "documents" is, by its kind."""
 
 
@@ -684,7 +719,10 @@ def describe_folder(folder: Path) -> str:
         f"tokenizer   {data.tokenizer_description}, vocabulary {data.vocab_size}, end of text "
         f"{manifest.end_of_text_shown!r}",
     ]
-    if data.kind != "seq":
+    if data.kind == "prompts":
+        longest = max(max(data.sequence_lengths(shard)) for shard in range(len(data.shard_files)))
+        lines.append(f"kind        prompts: {sum(data.record_counts):,} prompts, the longest {longest:,} tokens")
+    elif data.kind != "seq":
         sequences = sum(data.record_counts)
         units = f"{sequences:,} SFT sequences" if data.kind == "sft" else f"{sequences // 2:,} DPO pairs"
         lines.append(f"kind        {data.kind}: {units}, {_supervised(folder):,} tokens supervised")
@@ -736,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
         default="seq",
         choices=KINDS,
         help="seq: text for pre-training; sft: chat (messages) or prompt/completion records; dpo: prompt, chosen, "
-        "rejected",
+        "rejected; prompts: a prompt (text or messages) and any other fields, for the online train types",
     )
     prep.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
     prep.add_argument(
@@ -813,7 +851,9 @@ def _prepare_command(args) -> int:
         if entry.skipped:
             print(f"skipped {entry.skipped:,} bad record(s) in {entry.file} (first: {entry.first_skipped})")
     what = f"{manifest.documents:,} documents"
-    if args.kind != "seq":
+    if args.kind == "prompts":
+        what = f"{manifest.documents:,} prompts"
+    elif args.kind != "seq":
         records = "records" if args.kind == "sft" else "pairs"
         what = f"{manifest.documents:,} {records}, {_supervised(out):,} tokens supervised"
     print(

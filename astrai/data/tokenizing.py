@@ -174,6 +174,10 @@ class HFTokenizer:
         """Each text's token ids, without special tokens added."""
         return [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids, special tokens left out (what a model's reply reads as)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def ids_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """The token ids of ``text`` and each token's (start, end) in its characters."""
         encoding = self.tokenizer.encode(text, add_special_tokens=False)

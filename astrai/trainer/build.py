@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from astrai.common.config import TrainerConfig, resolve_lora_base_dtype
-from astrai.common.contract import GENERATION_CONFIG_FILE
+from astrai.common.config import ONLINE_TRAIN_TYPES, TrainerConfig, resolve_lora_base_dtype
+from astrai.common.contract import GENERATION_CONFIG_FILE, TOKENIZER_FILE
 from astrai.common.data_folder import DataError, TokenData, data_digest, describe_units, training_units
 from astrai.common.fit import (
     BatchShape,
@@ -47,6 +47,7 @@ from astrai.trainer.lora import (
 )
 from astrai.trainer.model import ModelConfig, ModelLoadError, Transformer, load_base_model, model_digest
 from astrai.trainer.objectives import NextToken, Preference, Supervised
+from astrai.trainer.online import OnlineGRPO, Prompts, PromptSet, prompt_units
 from astrai.trainer.records import DPOPairs, PackedSFT, RecordIndex
 from astrai.trainer.reference import reference_table
 from astrai.trainer.windows import (
@@ -204,7 +205,7 @@ class Records:
     units: object
 
 
-def post_training_records(config: TrainerConfig, data: RunData, log: Log) -> Records | None:
+def post_training_records(config: TrainerConfig, data: RunData, log: Log, model: ModelConfig) -> Records | None:
     train_type, window = config.training.train_type, config.data.window_size
     for folder in data.datas:
         folder.check_kind(train_type, tokenizer_hint(Path(config.ckpt.param_path)))
@@ -212,9 +213,35 @@ def post_training_records(config: TrainerConfig, data: RunData, log: Log) -> Rec
         return None
     index = RecordIndex(data.first)
     overlong = config.data.overlong
+    if train_type in ONLINE_TRAIN_TYPES:
+        return Records(index, _prompt_units(config, index, log, model))
     units = training_units(data.first, train_type, window, overlong)
     log(f"{train_type}: {describe_units(units, len(index), window, overlong)}")
     return Records(index, units)
+
+
+def _prompt_units(config: TrainerConfig, index: RecordIndex, log: Log, model: ModelConfig):
+    """The prompts, each cut to leave room for max_completion_length in the model's context (or left out)."""
+    training, overlong = config.training, config.data.overlong
+    limit = min(model.max_seq_len, model.sliding_window or model.max_seq_len)
+    room = limit - training.max_completion_length + 1
+    if room < 1:
+        raise SetupError(
+            f"training.max_completion_length {training.max_completion_length} leaves no room for a prompt in the "
+            f"model's context of {limit} tokens; lower it below {limit}"
+        )
+    units = prompt_units(index.length, room, overlong)
+    if not len(units):
+        raise SetupError(
+            f"every prompt of {index.data.root} is longer than {room} tokens, the room max_completion_length "
+            f"{training.max_completion_length} leaves in the model's context of {limit}; lower max_completion_length"
+        )
+    how = f"{units.truncated:,} cut to their last {room}" if overlong == "truncate" else f"{units.dropped:,} left out"
+    log(
+        f"{training.train_type}: {len(units):,} prompts x {training.num_generations} completions of at most "
+        f"{training.max_completion_length} tokens; prompts longer than {room} tokens: {how} (data.overlong: {overlong})"
+    )
+    return units
 
 
 @dataclass(frozen=True)
@@ -240,6 +267,8 @@ def build_feed(
     mixed = bool(config.data.sources)
     fraction = config.data.val_fraction
     units = len(records.units) if records is not None else None
+    if training.train_type in ONLINE_TRAIN_TYPES:
+        window = 1  # prompts are not windows: their room in the model's context was checked with them
     splits = [
         check_fit(folder, start.model_config, start.source, window, fraction, batch, repeated=mixed, units=units)
         for folder in data.datas
@@ -258,6 +287,8 @@ def build_feed(
         return Feed(dataset, sampler, eval_windows, mixture, splits)
     if records is None:
         dataset = WindowDataset(data.first, window, splits[0])
+    elif training.train_type in ONLINE_TRAIN_TYPES:
+        dataset = PromptSet(records.units, splits[0])
     else:
         make = PackedSFT if training.train_type == "sft" else DPOPairs
         dataset = make(records.index, records.units, window, splits[0])
@@ -318,7 +349,7 @@ def autocast_for(env: DistEnv) -> contextlib.AbstractContextManager:
 class Objective:
     """The loss of the train type, and DPO's reference as checkpoints record it (path, sha256), else None."""
 
-    loss: NextToken | Supervised | Preference
+    loss: NextToken | Supervised | Preference | OnlineGRPO
     reference: dict | None = None
 
 
@@ -338,11 +369,98 @@ def build_objective(
         return Objective(NextToken(env, vocab))
     if train_type == "sft":
         return Objective(Supervised(env, vocab))
+    if train_type in ONLINE_TRAIN_TYPES:
+        return _online(config, env, model_config, records, loaded, log, model, start)
     if start.base_sha256 is not None and config.ckpt.reference_path is None:
         reference, recorded = _base_reference(config, env, model_config, records, feed, loaded, log, model, start)
     else:
         reference, recorded = _reference(config, env, model_config, records, feed, loaded, log)
     return Objective(Preference(env, vocab, reference, config.training.dpo_beta), recorded)
+
+
+def _online(config, env, model_config, records, loaded, log, model, start) -> Objective:
+    """online_grpo: the reward functions loaded, sampling settings, stop tokens, and (grpo_beta > 0) the frozen
+    starting model as the KL reference: the base model with LoRA's adapters off, else a second copy of it."""
+    from astrai.data.tokenizing import ByteTokenizer, HFTokenizer
+    from astrai.trainer.generate import Sampling, stop_tokens
+    from astrai.trainer.grpo import GRPOSettings
+    from astrai.trainer.lora import BaseModel
+    from astrai.trainer.rewards import load_reward
+
+    training = config.training
+    rewards = [load_reward(spec) for spec in training.rewards]
+    settings = GRPOSettings(
+        epsilon=training.grpo_epsilon,
+        epsilon_high=training.grpo_epsilon_high,
+        beta=training.grpo_beta,
+        loss=training.grpo_loss,
+        scale_rewards=training.scale_rewards,
+        max_completion_length=training.max_completion_length,
+    )
+    sampling = Sampling(training.max_completion_length, training.temperature, training.top_k, training.top_p)
+    data = records.index.data
+    tokenizer = ByteTokenizer() if data.tokenizer_sha256 is None else HFTokenizer(data.root / TOKENIZER_FILE)
+    stop = stop_tokens(model_config, start.source, tokenizer)
+    recorded = None
+    reference = None
+    if settings.beta != 0:
+        if start.base_sha256 is not None and config.ckpt.reference_path is None:
+            reference = BaseModel(model)
+            recorded = {"path": config.ckpt.param_path, "sha256": start.base_sha256}
+            _check_same_reference(recorded, loaded)
+        else:
+            reference, recorded = _frozen_model(config, env, model_config, records, loaded)
+    described = ", ".join(f"{reward.name} x{reward.spec.weight:g}" for reward in rewards)
+    log(
+        f"{training.train_type}: rewards {described}; temperature {training.temperature:g}, top_p {training.top_p:g}, "
+        f"top_k {training.top_k}; loss {settings.loss}, epsilon {settings.epsilon:g}/{settings.high:g}, beta "
+        f"{settings.beta:g}, scale_rewards {settings.scale_rewards}; stop tokens {sorted(stop)}"
+    )
+    objective = OnlineGRPO(
+        env,
+        Prompts(data, records.index, records.units),
+        rewards,
+        settings,
+        sampling,
+        training.num_generations,
+        stop,
+        tokenizer.decode,
+        training.random_seed,
+        reference,
+        training.mask_truncated_completions,
+        Path(config.ckpt.ckpt_dir),
+        config.log.log_interval,
+        autocast_for(env),
+    )
+    return Objective(objective, recorded)
+
+
+def _frozen_model(config, env, model_config, records, loaded):
+    """A frozen copy of a model folder (ckpt.reference_path, or the base model) on the device, sharded under FSDP;
+    and what checkpoints record of it, which a resume must keep."""
+    path = Path(config.ckpt.reference_path or config.ckpt.param_path)
+
+    def read_reference():
+        check_model_tokenizer(records.index.data, path)  # a reference with its own tokenizer must be the data's
+        return (*load_base_model(path), model_digest(path))
+
+    reference_config, weights, digest = broadcast_from_master(
+        env, read_reference, errors=(ModelLoadError, SetupError, DataError)
+    )
+    if reference_config.vocab_size != model_config.vocab_size:
+        raise SetupError(
+            f"the reference model {path} has a vocabulary of {reference_config.vocab_size}, the trained model "
+            f"{model_config.vocab_size}: the reference must score the same tokens"
+        )
+    recorded = {"path": str(path), "sha256": digest}
+    _check_same_reference(recorded, loaded)
+    reference = Transformer(reference_config)
+    reference.load_state_dict(weights)
+    del weights
+    reference.to(env.device).eval().requires_grad_(False)
+    if env.parallel_mode == "fsdp":
+        reference = parallelize(reference, env)
+    return reference, recorded
 
 
 def _reference(config, env, model_config, records, feed, loaded, log) -> tuple[object, dict]:

@@ -82,7 +82,8 @@ def generate(
     """The completion of each prompt (token ids, ending with its stop token when it met one)."""
     if not prompts or any(not prompt for prompt in prompts):
         raise ValueError("every prompt needs at least one token")
-    config: ModelConfig = model.config
+    inner = getattr(model, "module", model)  # under DDP, the model it wraps
+    config: ModelConfig = inner.config
     longest = max(len(prompt) for prompt in prompts)
     capacity = longest + sampling.max_new_tokens - 1  # the last new token is never fed back
     limit = min(config.max_seq_len, config.sliding_window or config.max_seq_len)
@@ -91,24 +92,24 @@ def generate(
             f"the longest prompt ({longest} tokens) and max_new_tokens ({sampling.max_new_tokens}) need {capacity} "
             f"positions; the model takes at most {limit}"
         )
-    device = next(model.parameters()).device
+    device = inner.norm.weight.device
     tokens = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
     real = torch.zeros(len(prompts), longest, dtype=torch.bool, device=device)
     for row, prompt in enumerate(prompts):
         tokens[row, longest - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
         real[row, longest - len(prompt) :] = True
-    cache = KVCache(config, len(prompts), capacity, device, model.norm.weight.dtype)
+    cache = KVCache(config, len(prompts), capacity, device, inner.norm.weight.dtype)
     stops = torch.tensor(sorted(stop), dtype=torch.long, device=device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     completions = []
-    logits = model.decode(tokens, real, cache)
+    logits = model(tokens, cache=cache, real=real)
     for made in range(1, sampling.max_new_tokens + 1):
         chosen = pick(logits, sampling, generator).masked_fill(done, 0)
         completions.append(chosen)
         done = done | torch.isin(chosen, stops)
         if bool(done.all()) or made == sampling.max_new_tokens:
             break
-        logits = model.decode(chosen.unsqueeze(1), torch.ones_like(real[:, :1]), cache)
+        logits = model(chosen.unsqueeze(1), cache=cache, real=torch.ones_like(real[:, :1]))
     columns = torch.stack(completions, dim=1).tolist()
     return [_until_stop(row, stop) for row in columns]
 
@@ -165,7 +166,7 @@ def run_command(args) -> int:
                 f"the tokenizer has {tokenizer.vocab_size:,} tokens and the model {model.config.vocab_size:,}: it is "
                 "not this model's tokenizer"
             )
-        stop = _stop_tokens(model.config, folder, tokenizer)
+        stop = stop_tokens(model.config, folder, tokenizer)
         completion = generate(model, [ids], sampling, stop, torch.Generator().manual_seed(args.seed))[0]
     except _EmptyPrompt:
         print("error: --prompt gives no token to start from", file=sys.stderr)
@@ -173,10 +174,7 @@ def run_command(args) -> int:
     except (DataError, ModelLoadError, RecordError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    if hasattr(tokenizer, "tokenizer"):
-        print(tokenizer.tokenizer.decode(completion, skip_special_tokens=True))
-    else:
-        print(tokenizer.decode(completion))
+    print(tokenizer.decode(completion))
     return 0
 
 
@@ -237,7 +235,7 @@ def _tokenize(args, folder: Path) -> tuple[object, list[int]]:
     return tokenizer, tokenizer.ids([text])[0]
 
 
-def _stop_tokens(config: ModelConfig, folder: Path, tokenizer) -> set[int]:
+def stop_tokens(config: ModelConfig, folder: Path, tokenizer) -> set[int]:
     """The model's end-of-sequence ids (config.json, generation_config.json) and the tokenizer's end of text."""
     stop = set()
     found = [config.eos_token_id]

@@ -139,7 +139,7 @@ class Trainer:
         notes = build.resume_notes(loaded, config, data.digest, env)
         start = build.read_start(config, env, data, loaded)
         self.model_config = start.model_config
-        records = build.post_training_records(config, data, self.log)
+        records = build.post_training_records(config, data, self.log, start.model_config)
         feed = build.build_feed(config, env, data, start, batch, records)
         self.dataset, self.sampler, self.mixture, self.source_names = (
             feed.dataset,
@@ -301,7 +301,7 @@ class Trainer:
         lr = self.schedule.lr(self.progress.step)
         set_lr(self.optimizer, lr)
         batches = [next(self._batches) for _ in range(accum)]
-        scale = self.objective.step_scale(batches)
+        scale = self.objective.step_scale(batches, self.model, self.progress.step)
         for micro, batch in enumerate(batches):
             set_gradient_sync(self.model, self.env, micro == accum - 1)
             with self.autocast:
@@ -324,13 +324,13 @@ class Trainer:
     def train(self, steps: int | None = None) -> TrainStats:
         """Train until max_steps, a stop signal, or ``steps`` more optimizer steps; checkpoints as configured."""
         end = self.max_steps if steps is None else min(self.max_steps, self.progress.step + steps)
-        first_step = self.progress.step
+        first_step, first_tokens = self.progress.step, self.progress.tokens_seen
         tokens_per_step = self.tokens_per_step
         self.model.train()
         # Progress reports average over the steps of this call.
         started = time.perf_counter()
         self.reporter.clock.restart(started)
-        self._report_step = first_step
+        self._report_step, self._report_tokens = first_step, first_tokens
         self._loss_sum.zero_()
         stopping = False
         while self.progress.step < end and not stopping:
@@ -340,7 +340,8 @@ class Trainer:
                 self._synchronize()
                 self.reporter.clock.pause(time.perf_counter() - started, steps=1)
                 self._warmed_up = True
-            self._advance(tokens_per_step)
+            # The online train types' steps hold as many tokens as their prompts and sampled completions.
+            self._advance(getattr(self.objective, "step_tokens", tokens_per_step))
             # A failed background save stops the run now, on every rank at the same step, not at the next save.
             stopping, save_failed = self.stop.agree(self.env, self.checkpointer.failed)
             if save_failed:
@@ -359,7 +360,8 @@ class Trainer:
                 self._paused(functools.partial(self.save_checkpoint, reason))
         self._synchronize()
         steps_done = self.progress.step - first_step
-        return TrainStats(steps_done, steps_done * tokens_per_step, time.perf_counter() - started, stopped=stopping)
+        tokens = self.progress.tokens_seen - first_tokens
+        return TrainStats(steps_done, tokens, time.perf_counter() - started, stopped=stopping)
 
     def _advance(self, tokens_per_step: int) -> None:
         """Count the step just taken; move to the next epoch when the rest of this one cannot fill a step."""
@@ -396,7 +398,9 @@ class Trainer:
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         self._loss_sum.zero_()
-        self._report_step = self.progress.step
+        # The mean tokens of the steps reported (a constant but for the online train types).
+        self.reporter.tokens_per_step = (self.progress.tokens_seen - self._report_tokens) / steps
+        self._report_step, self._report_tokens = self.progress.step, self.progress.tokens_seen
         memory = torch.cuda.max_memory_allocated(self.env.device) / 2**30 if self.env.device.type == "cuda" else None
         report = StepReport(
             step=self.progress.step,

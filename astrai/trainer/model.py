@@ -280,13 +280,21 @@ class Transformer(nn.Module):
         return cos[:seq_len], sin[:seq_len]
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, segments: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        real: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits of ``tokens`` (B, T); with ``segments`` (B, T) several records packed in one row.
 
         ``segments`` confines attention to each record (a token sees the earlier tokens of its own segment
-        only); ``positions`` (B, T) restarts the rotary positions at each record.
+        only); ``positions`` (B, T) restarts the rotary positions at each record. With a ``cache``: generation's
+        step (:meth:`decode`), through ``forward`` so that a DDP or FSDP wrapper sees it as the model's call.
         """
+        if cache is not None:
+            return self.decode(tokens, real, cache)
         seq_len = tokens.shape[1]
         if seq_len > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}")
@@ -316,7 +324,8 @@ class Transformer(nn.Module):
 
     def decode(self, tokens: torch.Tensor, real: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The next-token logits (B, vocab) after ``tokens`` (B, T), which follow the ones in ``cache`` (and go into
-        it); ``real`` (B, T) is False at left padding. See :mod:`astrai.trainer.generate`."""
+        it); ``real`` (B, T) is False at left padding. See :mod:`astrai.trainer.generate`, which calls it as
+        ``model(tokens, cache=cache, real=real)``."""
         positions, mask = cache.begin(real)
         cos, sin = self._rotary(cache.length + tokens.shape[1], tokens.device)
         cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)

@@ -38,7 +38,7 @@ class NextToken:
     def __init__(self, env: DistEnv, vocab_size: int):
         self.env, self.vocab_size = env, vocab_size
 
-    def step_scale(self, batches) -> None:
+    def step_scale(self, batches, model=None, step: int = 0) -> None:
         return None
 
     def micro(self, model, batch, scale, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +65,7 @@ class Supervised:
     def __init__(self, env: DistEnv, vocab_size: int):
         self.env, self.vocab_size = env, vocab_size
 
-    def step_scale(self, batches) -> torch.Tensor:
+    def step_scale(self, batches, model=None, step: int = 0) -> torch.Tensor:
         """Supervised tokens of the whole global batch (this step's micro-batches on every rank)."""
         count = sum(batch.weights.sum() for batch in batches).to(self.env.device, dtype=torch.float32)
         if self.env.distributed:
@@ -102,7 +102,7 @@ class Preference:
         # Chosen and rejected rewards, margin, accuracy and pairs, summed over the steps since the last report.
         self._sums = torch.zeros(5, dtype=torch.float64, device=env.device)
 
-    def step_scale(self, batches) -> None:
+    def step_scale(self, batches, model=None, step: int = 0) -> None:
         return None
 
     def _pairs(self, model, batch: DPOPair) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.contract import (
+    METRIC_COMPLETION_LENGTH,
     METRIC_EPOCH,
     METRIC_ETA_S,
     METRIC_GRAD_NORM,
@@ -27,6 +28,7 @@ from astrai.common.contract import (
     METRIC_MAX_ALLOCATED_GIB,
     METRIC_MAX_STEPS,
     METRIC_MFU,
+    METRIC_REWARD,
     METRIC_REWARDS_ACCURACY,
     METRIC_REWARDS_MARGIN,
     METRIC_STEP,
@@ -308,6 +310,8 @@ class ProgressReporter:
                 f" | margin {report.extra[METRIC_REWARDS_MARGIN]:.3f}"
                 f" | accuracy {report.extra[METRIC_REWARDS_ACCURACY]:.2f}"
             )
+        if report.extra and METRIC_REWARD in report.extra:
+            line += f" | reward {report.extra[METRIC_REWARD]:.3f} | length {report.extra[METRIC_COMPLETION_LENGTH]:.1f}"
         line += f" | {tokens_per_s:,.0f} tokens/s | mfu {'n/a' if utilization is None else f'{utilization:.1%}'}"
         if report.max_allocated_gib is not None:
             line += f" | mem {report.max_allocated_gib:.2f} GiB"

@@ -129,7 +129,8 @@ class Scores:
     """What the rewards gave a batch: each function's values (None where it does not apply) and each total."""
 
     by_function: dict[str, list[float | None]]
-    total: list[float]
+    total: list[float | None]
+    """The weighted sum of the functions that scored a completion; None where none did (TRL's NaN)."""
 
 
 def score(rewards: list[Reward], prompts: list[str], completions: list[str], fields: dict[str, list]) -> Scores:
@@ -143,15 +144,15 @@ def score(rewards: list[Reward], prompts: list[str], completions: list[str], fie
     by_function = {}
     for reward in rewards:
         by_function[reward.name] = _call(reward, prompts, completions, fields)
-    total = [
-        sum(
-            reward.spec.weight * values[row]
+    total = []
+    for row in range(len(completions)):
+        scored = [
+            reward.spec.weight * by_function[reward.name][row]
             for reward in rewards
-            if (values := by_function[reward.name])[row] is not None
-        )
-        for row in range(len(completions))
-    ]
-    return Scores(by_function, [float(value) for value in total])
+            if by_function[reward.name][row] is not None
+        ]
+        total.append(float(sum(scored)) if scored else None)
+    return Scores(by_function, total)
 
 
 def _call(reward: Reward, prompts: list[str], completions: list[str], fields: dict[str, list]) -> list[float | None]:

@@ -1,0 +1,338 @@
+"""``online_grpo``: each step samples completions of its prompts with the model being trained, scores them, and
+takes GRPO's update.
+
+A step's global batch counts prompts (``batch_per_device`` per micro-batch on each rank). Before the step's
+first micro-batch (:meth:`OnlineGRPO.step_scale`), every rank, for each of its micro-batches:
+
+1. samples ``num_generations`` completions of each prompt (:func:`astrai.trainer.generate.generate`, with a
+   generator seeded from the run's seed, the step and the rank: a resumed run samples what the uninterrupted
+   one sampled);
+2. scores them with ``training.rewards`` (:mod:`astrai.trainer.rewards`), in text, with each prompt record's
+   other fields;
+3. scores them under the frozen starting model when ``grpo_beta`` > 0 (the KL penalty's reference).
+
+Then the step's rewards are gathered from every rank, so each completion's advantage is computed on the whole
+global batch (a group is one prompt's completions, always on one rank; ``scale_rewards: batch`` divides by the
+whole batch's std), and each micro-batch (:meth:`OnlineGRPO.micro`) scores its completions under the policy,
+with gradients, and returns the loss of :func:`astrai.trainer.grpo.grpo_loss`. The log-probabilities at sampling
+time are the policy's own before this step's update, so the ratio is 1 in value and its gradient is the policy
+gradient's, as in TRL with ``num_iterations`` 1.
+
+The loss normalisations hold across micro-batches and ranks: ``grpo`` and ``dr_grpo`` average equal-sized
+micro-batches (divided by grad_accum_steps; DDP and FSDP average the ranks); ``dapo`` divides each micro-batch's
+summed token losses by the step's completion tokens over every rank, per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from astrai.common.contract import (
+    COMPLETIONS_LOG,
+    METRIC_CLIP_HIGH,
+    METRIC_CLIP_LOW,
+    METRIC_CLIP_REGION,
+    METRIC_COMPLETION_CLIPPED,
+    METRIC_COMPLETION_LENGTH,
+    METRIC_COMPLETION_LENGTH_MAX,
+    METRIC_ENTROPY,
+    METRIC_FRAC_REWARD_ZERO_STD,
+    METRIC_KL,
+    METRIC_REWARD,
+    METRIC_REWARD_OF,
+    METRIC_REWARD_STD,
+)
+from astrai.common.data_folder import TokenData, WindowSplit
+from astrai.common.fit import SetupError
+from astrai.trainer.distributed import DistEnv
+from astrai.trainer.generate import Sampling, generate
+from astrai.trainer.grpo import GRPOSettings, advantages, completion_logps, grpo_loss
+from astrai.trainer.rewards import Reward, score
+
+
+@dataclass(frozen=True)
+class PromptUnits:
+    """The prompts a run samples from: each kept prompt's record number and the tokens it keeps (its last ones)."""
+
+    records: list[int]
+    takes: list[int]
+    truncated: int
+    dropped: int
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+def prompt_units(lengths: list[int], limit: int, overlong: str) -> PromptUnits:
+    """Prompts longer than ``limit`` tokens keep their last ``limit`` (truncate, as TRL cuts prompts on the left)
+    or are left out (drop)."""
+    records, takes = [], []
+    truncated = dropped = 0
+    for number, length in enumerate(lengths):
+        if length > limit:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            truncated += 1
+        records.append(number)
+        takes.append(min(length, limit))
+    return PromptUnits(records, takes, truncated, dropped)
+
+
+class PromptSet(torch.utils.data.Dataset):
+    """Training prompt i as its number among the kept prompts; the objective looks its tokens and fields up."""
+
+    def __init__(self, units: PromptUnits, split: WindowSplit):
+        self.units, self.split = units, split
+
+    def __len__(self) -> int:
+        return self.split.num_train
+
+    def __getitem__(self, item: int) -> int:
+        return self.split.train_window(item)
+
+
+class Prompts:
+    """Every kept prompt's token ids, text and fields, held in memory (prompts are small)."""
+
+    def __init__(self, data: TokenData, index, units: PromptUnits):
+        records = data.prompt_records()
+        kept = zip(units.records, units.takes, strict=True)
+        self.ids = [index.sequence(number)[0][-take:].tolist() for number, take in kept]
+        self.texts = [records[number]["prompt"] for number in units.records]
+        self.fields = [records[number]["fields"] for number in units.records]
+        self.names = sorted({name for fields in self.fields for name in fields})
+
+    def fields_of(self, numbers: list[int], generations: int) -> dict[str, list]:
+        """The reward functions' keyword arguments: each field, per completion (None where a record lacks it)."""
+        return {
+            name: [self.fields[number].get(name) for number in numbers for _ in range(generations)]
+            for name in self.names
+        }
+
+
+@dataclass
+class Rollout:
+    """One micro-batch's completions, ready for the update."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    advantages: torch.Tensor | None
+    reference: torch.Tensor | None
+    mask: torch.Tensor
+    """Which completions count in the loss (all, or those that ended, with mask_truncated_completions)."""
+
+
+def rollout_seed(seed: int, step: int, rank: int, micro: int) -> int:
+    """The sampling seed of one micro-batch of a step: the same for a resumed run as for the uninterrupted one."""
+    return ((seed * 1_000_003 + step) * 1_009 + rank) * 101 + micro
+
+
+class OnlineGRPO:
+    """GRPO on completions sampled at each step (see the module's docstring)."""
+
+    def __init__(
+        self,
+        env: DistEnv,
+        prompts: Prompts,
+        rewards: list[Reward],
+        settings: GRPOSettings,
+        sampling: Sampling,
+        generations: int,
+        stop: set[int],
+        decode,
+        seed: int,
+        reference,
+        mask_truncated: bool,
+        job_dir: Path,
+        log_interval: int,
+        autocast,
+    ):
+        self.env, self.prompts, self.rewards, self.settings = env, prompts, rewards, settings
+        self.sampling, self.generations, self.stop, self.decode = sampling, generations, stop, decode
+        self.seed, self.reference, self.mask_truncated = seed, reference, mask_truncated
+        self.job_dir, self.log_interval, self.autocast = job_dir, log_interval, autocast
+        self.step_tokens = 0
+        """Prompt and completion tokens of the last step's rollouts, over every rank (the step's tokens)."""
+        self._rollouts: list[Rollout] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        # Since the last report: every completion's row (step_scale's table, all ranks), the groups without signal,
+        # and this rank's loss statistics: clip low, high, region, KL (each a mean per micro-batch), micro-batches,
+        # summed entropy, completion tokens.
+        self._rows: list[torch.Tensor] = []
+        self._flat_groups = 0
+        self._loss_stats = torch.zeros(7, dtype=torch.float64)
+
+    # The step's rollouts ----------------------------------------------------------------------------------
+
+    def step_scale(self, batches, model=None, step: int = 0) -> None:
+        """Sample, score and weigh the completions of every micro-batch of this step (on every rank)."""
+        inner = getattr(model, "module", model)
+        was_training = inner.training
+        model.eval()
+        rollouts, rows = [], []
+        try:
+            for micro, numbers in enumerate(batches):
+                rollout, micro_rows = self._sample(model, [int(number) for number in numbers], step, micro)
+                rollouts.append(rollout)
+                rows += micro_rows
+        finally:
+            model.train(was_training)
+        # Every rank's rows in rank order (each rank has as many): the advantages and the metrics see the whole step.
+        table = torch.tensor(rows, dtype=torch.float64)
+        if self.env.distributed:
+            gathered = [torch.empty_like(table, device=self.env.device) for _ in range(self.env.world_size)]
+            dist.all_gather(gathered, table.to(self.env.device))
+            table = torch.cat(gathered).cpu()
+        totals = [None if math.isnan(value) else value for value in table[:, 0].tolist()]
+        advantage, same = advantages(totals, self.generations, self.settings.scale_rewards)
+        start = self.env.rank * len(rows)
+        mine = advantage[start : start + len(rows)]
+        per_micro = len(rows) // len(rollouts)
+        for index, rollout in enumerate(rollouts):
+            rollout.advantages = mine[index * per_micro : (index + 1) * per_micro].to(self.env.device)
+        self._rows.append(table)
+        self._flat_groups += int(same.view(-1, self.generations)[:, 0].sum())
+        # Columns: total, each function, prompt tokens, completion tokens, ended, counted in the loss.
+        self.step_tokens = int(table[:, -4:-2].sum())
+        self._step_loss_tokens = float((table[:, -3] * table[:, -1]).sum())
+        self._rollouts = rollouts
+        return None
+
+    def _sample(self, model, numbers: list[int], step: int, micro: int) -> tuple[Rollout, list[list[float]]]:
+        """One micro-batch's rollout, and a row per completion: its total reward and each function's (NaN where
+        none), its prompt's tokens, its tokens, whether it ended and whether the loss counts it."""
+        G = self.generations
+        prompts = [self.prompts.ids[number] for number in numbers for _ in range(G)]
+        generator = torch.Generator(device=self.env.device)
+        generator.manual_seed(rollout_seed(self.seed, step, self.env.rank, micro))
+        with self.autocast:
+            completions = generate(model, prompts, self.sampling, self.stop, generator)
+        ended = [completion[-1] in self.stop for completion in completions]
+        texts = [self.decode(completion) for completion in completions]
+        prompt_texts = [self.prompts.texts[number] for number in numbers for _ in range(G)]
+        scores = score(self.rewards, prompt_texts, texts, self.prompts.fields_of(numbers, G))
+        reference = None
+        if self.settings.beta != 0:
+            with torch.no_grad(), self.autocast:
+                reference = completion_logps(self.reference, prompts, completions)[0]
+        counted = [end or not self.mask_truncated for end in ended]
+        if self.env.master_process and micro == 0 and (step + 1) % self.log_interval == 0:
+            self._log_completions(step + 1, numbers[0], prompt_texts[0], texts[:G], scores, G)
+        rows = [
+            [
+                math.nan if scores.total[row] is None else scores.total[row],
+                *(math.nan if values[row] is None else values[row] for values in scores.by_function.values()),
+                len(prompts[row]),
+                len(completions[row]),
+                float(ended[row]),
+                float(counted[row]),
+            ]
+            for row in range(len(completions))
+        ]
+        mask = torch.tensor(counted, device=self.env.device)
+        return Rollout(prompts, completions, None, reference, mask), rows
+
+    def _log_completions(self, step: int, number: int, prompt: str, texts: list[str], scores, G: int) -> None:
+        """One group of completions with its rewards, appended to the job dir's completions log."""
+        lines = [f"step {step} | prompt {number}: {json.dumps(prompt, ensure_ascii=False)}"]
+        for row, text in enumerate(texts):
+            total = scores.total[row]
+            parts = ", ".join(
+                f"{name} {'n/a' if values[row] is None else f'{values[row]:.3g}'}"
+                for name, values in scores.by_function.items()
+            )
+            shown = "n/a" if total is None else f"{total:.3g}"
+            lines.append(f"  [{row + 1}/{G}] reward {shown} ({parts}): {json.dumps(text, ensure_ascii=False)}")
+        try:
+            with open(self.job_dir / COMPLETIONS_LOG, "a", encoding="utf-8") as handle:
+                handle.write("\n".join(lines) + "\n\n")
+        except OSError:
+            pass  # a full disk stops the run at its metrics or checkpoint, which say why; this log is for reading
+
+    # The update -------------------------------------------------------------------------------------------
+
+    def micro(self, model, batch, scale, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rollout = self._rollouts.pop(0)
+        logps, token_mask, entropy = completion_logps(model, rollout.prompts, rollout.completions)
+        token_mask = token_mask * rollout.mask.unsqueeze(1)
+        # dapo: the step's completion tokens the loss counts, over every rank and micro-batch, per rank.
+        batch_tokens = self._step_loss_tokens / self.env.world_size if self.settings.loss == "dapo" else None
+        loss, stats = grpo_loss(
+            logps,
+            logps.detach(),
+            rollout.reference,
+            rollout.advantages,
+            token_mask,
+            self.settings,
+            batch_tokens,
+        )
+        self._loss_stats += torch.tensor(
+            [
+                stats.clip_low,
+                stats.clip_high,
+                stats.clip_region,
+                stats.kl or 0.0,
+                1.0,
+                float((entropy * token_mask).sum()),
+                float(token_mask.sum()),
+            ],
+            dtype=torch.float64,
+        )
+        if self.settings.loss == "dapo":
+            # Each micro-batch's loss is already a share of the step's: summed over the micro-batches, not averaged.
+            return loss, loss.detach() * accum
+        return loss / accum, loss.detach()
+
+    def eval_sums(self, model, batch) -> torch.Tensor:
+        raise SetupError("online_grpo holds no prompts out for a validation loss; set data.val_fraction to 0")
+
+    def metrics(self) -> dict | None:
+        """Rewards, groups without signal, completion lengths and the loss's statistics since the last call."""
+        if not self._rows:
+            return None
+        table = torch.cat(self._rows)
+        stats = self._loss_stats.to(self.env.device)
+        if self.env.distributed:
+            dist.all_reduce(stats)
+        stats = stats.tolist()
+        groups = table.shape[0] // self.generations
+
+        def mean_std(column: torch.Tensor) -> tuple[float | None, float | None]:
+            scored = column[~column.isnan()]
+            return (
+                float(scored.mean()) if scored.numel() else None,
+                float(scored.std()) if scored.numel() > 1 else None,
+            )
+
+        reward, reward_std = mean_std(table[:, 0])
+        values = {METRIC_REWARD: reward, METRIC_REWARD_STD: reward_std}
+        for column, reward_function in enumerate(self.rewards, start=1):
+            mean, std = mean_std(table[:, column])
+            values[METRIC_REWARD_OF.format(name=reward_function.name)] = mean
+            values[METRIC_REWARD_OF.format(name=reward_function.name) + "_std"] = std
+        lengths, ended = table[:, -3], table[:, -2]
+        micros = max(stats[4], 1.0)
+        values.update(
+            {
+                METRIC_FRAC_REWARD_ZERO_STD: self._flat_groups / max(groups, 1),
+                METRIC_COMPLETION_LENGTH: float(lengths.mean()),
+                METRIC_COMPLETION_LENGTH_MAX: float(lengths.max()),
+                METRIC_COMPLETION_CLIPPED: float(1.0 - ended.mean()),
+                METRIC_CLIP_LOW: stats[0] / micros,
+                METRIC_CLIP_HIGH: stats[1] / micros,
+                METRIC_CLIP_REGION: stats[2] / micros,
+                METRIC_KL: stats[3] / micros if self.settings.beta != 0 else None,
+                METRIC_ENTROPY: stats[5] / max(stats[6], 1.0),
+            }
+        )
+        self._reset()
+        return {key: value for key, value in values.items() if value is not None}
