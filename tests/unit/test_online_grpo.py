@@ -1,0 +1,257 @@
+"""online_grpo in the trainer: prompt data, a step's rollouts and update, its metrics and log, exact resume on one
+and two processes, and the errors of bad rewards and settings.
+
+The model is the tiny preset on the byte-level tokenizer; the reward is a file of ours, in TRL's shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from trainer_runs import TORCHRUN, TRAINER, Run, final_weights, metrics_step, run_to_end, stop_gracefully
+
+from astrai.common.checkpoints import latest_complete_checkpoint
+from astrai.common.config import load_trainer_config
+from astrai.common.configfile import ConfigError
+from astrai.common.contract import COMPLETIONS_LOG, METRICS_FILE
+from astrai.common.data_folder import DataError, TokenData
+from astrai.data.pipeline import prepare
+from astrai.trainer.grpo import GRPOSettings, advantages, completion_logps, grpo_loss
+from astrai.trainer.online import OnlineGRPO
+from astrai.trainer.rewards import RewardError
+
+pytestmark = pytest.mark.slow
+
+REWARDS = '''
+def digits(prompts, completions, **fields):
+    """The share of the completion's characters that are the digit the prompt ends with."""
+    return [sum(c == fields_digit for c in completion) / max(len(completion), 1)
+            for fields_digit, completion in zip(fields["digit"], completions)]
+
+def first_code(prompts, completions, **fields):
+    """Differs between nearly any two completions: every group has a signal."""
+    return [ord(completion[0]) / 1000 if completion else 0.0 for completion in completions]
+
+def raises(prompts, completions, **fields):
+    raise KeyError("no such field")
+
+def too_few(prompts, completions, **fields):
+    return [1.0]
+
+def not_finite(prompts, completions, **fields):
+    return [float("nan")] * len(completions)
+'''
+
+ONLINE = {
+    "train_type": "online_grpo",
+    "num_generations": 4,
+    "max_completion_length": 6,
+    "batch_per_device": 2,
+    "max_steps": 6,
+    "ckpt_interval": 3,
+    "log_interval": 2,
+    "warmup_ratio": 0.0,
+}
+
+
+@pytest.fixture(scope="module")
+def prompts_world(tmp_path_factory):
+    """Prompt data (byte-level, 24 prompts with a `digit` field) and the reward file."""
+    root = tmp_path_factory.mktemp("prompts world")  # a space in every path
+    records = root / "prompts.jsonl"
+    with open(records, "w", encoding="utf-8") as handle:
+        for number in range(24):
+            digit = str(number % 10)
+            handle.write(json.dumps({"prompt": f"répète {digit} $x:", "digit": digit}, ensure_ascii=False) + "\n")
+    prepare(root / "data", [records], kind="prompts")
+    (root / "my rewards.py").write_text(REWARDS, encoding="utf-8")
+    return root
+
+
+def _yaml(train_yaml, path, world, reward="digits", **keys):
+    values = {**ONLINE, "data_root_path": str(world / "data"), "rewards": [f"{world / 'my rewards.py'}:{reward}"]}
+    return train_yaml(path, **{**values, **keys})
+
+
+def test_prompt_data_keeps_each_prompt_with_its_fields(prompts_world):
+    data = TokenData.open(prompts_world / "data")
+    assert data.kind == "prompts" and sum(data.record_counts) == 24
+    records = data.prompt_records()
+    assert records[3] == {"prompt": "répète 3 $x:", "fields": {"digit": "3"}}
+    assert data.sequence_lengths(0)[3] == len("répète 3 $x:".encode())
+
+
+def test_prompt_records_without_a_prompt_are_refused_naming_the_record(tmp_path):
+    records = tmp_path / "bad.jsonl"
+    records.write_text('{"prompt": "fine"}\n{"question": "where is the prompt"}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: has no 'prompt' field \(its keys: question\)"):
+        prepare(tmp_path / "out", [records], kind="prompts")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_samples_scores_reports_and_resumes_bitwise(
+    tmp_path, prompts_world, train_yaml, make_trainer, run_trainer, one_thread
+):
+    whole = _yaml(train_yaml, tmp_path / "whole.yaml", prompts_world, ckpt_dir=str(tmp_path / "whole"))
+    run_trainer(whole)
+    parts = _yaml(train_yaml, tmp_path / "parts.yaml", prompts_world, ckpt_dir=str(tmp_path / "parts"))
+    run_trainer(parts, steps=4)  # resumes from the checkpoint at step 3: step 4 is taken again
+    resumed = make_trainer(parts)
+    try:
+        assert resumed.progress.step == 3
+        resumed.train()
+    finally:
+        resumed.close()
+    assert final_weights(tmp_path / "parts", 6) == final_weights(tmp_path / "whole", 6)
+    records = [json.loads(line) for line in (tmp_path / "whole" / METRICS_FILE).read_text().splitlines()]
+    last = records[-1]
+    for key in (
+        "reward",
+        "reward_std",
+        "reward_digits",
+        "frac_reward_zero_std",
+        "completion_length",
+        "completion_length_max",
+        "completion_clipped",
+        "clip_ratio_region",
+        "entropy",
+    ):
+        assert math.isfinite(last[key]), (key, last)
+    assert "kl" not in last  # grpo_beta 0: no reference, no KL
+    assert 1 <= last["completion_length"] <= last["completion_length_max"] <= 6
+    # Tokens counted are the prompts' and completions' own.
+    assert 0 < last["tokens_seen"] <= 6 * 2 * 4 * (len("répète 0 $x:".encode()) + 6)
+    log = (tmp_path / "whole" / COMPLETIONS_LOG).read_text(encoding="utf-8")
+    assert log.startswith("step 2 | prompt ") and '"répète' in log and log.count("reward ") >= 3 * 4
+    assert latest_complete_checkpoint(tmp_path / "whole").meta.train_type == "online_grpo"
+
+
+def test_the_kl_penalty_against_the_starting_model_is_zero_at_the_start(
+    tmp_path, prompts_world, train_yaml, make_trainer, one_thread
+):
+    path = _yaml(
+        train_yaml,
+        tmp_path / "t.yaml",
+        prompts_world,
+        reward="first_code",
+        ckpt_dir=str(tmp_path / "ckpt"),
+        grpo_beta=0.1,
+        log_interval=1,
+    )
+    trainer = make_trainer(path, max_steps=2)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    first, second = [json.loads(line) for line in (tmp_path / "ckpt" / METRICS_FILE).read_text().splitlines()]
+    assert first["kl"] == 0.0 and second["kl"] > 0.0
+
+
+def test_the_step_loss_is_grpos_on_the_steps_completions(tmp_path, prompts_world, train_yaml, make_trainer, one_thread):
+    """One step's rollouts, then the micro-batches' losses: the loss of the whole global batch at once."""
+    path = _yaml(
+        train_yaml,
+        tmp_path / "t.yaml",
+        prompts_world,
+        ckpt_dir=str(tmp_path / "ckpt"),
+        grad_accum_steps=2,
+        grpo_loss="dapo",
+        scale_rewards="batch",
+    )
+    trainer = make_trainer(path)
+    try:
+        objective: OnlineGRPO = trainer.objective
+        batches = [torch.tensor([0, 1]), torch.tensor([2, 3])]
+        objective.step_scale(batches, trainer.model, 0)
+        rollouts = list(objective._rollouts)
+        total = sum(objective.micro(trainer.model, batch, None, 2)[0] for batch in batches)
+        prompts = [p for r in rollouts for p in r.prompts]
+        completions = [c for r in rollouts for c in r.completions]
+        logps, mask, _ = completion_logps(trainer.model, prompts, completions)
+        digits = [str(n % 10) for n in range(4) for _ in range(4)]
+        texts = [bytes(t for t in c if t < 256).decode("utf-8", "replace") for c in completions]
+        rewards = [sum(ch == d for ch in text) / max(len(text), 1) for d, text in zip(digits, texts, strict=True)]
+        advantage, _ = advantages(rewards, 4, "batch")
+        expected, _ = grpo_loss(logps, logps.detach(), None, advantage, mask, GRPOSettings(loss="dapo"))
+        assert torch.allclose(total, expected, rtol=1e-5, atol=1e-7)
+        assert torch.allclose(torch.cat([r.advantages for r in rollouts]), advantage)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize(
+    ("reward", "message"),
+    [
+        ("raises", r"reward raises raised KeyError: 'no such field' \(on a batch whose first prompt is 'répète"),
+        ("too_few", r"reward too_few returned 1 values for 8 completions"),
+        ("not_finite", r"reward not_finite gave nan for the completion of prompt 'répète"),
+    ],
+)
+def test_a_bad_reward_stops_the_run_naming_it_and_keeps_the_checkpoint(
+    tmp_path, prompts_world, train_yaml, make_trainer, run_trainer, one_thread, reward, message
+):
+    ckpt_dir = tmp_path / "ckpt"
+    good = _yaml(train_yaml, tmp_path / "good.yaml", prompts_world, ckpt_dir=str(ckpt_dir))
+    run_trainer(good, steps=3)
+    bad = _yaml(train_yaml, tmp_path / "bad.yaml", prompts_world, reward=reward, ckpt_dir=str(ckpt_dir))
+    trainer = make_trainer(bad)
+    try:
+        with pytest.raises(RewardError, match=message):
+            trainer.train()
+    finally:
+        trainer.close()
+    assert latest_complete_checkpoint(ckpt_dir).step == 3
+
+
+def test_settings_out_of_range_are_refused_naming_the_key(tmp_path, prompts_world, train_yaml):
+    path = _yaml(train_yaml, tmp_path / "t.yaml", prompts_world)
+    for overrides, message in (
+        ({"grpo_loss": "ppo"}, "training.grpo_loss: expected grpo | dr_grpo | dapo, got 'ppo'"),
+        ({"scale_rewards": "std"}, "training.scale_rewards: expected group | batch | none"),
+        ({"temperature": "1e-4"}, "training.temperature: expected 0 (greedy) or a number >= 0.001"),
+        ({"rewards": "[]"}, "training.rewards: training.train_type online_grpo scores completions"),
+        ({"rewards": "[nocolon]"}, "training.rewards (--rewards): entry 0: function must be"),
+        ({"val_fraction": "0.1"}, "data.val_fraction: training.train_type online_grpo has no validation loss"),
+    ):
+        with pytest.raises(ConfigError) as raised:
+            load_trainer_config(path, list(overrides.items()))
+        assert any(message in line for line in raised.value.messages), raised.value.messages
+
+
+def test_two_ddp_processes_stop_and_resume_bitwise(tmp_path, prompts_world, train_yaml, trainer_env):
+    """Each rank samples its own prompts' groups; a graceful stop and a restart end where an uninterrupted run does."""
+    finals = {}
+    for name in ("whole", "stopped"):
+        ckpt_dir = tmp_path / name
+        path = _yaml(
+            train_yaml,
+            tmp_path / f"{name}.yaml",
+            prompts_world,
+            ckpt_dir=str(ckpt_dir),
+            max_steps=10,
+            ckpt_interval=100,
+            scale_rewards="batch",
+            grpo_beta=0.05,
+            num_workers=1,
+        )
+        command = [*TORCHRUN, "-m", "astrai.train", "--config", str(path), "--parallel_mode", "ddp"]
+        if name == "stopped":
+            run = Run(command, trainer_env, tmp_path / "run.log")
+            stop_gracefully(run, lambda ckpt_dir=ckpt_dir: metrics_step(ckpt_dir) >= 4, rank=1)
+            latest = latest_complete_checkpoint(ckpt_dir)
+            assert latest.meta.reason == "emergency" and 4 <= latest.step < 10, run.output()
+        run_to_end(command, trainer_env, tmp_path / f"{name}.log")
+        finals[name] = final_weights(ckpt_dir, 10)
+    assert finals["stopped"] == finals["whole"]
+
+
+def test_one_process_runs_under_the_trainers_command(tmp_path, prompts_world, train_yaml, trainer_env):
+    ckpt_dir = tmp_path / "ckpt"
+    path = _yaml(train_yaml, tmp_path / "t.yaml", prompts_world, ckpt_dir=str(ckpt_dir), max_steps=2)
+    run = run_to_end([*TRAINER, "--config", str(path)], trainer_env, tmp_path / "run.log")
+    output = run.output()
+    assert "online_grpo: 24 prompts x 4 completions of at most 6 tokens" in output
+    assert "| reward " in output and "| length " in output
