@@ -1,5 +1,5 @@
 """Reward functions that ship with the trainer, named ``astrai.rewards:exact_answer`` and so on (see
-:mod:`astrai.trainer.rewards`; the RL train types that will take them are not in the trainer yet).
+:mod:`astrai.trainer.rewards`; ``training.rewards`` names them for ``online_grpo``).
 
 Each has TRL's shape, ``fn(prompts, completions, **fields) -> list[float | None]``, and needs neither torch
 nor anything else: write your own the same way in a ``.py`` file (see :mod:`astrai.trainer.rewards`).

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from astrai.common.checkpoints import estimate_checkpoint_bytes, folder_bytes, latest_complete_checkpoint
 from astrai.common.config import (
+    ONLINE_TRAIN_TYPES,
     TrainerConfig,
     resolve_ckpt_format,
     resolve_grad_accum_steps,
@@ -352,7 +353,9 @@ def _fit_check(
         window, kind = config.data.window_size, training.train_type
         units = None
         check_model_tokenizer(datas[0], model[1])
-        if kind != "seq":
+        if kind in ONLINE_TRAIN_TYPES:
+            window, units = 1, range(sum(datas[0].record_counts))  # prompts (the trainer says how many fit)
+        elif kind != "seq":
             units = training_units(datas[0], kind, window, config.data.overlong)
         splits = [
             check_fit(
@@ -371,10 +374,15 @@ def _fit_check(
     counted = "" if runtime.world_size is not None else " (world size from nvidia-smi)"
     windows = sum(split.num_train for split in splits)
     steps = "" if mixture else f", {windows // batch.global_batch:,} steps per epoch"
-    what = {"seq": f"windows of {window}+1 tokens", "sft": f"packed windows of {window}", "dpo": "pairs"}[kind]
+    what = {
+        "seq": f"windows of {window}+1 tokens",
+        "sft": f"packed windows of {window}",
+        "dpo": "pairs",
+        "online_grpo": "prompts",
+    }[kind]
     detail = (
         ""
-        if units is None
+        if units is None or kind in ONLINE_TRAIN_TYPES
         else f" ({describe_units(units, sum(datas[0].record_counts), window, config.data.overlong)})"
     )
     return Check(

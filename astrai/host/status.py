@@ -15,11 +15,17 @@ from datetime import datetime, timezone
 
 from astrai.common.checkpoints import Checkpoint, scan_job_dir
 from astrai.common.contract import (
+    METRIC_COMPLETION_CLIPPED,
+    METRIC_COMPLETION_LENGTH,
     METRIC_ETA_S,
+    METRIC_FRAC_REWARD_ZERO_STD,
     METRIC_LOSS,
     METRIC_MAX_ALLOCATED_GIB,
     METRIC_MAX_STEPS,
     METRIC_MFU,
+    METRIC_REWARD,
+    METRIC_REWARD_OF,
+    METRIC_REWARD_STD,
     METRIC_REWARDS_ACCURACY,
     METRIC_REWARDS_CHOSEN,
     METRIC_REWARDS_MARGIN,
@@ -104,6 +110,30 @@ def job_status(runtime: Runtime) -> JobStatus:
 DPO_METRICS = (METRIC_REWARDS_CHOSEN, METRIC_REWARDS_REJECTED, METRIC_REWARDS_MARGIN, METRIC_REWARDS_ACCURACY)
 
 
+def _grpo_summary(record: dict) -> str:
+    """online_grpo's last record: the reward (and each function's), the groups without signal, the lengths."""
+    text = f"reward {record[METRIC_REWARD]:.4f}"
+    if _number(record, METRIC_REWARD_STD):
+        text += f" ± {record[METRIC_REWARD_STD]:.4f}"
+    functions = [
+        (key.removeprefix(REWARD_PREFIX), value)
+        for key, value in sorted(record.items())
+        if key.startswith(REWARD_PREFIX) and not key.endswith("_std") and _number(record, key)
+    ]
+    if functions:
+        text += " (" + ", ".join(f"{name} {value:.4f}" for name, value in functions) + ")"
+    if _number(record, METRIC_FRAC_REWARD_ZERO_STD):
+        text += f", {record[METRIC_FRAC_REWARD_ZERO_STD]:.0%} of groups without signal"
+    if _number(record, METRIC_COMPLETION_LENGTH):
+        text += f", completions of {record[METRIC_COMPLETION_LENGTH]:.1f} tokens"
+        if _number(record, METRIC_COMPLETION_CLIPPED):
+            text += f" ({record[METRIC_COMPLETION_CLIPPED]:.0%} at the limit)"
+    return text
+
+
+REWARD_PREFIX = METRIC_REWARD_OF.format(name="")
+
+
 def format_status(status: JobStatus) -> list[str]:
     """The lines `invoke status` prints for ``status``."""
     runtime = status.runtime
@@ -134,6 +164,8 @@ def format_status(status: JobStatus) -> list[str]:
             f"dpo         rewards chosen {chosen:+.4f}, rejected {rejected:+.4f}, margin {margin:.4f}, "
             f"accuracy {accuracy:.1%}"
         )
+    if _number(record, METRIC_REWARD):
+        lines.append(f"grpo        {_grpo_summary(record)}")
     per_source = record.get(METRIC_TOKENS_PER_SOURCE)
     if isinstance(per_source, dict) and per_source:
         total = sum(value for value in per_source.values() if isinstance(value, int)) or 1

@@ -3,8 +3,7 @@
 A reward function is any Python callable ``fn(prompts, completions, **fields) -> list[float | None]``:
 ``prompts`` and ``completions`` are lists of text of the same length, ``fields`` the prompt records'
 other fields (``answer``, say), one list each. ``None`` means "does not apply to this completion".
-The RL train types (not in the trainer yet: this module is their part) will take them from
-``training.rewards``, each entry as text or as an object::
+``online_grpo`` takes them from ``training.rewards``, each entry as text or as an object::
 
     rewards:
       - astrai.rewards:exact_answer                 # module:function, importable in the container

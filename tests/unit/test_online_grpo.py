@@ -19,6 +19,7 @@ from astrai.common.configfile import ConfigError
 from astrai.common.contract import COMPLETIONS_LOG, METRICS_FILE
 from astrai.common.data_folder import DataError, TokenData
 from astrai.data.pipeline import prepare
+from astrai.host.status import _grpo_summary
 from astrai.trainer.grpo import GRPOSettings, advantages, completion_logps, grpo_loss
 from astrai.trainer.online import OnlineGRPO
 from astrai.trainer.rewards import RewardError
@@ -121,6 +122,7 @@ def test_a_run_samples_scores_reports_and_resumes_bitwise(
     ):
         assert math.isfinite(last[key]), (key, last)
     assert "kl" not in last  # grpo_beta 0: no reference, no KL
+    assert _grpo_summary(last).startswith(f"reward {last['reward']:.4f} ± ")  # invoke status's line
     assert 1 <= last["completion_length"] <= last["completion_length_max"] <= 6
     # Tokens counted are the prompts' and completions' own.
     assert 0 < last["tokens_seen"] <= 6 * 2 * 4 * (len("répète 0 $x:".encode()) + 6)
