@@ -344,7 +344,20 @@ class TrainingSection:
         _check(
             self.scale_rewards in SCALE_REWARDS, "training.scale_rewards", self.scale_rewards, " | ".join(SCALE_REWARDS)
         )
-        if self.train_type in ONLINE_TRAIN_TYPES and not self.rewards:
+        online = self.train_type in ONLINE_TRAIN_TYPES
+        _check(
+            not online or self.num_generations >= 2,
+            "training.num_generations",
+            self.num_generations,
+            "an integer >= 2 (a group's advantages are each completion's reward against the others')",
+        )
+        _check(
+            not online or self.temperature > 0,
+            "training.temperature",
+            self.temperature,
+            "a number >= 0.001 (greedy sampling, 0, gives every completion of a group the same tokens)",
+        )
+        if online and not self.rewards:
             raise ConfigError(
                 f"training.rewards: training.train_type {self.train_type} scores completions with reward functions; "
                 "list at least one, such as [astrai.rewards:exact_answer] or ['/data/my_rewards.py:brevity']"

@@ -187,6 +187,10 @@ class RecordEncoder:
             )
         if isinstance(record["prompt"], str):
             text = _text(record, "prompt")
+        elif not isinstance(record["prompt"], list):
+            raise RecordError(
+                f"field 'prompt' holds {type(record['prompt']).__name__}: expected text, or a list of chat messages"
+            )
         else:
             messages = _messages(record["prompt"], "prompt")
             if messages[-1]["role"] == "assistant":
@@ -201,6 +205,9 @@ class RecordEncoder:
         if not ids:
             raise RecordError("the prompt is empty: there is no token to start a completion from")
         fields = {key: value for key, value in record.items() if key != "prompt"}
+        clash = sorted({"prompts", "completions"} & set(fields))
+        if clash:
+            raise RecordError(f"has a field named {clash[0]!r}, which reward functions receive as the texts; rename it")
         try:
             line = json.dumps({"prompt": text, "fields": fields}, ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as error:

@@ -431,6 +431,7 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
         Path(config.ckpt.ckpt_dir),
         config.log.log_interval,
         autocast_for(env),
+        log,
     )
     return Objective(objective, recorded)
 

@@ -225,6 +225,9 @@ class BaseModel:
         self.model.eval()
         return self
 
+    def parameters(self):
+        return self.model.parameters()
+
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         with adapters_off(self.model):
             return self.model(inputs)

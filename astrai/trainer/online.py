@@ -129,6 +129,16 @@ class Rollout:
     """Which completions count in the loss (all, or those that ended, with mask_truncated_completions)."""
 
 
+def flat_groups(totals: torch.Tensor, generations: int) -> int:
+    """Groups whose completions all scored the same, or fewer than two of them at all: no signal (TRL's
+    frac_reward_zero_std counts them by the group's own std, whatever scale_rewards divides by)."""
+    flat = 0
+    for group in totals.view(-1, generations):
+        scored = group[~group.isnan()]
+        flat += int(scored.numel() < 2 or bool(torch.isclose(scored.std(), torch.zeros((), dtype=scored.dtype))))
+    return flat
+
+
 def rollout_seed(seed: int, step: int, rank: int, micro: int) -> int:
     """The sampling seed of one micro-batch of a step: the same for a resumed run as for the uninterrupted one."""
     return ((seed * 1_000_003 + step) * 1_009 + rank) * 101 + micro
@@ -153,11 +163,12 @@ class OnlineGRPO:
         job_dir: Path,
         log_interval: int,
         autocast,
+        log,
     ):
         self.env, self.prompts, self.rewards, self.settings = env, prompts, rewards, settings
         self.sampling, self.generations, self.stop, self.decode = sampling, generations, stop, decode
         self.seed, self.reference, self.mask_truncated = seed, reference, mask_truncated
-        self.job_dir, self.log_interval, self.autocast = job_dir, log_interval, autocast
+        self.job_dir, self.log_interval, self.autocast, self.log = job_dir, log_interval, autocast, log
         self.step_tokens = 0
         """Prompt and completion tokens of the last step's rollouts, over every rank (the step's tokens)."""
         self._rollouts: list[Rollout] = []
@@ -168,7 +179,7 @@ class OnlineGRPO:
         # and this rank's loss statistics: clip low, high, region, KL (each a mean per micro-batch), micro-batches,
         # summed entropy, completion tokens.
         self._rows: list[torch.Tensor] = []
-        self._flat_groups = 0
+        self._flat_groups = self._unscored_steps = 0
         self._loss_stats = torch.zeros(7, dtype=torch.float64)
 
     # The step's rollouts ----------------------------------------------------------------------------------
@@ -193,14 +204,16 @@ class OnlineGRPO:
             dist.all_gather(gathered, table.to(self.env.device))
             table = torch.cat(gathered).cpu()
         totals = [None if math.isnan(value) else value for value in table[:, 0].tolist()]
-        advantage, same = advantages(totals, self.generations, self.settings.scale_rewards)
+        advantage, _ = advantages(totals, self.generations, self.settings.scale_rewards)
         start = self.env.rank * len(rows)
         mine = advantage[start : start + len(rows)]
         per_micro = len(rows) // len(rollouts)
         for index, rollout in enumerate(rollouts):
             rollout.advantages = mine[index * per_micro : (index + 1) * per_micro].to(self.env.device)
         self._rows.append(table)
-        self._flat_groups += int(same.view(-1, self.generations)[:, 0].sum())
+        self._flat_groups += flat_groups(table[:, 0], self.generations)
+        if table[:, 0].isnan().all():
+            self._unscored_steps += 1
         # Columns: total, each function, prompt tokens, completion tokens, ended, counted in the loss.
         self.step_tokens = int(table[:, -4:-2].sum())
         self._step_loss_tokens = float((table[:, -3] * table[:, -1]).sum())
@@ -313,6 +326,11 @@ class OnlineGRPO:
                 float(scored.std()) if scored.numel() > 1 else None,
             )
 
+        if self._unscored_steps:
+            self.log(
+                f"warning: no reward function scored any completion of {self._unscored_steps} step(s) since the last "
+                "report (every function gave None): those steps learn nothing; check the fields the rewards read"
+            )
         reward, reward_std = mean_std(table[:, 0])
         values = {METRIC_REWARD: reward, METRIC_REWARD_STD: reward_std}
         for column, reward_function in enumerate(self.rewards, start=1):

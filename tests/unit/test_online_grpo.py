@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from astrai.common.data_folder import DataError, TokenData
 from astrai.data.pipeline import prepare
 from astrai.host.status import _grpo_summary
 from astrai.trainer.grpo import GRPOSettings, advantages, completion_logps, grpo_loss
-from astrai.trainer.online import OnlineGRPO
+from astrai.trainer.online import OnlineGRPO, flat_groups
 from astrai.trainer.rewards import RewardError
 
 pytestmark = pytest.mark.slow
@@ -85,6 +86,26 @@ def test_prompt_data_keeps_each_prompt_with_its_fields(prompts_world):
     assert data.sequence_lengths(0)[3] == len("répète 3 $x:".encode())
 
 
+def test_groups_without_signal_are_counted_by_their_own_rewards():
+    nan = math.nan
+    totals = torch.tensor([1.0, 1.0, 0.0, 1.0, nan, nan, 2.0, nan], dtype=torch.float64)
+    # equal, differing, none scored, one scored
+    assert flat_groups(totals, 2) == 3
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ('{"prompt": 42}', "field 'prompt' holds int: expected text, or a list of chat messages"),
+        ('{"prompt": "x", "completions": 1}', "has a field named 'completions', which reward functions receive"),
+    ],
+)
+def test_prompt_records_the_rewards_could_not_take_are_refused(tmp_path, record, message):
+    (tmp_path / "r.jsonl").write_text(record + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match=re.escape(message)):
+        prepare(tmp_path / "out", [tmp_path / "r.jsonl"], kind="prompts")
+
+
 def test_prompt_records_without_a_prompt_are_refused_naming_the_record(tmp_path):
     records = tmp_path / "bad.jsonl"
     records.write_text('{"prompt": "fine"}\n{"question": "where is the prompt"}\n', encoding="utf-8")
@@ -131,8 +152,9 @@ def test_a_run_samples_scores_reports_and_resumes_bitwise(
     assert latest_complete_checkpoint(tmp_path / "whole").meta.train_type == "online_grpo"
 
 
+@pytest.mark.parametrize("lora", [{}, {"lora_rank": 4, "lora_alpha": 8}], ids=["copy", "adapters-off"])
 def test_the_kl_penalty_against_the_starting_model_is_zero_at_the_start(
-    tmp_path, prompts_world, train_yaml, make_trainer, one_thread
+    tmp_path, prompts_world, train_yaml, make_trainer, one_thread, lora
 ):
     path = _yaml(
         train_yaml,
@@ -142,6 +164,7 @@ def test_the_kl_penalty_against_the_starting_model_is_zero_at_the_start(
         ckpt_dir=str(tmp_path / "ckpt"),
         grpo_beta=0.1,
         log_interval=1,
+        **lora,
     )
     trainer = make_trainer(path, max_steps=2)
     try:
@@ -217,6 +240,8 @@ def test_settings_out_of_range_are_refused_naming_the_key(tmp_path, prompts_worl
         ({"rewards": "[]"}, "training.rewards: training.train_type online_grpo scores completions"),
         ({"rewards": "[nocolon]"}, "training.rewards (--rewards): entry 0: function must be"),
         ({"val_fraction": "0.1"}, "data.val_fraction: training.train_type online_grpo has no validation loss"),
+        ({"num_generations": "1"}, "training.num_generations: expected an integer >= 2"),
+        ({"temperature": "0"}, "training.temperature: expected a number >= 0.001 (greedy sampling"),
     ):
         with pytest.raises(ConfigError) as raised:
             load_trainer_config(path, list(overrides.items()))
