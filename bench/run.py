@@ -35,6 +35,7 @@ from bench import (
     corpora,
     faults,
     generation,
+    grpo,
     hf_io,
     host_commands,
     image_build,
@@ -50,6 +51,8 @@ from bench.common import REPO, TORCH_THREADS, Figures, ratio_with_spread
 RESULTS = REPO / "bench" / "results.json"
 DOCS = REPO / "docs" / "benchmarks.md"
 TABLE_START, TABLE_END = "<!-- bench:start -->", "<!-- bench:end -->"
+POST_TRAINING = REPO / "docs" / "post-training.md"
+CURVE_START, CURVE_END = "<!-- grpo-curve:start -->", "<!-- grpo-curve:end -->"
 META_KEYS = ("machine", "runs", "samples", "sections")
 
 TARGETS = {
@@ -163,6 +166,14 @@ TARGETS = {
         1.0,
     ),
     "generate_same_tokens": ("both sides' greedy tokens equal", None, None),
+    "grpo_update_vs_sft": (
+        "completion tokens per CPU-second of GRPO's update over an SFT step's on the same rows (`small`)",
+        ">=",
+        0.9,
+    ),
+    "grpo_reward_start": ("online_grpo on a toy task: the mean reward of its first 20 steps", "<=", 0.3),
+    "grpo_reward_end": ("the same, its last 20 of 400 steps", ">=", 0.8),
+    "grpo_rollout_share": ("the share of an online_grpo step's CPU time spent sampling and scoring", None, None),
 }
 
 
@@ -180,6 +191,7 @@ SECTIONS = {
     "sharded checkpoints": lambda quick, image: sharded_checkpoints.run(quick),
     "lora": lambda quick, image: lora.run(quick),
     "generation": lambda quick, image: generation.run(quick),
+    "grpo": lambda quick, image: grpo.run(quick),
 }
 
 
@@ -272,12 +284,32 @@ def summary(results: dict) -> str:
 
 
 def write_docs(results: dict) -> None:
-    text = DOCS.read_text(encoding="utf-8")
-    block = f"{TABLE_START}\n{summary(results)}\n{TABLE_END}"
-    pattern = re.compile(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), re.DOTALL)
+    _fill(DOCS, TABLE_START, TABLE_END, summary(results))
+    if "grpo_reward_curve" in results:
+        _fill(POST_TRAINING, CURVE_START, CURVE_END, reward_curve(results))
+
+
+def _fill(path, start: str, end: str, body: str) -> None:
+    """Replace what lies between the markers ``start`` and ``end`` in ``path`` with ``body``."""
+    text = path.read_text(encoding="utf-8")
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.DOTALL)
     if not pattern.search(text):
-        raise SystemExit(f"{DOCS} has no {TABLE_START} ... {TABLE_END} block")
-    DOCS.write_text(pattern.sub(lambda _: block, text), encoding="utf-8")
+        raise SystemExit(f"{path} has no {start} ... {end} block")
+    path.write_text(pattern.sub(lambda _: f"{start}\n{body}\n{end}", text), encoding="utf-8")
+
+
+def reward_curve(results: dict) -> str:
+    """The toy task's mean reward as online_grpo trains (bench/grpo.py), every 20th step, drawn in text."""
+    curve = {int(step): reward for step, reward in results["grpo_reward_curve"].items()}
+    run = results.get("runs", {}).get("grpo_reward_curve", {})
+    lines = ["```", "step  mean reward of the step's 32 completions"]
+    for step in sorted(curve):
+        if step % 20 == 0:
+            reward = curve[step]
+            lines.append(f"{step:>4}  {reward:.2f} {'█' * round(reward * 40)}")
+    lines.append("```")
+    lines.append(f"Measured by `invoke bench --only grpo` ({run.get('date', 'date unknown')}).")
+    return "\n".join(lines)
 
 
 def load_results() -> dict:
