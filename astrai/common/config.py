@@ -160,7 +160,7 @@ OVERLONG = ("truncate", "drop")
 DPO_REFERENCES = ("precomputed", "live")
 GRPO_LOSSES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
-ONLINE_TRAIN_TYPES = ("online_grpo",)
+ONLINE_TRAIN_TYPES = ("online_grpo", "online_dpo")
 """The train types that sample completions of prompts and score them with training.rewards."""
 LORA_BASE_DTYPES = ("auto", "float32", "bfloat16")
 
@@ -188,19 +188,22 @@ class TrainingSection:
     train_type: str = "seq"
     """seq: next-token loss on every token (pre-training); sft: supervised fine-tuning on the assistant turns of
     chat data (or completions); dpo: direct preference optimisation on (prompt, chosen, rejected) pairs;
-    online_grpo: GRPO on completions the model samples for prompts, scored by training.rewards. The data folder
-    must hold that kind (prepare --kind; prompts for online_grpo)."""
+    online_grpo: GRPO on completions the model samples for prompts, scored by training.rewards; online_dpo: DPO on
+    two sampled completions of each prompt, the one the rewards score higher chosen. The data folder must hold
+    that kind (prepare --kind; prompts for the online types)."""
     dpo_beta: float = 0.1
-    """DPO's beta: how far from the reference model the policy may move (higher: closer)."""
+    """DPO's beta (dpo, online_dpo): how far from the reference model the policy may move (higher: closer)."""
     dpo_reference: str = "precomputed"
     """precomputed: the reference scores every pair once, before the first step (kept in the job dir for
     resumes), and leaves memory; live: it stays loaded and scores each batch (a forward pass per step)."""
     rewards: tuple[RewardSpec, ...] = ()
-    """online_grpo: the reward functions, each 'FILE.py:function' or 'module:function' (astrai.rewards:exact_answer),
-    or {function: ..., weight: ...}; a completion's reward is their weighted sum. On the command line: the list
-    in YAML flow style ('[astrai.rewards:exact_answer, {function: /data/r.py:short, weight: 0.2}]')."""
+    """online_grpo, online_dpo: the reward functions, each 'FILE.py:function' or 'module:function'
+    (astrai.rewards:exact_answer), or {function: ..., weight: ...}; a completion's reward is their weighted sum.
+    On the command line: the list in YAML flow style
+    ('[astrai.rewards:exact_answer, {function: /data/r.py:short, weight: 0.2}]')."""
     num_generations: int = 8
-    """online_grpo: completions sampled per prompt (a group); batch_per_device counts prompts."""
+    """online_grpo: completions sampled per prompt (a group; online_dpo samples two); batch_per_device counts
+    prompts."""
     max_completion_length: int = 256
     """online_grpo: at most this many tokens per completion (with the prompt, at most the model's max_seq_len)."""
     mask_truncated_completions: bool = False

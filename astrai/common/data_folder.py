@@ -45,7 +45,7 @@ KINDS = ("seq", "sft", "dpo", "prompts")
 """What a data folder holds: a token stream (pre-training), supervised sequences (SFT), pairs of them (DPO), or
 prompts with their records' other fields (what the online train types sample completions for)."""
 
-KIND_OF_TRAIN_TYPE = {"seq": "seq", "sft": "sft", "dpo": "dpo", "online_grpo": "prompts"}
+KIND_OF_TRAIN_TYPE = {"seq": "seq", "sft": "sft", "dpo": "dpo", "online_grpo": "prompts", "online_dpo": "prompts"}
 """The kind of data folder each ``training.train_type`` trains on."""
 TRAIN_TYPES = tuple(KIND_OF_TRAIN_TYPE)
 

@@ -379,6 +379,7 @@ def _fit_check(
         "sft": f"packed windows of {window}",
         "dpo": "pairs",
         "online_grpo": "prompts",
+        "online_dpo": "prompts",
     }[kind]
     detail = (
         ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,7 @@ from astrai.trainer.lora import (
 )
 from astrai.trainer.model import ModelConfig, ModelLoadError, Transformer, load_base_model, model_digest
 from astrai.trainer.objectives import NextToken, Preference, Supervised
-from astrai.trainer.online import OnlineGRPO, Prompts, PromptSet, prompt_units
+from astrai.trainer.online import OnlineDPO, OnlineGRPO, Prompts, PromptSet, prompt_units
 from astrai.trainer.records import DPOPairs, PackedSFT, RecordIndex
 from astrai.trainer.reference import reference_table
 from astrai.trainer.windows import (
@@ -349,7 +350,7 @@ def autocast_for(env: DistEnv) -> contextlib.AbstractContextManager:
 class Objective:
     """The loss of the train type, and DPO's reference as checkpoints record it (path, sha256), else None."""
 
-    loss: NextToken | Supervised | Preference | OnlineGRPO
+    loss: NextToken | Supervised | Preference | OnlineGRPO | OnlineDPO
     reference: dict | None = None
 
 
@@ -379,8 +380,9 @@ def build_objective(
 
 
 def _online(config, env, model_config, records, loaded, log, model, start) -> Objective:
-    """online_grpo: the reward functions loaded, sampling settings, stop tokens, and (grpo_beta > 0) the frozen
-    starting model as the KL reference: the base model with LoRA's adapters off, else a second copy of it."""
+    """The online types: the reward functions loaded, sampling settings, stop tokens, and the frozen starting model
+    (online_dpo's reference; online_grpo's KL reference when grpo_beta > 0): the base model with LoRA's adapters
+    off, else a second copy of it."""
     from astrai.data.tokenizing import ByteTokenizer, HFTokenizer
     from astrai.trainer.generate import Sampling, stop_tokens
     from astrai.trainer.grpo import GRPOSettings
@@ -403,7 +405,8 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
     stop = stop_tokens(model_config, start.source, tokenizer)
     recorded = None
     reference = None
-    if settings.beta != 0:
+    dpo = training.train_type == "online_dpo"
+    if settings.beta != 0 or dpo:
         if start.base_sha256 is not None and config.ckpt.reference_path is None:
             reference = BaseModel(model)
             recorded = {"path": config.ckpt.param_path, "sha256": start.base_sha256}
@@ -411,18 +414,24 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
         else:
             reference, recorded = _frozen_model(config, env, model_config, records, loaded)
     described = ", ".join(f"{reward.name} x{reward.spec.weight:g}" for reward in rewards)
+    how = (
+        f"two completions a prompt, the higher-scored chosen, DPO beta {training.dpo_beta:g} against the starting model"
+        if dpo
+        else f"loss {settings.loss}, epsilon {settings.epsilon:g}/{settings.high:g}, beta {settings.beta:g}, "
+        f"scale_rewards {settings.scale_rewards}"
+    )
     log(
         f"{training.train_type}: rewards {described}; temperature {training.temperature:g}, top_p {training.top_p:g}, "
-        f"top_k {training.top_k}; loss {settings.loss}, epsilon {settings.epsilon:g}/{settings.high:g}, beta "
-        f"{settings.beta:g}, scale_rewards {settings.scale_rewards}; stop tokens {sorted(stop)}"
+        f"top_k {training.top_k}; {how}; stop tokens {sorted(stop)}"
     )
-    objective = OnlineGRPO(
+    make = functools.partial(OnlineDPO, beta=training.dpo_beta) if dpo else OnlineGRPO
+    objective = make(
         env,
         Prompts(data, records.index, records.units),
         rewards,
         settings,
         sampling,
-        training.num_generations,
+        2 if dpo else training.num_generations,
         stop,
         tokenizer.decode,
         training.random_seed,

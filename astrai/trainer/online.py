@@ -44,9 +44,14 @@ from astrai.common.contract import (
     METRIC_ENTROPY,
     METRIC_FRAC_REWARD_ZERO_STD,
     METRIC_KL,
+    METRIC_PAIRS_TIED,
     METRIC_REWARD,
     METRIC_REWARD_OF,
     METRIC_REWARD_STD,
+    METRIC_REWARDS_ACCURACY,
+    METRIC_REWARDS_CHOSEN,
+    METRIC_REWARDS_MARGIN,
+    METRIC_REWARDS_REJECTED,
 )
 from astrai.common.data_folder import TokenData, WindowSplit
 from astrai.common.fit import SetupError
@@ -139,6 +144,12 @@ def flat_groups(totals: torch.Tensor, generations: int) -> int:
     return flat
 
 
+def mean_std(column: torch.Tensor) -> tuple[float | None, float | None]:
+    """The mean and std of the values that are not NaN (None for too few)."""
+    scored = column[~column.isnan()]
+    return float(scored.mean()) if scored.numel() else None, float(scored.std()) if scored.numel() > 1 else None
+
+
 def rollout_seed(seed: int, step: int, rank: int, micro: int) -> int:
     """The sampling seed of one micro-batch of a step: the same for a resumed run as for the uninterrupted one."""
     return ((seed * 1_000_003 + step) * 1_009 + rank) * 101 + micro
@@ -203,13 +214,7 @@ class OnlineGRPO:
             gathered = [torch.empty_like(table, device=self.env.device) for _ in range(self.env.world_size)]
             dist.all_gather(gathered, table.to(self.env.device))
             table = torch.cat(gathered).cpu()
-        totals = [None if math.isnan(value) else value for value in table[:, 0].tolist()]
-        advantage, _ = advantages(totals, self.generations, self.settings.scale_rewards)
-        start = self.env.rank * len(rows)
-        mine = advantage[start : start + len(rows)]
-        per_micro = len(rows) // len(rollouts)
-        for index, rollout in enumerate(rollouts):
-            rollout.advantages = mine[index * per_micro : (index + 1) * per_micro].to(self.env.device)
+        self._weigh(table, rollouts)
         self._rows.append(table)
         self._flat_groups += flat_groups(table[:, 0], self.generations)
         if table[:, 0].isnan().all():
@@ -219,6 +224,16 @@ class OnlineGRPO:
         self._step_loss_tokens = float((table[:, -3] * table[:, -1]).sum())
         self._rollouts = rollouts
         return None
+
+    def _weigh(self, table: torch.Tensor, rollouts: list[Rollout]) -> None:
+        """Each completion's advantage, from the whole step's rewards (``table``, every rank's rows)."""
+        totals = [None if math.isnan(value) else value for value in table[:, 0].tolist()]
+        advantage, _ = advantages(totals, self.generations, self.settings.scale_rewards)
+        rows = len(table) // self.env.world_size
+        mine = advantage[self.env.rank * rows : (self.env.rank + 1) * rows]
+        per_micro = rows // len(rollouts)
+        for index, rollout in enumerate(rollouts):
+            rollout.advantages = mine[index * per_micro : (index + 1) * per_micro].to(self.env.device)
 
     def _sample(self, model, numbers: list[int], step: int, micro: int) -> tuple[Rollout, list[list[float]]]:
         """One micro-batch's rollout, and a row per completion: its total reward and each function's (NaN where
@@ -234,7 +249,7 @@ class OnlineGRPO:
         prompt_texts = [self.prompts.texts[number] for number in numbers for _ in range(G)]
         scores = score(self.rewards, prompt_texts, texts, self.prompts.fields_of(numbers, G))
         reference = None
-        if self.settings.beta != 0:
+        if self.reference is not None:
             with torch.no_grad(), self.autocast:
                 reference = completion_logps(self.reference, prompts, completions)[0]
         counted = [end or not self.mask_truncated for end in ended]
@@ -318,25 +333,7 @@ class OnlineGRPO:
             dist.all_reduce(stats)
         stats = stats.tolist()
         groups = table.shape[0] // self.generations
-
-        def mean_std(column: torch.Tensor) -> tuple[float | None, float | None]:
-            scored = column[~column.isnan()]
-            return (
-                float(scored.mean()) if scored.numel() else None,
-                float(scored.std()) if scored.numel() > 1 else None,
-            )
-
-        if self._unscored_steps:
-            self.log(
-                f"warning: no reward function scored any completion of {self._unscored_steps} step(s) since the last "
-                "report (every function gave None): those steps learn nothing; check the fields the rewards read"
-            )
-        reward, reward_std = mean_std(table[:, 0])
-        values = {METRIC_REWARD: reward, METRIC_REWARD_STD: reward_std}
-        for column, reward_function in enumerate(self.rewards, start=1):
-            mean, std = mean_std(table[:, column])
-            values[METRIC_REWARD_OF.format(name=reward_function.name)] = mean
-            values[METRIC_REWARD_OF.format(name=reward_function.name) + "_std"] = std
+        values = self._reward_metrics(table)
         lengths, ended = table[:, -3], table[:, -2]
         micros = max(stats[4], 1.0)
         values.update(
@@ -352,5 +349,113 @@ class OnlineGRPO:
                 METRIC_ENTROPY: stats[5] / max(stats[6], 1.0),
             }
         )
+        self._reset()
+        return {key: value for key, value in values.items() if value is not None}
+
+    def _reward_metrics(self, table: torch.Tensor) -> dict:
+        """The rewards' mean and std, in total and per function, and the completions' lengths, over ``table``."""
+        if self._unscored_steps:
+            self.log(
+                f"warning: no reward function scored any completion of {self._unscored_steps} step(s) since the last "
+                "report (every function gave None): those steps learn nothing; check the fields the rewards read"
+            )
+        reward, reward_std = mean_std(table[:, 0])
+        values = {METRIC_REWARD: reward, METRIC_REWARD_STD: reward_std}
+        for column, reward_function in enumerate(self.rewards, start=1):
+            mean, std = mean_std(table[:, column])
+            values[METRIC_REWARD_OF.format(name=reward_function.name)] = mean
+            values[METRIC_REWARD_OF.format(name=reward_function.name) + "_std"] = std
+        lengths, ended = table[:, -3], table[:, -2]
+        values[METRIC_COMPLETION_LENGTH] = float(lengths.mean())
+        values[METRIC_COMPLETION_LENGTH_MAX] = float(lengths.max())
+        values[METRIC_COMPLETION_CLIPPED] = float(1.0 - ended.mean())
+        return values
+
+
+class OnlineDPO(OnlineGRPO):
+    """``online_dpo``: two completions of each prompt, the one the rewards score higher chosen, and DPO's sigmoid loss
+    against the frozen starting model (TRL's online DPO with reward functions as the judge).
+
+    A pair whose completions score the same, or that a function left unscored, is skipped (``pairs_tied``
+    counts them); the loss is the mean over the step's pairs on every rank.
+    """
+
+    def __init__(self, *args, beta: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.beta = beta
+        self._step_pairs = 0
+
+    def _reset(self) -> None:
+        super()._reset()
+        # Chosen and rejected rewards, margin, accuracy, pairs (this rank's), ties and pairs offered (every rank's).
+        self._dpo = torch.zeros(5, dtype=torch.float64)
+        self._tied = self._offered = 0
+
+    def _weigh(self, table: torch.Tensor, rollouts: list[Rollout]) -> None:
+        totals = table[:, 0].view(-1, 2)
+        ranked = ~totals.isnan().any(dim=1) & (totals[:, 0] != totals[:, 1])
+        self._step_pairs = int(ranked.sum())
+        self._tied += int((~ranked).sum())
+        self._offered += int(ranked.numel())
+        pairs = len(table) // 2 // self.env.world_size
+        mine = totals[self.env.rank * pairs : (self.env.rank + 1) * pairs]
+        kept = ranked[self.env.rank * pairs : (self.env.rank + 1) * pairs]
+        per_micro = pairs // len(rollouts)
+        for index, rollout in enumerate(rollouts):
+            rows = range(index * per_micro, (index + 1) * per_micro)
+            # (chosen row, rejected row) of the rollout, for each ranked pair.
+            rollout.advantages = torch.tensor(
+                [
+                    (2 * (row - rows.start), 2 * (row - rows.start) + 1)
+                    if mine[row, 0] > mine[row, 1]
+                    else (2 * (row - rows.start) + 1, 2 * (row - rows.start))
+                    for row in rows
+                    if kept[row]
+                ],
+                dtype=torch.long,
+            ).view(-1, 2)
+
+    def micro(self, model, batch, scale, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rollout = self._rollouts.pop(0)
+        logps, token_mask, _ = completion_logps(model, rollout.prompts, rollout.completions)
+        policy = (logps * token_mask).sum(-1)
+        reference = (rollout.reference * token_mask).sum(-1)
+        pairs = rollout.advantages.to(policy.device)
+        if not len(pairs):
+            # No ranked pair here: a zero loss through the model, so every rank still takes part in the backward.
+            loss = policy.sum() * 0.0
+            return loss, loss.detach()
+        ratios = policy - reference
+        rewards = self.beta * torch.stack([ratios[pairs[:, 0]], ratios[pairs[:, 1]]], dim=1)
+        margins = rewards[:, 0] - rewards[:, 1]
+        # The mean over the step's ranked pairs on every rank; DDP and FSDP average the ranks' gradients.
+        loss = -torch.nn.functional.logsigmoid(margins).sum() * self.env.world_size / self._step_pairs
+        detached = rewards.detach().double().cpu()
+        margin = detached[:, 0] - detached[:, 1]
+        self._dpo += torch.tensor(
+            [detached[:, 0].sum(), detached[:, 1].sum(), margin.sum(), (margin > 0).sum(), len(margin)],
+            dtype=torch.float64,
+        )
+        return loss, loss.detach() * accum
+
+    def metrics(self) -> dict | None:
+        if not self._rows:
+            return None
+        table = torch.cat(self._rows)
+        sums = self._dpo.to(self.env.device)
+        if self.env.distributed:
+            dist.all_reduce(sums)
+        chosen, rejected, margin, right, pairs = sums.tolist()
+        values = self._reward_metrics(table)
+        values[METRIC_PAIRS_TIED] = self._tied / max(self._offered, 1)
+        if pairs:
+            values.update(
+                {
+                    METRIC_REWARDS_CHOSEN: chosen / pairs,
+                    METRIC_REWARDS_REJECTED: rejected / pairs,
+                    METRIC_REWARDS_MARGIN: margin / pairs,
+                    METRIC_REWARDS_ACCURACY: right / pairs,
+                }
+            )
         self._reset()
         return {key: value for key, value in values.items() if value is not None}

@@ -282,3 +282,46 @@ def test_one_process_runs_under_the_trainers_command(tmp_path, prompts_world, tr
     output = run.output()
     assert "online_grpo: 24 prompts x 4 completions of at most 6 tokens" in output
     assert "| reward " in output and "| length " in output
+
+
+def test_online_dpo_ranks_two_completions_and_takes_dpos_step_resuming_bitwise(
+    tmp_path, prompts_world, train_yaml, make_trainer, run_trainer, one_thread
+):
+    keys = {"train_type": "online_dpo", "reward": "first_code", "dpo_beta": 0.2}
+    whole = _yaml(train_yaml, tmp_path / "whole.yaml", prompts_world, ckpt_dir=str(tmp_path / "whole"), **keys)
+    run_trainer(whole)
+    parts = _yaml(train_yaml, tmp_path / "parts.yaml", prompts_world, ckpt_dir=str(tmp_path / "parts"), **keys)
+    run_trainer(parts, steps=3)
+    run_trainer(parts)
+    assert final_weights(tmp_path / "parts", 6) == final_weights(tmp_path / "whole", 6)
+    last = json.loads((tmp_path / "whole" / METRICS_FILE).read_text().splitlines()[-1])
+    for key in ("rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "pairs_tied", "reward"):
+        assert math.isfinite(last[key]), (key, last)
+
+    # One step by hand: the higher-scored completion of each prompt is chosen, and the loss is DPO's mean over pairs.
+    trainer = make_trainer(whole, ckpt_dir=str(tmp_path / "fresh"), grad_accum_steps=2)
+    try:
+        objective = trainer.objective
+        batches = [torch.tensor([0, 1]), torch.tensor([2, 3])]
+        objective.step_scale(batches, trainer.model, 0)
+        rollouts = list(objective._rollouts)
+        total = sum(objective.micro(trainer.model, batch, None, 2)[0] for batch in batches)
+        margins = []
+        for rollout in rollouts:
+            logps, mask, _ = completion_logps(trainer.model, rollout.prompts, rollout.completions)
+            with torch.no_grad():
+                reference = completion_logps(objective.reference, rollout.prompts, rollout.completions)[0]
+            ratio = ((logps - reference) * mask).sum(-1)
+            texts = [bytes(t for t in c if t < 256).decode("utf-8", "replace") for c in rollout.completions]
+            scores = [ord(text[0]) / 1000 if text else 0.0 for text in texts]
+            for pair in range(len(scores) // 2):
+                a, b = 2 * pair, 2 * pair + 1
+                if scores[a] != scores[b]:
+                    chosen, rejected = (a, b) if scores[a] > scores[b] else (b, a)
+                    margins.append(0.2 * (ratio[chosen] - ratio[rejected]))
+        assert margins
+        expected = -torch.nn.functional.logsigmoid(torch.stack(margins)).mean()
+        assert torch.allclose(total, expected, rtol=1e-5), (total, expected)
+        assert torch.allclose(total, torch.tensor(math.log(2.0)), rtol=1e-5)  # the policy is the reference
+    finally:
+        trainer.close()
