@@ -8,11 +8,23 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
+import time
 
 import pytest
 import torch
-from trainer_runs import TORCHRUN, TRAINER, Run, final_weights, metrics_step, run_to_end, stop_gracefully
+from trainer_runs import (
+    TORCHRUN,
+    TRAINER,
+    Run,
+    final_weights,
+    kill_at_moments,
+    metrics_step,
+    run_to_end,
+    staging,
+    stop_gracefully,
+)
 
 from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.common.config import load_trainer_config
@@ -325,3 +337,27 @@ def test_online_dpo_ranks_two_completions_and_takes_dpos_step_resuming_bitwise(
         assert torch.allclose(total, torch.tensor(math.log(2.0)), rtol=1e-5)  # the policy is the reference
     finally:
         trainer.close()
+
+
+def test_sigkill_at_random_moments_then_a_restart_ends_bitwise_equal(tmp_path, prompts_world, train_yaml, trainer_env):
+    """One process killed twice mid-run (periodic saves every 2 steps): the rollouts of the steps taken again are
+    sampled as before, and the run ends where an uninterrupted one does."""
+    keys = {"max_steps": 16, "ckpt_interval": 2, "log_interval": 1, "grpo_beta": 0.05, "num_workers": 1}
+    finals = {}
+    rng = random.Random("online_grpo")
+
+    def at_random(run: Run) -> None:
+        time.sleep(rng.uniform(0.0, 0.25))
+
+    for name in ("whole", "killed"):
+        ckpt_dir = tmp_path / name
+        path = _yaml(train_yaml, tmp_path / f"{name}.yaml", prompts_world, ckpt_dir=str(ckpt_dir), **keys)
+        command = [*TRAINER, "--config", str(path)]
+        if name == "whole":
+            run_to_end(command, trainer_env, tmp_path / "whole.log")
+        else:
+            run, kills = kill_at_moments(command, trainer_env, tmp_path / "run.log", ckpt_dir, [at_random] * 2)
+            assert kills >= 1, run.output()
+            assert not staging(ckpt_dir)
+        finals[name] = final_weights(ckpt_dir, 16)
+    assert finals["killed"] == finals["whole"]
