@@ -162,6 +162,8 @@ GRPO_LOSSES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 ONLINE_TRAIN_TYPES = ("online_grpo", "online_dpo")
 """The train types that sample completions of prompts and score them with training.rewards."""
+REWARD_TRAIN_TYPES = ("grpo", *ONLINE_TRAIN_TYPES)
+"""The train types that learn from rewards (no validation loss to hold data out for)."""
 LORA_BASE_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -188,9 +190,10 @@ class TrainingSection:
     train_type: str = "seq"
     """seq: next-token loss on every token (pre-training); sft: supervised fine-tuning on the assistant turns of
     chat data (or completions); dpo: direct preference optimisation on (prompt, chosen, rejected) pairs;
-    online_grpo: GRPO on completions the model samples for prompts, scored by training.rewards; online_dpo: DPO on
-    two sampled completions of each prompt, the one the rewards score higher chosen. The data folder must hold
-    that kind (prepare --kind; prompts for the online types)."""
+    grpo: GRPO on completions scored elsewhere, with their rewards (prepare --kind grpo); online_grpo: GRPO on
+    completions the model samples for prompts, scored by training.rewards; online_dpo: DPO on two sampled
+    completions of each prompt, the one the rewards score higher chosen. The data folder must hold that kind
+    (prepare --kind; prompts for the online types)."""
     dpo_beta: float = 0.1
     """DPO's beta (dpo, online_dpo): how far from the reference model the policy may move (higher: closer)."""
     dpo_reference: str = "precomputed"
@@ -468,7 +471,7 @@ class TrainerConfig:
                 f"data.sources: mixtures are for pre-training data; training.train_type {self.training.train_type} "
                 "trains on one data folder (data_root_path)"
             )
-        if self.training.train_type in ONLINE_TRAIN_TYPES and self.data.val_fraction > 0:
+        if self.training.train_type in REWARD_TRAIN_TYPES and self.data.val_fraction > 0:
             raise ConfigError(
                 f"data.val_fraction: training.train_type {self.training.train_type} has no validation loss to hold "
                 "prompts out for; set it to 0 (the rewards in metrics.jsonl say how training goes)"

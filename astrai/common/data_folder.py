@@ -41,11 +41,19 @@ class DataError(AstraiError):
     """A data folder that cannot be trained on; the message says what to do."""
 
 
-KINDS = ("seq", "sft", "dpo", "prompts")
+KINDS = ("seq", "sft", "dpo", "prompts", "grpo")
 """What a data folder holds: a token stream (pre-training), supervised sequences (SFT), pairs of them (DPO), or
-prompts with their records' other fields (what the online train types sample completions for)."""
+prompts with their records' other fields (what the online train types sample completions for), or prompts with
+completions scored elsewhere (offline GRPO: each completion a sequence, its reward beside it)."""
 
-KIND_OF_TRAIN_TYPE = {"seq": "seq", "sft": "sft", "dpo": "dpo", "online_grpo": "prompts", "online_dpo": "prompts"}
+KIND_OF_TRAIN_TYPE = {
+    "seq": "seq",
+    "sft": "sft",
+    "dpo": "dpo",
+    "grpo": "grpo",
+    "online_grpo": "prompts",
+    "online_dpo": "prompts",
+}
 """The kind of data folder each ``training.train_type`` trains on."""
 TRAIN_TYPES = tuple(KIND_OF_TRAIN_TYPE)
 
@@ -265,7 +273,9 @@ class TokenData:
         return self.shard_files[shard].with_name(fields_file_name(self.shard_files[shard].name))
 
     def prompt_records(self) -> list[dict]:
-        """Prompt data: every sequence's ``{"prompt": text, "fields": {...}}``, in order over the shards."""
+        """Prompt data: every sequence's line of its fields file, in order over the shards: ``{"prompt": text,
+        "fields": {...}}`` (prompts), ``{"prompt": text, "reward": r, "index": i, "of": k}`` (grpo: the i-th of
+        its prompt's k completions, r None where it went unscored)."""
         records = []
         for shard in range(len(self.shard_files)):
             path = self.fields_file(shard)
@@ -339,7 +349,7 @@ class TokenData:
                     found = path.stat().st_size if path.is_file() else None
                     if found != size:
                         raise DataError(f"{path}: expected {size} bytes, found {found}; {how}")
-        if data.kind == "prompts":
+        if data.kind in ("prompts", "grpo"):
             for index in range(len(data.shard_files)):
                 if not data.fields_file(index).is_file():
                     raise DataError(f"{data.fields_file(index)}: missing (the manifest lists it); {how}")
@@ -359,7 +369,13 @@ class TokenData:
         if self.kind == kind:
             return
         flag = "" if kind == "seq" else f" --kind {kind}"
-        holds = {"seq": "pre-training text", "sft": "SFT examples", "dpo": "DPO pairs", "prompts": "prompts"}
+        holds = {
+            "seq": "pre-training text",
+            "sft": "SFT examples",
+            "dpo": "DPO pairs",
+            "prompts": "prompts",
+            "grpo": "scored completions",
+        }
         raise DataError(
             f"data folder {self.root} holds {holds[self.kind]} (kind {self.kind}) but training.train_type is "
             f"{train_type}; prepare it with `python -m astrai.data prepare{flag} {tokenizer_hint} --out DIR FILE...`"

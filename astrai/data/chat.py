@@ -23,6 +23,7 @@ functions receive.
 from __future__ import annotations
 
 import json
+import math
 import os.path
 from datetime import datetime
 from pathlib import Path
@@ -213,6 +214,58 @@ class RecordEncoder:
         except (TypeError, ValueError) as error:
             raise RecordError(f"a field is not plain JSON ({error}): the rewards receive the fields as JSON") from None
         return ids, line
+
+    def scored(self, record) -> tuple[list[tuple[list[int], list[int]]], list[str]]:
+        """An offline GRPO record (prompt, completions, rewards): each completion as a sequence with its prompt
+        (the completion's tokens marked, through its end-of-turn), and each one's line for the fields file."""
+        if not isinstance(record, dict):
+            raise RecordError(f"expected a JSON object, got {type(record).__name__}")
+        for key in ("prompt", "completions", "rewards"):
+            if key not in record:
+                raise RecordError(
+                    f"has no {key!r} field (its keys: {_keys(record)}); a grpo record holds a prompt, its "
+                    "completions and their rewards"
+                )
+        completions, rewards = record["completions"], record["rewards"]
+        if not isinstance(completions, list) or len(completions) < 2:
+            raise RecordError("field 'completions' must be a list of at least two (a group to compare)")
+        if not isinstance(rewards, list) or len(rewards) != len(completions):
+            raise RecordError(
+                f"field 'rewards' must be a list of one number (or null) per completion, {len(completions)} here"
+            )
+        for index, reward in enumerate(rewards):
+            if reward is not None and (
+                isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward)
+            ):
+                raise RecordError(f"rewards[{index}] is {reward!r}: expected a finite number, or null")
+        prompt = record["prompt"]
+        sequences = []
+        if isinstance(prompt, str):
+            text = _text(record, "prompt")
+            for index, completion in enumerate(completions):
+                if not isinstance(completion, str):
+                    what = type(completion).__name__
+                    raise RecordError(f"completions[{index}] holds {what}: with a text prompt, a completion is text")
+                sequences.append(self._plain(text, completion))
+        elif isinstance(prompt, list):
+            messages = _messages(prompt, "prompt")
+            if self.template is None:
+                raise RecordError(
+                    "holds messages, but the tokenizer has no chat template; give a tokenizer folder whose "
+                    "tokenizer_config.json has a chat_template (or a chat_template.jinja), or a text prompt"
+                )
+            text = self.template.render(messages, add_generation_prompt=True)
+            for index, completion in enumerate(completions):
+                turns = _turns(completion, f"completions[{index}]")
+                sequences.append(self._conversation(messages + turns, supervise_from=len(messages)))
+        else:
+            what = type(prompt).__name__
+            raise RecordError(f"field 'prompt' holds {what}: expected text, or a list of chat messages")
+        lines = [
+            json.dumps({"prompt": text, "reward": reward, "index": index, "of": len(completions)}, ensure_ascii=False)
+            for index, reward in enumerate(rewards)
+        ]
+        return sequences, lines
 
     def _plain(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
         prompt_ids, completion_ids = self.tokenizer.ids([prompt, completion])

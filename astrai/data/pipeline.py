@@ -145,7 +145,10 @@ def prepare(
         raise DataError("no input files: name the files or folders to prepare")
     if kind != "seq":
         if field != DEFAULT_FIELD and kind != "sft":
-            whole = "prompt, chosen, rejected" if kind == "dpo" else "its prompt, and every other field beside it"
+            whole = {
+                "dpo": "prompt, chosen, rejected",
+                "grpo": "prompt, completions, rewards",
+            }.get(kind, "its prompt, and every other field beside it")
             raise DataError(f"--field: a {kind} record is read whole ({whole}); leave --field out")
         messages_field = field if field != DEFAULT_FIELD else None
         fields = None  # a post-training example is the whole record
@@ -180,6 +183,10 @@ def prepare(
     return manifest
 
 
+FIELD_KINDS = ("prompts", "grpo")
+"""The kinds that keep a line of text and fields beside each sequence (a fields file per shard)."""
+
+
 def _prepare_into(
     staging: Path,
     sources: list[Source],
@@ -195,7 +202,7 @@ def _prepare_into(
     chosen = tokenizer or ByteTokenizer()
     dtype = token_dtype(chosen.vocab_size)
     group = {"seq": 0, "dpo": 2}.get(kind, 1)
-    shards = _ShardWriter(staging, shard_tokens, DTYPES[dtype], group, fields=kind == "prompts")
+    shards = _ShardWriter(staging, shard_tokens, DTYPES[dtype], group, fields=kind in FIELD_KINDS)
     stats = [SourceEntry(source.name, source.size) for source in sources]
     checksums = _Checksums(sources)
     meter = _Progress(total_bytes(sources)) if progress else None
@@ -426,19 +433,21 @@ def _run_records(piece: Piece) -> PieceResult:
     out = _WORKER["staging"] / f".piece-{piece.index:09d}.bin"
     records = skipped = tokens = 0
     first_bad = None
-    prompts = encoder.kind == "prompts"
+    with_fields = encoder.kind in FIELD_KINDS
     with (
         open(out, "wb") as ids_file,
         open(_mask_of(out), "wb") as mask_file,
         open(_lengths_of(out), "wb") as lengths,
-        open(_fields_of(out), "w", encoding="utf-8") if prompts else contextlib.nullcontext() as fields_file,
+        open(_fields_of(out), "w", encoding="utf-8") if with_fields else contextlib.nullcontext() as fields_file,
     ):
         for item in read_piece(source, piece, None):
             if isinstance(item, Record):
                 try:
-                    if prompts:
+                    if encoder.kind == "prompts":
                         ids, line = encoder.prompt(item.value)
-                        sequences = [(ids, [0] * len(ids))]
+                        sequences, lines = [(ids, [0] * len(ids))], [line]
+                    elif encoder.kind == "grpo":
+                        sequences, lines = encoder.scored(item.value)
                     else:
                         sequences = encoder.encode(item.value)
                 except RecordError as error:
@@ -454,8 +463,8 @@ def _run_records(piece: Piece) -> PieceResult:
                 mask_file.write(bytes(mask))
                 lengths.write(len(ids).to_bytes(4, "little"))
                 tokens += len(ids)
-            if prompts:
-                fields_file.write(line + "\n")
+            if with_fields:
+                fields_file.write("".join(line + "\n" for line in lines))
             records += 1
     return PieceResult(piece.index, piece.source, out, records, tokens, skipped, first_bad, _piece_bytes(piece))
 
@@ -703,7 +712,7 @@ def _supervised(folder: Path) -> int:
     return sum(data.mask_file(shard).read_bytes().count(1) for shard in range(len(data.shard_files)))
 
 
-UNIT_OF_KIND = {"seq": "documents", "sft": "records", "dpo": "pairs", "prompts": "prompts"}
+UNIT_OF_KIND = {"seq": "documents", "sft": "records", "dpo": "pairs", "prompts": "prompts", "grpo": "groups"}
 """What one of a data folder's "documents" is, by its kind."""
 
 
@@ -719,7 +728,12 @@ def describe_folder(folder: Path) -> str:
         f"tokenizer   {data.tokenizer_description}, vocabulary {data.vocab_size}, end of text "
         f"{manifest.end_of_text_shown!r}",
     ]
-    if data.kind == "prompts":
+    if data.kind == "grpo":
+        lines.append(
+            f"kind        grpo: {manifest.documents:,} prompts, {sum(data.record_counts):,} scored completions, "
+            f"{_supervised(folder):,} completion tokens"
+        )
+    elif data.kind == "prompts":
         longest = max(max(data.sequence_lengths(shard)) for shard in range(len(data.shard_files)))
         lines.append(f"kind        prompts: {sum(data.record_counts):,} prompts, the longest {longest:,} tokens")
     elif data.kind != "seq":
@@ -774,7 +788,8 @@ def main(argv: list[str] | None = None) -> int:
         default="seq",
         choices=KINDS,
         help="seq: text for pre-training; sft: chat (messages) or prompt/completion records; dpo: prompt, chosen, "
-        "rejected; prompts: a prompt (text or messages) and any other fields, for the online train types",
+        "rejected; prompts: a prompt (text or messages) and any other fields, for the online train types; grpo: "
+        "a prompt with its completions and their rewards (lists), scored elsewhere",
     )
     prep.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
     prep.add_argument(
@@ -853,6 +868,9 @@ def _prepare_command(args) -> int:
     what = f"{manifest.documents:,} documents"
     if args.kind == "prompts":
         what = f"{manifest.documents:,} prompts"
+    elif args.kind == "grpo":
+        completions = sum(shard.num_records for shard in manifest.shards)
+        what = f"{manifest.documents:,} prompts with {completions:,} completions"
     elif args.kind != "seq":
         records = "records" if args.kind == "sft" else "pairs"
         what = f"{manifest.documents:,} {records}, {_supervised(out):,} tokens supervised"

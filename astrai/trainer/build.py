@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from astrai.common.config import ONLINE_TRAIN_TYPES, TrainerConfig, resolve_lora_base_dtype
+from astrai.common.config import ONLINE_TRAIN_TYPES, REWARD_TRAIN_TYPES, TrainerConfig, resolve_lora_base_dtype
 from astrai.common.contract import GENERATION_CONFIG_FILE, TOKENIZER_FILE
 from astrai.common.data_folder import DataError, TokenData, data_digest, describe_units, training_units
 from astrai.common.fit import (
@@ -48,7 +48,15 @@ from astrai.trainer.lora import (
 )
 from astrai.trainer.model import ModelConfig, ModelLoadError, Transformer, load_base_model, model_digest
 from astrai.trainer.objectives import NextToken, Preference, Supervised
-from astrai.trainer.online import OnlineDPO, OnlineGRPO, Prompts, PromptSet, prompt_units
+from astrai.trainer.online import (
+    OfflineGRPO,
+    OnlineDPO,
+    OnlineGRPO,
+    Prompts,
+    PromptSet,
+    ScoredGroups,
+    prompt_units,
+)
 from astrai.trainer.records import DPOPairs, PackedSFT, RecordIndex
 from astrai.trainer.reference import reference_table
 from astrai.trainer.windows import (
@@ -216,6 +224,16 @@ def post_training_records(config: TrainerConfig, data: RunData, log: Log, model:
     overlong = config.data.overlong
     if train_type in ONLINE_TRAIN_TYPES:
         return Records(index, _prompt_units(config, index, log, model))
+    if train_type == "grpo":
+        groups = ScoredGroups(data.first, index, config.data.window_size, overlong)
+        how = f"{groups.truncated:,} cut to it" if overlong == "truncate" else "their groups left out"
+        log(
+            f"grpo: {len(groups):,} prompts x {groups.size} scored completions ({groups.dropped:,} prompts left out); "
+            f"completions longer than data.window_size {config.data.window_size} with their prompt: {how}"
+        )
+        if not len(groups):
+            raise DataError(f"{data.first.root}: no prompt is left to train on; raise data.window_size")
+        return Records(index, groups)
     units = training_units(data.first, train_type, window, overlong)
     log(f"{train_type}: {describe_units(units, len(index), window, overlong)}")
     return Records(index, units)
@@ -288,7 +306,7 @@ def build_feed(
         return Feed(dataset, sampler, eval_windows, mixture, splits)
     if records is None:
         dataset = WindowDataset(data.first, window, splits[0])
-    elif training.train_type in ONLINE_TRAIN_TYPES:
+    elif training.train_type in REWARD_TRAIN_TYPES:
         dataset = PromptSet(records.units, splits[0])
     else:
         make = PackedSFT if training.train_type == "sft" else DPOPairs
@@ -350,7 +368,7 @@ def autocast_for(env: DistEnv) -> contextlib.AbstractContextManager:
 class Objective:
     """The loss of the train type, and DPO's reference as checkpoints record it (path, sha256), else None."""
 
-    loss: NextToken | Supervised | Preference | OnlineGRPO | OnlineDPO
+    loss: NextToken | Supervised | Preference | OnlineGRPO | OnlineDPO | OfflineGRPO
     reference: dict | None = None
 
 
@@ -370,7 +388,7 @@ def build_objective(
         return Objective(NextToken(env, vocab))
     if train_type == "sft":
         return Objective(Supervised(env, vocab))
-    if train_type in ONLINE_TRAIN_TYPES:
+    if train_type in REWARD_TRAIN_TYPES:
         return _online(config, env, model_config, records, loaded, log, model, start)
     if start.base_sha256 is not None and config.ckpt.reference_path is None:
         reference, recorded = _base_reference(config, env, model_config, records, feed, loaded, log, model, start)
@@ -380,8 +398,9 @@ def build_objective(
 
 
 def _online(config, env, model_config, records, loaded, log, model, start) -> Objective:
-    """The online types: the reward functions loaded, sampling settings, stop tokens, and the frozen starting model
-    (online_dpo's reference; online_grpo's KL reference when grpo_beta > 0): the base model with LoRA's adapters
+    """The types that learn from rewards: the reward functions loaded (none for grpo, whose data holds its rewards),
+    sampling settings, stop tokens, and the frozen starting model (online_dpo's reference; GRPO's KL reference when
+    grpo_beta > 0): the base model with LoRA's adapters
     off, else a second copy of it."""
     from astrai.data.tokenizing import ByteTokenizer, HFTokenizer
     from astrai.trainer.generate import Sampling, stop_tokens
@@ -390,7 +409,8 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
     from astrai.trainer.rewards import load_reward
 
     training = config.training
-    rewards = [load_reward(spec) for spec in training.rewards]
+    offline = training.train_type == "grpo"
+    rewards = [] if offline else [load_reward(spec) for spec in training.rewards]
     settings = GRPOSettings(
         epsilon=training.grpo_epsilon,
         epsilon_high=training.grpo_epsilon_high,
@@ -413,13 +433,27 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
             _check_same_reference(recorded, loaded)
         else:
             reference, recorded = _frozen_model(config, env, model_config, records, loaded)
-    described = ", ".join(f"{reward.name} x{reward.spec.weight:g}" for reward in rewards)
     how = (
         f"two completions a prompt, the higher-scored chosen, DPO beta {training.dpo_beta:g} against the starting model"
         if dpo
         else f"loss {settings.loss}, epsilon {settings.epsilon:g}/{settings.high:g}, beta {settings.beta:g}, "
         f"scale_rewards {settings.scale_rewards}"
     )
+    if offline:
+        log(f"grpo: the rewards given with the data; {how}")
+        objective = OfflineGRPO(
+            env,
+            records.units,
+            settings,
+            tokenizer.decode,
+            reference,
+            job_dir=Path(config.ckpt.ckpt_dir),
+            log_interval=config.log.log_interval,
+            autocast=autocast_for(env),
+            log=log,
+        )
+        return Objective(objective, recorded)
+    described = ", ".join(f"{reward.name} x{reward.spec.weight:g}" for reward in rewards)
     log(
         f"{training.train_type}: rewards {described}; temperature {training.temperature:g}, top_p {training.top_p:g}, "
         f"top_k {training.top_k}; {how}; stop tokens {sorted(stop)}"

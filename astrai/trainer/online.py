@@ -53,7 +53,7 @@ from astrai.common.contract import (
     METRIC_REWARDS_MARGIN,
     METRIC_REWARDS_REJECTED,
 )
-from astrai.common.data_folder import TokenData, WindowSplit
+from astrai.common.data_folder import DataError, TokenData, WindowSplit
 from astrai.common.fit import SetupError
 from astrai.trainer.distributed import DistEnv
 from astrai.trainer.generate import Sampling, generate
@@ -459,3 +459,92 @@ class OnlineDPO(OnlineGRPO):
             )
         self._reset()
         return {key: value for key, value in values.items() if value is not None}
+
+
+class ScoredGroups:
+    """Offline GRPO's data (``prepare --kind grpo``): each prompt's completions and their rewards, in memory.
+
+    A completion longer than ``window`` tokens with its prompt is cut to them (``truncate``), or its whole group
+    is left out (``drop``); a group whose prompt alone fills the window, or has no token, is always left out.
+    """
+
+    def __init__(self, data: TokenData, index, window: int, overlong: str):
+        lines = data.prompt_records()
+        self.groups: list[list[tuple[list[int], list[int], float | None]]] = []
+        self.texts: list[str] = []
+        self.truncated = self.dropped = 0
+        sizes = set()
+        group: list = []
+        for number, line in enumerate(lines):
+            ids, mask = index.sequence(number)
+            start = int(mask.nonzero()[0]) if bool(mask.any()) else len(ids)
+            group.append((ids.tolist(), start, line["reward"]))
+            if line["index"] == line["of"] - 1:
+                sizes.add(len(group))
+                self._keep(group, line["prompt"], window, overlong)
+                group = []
+        if len(sizes) > 1:
+            raise DataError(
+                f"{data.root}: training.train_type grpo compares each completion with its group's, and the prompts "
+                f"have {' and '.join(str(size) for size in sorted(sizes))} completions; give every prompt as many"
+            )
+        self.size = sizes.pop() if sizes else 0
+        self.names: list[str] = []
+
+    def _keep(self, group: list, text: str, window: int, overlong: str) -> None:
+        if any(start == 0 or start >= window for _, start, _ in group) or (
+            overlong == "drop" and any(len(ids) > window for ids, _, _ in group)
+        ):
+            self.dropped += 1
+            return
+        self.truncated += sum(len(ids) > window for ids, _, _ in group)
+        self.groups.append([(ids[:start], ids[start:window], reward) for ids, start, reward in group])
+        self.texts.append(text)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+
+class OfflineGRPO(OnlineGRPO):
+    """``grpo``: GRPO's step on completions scored elsewhere (``prepare --kind grpo``), with their rewards as given.
+
+    Nothing is sampled: a step takes its groups from the data, weighs them as ``online_grpo`` does (advantages over
+    the whole global batch, the same losses and metrics), and trains on them. The log-probabilities the ratio
+    starts from are the policy's own before the step, as with one update per generation round.
+    """
+
+    def __init__(self, env: DistEnv, groups: ScoredGroups, settings: GRPOSettings, decode, reference, **kwargs):
+        super().__init__(env, groups, [], settings, None, groups.size, set(), decode, 0, reference, False, **kwargs)
+        self.groups = groups
+
+    def _sample(self, model, numbers: list[int], step: int, micro: int) -> tuple[Rollout, list[list[float]]]:
+        chosen = [(number, row) for number in numbers for row in self.groups.groups[number]]
+        prompts = [prompt for _, (prompt, _, _) in chosen]
+        completions = [completion for _, (_, completion, _) in chosen]
+        reference = None
+        if self.reference is not None:
+            with torch.no_grad(), self.autocast:
+                reference = completion_logps(self.reference, prompts, completions)[0]
+        if self.env.master_process and micro == 0 and (step + 1) % self.log_interval == 0:
+            G = self.generations
+            totals = [reward for _, (_, _, reward) in chosen[:G]]
+            texts = [self.decode(completion) for completion in completions[:G]]
+            scores = _Given(totals)
+            self._log_completions(step + 1, numbers[0], self.groups.texts[numbers[0]], texts, scores, G)
+        rows = [
+            [math.nan if reward is None else reward, len(prompt), len(completion), 1.0, 1.0]
+            for _, (prompt, completion, reward) in chosen
+        ]
+        mask = torch.ones(len(completions), dtype=torch.bool, device=self.env.device)
+        return Rollout(prompts, completions, None, reference, mask), rows
+
+
+@dataclass(frozen=True)
+class _Given:
+    """Rewards given with the data, shaped as :class:`astrai.trainer.rewards.Scores` for the completions log."""
+
+    total: list[float | None]
+
+    @property
+    def by_function(self) -> dict:
+        return {"given": self.total}

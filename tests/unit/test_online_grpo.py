@@ -361,3 +361,66 @@ def test_sigkill_at_random_moments_then_a_restart_ends_bitwise_equal(tmp_path, p
             assert not staging(ckpt_dir)
         finals[name] = final_weights(ckpt_dir, 16)
     assert finals["killed"] == finals["whole"]
+
+
+@pytest.fixture(scope="module")
+def scored_world(tmp_path_factory):
+    """grpo data: 12 prompts, each with four completions scored elsewhere (one left unscored)."""
+    root = tmp_path_factory.mktemp("scored")
+    with open(root / "scored.jsonl", "w", encoding="utf-8") as handle:
+        for number in range(12):
+            completions = [f"{number}", f"{number + 1} ü", "$'\"", "x" * (number + 1)]
+            rewards = [1.0, 0.5, None if number % 3 == 0 else 0.0, 0.25]
+            record = {"prompt": f"echo {number}:", "completions": completions, "rewards": rewards}
+            handle.write(json.dumps(record) + "\n")
+    prepare(root / "data", [root / "scored.jsonl"], kind="grpo")
+    return root
+
+
+def test_grpo_trains_on_completions_scored_elsewhere_with_their_rewards(
+    tmp_path, scored_world, train_yaml, make_trainer, run_trainer, one_thread
+):
+    keys = {"train_type": "grpo", "data_root_path": str(scored_world / "data"), "window_size": 32, "grpo_beta": 0.1}
+    keys.update(batch_per_device=2, max_steps=6, ckpt_interval=3, grpo_loss="grpo", warmup_ratio=0.0, log_interval=2)
+    whole = train_yaml(tmp_path / "whole.yaml", ckpt_dir=str(tmp_path / "whole"), **keys)
+    run_trainer(whole)
+    parts = train_yaml(tmp_path / "parts.yaml", ckpt_dir=str(tmp_path / "parts"), **keys)
+    run_trainer(parts, steps=4)
+    run_trainer(parts)
+    assert final_weights(tmp_path / "parts", 6) == final_weights(tmp_path / "whole", 6)
+    log = (tmp_path / "whole" / COMPLETIONS_LOG).read_text(encoding="utf-8")
+    assert '[3/4] reward n/a (given n/a): "$\'\\"' in log, log
+
+    trainer = make_trainer(whole, ckpt_dir=str(tmp_path / "fresh"))
+    try:
+        objective = trainer.objective
+        objective.step_scale([torch.tensor([0, 4])], trainer.model, 0)
+        (rollout,) = objective._rollouts
+        loss = objective.micro(trainer.model, None, None, 1)[0]
+        texts = [bytes(t for t in c if t < 256).decode() for c in rollout.completions]
+        assert texts == ["0", "1 ü", "$'\"", "x", "4", "5 ü", "$'\"", "xxxxx"]  # with their end-of-text token
+        rewards = [1.0, 0.5, None, 0.25, 1.0, 0.5, 0.0, 0.25]
+        advantage, _ = advantages(rewards, 4, "group")
+        logps, mask, _ = completion_logps(trainer.model, rollout.prompts, rollout.completions)
+        with torch.no_grad():
+            reference = completion_logps(objective.reference, rollout.prompts, rollout.completions)[0]
+        settings = GRPOSettings(loss="grpo", beta=0.1)
+        expected, _ = grpo_loss(logps, logps.detach(), reference, advantage, mask, settings)
+        assert torch.allclose(loss, expected, rtol=1e-6)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ('{"prompt": "p", "completions": ["a"], "rewards": [1]}', "field 'completions' must be a list of at least two"),
+        ('{"prompt": "p", "completions": ["a", "b"], "rewards": [1]}', "field 'rewards' must be a list of one number"),
+        ('{"prompt": "p", "completions": ["a", "b"], "rewards": [1, "x"]}', "rewards[1] is 'x': expected a finite"),
+        ('{"prompt": "p", "completions": ["a", "b"]}', "has no 'rewards' field (its keys: completions, prompt)"),
+    ],
+)
+def test_scored_records_that_cannot_train_are_refused(tmp_path, record, message):
+    (tmp_path / "r.jsonl").write_text(record + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match=re.escape(message)):
+        prepare(tmp_path / "out", [tmp_path / "r.jsonl"], kind="grpo")
