@@ -226,6 +226,9 @@ class TrainingSection:
     grpo_loss: str = "dapo"
     """online_grpo: how token losses are averaged, as TRL names it: grpo (per completion, then over completions),
     dr_grpo (summed, over completions x max_completion_length) or dapo (over every token of the step's batch)."""
+    num_iterations: int = 1
+    """online_grpo, grpo: optimizer steps on each generation round's completions (TRL's mu); the later ones take
+    their probability ratio against the policy the completions were sampled from, and no new prompts."""
     scale_rewards: str = "group"
     """online_grpo: divide each advantage by the std of its group's rewards (group), of the step's (batch), or
     not at all (none)."""
@@ -349,6 +352,13 @@ class TrainingSection:
         _check(self.grpo_loss in GRPO_LOSSES, "training.grpo_loss", self.grpo_loss, " | ".join(GRPO_LOSSES))
         _check(
             self.scale_rewards in SCALE_REWARDS, "training.scale_rewards", self.scale_rewards, " | ".join(SCALE_REWARDS)
+        )
+        _check(self.num_iterations >= 1, "training.num_iterations", self.num_iterations, "an integer >= 1")
+        _check(
+            self.train_type != "online_dpo" or self.num_iterations == 1,
+            "training.num_iterations",
+            self.num_iterations,
+            "1 with online_dpo (each step ranks new completions)",
         )
         online = self.train_type in ONLINE_TRAIN_TYPES
         _check(

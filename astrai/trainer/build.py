@@ -451,6 +451,7 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
             log_interval=config.log.log_interval,
             autocast=autocast_for(env),
             log=log,
+            iterations=training.num_iterations,
         )
         return Objective(objective, recorded)
     described = ", ".join(f"{reward.name} x{reward.spec.weight:g}" for reward in rewards)
@@ -475,6 +476,7 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
         config.log.log_interval,
         autocast_for(env),
         log,
+        iterations=training.num_iterations,
     )
     return Objective(objective, recorded)
 

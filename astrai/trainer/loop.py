@@ -157,12 +157,14 @@ class Trainer:
         self.schedule = Schedule.of(training)
         self.progress = Progress()
         # Everything a checkpoint holds besides the model and the optimizer; a new part is one more entry here.
-        self.parts = run_state(self.progress, self.schedule, env, training.random_seed, self.log)
         self.autocast = build.autocast_for(env)
         objective = build.build_objective(
             config, env, self.model_config, records, feed, loaded, self.log, self.model, start
         )
         self.objective = objective.loss
+        self.parts = run_state(
+            self.progress, self.schedule, env, training.random_seed, self.log, **getattr(self.objective, "parts", {})
+        )
         facts = build.run_facts(config, env, self.global_batch, data, objective, start)
         self.checkpointer = self._checkpointer(facts, data, start)
         if env.watch is not None and env.master_process:
@@ -193,6 +195,7 @@ class Trainer:
         self._loss_sum = torch.zeros((), device=env.device)
         self._step_loss = torch.zeros((), device=env.device)
         self._warmed_up = False
+        self._fresh = True
 
     def _checkpointer(self, facts: RunFacts, data: build.RunData, start: build.Start) -> CheckpointManager:
         config = self.config
@@ -300,7 +303,9 @@ class Trainer:
         accum = self.grad_accum
         lr = self.schedule.lr(self.progress.step)
         set_lr(self.optimizer, lr)
-        batches = [next(self._batches) for _ in range(accum)]
+        # A step that trains again on the completions of an earlier one (num_iterations) takes no new data.
+        self._fresh = getattr(self.objective, "takes_batch", lambda step: True)(self.progress.step)
+        batches = [next(self._batches) for _ in range(accum)] if self._fresh else [None] * accum
         scale = self.objective.step_scale(batches, self.model, self.progress.step)
         for micro, batch in enumerate(batches):
             set_gradient_sync(self.model, self.env, micro == accum - 1)
@@ -368,6 +373,8 @@ class Trainer:
         progress = self.progress
         progress.step += 1
         progress.tokens_seen += tokens_per_step
+        if not self._fresh:
+            return
         progress.samples_in_epoch += self.global_batch
         if self.sampler.num_windows - progress.samples_in_epoch < self.global_batch:
             progress.epoch, progress.samples_in_epoch = progress.epoch + 1, 0

@@ -132,6 +132,62 @@ class Rollout:
     reference: torch.Tensor | None
     mask: torch.Tensor
     """Which completions count in the loss (all, or those that ended, with mask_truncated_completions)."""
+    old: torch.Tensor | None = None
+    """With num_iterations > 1: the policy's log-probabilities before the round's first update (taken by that
+    update's own forward pass), which the round's later updates take their ratio against."""
+
+    def state_dict(self) -> dict:
+        return {
+            "prompts": self.prompts,
+            "completions": self.completions,
+            **{
+                name: getattr(self, name).cpu()
+                for name in ("advantages", "reference", "mask", "old")
+                if getattr(self, name) is not None
+            },
+        }
+
+    @classmethod
+    def from_state(cls, state: dict, device: torch.device) -> Rollout:
+        tensors = {name: state[name].to(device) if name in state else None for name in ("reference", "old")}
+        advantages, mask = state["advantages"].to(device), state["mask"].to(device)
+        return cls(state["prompts"], state["completions"], advantages, mask=mask, **tensors)
+
+
+class RoundState:
+    """The rollouts of the generation round under way (num_iterations > 1), every rank's, as a checkpoint part: a run
+    stopped inside a round resumes it with the same completions, advantages and old log-probabilities."""
+
+    def __init__(self, objective: OnlineGRPO):
+        self.objective = objective
+
+    def state_dict(self) -> dict:
+        objective, env = self.objective, self.objective.env
+        mine = {
+            "rollouts": [rollout.state_dict() for rollout in objective._round],
+            "tokens": objective.step_tokens,
+            "loss_tokens": objective._step_loss_tokens,
+        }
+        everyone = [mine]
+        if env.distributed:
+            everyone = [None] * env.world_size
+            dist.all_gather_object(everyone, mine, group=env.control_group)
+        return {f"rank{rank}": state for rank, state in enumerate(everyone)}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        objective, env = self.objective, self.objective.env
+        ranks = sum(1 for key in state or {} if key.startswith("rank"))
+        if not state or ranks != env.world_size:
+            if state and objective.iterations > 1:
+                objective.log(
+                    f"note: the checkpoint holds the generation round of {ranks} process(es), this run has "
+                    f"{env.world_size}: a new round starts at the next step"
+                )
+            objective._round_lost = bool(state)
+            return
+        mine = state[f"rank{env.rank}"]
+        objective._round = [Rollout.from_state(rollout, env.device) for rollout in mine["rollouts"]]
+        objective.step_tokens, objective._step_loss_tokens = mine["tokens"], mine["loss_tokens"]
 
 
 def flat_groups(totals: torch.Tensor, generations: int) -> int:
@@ -175,6 +231,7 @@ class OnlineGRPO:
         log_interval: int,
         autocast,
         log,
+        iterations: int = 1,
     ):
         self.env, self.prompts, self.rewards, self.settings = env, prompts, rewards, settings
         self.sampling, self.generations, self.stop, self.decode = sampling, generations, stop, decode
@@ -182,7 +239,14 @@ class OnlineGRPO:
         self.job_dir, self.log_interval, self.autocast, self.log = job_dir, log_interval, autocast, log
         self.step_tokens = 0
         """Prompt and completion tokens of the last step's rollouts, over every rank (the step's tokens)."""
+        self._step_loss_tokens = 0.0
         self._rollouts: list[Rollout] = []
+        self.iterations = iterations
+        self._round: list[Rollout] = []
+        """The rollouts of the current generation round, trained on ``iterations`` steps."""
+        self._round_lost = False
+        self.parts = {"grpo_round": RoundState(self)} if iterations > 1 else {}
+        """Checkpoint parts of this objective (astrai.trainer.checkpoint.state): the round under way."""
         self._reset()
 
     def _reset(self) -> None:
@@ -195,8 +259,17 @@ class OnlineGRPO:
 
     # The step's rollouts ----------------------------------------------------------------------------------
 
+    def takes_batch(self, step: int) -> bool:
+        """Whether ``step`` starts a generation round (and takes new prompts); else it trains on the round's again."""
+        return step % self.iterations == 0 or self._round_lost or not self._round
+
     def step_scale(self, batches, model=None, step: int = 0) -> None:
-        """Sample, score and weigh the completions of every micro-batch of this step (on every rank)."""
+        """Sample, score and weigh the completions of every micro-batch of this step (on every rank); or, inside a
+        generation round (num_iterations > 1), train on the round's rollouts again."""
+        if batches[0] is None:
+            self._rollouts = list(self._round)
+            return None
+        self._round_lost = False
         inner = getattr(model, "module", model)
         was_training = inner.training
         model.eval()
@@ -223,6 +296,8 @@ class OnlineGRPO:
         self.step_tokens = int(table[:, -4:-2].sum())
         self._step_loss_tokens = float((table[:, -3] * table[:, -1]).sum())
         self._rollouts = rollouts
+        if self.iterations > 1:
+            self._round = list(rollouts)
         return None
 
     def _weigh(self, table: torch.Tensor, rollouts: list[Rollout]) -> None:
@@ -294,9 +369,11 @@ class OnlineGRPO:
         token_mask = token_mask * rollout.mask.unsqueeze(1)
         # dapo: the step's completion tokens the loss counts, over every rank and micro-batch, per rank.
         batch_tokens = self._step_loss_tokens / self.env.world_size if self.settings.loss == "dapo" else None
+        if self.iterations > 1 and rollout.old is None:
+            rollout.old = logps.detach()  # the round's first update: the policy the completions were sampled from
         loss, stats = grpo_loss(
             logps,
-            logps.detach(),
+            logps.detach() if rollout.old is None else rollout.old,
             rollout.reference,
             rollout.advantages,
             token_mask,
@@ -324,24 +401,22 @@ class OnlineGRPO:
         raise SetupError("online_grpo holds no prompts out for a validation loss; set data.val_fraction to 0")
 
     def metrics(self) -> dict | None:
-        """Rewards, groups without signal, completion lengths and the loss's statistics since the last call."""
-        if not self._rows:
-            return None
-        table = torch.cat(self._rows)
+        """Rewards, groups without signal, completion lengths (of the rounds sampled) and the loss's statistics (of
+        every update) since the last call."""
         stats = self._loss_stats.to(self.env.device)
         if self.env.distributed:
             dist.all_reduce(stats)
         stats = stats.tolist()
-        groups = table.shape[0] // self.generations
-        values = self._reward_metrics(table)
-        lengths, ended = table[:, -3], table[:, -2]
+        if not self._rows and not stats[4]:
+            return None
+        values = {}
+        if self._rows:
+            table = torch.cat(self._rows)
+            values = self._reward_metrics(table)
+            values[METRIC_FRAC_REWARD_ZERO_STD] = self._flat_groups / max(table.shape[0] // self.generations, 1)
         micros = max(stats[4], 1.0)
         values.update(
             {
-                METRIC_FRAC_REWARD_ZERO_STD: self._flat_groups / max(groups, 1),
-                METRIC_COMPLETION_LENGTH: float(lengths.mean()),
-                METRIC_COMPLETION_LENGTH_MAX: float(lengths.max()),
-                METRIC_COMPLETION_CLIPPED: float(1.0 - ended.mean()),
                 METRIC_CLIP_LOW: stats[0] / micros,
                 METRIC_CLIP_HIGH: stats[1] / micros,
                 METRIC_CLIP_REGION: stats[2] / micros,

@@ -424,3 +424,30 @@ def test_scored_records_that_cannot_train_are_refused(tmp_path, record, message)
     (tmp_path / "r.jsonl").write_text(record + "\n", encoding="utf-8")
     with pytest.raises(DataError, match=re.escape(message)):
         prepare(tmp_path / "out", [tmp_path / "r.jsonl"], kind="grpo")
+
+
+def test_num_iterations_trains_each_round_again_and_resumes_inside_a_round_bitwise(
+    tmp_path, prompts_world, train_yaml, make_trainer, run_trainer, one_thread
+):
+    """Rounds at steps 0, 2, 4; the checkpoint at step 3 is inside the third round (step 3 trains on step 2's
+    completions): the resume takes the round's rollouts and old log-probabilities from it."""
+    keys = {"num_iterations": 2, "reward": "first_code", "grpo_epsilon": 0.05, "max_lr": 1e-2, "log_interval": 1}
+    whole = _yaml(train_yaml, tmp_path / "whole.yaml", prompts_world, ckpt_dir=str(tmp_path / "whole"), **keys)
+    run_trainer(whole)
+    records = [json.loads(line) for line in (tmp_path / "whole" / METRICS_FILE).read_text().splitlines()]
+    # A round's first step samples (a reward is reported) with the ratio at 1; its second clips some tokens.
+    assert ["reward" in record for record in records] == [True, False] * 3
+    assert all(record["clip_ratio_region"] == 0.0 for record in records[::2]), [r.get("clip_ratio_region") for r in records]
+    assert any(record["clip_ratio_region"] > 0.0 for record in records[1::2]), records
+    # Prompts are taken once a round: three rounds of 2 prompts.
+    assert latest_complete_checkpoint(tmp_path / "whole").meta.step == 6
+    parts = _yaml(train_yaml, tmp_path / "parts.yaml", prompts_world, ckpt_dir=str(tmp_path / "parts"), **keys)
+    run_trainer(parts, steps=3)
+    resumed = make_trainer(parts)
+    try:
+        assert resumed.progress.step == 3 and resumed.progress.samples_in_epoch == 2 * 2
+        assert not resumed.objective.takes_batch(3) and len(resumed.objective._round) == 1
+        resumed.train()
+    finally:
+        resumed.close()
+    assert final_weights(tmp_path / "parts", 6) == final_weights(tmp_path / "whole", 6)
