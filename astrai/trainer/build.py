@@ -405,7 +405,6 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
     from astrai.data.tokenizing import ByteTokenizer, HFTokenizer
     from astrai.trainer.generate import Sampling, stop_tokens
     from astrai.trainer.grpo import GRPOSettings
-    from astrai.trainer.lora import BaseModel
     from astrai.trainer.rewards import load_reward
 
     training = config.training
@@ -423,16 +422,10 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
     data = records.index.data
     tokenizer = ByteTokenizer() if data.tokenizer_sha256 is None else HFTokenizer(data.root / TOKENIZER_FILE)
     stop = stop_tokens(model_config, start.source, tokenizer)
-    recorded = None
-    reference = None
     dpo = training.train_type == "online_dpo"
+    reference, recorded = None, None
     if settings.beta != 0 or dpo:
-        if start.base_sha256 is not None and config.ckpt.reference_path is None:
-            reference = BaseModel(model)
-            recorded = {"path": config.ckpt.param_path, "sha256": start.base_sha256}
-            _check_same_reference(recorded, loaded)
-        else:
-            reference, recorded = _frozen_model(config, env, model_config, records, loaded)
+        reference, recorded = _starting_model(config, env, model_config, records, loaded, model, start)
     how = (
         f"two completions a prompt, the higher-scored chosen, DPO beta {training.dpo_beta:g} against the starting model"
         if dpo
@@ -479,6 +472,18 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
         iterations=training.num_iterations,
     )
     return Objective(objective, recorded)
+
+
+def _starting_model(config, env, model_config, records, loaded, model, start):
+    """The frozen starting model the rewards' types compare with, and what checkpoints record of it: with LoRA the
+    model itself with its adapters off, else a frozen copy (of ckpt.reference_path, or the base model)."""
+    from astrai.trainer.lora import BaseModel
+
+    if start.base_sha256 is not None and config.ckpt.reference_path is None:
+        recorded = {"path": config.ckpt.param_path, "sha256": start.base_sha256}
+        _check_same_reference(recorded, loaded)
+        return BaseModel(model), recorded
+    return _frozen_model(config, env, model_config, records, loaded)
 
 
 def _frozen_model(config, env, model_config, records, loaded):
