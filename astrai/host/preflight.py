@@ -23,6 +23,7 @@ from pathlib import Path
 from astrai.common.checkpoints import estimate_checkpoint_bytes, folder_bytes, latest_complete_checkpoint
 from astrai.common.config import (
     ONLINE_TRAIN_TYPES,
+    REWARD_TRAIN_TYPES,
     TrainerConfig,
     resolve_ckpt_format,
     resolve_grad_accum_steps,
@@ -355,6 +356,8 @@ def _fit_check(
         check_model_tokenizer(datas[0], model[1])
         if kind in ONLINE_TRAIN_TYPES:
             window, units = 1, range(sum(datas[0].record_counts))  # prompts (the trainer says how many fit)
+        elif kind == "grpo":
+            units = range(datas[0].documents or 0)  # prompts with their completions (records)
         elif kind != "seq":
             units = training_units(datas[0], kind, window, config.data.overlong)
         splits = [
@@ -380,10 +383,11 @@ def _fit_check(
         "dpo": "pairs",
         "online_grpo": "prompts",
         "online_dpo": "prompts",
+        "grpo": "prompts with their scored completions",
     }[kind]
     detail = (
         ""
-        if units is None or kind in ONLINE_TRAIN_TYPES
+        if units is None or kind in REWARD_TRAIN_TYPES
         else f" ({describe_units(units, sum(datas[0].record_counts), window, config.data.overlong)})"
     )
     return Check(

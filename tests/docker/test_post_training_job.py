@@ -94,3 +94,50 @@ def test_sft_then_dpo_jobs_run_in_the_container_and_end_as_a_chat_model(make_job
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
     assert model.generate(prompt, max_new_tokens=4, do_sample=False).shape[1] > prompt.shape[1]
+
+
+REWARD_FILE = '''
+def digits(prompts, completions, digit, **fields):
+    """The share of the completion's first four characters that are the prompt's digit."""
+    return [sum(c == d for c in completion[:4]) / 4 for d, completion in zip(digit, completions)]
+'''
+
+
+def test_an_online_grpo_job_scores_with_a_reward_file_in_its_data_folder(make_job, tmp_path):
+    """The user's reward is a .py file in the mounted data folder, run by the trainer (non-root, read-only root);
+    preflight counts the prompts, status shows the rewards, and the job dir holds the completions log."""
+    job = make_job(
+        trainer={
+            "training": {
+                "train_type": "online_grpo",
+                "rewards": ["/data/my rewards.py:digits"],
+                "num_generations": 4,
+                "max_completion_length": 5,
+                "batch_per_device": 2,
+                "max_steps": 6,
+                "max_lr": 1e-3,
+            },
+            "ckpt": {"ckpt_interval": 1000},
+            "log": {"log_interval": 2},
+        }
+    )
+    shutil.rmtree(job.folder / "data")
+    records = tmp_path / "prompts.jsonl"
+    records.write_text("".join(f'{{"prompt": "repeat: {n}", "digit": "{n}"}}\n' for n in range(10)), encoding="utf-8")
+    command = [sys.executable, "-m", "astrai.data", "prepare", "--kind", "prompts", "--out", str(job.folder / "data")]
+    subprocess.run([*command, str(records)], check=True, capture_output=True)
+    (job.folder / "data" / "my rewards.py").write_text(REWARD_FILE, encoding="utf-8")
+    job.invoke("init")
+    checklist = job.invoke("preflight").stdout
+    fit = next(line for line in checklist.splitlines() if "data fits model" in line)
+    assert fit.startswith("✓") and "10 training prompts, 5 steps per epoch" in fit, checklist
+    job.invoke("start")
+    assert job.wait_for_exit().exit_code == 0, job.logs()
+    logs = job.logs()
+    assert "online_grpo: rewards digits x1" in logs and "| reward " in logs, logs
+    status = job.invoke("status").stdout
+    line = next(line for line in status.splitlines() if line.startswith("grpo"))
+    assert line.startswith("grpo        reward ") and "(digits " in line and "groups without signal" in line, status
+    completions = (job.job_dir / "completions.log").read_text(encoding="utf-8")
+    assert completions.startswith("step 2 | prompt ") and "(digits " in completions
+    assert latest_complete_checkpoint(job.job_dir).meta.train_type == "online_grpo"

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+import yaml
 from trainer_runs import (
     TORCHRUN,
     TRAINER,
@@ -36,6 +37,7 @@ from astrai.host.status import _grpo_summary
 from astrai.trainer.grpo import GRPOSettings, advantages, completion_logps, grpo_loss
 from astrai.trainer.online import OnlineGRPO, flat_groups
 from astrai.trainer.rewards import RewardError
+from tests.support import invoke
 
 pytestmark = pytest.mark.slow
 
@@ -451,3 +453,20 @@ def test_num_iterations_trains_each_round_again_and_resumes_inside_a_round_bitwi
     finally:
         resumed.close()
     assert final_weights(tmp_path / "parts", 6) == final_weights(tmp_path / "whole", 6)
+
+
+@pytest.mark.parametrize(
+    ("train_type", "world", "said"),
+    [("online_grpo", "prompts_world", "24 training prompts"), ("grpo", "scored_world", "12 training prompts with")],
+)
+def test_preflight_counts_the_prompts_of_the_reward_types(tmp_path, tiny_model, train_type, world, said, request):
+    data = request.getfixturevalue(world) / "data"
+    config = tmp_path / "train.yaml"
+    runtime = {"job_name": "j", "gpu": {"devices": "none"}, "container": {"cuda_tag": "cpu"}}
+    runtime["paths"] = {"data": str(data), "model": str(tiny_model)}
+    rewards = ["astrai.rewards:exact_answer"]
+    trainer = {"training": {"train_type": train_type, "rewards": rewards, "batch_per_device": 2}}
+    config.write_text(yaml.safe_dump({"runtime": runtime, **trainer}), encoding="utf-8")
+    result = invoke("preflight", "--config", str(config), check=False)
+    line = next(line for line in result.stdout.splitlines() if "data fits model" in line)
+    assert line.startswith("✓") and said in line, result.stdout
