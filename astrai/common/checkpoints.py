@@ -117,6 +117,10 @@ class CheckpointMeta:
     then the adapters alone (PEFT's names), config.json the base model's, and ``base`` which base they belong to
     (sha256: astrai.common.model_folder.base_digest)."""
 
+    rewards: dict | None = None
+    """The types that learn from rewards: the settings that shape a step (reward functions, sampling, GRPO's
+    keys, by their training.* names), so a resume that changes them says so."""
+
     def to_dict(self) -> dict:
         values = dataclasses.asdict(self)
         samples = values.pop("samples_in_epoch")
@@ -153,6 +157,7 @@ class CheckpointMeta:
             "optimizer": raw.get("optimizer"),
             "data_digest": raw.get("data_digest"),
             "lora": raw.get("lora"),
+            "rewards": raw.get("rewards") if isinstance(raw.get("rewards"), dict) else None,
         }
         if values["reason"] not in REASONS:
             allowed = ", ".join(REASONS)

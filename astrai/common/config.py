@@ -380,6 +380,39 @@ class TrainingSection:
             )
 
 
+REWARD_KEYS = {
+    "grpo": ("grpo_epsilon", "grpo_epsilon_high", "grpo_beta", "grpo_loss", "scale_rewards", "num_iterations"),
+    "online_grpo": (
+        "rewards",
+        "num_generations",
+        "max_completion_length",
+        "mask_truncated_completions",
+        "temperature",
+        "top_p",
+        "top_k",
+        "grpo_epsilon",
+        "grpo_epsilon_high",
+        "grpo_beta",
+        "grpo_loss",
+        "scale_rewards",
+        "num_iterations",
+    ),
+    "online_dpo": ("rewards", "max_completion_length", "temperature", "top_p", "top_k", "dpo_beta"),
+}
+"""The training keys that shape a step of each type that learns from rewards (recorded in every checkpoint)."""
+
+
+def reward_settings(training: TrainingSection) -> dict | None:
+    """What checkpoints record of a reward type's settings (None for the other types), in plain JSON values."""
+    keys = REWARD_KEYS.get(training.train_type)
+    if keys is None:
+        return None
+    values = {key: getattr(training, key) for key in keys}
+    if "rewards" in values:
+        values["rewards"] = [f"{spec.function} x{spec.weight:g}" for spec in training.rewards]
+    return values
+
+
 def resolve_grad_accum_steps(training: TrainingSection, world_size: int) -> int:
     """Micro-batches per optimizer step on ``world_size`` processes: grad_accum_steps, or derived from
     global_batch_size, which must then split exactly; the error names the world sizes that would fit."""

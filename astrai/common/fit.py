@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.checkpoints import CheckpointMeta
+from astrai.common.config import reward_settings
 from astrai.common.contract import MODEL_CONFIG_FILE, TOKENIZER_FILE
 from astrai.common.data_folder import TokenData, WindowSplit, tokenizer_digest
 from astrai.common.errors import AstraiError
@@ -160,6 +161,10 @@ def _check_same_lora(meta: CheckpointMeta, folder: Path, training) -> None:
         )
 
 
+def _shown(value) -> str:
+    return ", ".join(value) if isinstance(value, list) else str(value)
+
+
 def check_resume(
     meta: CheckpointMeta, folder: Path, training, data_digest: str | None, base_dtype: str | None = None
 ) -> list[str]:
@@ -186,6 +191,10 @@ def check_resume(
     held, wanted = (meta.lora or {}).get("base_dtype", "float32"), base_dtype or training.lora_base_dtype
     if meta.lora is not None and wanted != "auto" and held != wanted:
         notes.append(f"lora_base_dtype {held} -> {wanted} since {folder.name}: the frozen base is held differently")
+    now = reward_settings(training) or {}
+    for key, before in (meta.rewards or {}).items():
+        if key in now and now[key] != before:
+            notes.append(f"training.{key} {_shown(before)} -> {_shown(now[key])} since {folder.name}")
     if meta.data_digest is not None and data_digest is not None and meta.data_digest != data_digest:
         notes.append(
             f"the data was prepared again since {folder.name} was written (data digest {meta.data_digest} -> "

@@ -19,7 +19,13 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from astrai.common.config import ONLINE_TRAIN_TYPES, REWARD_TRAIN_TYPES, TrainerConfig, resolve_lora_base_dtype
+from astrai.common.config import (
+    ONLINE_TRAIN_TYPES,
+    REWARD_TRAIN_TYPES,
+    TrainerConfig,
+    resolve_lora_base_dtype,
+    reward_settings,
+)
 from astrai.common.contract import GENERATION_CONFIG_FILE, TOKENIZER_FILE
 from astrai.common.data_folder import DataError, TokenData, data_digest, describe_units, training_units
 from astrai.common.fit import (
@@ -612,6 +618,7 @@ def run_facts(
         optimizer=training.optimizer,
         data_digest=data.digest,
         lora=_lora_record(config, env, start),
+        rewards=reward_settings(training),
     )
 
 

@@ -470,3 +470,16 @@ def test_preflight_counts_the_prompts_of_the_reward_types(tmp_path, tiny_model, 
     result = invoke("preflight", "--config", str(config), check=False)
     line = next(line for line in result.stdout.splitlines() if "data fits model" in line)
     assert line.startswith("✓") and said in line, result.stdout
+
+
+def test_a_resume_with_other_reward_settings_names_each_change(
+    tmp_path, prompts_world, train_yaml, make_trainer, run_trainer, one_thread, capsys
+):
+    path = _yaml(train_yaml, tmp_path / "t.yaml", prompts_world, ckpt_dir=str(tmp_path / "ckpt"))
+    run_trainer(path, steps=3)
+    capsys.readouterr()
+    trainer = make_trainer(path, grpo_loss="grpo", num_generations=2)
+    trainer.close()
+    out = capsys.readouterr().out
+    assert "note: training.grpo_loss dapo -> grpo since epoch_0_step_3" in out, out
+    assert "note: training.num_generations 4 -> 2 since epoch_0_step_3" in out, out

@@ -82,6 +82,8 @@ class RunFacts:
     data_digest: str | None = None
     lora: dict | None = None
     """LoRA: its settings and the base model the adapters belong to (LoRASettings.record)."""
+    rewards: dict | None = None
+    """The types that learn from rewards: the settings of a step (astrai.common.config.reward_settings)."""
 
 
 class CheckpointManager:
@@ -314,6 +316,7 @@ class CheckpointManager:
             optimizer=self.facts.optimizer,
             data_digest=self.facts.data_digest,
             lora=self.facts.lora,
+            rewards=self.facts.rewards,
         )
 
     def wait(self) -> None:
