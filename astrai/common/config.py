@@ -362,7 +362,13 @@ class TrainingSection:
         )
         online = self.train_type in ONLINE_TRAIN_TYPES
         _check(
-            not online or self.num_generations >= 2,
+            self.train_type != "online_dpo" or not self.mask_truncated_completions,
+            "training.mask_truncated_completions",
+            self.mask_truncated_completions,
+            "false with online_dpo (a pair is ranked by its completions' rewards, cut or not)",
+        )
+        _check(
+            self.train_type != "online_grpo" or self.num_generations >= 2,
             "training.num_generations",
             self.num_generations,
             "an integer >= 2 (a group's advantages are each completion's reward against the others')",

@@ -111,7 +111,7 @@ DPO_METRICS = (METRIC_REWARDS_CHOSEN, METRIC_REWARDS_REJECTED, METRIC_REWARDS_MA
 
 
 def _grpo_summary(record: dict) -> str:
-    """online_grpo's last record: the reward (and each function's), the groups without signal, the lengths."""
+    """The reward types' last record: the reward (and each function's), the groups without signal, the lengths."""
     text = f"reward {record[METRIC_REWARD]:.4f}"
     if _number(record, METRIC_REWARD_STD):
         text += f" ± {record[METRIC_REWARD_STD]:.4f}"
@@ -165,7 +165,7 @@ def format_status(status: JobStatus) -> list[str]:
             f"accuracy {accuracy:.1%}"
         )
     if _number(record, METRIC_REWARD):
-        lines.append(f"grpo        {_grpo_summary(record)}")
+        lines.append(f"rewards     {_grpo_summary(record)}")
     per_source = record.get(METRIC_TOKENS_PER_SOURCE)
     if isinstance(per_source, dict) and per_source:
         total = sum(value for value in per_source.values() if isinstance(value, int)) or 1

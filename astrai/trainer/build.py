@@ -23,6 +23,7 @@ from astrai.common.config import (
     ONLINE_TRAIN_TYPES,
     REWARD_TRAIN_TYPES,
     TrainerConfig,
+    resolve_grad_accum_steps,
     resolve_lora_base_dtype,
     reward_settings,
 )
@@ -249,13 +250,14 @@ def _prompt_units(config: TrainerConfig, index: RecordIndex, log: Log, model: Mo
     """The prompts, each cut to leave room for max_completion_length in the model's context (or left out)."""
     training, overlong = config.training, config.data.overlong
     limit = min(model.max_seq_len, model.sliding_window or model.max_seq_len)
-    room = limit - training.max_completion_length + 1
+    room = limit - training.max_completion_length  # the update scores prompt and completion in one pass
     if room < 1:
         raise SetupError(
             f"training.max_completion_length {training.max_completion_length} leaves no room for a prompt in the "
             f"model's context of {limit} tokens; lower it below {limit}"
         )
     units = prompt_units(index.length, room, overlong)
+    generations = 2 if training.train_type == "online_dpo" else training.num_generations
     if not len(units):
         raise SetupError(
             f"every prompt of {index.data.root} is longer than {room} tokens, the room max_completion_length "
@@ -263,7 +265,7 @@ def _prompt_units(config: TrainerConfig, index: RecordIndex, log: Log, model: Mo
         )
     how = f"{units.truncated:,} cut to their last {room}" if overlong == "truncate" else f"{units.dropped:,} left out"
     log(
-        f"{training.train_type}: {len(units):,} prompts x {training.num_generations} completions of at most "
+        f"{training.train_type}: {len(units):,} prompts x {generations} completions of at most "
         f"{training.max_completion_length} tokens; prompts longer than {room} tokens: {how} (data.overlong: {overlong})"
     )
     return units
@@ -429,6 +431,7 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
     tokenizer = ByteTokenizer() if data.tokenizer_sha256 is None else HFTokenizer(data.root / TOKENIZER_FILE)
     stop = stop_tokens(model_config, start.source, tokenizer)
     dpo = training.train_type == "online_dpo"
+    per_device = training.batch_per_device
     reference, recorded = None, None
     if settings.beta != 0 or dpo:
         reference, recorded = _starting_model(config, env, model_config, records, loaded, model, start)
@@ -452,6 +455,7 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
             log=log,
             iterations=training.num_iterations,
         )
+        objective.round_shape = (resolve_grad_accum_steps(training, env.world_size), per_device * records.units.size)
         return Objective(objective, recorded)
     described = ", ".join(f"{reward.name} x{reward.spec.weight:g}" for reward in rewards)
     log(
@@ -477,6 +481,7 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
         log,
         iterations=training.num_iterations,
     )
+    objective.round_shape = (resolve_grad_accum_steps(training, env.world_size), per_device * objective.generations)
     return Objective(objective, recorded)
 
 

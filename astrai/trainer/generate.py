@@ -78,8 +78,13 @@ def generate(
     sampling: Sampling,
     stop: set[int] | frozenset[int] = frozenset(),
     generator: torch.Generator | None = None,
+    together=None,
 ) -> list[list[int]]:
-    """The completion of each prompt (token ids, ending with its stop token when it met one)."""
+    """The completion of each prompt (token ids, ending with its stop token when it met one).
+
+    ``together``: a process group whose ranks generate in step (FSDP gathers the weights in every forward pass,
+    so no rank may stop before the others): the batch ends when every rank's rows have ended.
+    """
     if not prompts or any(not prompt for prompt in prompts):
         raise ValueError("every prompt needs at least one token")
     inner = getattr(model, "module", model)  # under DDP, the model it wraps
@@ -107,11 +112,19 @@ def generate(
         chosen = pick(logits, sampling, generator).masked_fill(done, 0)
         completions.append(chosen)
         done = done | torch.isin(chosen, stops)
-        if bool(done.all()) or made == sampling.max_new_tokens:
+        if made == sampling.max_new_tokens or _all_done(done, together):
             break
         logits = model(chosen.unsqueeze(1), cache=cache, real=torch.ones_like(real[:, :1]))
     columns = torch.stack(completions, dim=1).tolist()
     return [_until_stop(row, stop) for row in columns]
+
+
+def _all_done(done: torch.Tensor, together) -> bool:
+    finished = done.all()
+    if together is not None:
+        finished = finished.to("cpu", torch.int32)  # the group is gloo's (astrai.trainer.distributed.DistEnv)
+        torch.distributed.all_reduce(finished, op=torch.distributed.ReduceOp.MIN, group=together)
+    return bool(finished)
 
 
 def _until_stop(row: list[int], stop) -> list[int]:

@@ -25,6 +25,7 @@ summed token losses by the step's completion tokens over every rank, per rank.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -186,6 +187,14 @@ class RoundState:
             objective._round_lost = bool(state)
             return
         mine = state[f"rank{env.rank}"]
+        shape = (len(mine["rollouts"]), len(mine["rollouts"][0]["completions"]) if mine["rollouts"] else 0)
+        if objective.round_shape is not None and shape != objective.round_shape:
+            objective.log(
+                f"note: the checkpoint's generation round has {shape[0]} micro-batch(es) of {shape[1]} completions, "
+                f"a step of this run {objective.round_shape[0]} of {objective.round_shape[1]}: a new round starts"
+            )
+            objective._round_lost = True
+            return
         objective._round = [Rollout.from_state(rollout, env.device) for rollout in mine["rollouts"]]
         objective.step_tokens, objective._step_loss_tokens = mine["tokens"], mine["loss_tokens"]
 
@@ -207,8 +216,10 @@ def mean_std(column: torch.Tensor) -> tuple[float | None, float | None]:
 
 
 def rollout_seed(seed: int, step: int, rank: int, micro: int) -> int:
-    """The sampling seed of one micro-batch of a step: the same for a resumed run as for the uninterrupted one."""
-    return ((seed * 1_000_003 + step) * 1_009 + rank) * 101 + micro
+    """The sampling seed of one micro-batch of a step: the same for a resumed run as for the uninterrupted one, and
+    another for every (seed, step, rank, micro-batch)."""
+    digest = hashlib.sha256(f"{seed}/{step}/{rank}/{micro}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # 63 bits: what torch.Generator.manual_seed takes
 
 
 class OnlineGRPO:
@@ -245,6 +256,9 @@ class OnlineGRPO:
         self._round: list[Rollout] = []
         """The rollouts of the current generation round, trained on ``iterations`` steps."""
         self._round_lost = False
+        self._log_period: int | None = None
+        self.round_shape: tuple[int, int] | None = None
+        """(micro-batches, completions in each) of a step, which a round restored from a checkpoint must have."""
         self.parts = {"grpo_round": RoundState(self)} if iterations > 1 else {}
         """Checkpoint parts of this objective (astrai.trainer.checkpoint.state): the round under way."""
         self._reset()
@@ -317,8 +331,10 @@ class OnlineGRPO:
         prompts = [self.prompts.ids[number] for number in numbers for _ in range(G)]
         generator = torch.Generator(device=self.env.device)
         generator.manual_seed(rollout_seed(self.seed, step, self.env.rank, micro))
+        # FSDP gathers the weights in every forward pass: its ranks generate in step.
+        together = self.env.control_group if self.env.parallel_mode == "fsdp" else None
         with self.autocast:
-            completions = generate(model, prompts, self.sampling, self.stop, generator)
+            completions = generate(model, prompts, self.sampling, self.stop, generator, together)
         ended = [completion[-1] in self.stop for completion in completions]
         texts = [self.decode(completion) for completion in completions]
         prompt_texts = [self.prompts.texts[number] for number in numbers for _ in range(G)]
@@ -328,7 +344,7 @@ class OnlineGRPO:
             with torch.no_grad(), self.autocast:
                 reference = completion_logps(self.reference, prompts, completions)[0]
         counted = [end or not self.mask_truncated for end in ended]
-        if self.env.master_process and micro == 0 and (step + 1) % self.log_interval == 0:
+        if self.env.master_process and micro == 0 and self._log_due(step):
             self._log_completions(step + 1, numbers[0], prompt_texts[0], texts[:G], scores, G)
         rows = [
             [
@@ -343,6 +359,17 @@ class OnlineGRPO:
         ]
         mask = torch.tensor(counted, device=self.env.device)
         return Rollout(prompts, completions, None, reference, mask), rows
+
+    def _log_due(self, step: int) -> bool:
+        """Whether the rollouts sampled at ``step`` go into the completions log: the first ones at or after every
+        log_interval steps (with num_iterations > 1 a round may begin after the interval's last step)."""
+        period = (step + 1) // self.log_interval
+        if self._log_period is None:
+            self._log_period = step // self.log_interval
+        if period <= self._log_period:
+            return False
+        self._log_period = period
+        return True
 
     def _log_completions(self, step: int, number: int, prompt: str, texts: list[str], scores, G: int) -> None:
         """One group of completions with its rewards, appended to the job dir's completions log."""
@@ -545,7 +572,8 @@ class ScoredGroups:
 
     def __init__(self, data: TokenData, index, window: int, overlong: str):
         lines = data.prompt_records()
-        self.groups: list[list[tuple[list[int], list[int], float | None]]] = []
+        self.groups: list[list[tuple[list[int], list[int], float | None, bool]]] = []
+        """Each prompt's completions: (prompt ids, completion ids, reward, whether the window cut it)."""
         self.texts: list[str] = []
         self.truncated = self.dropped = 0
         sizes = set()
@@ -573,7 +601,8 @@ class ScoredGroups:
             self.dropped += 1
             return
         self.truncated += sum(len(ids) > window for ids, _, _ in group)
-        self.groups.append([(ids[:start], ids[start:window], reward) for ids, start, reward in group])
+        kept = [(ids[:start], ids[start:window], reward, len(ids) > window) for ids, start, reward in group]
+        self.groups.append(kept)
         self.texts.append(text)
 
     def __len__(self) -> int:
@@ -594,21 +623,21 @@ class OfflineGRPO(OnlineGRPO):
 
     def _sample(self, model, numbers: list[int], step: int, micro: int) -> tuple[Rollout, list[list[float]]]:
         chosen = [(number, row) for number in numbers for row in self.groups.groups[number]]
-        prompts = [prompt for _, (prompt, _, _) in chosen]
-        completions = [completion for _, (_, completion, _) in chosen]
+        prompts = [prompt for _, (prompt, _, _, _) in chosen]
+        completions = [completion for _, (_, completion, _, _) in chosen]
         reference = None
         if self.reference is not None:
             with torch.no_grad(), self.autocast:
                 reference = completion_logps(self.reference, prompts, completions)[0]
-        if self.env.master_process and micro == 0 and (step + 1) % self.log_interval == 0:
+        if self.env.master_process and micro == 0 and self._log_due(step):
             G = self.generations
-            totals = [reward for _, (_, _, reward) in chosen[:G]]
+            totals = [reward for _, (_, _, reward, _) in chosen[:G]]
             texts = [self.decode(completion) for completion in completions[:G]]
             scores = _Given(totals)
             self._log_completions(step + 1, numbers[0], self.groups.texts[numbers[0]], texts, scores, G)
         rows = [
-            [math.nan if reward is None else reward, len(prompt), len(completion), 1.0, 1.0]
-            for _, (prompt, completion, reward) in chosen
+            [math.nan if reward is None else reward, len(prompt), len(completion), float(not cut), 1.0]
+            for _, (prompt, completion, reward, cut) in chosen
         ]
         mask = torch.ones(len(completions), dtype=torch.bool, device=self.env.device)
         return Rollout(prompts, completions, None, reference, mask), rows

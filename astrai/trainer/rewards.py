@@ -74,6 +74,8 @@ def parse_rewards(value) -> tuple[RewardSpec, ...]:
             raise ValueError(f"{where}: weight must be a finite number, got {weight!r}")
         specs.append(RewardSpec(function, float(weight)))
     names = [spec.name for spec in specs]
+    if "std" in names:
+        raise ValueError("a reward function named std would be reported as reward_std, the total's; rename it")
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         raise ValueError(f"two reward functions named {', '.join(twice)}: metrics tell them apart by name")

@@ -136,8 +136,8 @@ def test_an_online_grpo_job_scores_with_a_reward_file_in_its_data_folder(make_jo
     logs = job.logs()
     assert "online_grpo: rewards digits x1" in logs and "| reward " in logs, logs
     status = job.invoke("status").stdout
-    line = next(line for line in status.splitlines() if line.startswith("grpo"))
-    assert line.startswith("grpo        reward ") and "(digits " in line and "groups without signal" in line, status
+    line = next(line for line in status.splitlines() if line.startswith("rewards"))
+    assert line.startswith("rewards     reward ") and "(digits " in line and "groups without signal" in line, status
     completions = (job.job_dir / "completions.log").read_text(encoding="utf-8")
     assert completions.startswith("step 2 | prompt ") and "(digits " in completions
     assert latest_complete_checkpoint(job.job_dir).meta.train_type == "online_grpo"

@@ -262,8 +262,10 @@ def test_settings_out_of_range_are_refused_naming_the_key(tmp_path, prompts_worl
         assert any(message in line for line in raised.value.messages), raised.value.messages
 
 
-def test_two_ddp_processes_stop_and_resume_bitwise(tmp_path, prompts_world, train_yaml, trainer_env):
-    """Each rank samples its own prompts' groups; a graceful stop and a restart end where an uninterrupted run does."""
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_processes_stop_and_resume_bitwise(tmp_path, prompts_world, train_yaml, trainer_env, mode):
+    """Each rank samples its own prompts' groups (under FSDP in step with the other's forward passes); a graceful
+    stop and a restart end where an uninterrupted run does."""
     finals = {}
     for name in ("whole", "stopped"):
         ckpt_dir = tmp_path / name
@@ -278,7 +280,7 @@ def test_two_ddp_processes_stop_and_resume_bitwise(tmp_path, prompts_world, trai
             grpo_beta=0.05,
             num_workers=1,
         )
-        command = [*TORCHRUN, "-m", "astrai.train", "--config", str(path), "--parallel_mode", "ddp"]
+        command = [*TORCHRUN, "-m", "astrai.train", "--config", str(path), "--parallel_mode", mode]
         if name == "stopped":
             run = Run(command, trainer_env, tmp_path / "run.log")
             stop_gracefully(run, lambda ckpt_dir=ckpt_dir: metrics_step(ckpt_dir) >= 4, rank=1)
