@@ -511,7 +511,7 @@ def _frozen_model(config, env, model_config, records, loaded):
     )
     if reference_config.vocab_size != model_config.vocab_size:
         raise SetupError(
-            f"the reference model {path} has a vocabulary of {reference_config.vocab_size}, the trained model "
+            f"the reference {path} has a vocabulary of {reference_config.vocab_size}, the trained model "
             f"{model_config.vocab_size}: the reference must score the same tokens"
         )
     recorded = {"path": str(path), "sha256": digest}
@@ -531,28 +531,8 @@ def _reference(config, env, model_config, records, feed, loaded, log) -> tuple[o
     A resume must keep the same reference: meta.json records its checksum.
     """
     training = config.training
-    path = Path(config.ckpt.reference_path or config.ckpt.param_path)
-
-    def read_reference():
-        check_model_tokenizer(records.index.data, path)  # a reference with its own tokenizer must be the data's
-        return (*load_base_model(path), model_digest(path))
-
-    reference_config, weights, digest = broadcast_from_master(
-        env, read_reference, errors=(ModelLoadError, SetupError, DataError)
-    )
-    if reference_config.vocab_size != model_config.vocab_size:
-        raise SetupError(
-            f"the DPO reference {path} has a vocabulary of {reference_config.vocab_size}, the trained model "
-            f"{model_config.vocab_size}: the reference must score the same tokens"
-        )
-    recorded = {"path": str(path), "sha256": digest}
-    _check_same_reference(recorded, loaded)
-    reference = Transformer(reference_config)
-    reference.load_state_dict(weights)
-    del weights
-    reference.to(env.device).eval().requires_grad_(False)
-    if env.parallel_mode == "fsdp":
-        reference = parallelize(reference, env)
+    reference, recorded = _frozen_model(config, env, model_config, records, loaded)
+    path, digest = recorded["path"], recorded["sha256"]
     how = f"frozen, beta {training.dpo_beta}, {training.dpo_reference}"
     log(f"dpo: reference model {path} (sha256 {digest[:12]}), {how}")
     return _live_or_table(config, env, model_config, records, feed, log, reference, digest), recorded
