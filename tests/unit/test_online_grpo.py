@@ -343,9 +343,12 @@ def test_online_dpo_ranks_two_completions_and_takes_dpos_step_resuming_bitwise(
         trainer.close()
 
 
-def test_sigkill_at_random_moments_then_a_restart_ends_bitwise_equal(tmp_path, prompts_world, train_yaml, trainer_env):
-    """One process killed twice mid-run (periodic saves every 2 steps): the rollouts of the steps taken again are
-    sampled as before, and the run ends where an uninterrupted one does."""
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigkill_at_random_moments_then_a_restart_ends_bitwise_equal(
+    tmp_path, prompts_world, train_yaml, trainer_env, processes
+):
+    """Killed twice mid-run (periodic saves every 2 steps), on one process or two DDP ones: the rollouts of the
+    steps taken again are sampled as before, and the run ends where an uninterrupted one does."""
     keys = {"max_steps": 16, "ckpt_interval": 2, "log_interval": 1, "grpo_beta": 0.05, "num_workers": 1}
     finals = {}
     rng = random.Random("online_grpo")
@@ -357,6 +360,8 @@ def test_sigkill_at_random_moments_then_a_restart_ends_bitwise_equal(tmp_path, p
         ckpt_dir = tmp_path / name
         path = _yaml(train_yaml, tmp_path / f"{name}.yaml", prompts_world, ckpt_dir=str(ckpt_dir), **keys)
         command = [*TRAINER, "--config", str(path)]
+        if processes == 2:
+            command = [*TORCHRUN, "-m", "astrai.train", "--config", str(path), "--parallel_mode", "ddp"]
         if name == "whole":
             run_to_end(command, trainer_env, tmp_path / "whole.log")
         else:
