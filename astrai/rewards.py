@@ -82,11 +82,11 @@ def normalise(answer) -> str:
     return " ".join(str(answer).lower().split()).rstrip(".").strip().strip("$").strip()
 
 
-def exact_answer(prompts, completions, answer, **fields) -> list[float | None]:
+def exact_answer(prompts, completions, answer=None, **fields) -> list[float | None]:
     """1.0 where the completion's final answer equals ``answer`` after :func:`normalise`; None where a record has
-    no answer."""
+    no answer (and for all of them when no record has an ``answer`` field)."""
     scores = []
-    for completion, expected in zip(completions, answer, strict=True):
+    for completion, expected in zip(completions, answer or [None] * len(completions), strict=True):
         if expected is None:
             scores.append(None)
             continue

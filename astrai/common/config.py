@@ -408,6 +408,14 @@ REWARD_KEYS = {
 """The training keys that shape a step of each type that learns from rewards (recorded in every checkpoint)."""
 
 
+def unused_reward_keys(training: TrainingSection) -> list[str]:
+    """The reward types' keys set (away from their defaults) that ``training.train_type`` does not use."""
+    used = set(REWARD_KEYS.get(training.train_type, ()))
+    every = {key for keys in REWARD_KEYS.values() for key in keys} - {"dpo_beta"}
+    default = TrainingSection()
+    return sorted(key for key in every - used if getattr(training, key) != getattr(default, key))
+
+
 def reward_settings(training: TrainingSection) -> dict | None:
     """What checkpoints record of a reward type's settings (None for the other types), in plain JSON values."""
     keys = REWARD_KEYS.get(training.train_type)

@@ -26,6 +26,7 @@ from astrai.common.config import (
     resolve_grad_accum_steps,
     resolve_lora_base_dtype,
     reward_settings,
+    unused_reward_keys,
 )
 from astrai.common.contract import GENERATION_CONFIG_FILE, TOKENIZER_FILE
 from astrai.common.data_folder import DataError, TokenData, data_digest, describe_units, training_units
@@ -416,6 +417,10 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
     from astrai.trainer.rewards import load_reward
 
     training = config.training
+    unused = unused_reward_keys(training)
+    if unused:
+        keys = ", ".join(f"training.{key}" for key in unused)
+        log(f"note: train_type {training.train_type} does not use {keys}; they are left as set")
     offline = training.train_type == "grpo"
     rewards = [] if offline else [load_reward(spec) for spec in training.rewards]
     settings = GRPOSettings(

@@ -457,9 +457,13 @@ class OnlineGRPO:
     def _reward_metrics(self, table: torch.Tensor) -> dict:
         """The rewards' mean and std, in total and per function, and the completions' lengths, over ``table``."""
         if self._unscored_steps:
+            why = (
+                "(every function gave None): those steps learn nothing; check the fields the rewards read"
+                if self.rewards
+                else "(the data gives every one of them a null reward): those steps learn nothing"
+            )
             self.log(
-                f"warning: no reward function scored any completion of {self._unscored_steps} step(s) since the last "
-                "report (every function gave None): those steps learn nothing; check the fields the rewards read"
+                f"warning: no completion of {self._unscored_steps} step(s) since the last report has a reward {why}"
             )
         reward, reward_std = mean_std(table[:, 0])
         values = {METRIC_REWARD: reward, METRIC_REWARD_STD: reward_std}
