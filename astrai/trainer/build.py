@@ -413,7 +413,6 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
     off, else a second copy of it."""
     from astrai.data.tokenizing import ByteTokenizer, HFTokenizer
     from astrai.trainer.generate import Sampling, stop_tokens
-    from astrai.trainer.grpo import GRPOSettings
     from astrai.trainer.rewards import load_reward
 
     training = config.training
@@ -423,14 +422,7 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
         log(f"note: train_type {training.train_type} does not use {keys}; they are left as set")
     offline = training.train_type == "grpo"
     rewards = [] if offline else [load_reward(spec) for spec in training.rewards]
-    settings = GRPOSettings(
-        epsilon=training.grpo_epsilon,
-        epsilon_high=training.grpo_epsilon_high,
-        beta=training.grpo_beta,
-        loss=training.grpo_loss,
-        scale_rewards=training.scale_rewards,
-        max_completion_length=training.max_completion_length,
-    )
+    settings = _grpo_settings(training)
     sampling = Sampling(training.max_completion_length, training.temperature, training.top_k, training.top_p)
     data = records.index.data
     tokenizer = ByteTokenizer() if data.tokenizer_sha256 is None else HFTokenizer(data.root / TOKENIZER_FILE)
@@ -488,6 +480,19 @@ def _online(config, env, model_config, records, loaded, log, model, start) -> Ob
     )
     objective.round_shape = (resolve_grad_accum_steps(training, env.world_size), per_device * objective.generations)
     return Objective(objective, recorded)
+
+
+def _grpo_settings(training):
+    from astrai.trainer.grpo import GRPOSettings
+
+    return GRPOSettings(
+        epsilon=training.grpo_epsilon,
+        epsilon_high=training.grpo_epsilon_high,
+        beta=training.grpo_beta,
+        loss=training.grpo_loss,
+        scale_rewards=training.scale_rewards,
+        max_completion_length=training.max_completion_length,
+    )
 
 
 def _starting_model(config, env, model_config, records, loaded, model, start):
