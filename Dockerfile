@@ -75,6 +75,15 @@ RUN set -eu; \
                  "TensorBoard event files will be off"; \
         fi; \
     fi
+# Experiment tracker clients (log.report_to: mlflow, wandb), only when the job reports to one. A layer of its own
+# before the code, so a code change does not install them again; `invoke start` passes the pinned versions
+# (astrai/common/contract.py TRACKER_PACKAGES).
+ARG TRACKER_PACKAGES=""
+RUN set -eu; \
+    if [ -n "${TRACKER_PACKAGES}" ]; then \
+        echo "installing the tracker clients: ${TRACKER_PACKAGES}"; \
+        python3 -m pip install --quiet ${TRACKER_PACKAGES}; \
+    fi
 # What `invoke status` and `invoke preflight` report (label names: astrai/common/contract.py).
 LABEL ai.astrai.torch="${TORCH_VERSION}" \
       ai.astrai.cuda_tag="${CUDA_TAG}"

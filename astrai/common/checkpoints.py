@@ -112,6 +112,8 @@ class CheckpointMeta:
     """adamw or muon: whose moments optimizer.pt holds (absent in older checkpoints)."""
     data_digest: str | None = None
     """Which prepared data it trained on: a digest of the data folders' manifests (absent in older checkpoints)."""
+    trackers: dict | None = None
+    """The experiment tracker runs the job reports to: each tracker's name (mlflow, wandb) and its run id."""
     lora: dict | None = None
     """LoRA only: ``{"rank", "alpha", "dropout", "targets", "base": {"path", "sha256"}}``. The folder's weights are
     then the adapters alone (PEFT's names), config.json the base model's, and ``base`` which base they belong to
@@ -158,6 +160,7 @@ class CheckpointMeta:
             "data_digest": raw.get("data_digest"),
             "lora": raw.get("lora"),
             "rewards": raw.get("rewards") if isinstance(raw.get("rewards"), dict) else None,
+            "trackers": _tracker_ids(raw.get("trackers")),
         }
         if values["reason"] not in REASONS:
             allowed = ", ".join(REASONS)
@@ -467,3 +470,10 @@ def folder_bytes(path: Path) -> int:
     return sum(
         entry.stat(follow_symlinks=False).st_size for entry in os.scandir(path) if entry.is_file(follow_symlinks=False)
     )
+
+
+def _tracker_ids(value) -> dict | None:
+    """The tracker run ids of a checkpoint, text ids only (a damaged entry starts a new tracker run, no more)."""
+    if not isinstance(value, dict):
+        return None
+    return {name: run_id for name, run_id in value.items() if isinstance(name, str) and isinstance(run_id, str)} or None

@@ -29,6 +29,12 @@ from astrai.common.contract import (
     CONTAINER_DATA,
     CONTAINER_MODEL,
     PARALLEL_MODES,
+    REPORT_TO,
+    TRACKER_MLFLOW,
+    TRACKER_NONE,
+    TRACKER_PACKAGES,
+    TRACKER_TENSORBOARD,
+    TRACKER_WANDB,
     container_job_dir,
 )
 from astrai.common.data_folder import TRAIN_TYPES
@@ -491,6 +497,36 @@ class CkptSection:
 
 
 @dataclass(frozen=True)
+class MlflowSettings:
+    """log.mlflow: where an MLflow run goes (the address may come from MLFLOW_TRACKING_URI instead)."""
+
+    tracking_uri: str | None = None
+    """null: MLFLOW_TRACKING_URI from the environment, else a file store in the job dir (``<job dir>/mlruns``)."""
+    experiment: str | None = None
+    """null: ``astrai``."""
+    run_name: str | None = None
+    """null: the job's name (its checkpoint folder's name)."""
+
+
+@dataclass(frozen=True)
+class WandbSettings:
+    """log.wandb: which Weights & Biases project a run goes to."""
+
+    project: str | None = None
+    """null: WANDB_PROJECT from the environment, else ``astrai``."""
+    entity: str | None = None
+    """null: the API key's default entity."""
+    run_name: str | None = None
+    """null: the job's name."""
+    mode: str = "online"
+    """online (to the server; needs WANDB_API_KEY) or offline (files in ``<job dir>/wandb`` for ``wandb sync``)."""
+
+
+TRACKER_SETTINGS = {TRACKER_MLFLOW: MlflowSettings, TRACKER_WANDB: WandbSettings}
+WANDB_MODES = ("online", "offline")
+
+
+@dataclass(frozen=True)
 class LogSection:
     log_interval: int = 10
     """Optimizer steps between progress lines (and metrics.jsonl records)."""
@@ -500,6 +536,12 @@ class LogSection:
     """Validate on at most this many held-out windows, evenly spread, the same ones every time."""
     peak_tflops: float | None = None
     """Peak bf16 TFLOP/s of one device, for MFU; null looks the GPU up in a table (CPU and unknown GPUs: n/a)."""
+    report_to: tuple[str, ...] = (TRACKER_TENSORBOARD,)
+    """Where metrics go besides metrics.jsonl: tensorboard, mlflow, wandb (any of them), or none."""
+    mlflow: MlflowSettings = field(default_factory=MlflowSettings)
+    wandb: WandbSettings = field(default_factory=WandbSettings)
+    upload_checkpoints: bool = False
+    """Upload the last checkpoint to the trackers when the run ends (its weights leave the host: off by default)."""
 
     def __post_init__(self) -> None:
         _check(self.log_interval >= 1, "log.log_interval", self.log_interval, "an integer >= 1")
@@ -511,6 +553,12 @@ class LogSection:
             self.peak_tflops,
             "a number > 0, or null to look the GPU up",
         )
+        _check(self.wandb.mode in WANDB_MODES, "log.wandb.mode", self.wandb.mode, f"one of {', '.join(WANDB_MODES)}")
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """The remote trackers asked for (mlflow, wandb), in report_to's order."""
+        return tuple(name for name in self.report_to if name in TRACKER_PACKAGES)
 
 
 @dataclass(frozen=True)
@@ -597,6 +645,10 @@ def _coerce(dotted: str, value, kind, from_text: bool):
         return _targets(dotted, value, from_text)
     if dotted.split(" ")[0] == "training.rewards":
         return _rewards(dotted, value, from_text)
+    if dotted.split(" ")[0] == "log.report_to":
+        return _report_to(dotted, value, from_text)
+    if dotted.split(" ")[0] in ("log.mlflow", "log.wandb"):
+        return _tracker_settings(dotted, value, from_text)
     optional = isinstance(kind, types.UnionType) and type(None) in kind.__args__
     if optional:
         kind = next(arg for arg in kind.__args__ if arg is not type(None))
@@ -649,6 +701,47 @@ def _targets(dotted: str, value, from_text: bool) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ConfigError(f"{dotted}: each module once, got {_got(names)}")
     return tuple(names)
+
+
+def _report_to(dotted: str, value, from_text: bool) -> tuple[str, ...]:
+    """log.report_to: a YAML list (or one name), or comma-separated text; ``none`` alone."""
+    if from_text or isinstance(value, str):
+        value = [name.strip() for name in str(value).split(",")]
+    allowed = ", ".join(REPORT_TO)
+    if not isinstance(value, list) or not all(isinstance(name, str) and name in REPORT_TO for name in value):
+        bad = [name for name in value if name not in REPORT_TO] if isinstance(value, list) else value
+        raise ConfigError(f"{dotted}: expected a list of {allowed}, got {_got(bad)}")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{dotted}: each tracker once, got {_got(value)}")
+    if TRACKER_NONE in value and len(value) > 1:
+        raise ConfigError(f"{dotted}: none stands alone (it turns every tracker off), got {_got(value)}")
+    return () if value in ([], [TRACKER_NONE]) else tuple(value)
+
+
+def _tracker_settings(dotted: str, value, from_text: bool):
+    """log.mlflow / log.wandb: a mapping of their keys (on the command line, the mapping in flow style)."""
+    section = dotted.split(" ")[0]
+    cls = TRACKER_SETTINGS[section.split(".")[1]]
+    keys = [f.name for f in dataclasses.fields(cls)]
+    example = "{" + ", ".join(f"{key}: ..." for key in keys[:2]) + "}"
+    if from_text:
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"{dotted}: expected a mapping in flow style, such as '{example}'") from None
+    if value is None:
+        return cls()
+    if not isinstance(value, dict):
+        raise ConfigError(f"{dotted}: expected a mapping of {', '.join(keys)} such as {example}, got {_got(value)}")
+    hints = _field_types(cls)
+    settings = {}
+    for key, item in value.items():
+        if key not in hints:
+            raise ConfigError(f"{section}.{key}: {unknown('unknown key', str(key), hints)}")
+        if key == "mode" and item not in WANDB_MODES:
+            raise ConfigError(f"{section}.mode: expected one of {', '.join(WANDB_MODES)}, got {_got(item)}")
+        settings[key] = _coerce(f"{section}.{key}", item, hints[key], from_text=False)
+    return cls(**settings)
 
 
 def _rewards(dotted: str, value, from_text: bool) -> tuple[RewardSpec, ...]:

@@ -210,6 +210,36 @@ TAG_TOKENS_PREFIX = "data/tokens/"
 TAG_CHECKPOINT = "checkpoint"
 """A text event at the step of every checkpoint save, naming its folder and reason."""
 
+# --- Experiment trackers (docs/trackers.md) --------------------------------------------------------
+TRACKER_TENSORBOARD = "tensorboard"
+TRACKER_MLFLOW = "mlflow"
+TRACKER_WANDB = "wandb"
+TRACKER_NONE = "none"
+REPORT_TO = (TRACKER_TENSORBOARD, TRACKER_MLFLOW, TRACKER_WANDB, TRACKER_NONE)
+"""What ``log.report_to`` lists; ``none`` stands alone (metrics.jsonl is written whatever it says)."""
+TRACKERS_FILE = "trackers.json"
+"""The job dir's record of its tracker runs (id, address, last step sent), so a resume continues the same run."""
+WANDB_DIR = "wandb"
+"""W&B's local files of a job: ``<job dir>/wandb/`` (offline runs stay there for ``wandb sync``)."""
+TRACKER_PACKAGES = {TRACKER_MLFLOW: "mlflow-skinny==3.17.2", TRACKER_WANDB: "wandb==0.28.2"}
+"""What the trainer image installs for a tracker ``log.report_to`` asks for (the versions the tests run)."""
+TRACKER_SECRETS = {
+    TRACKER_MLFLOW: (
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_TRACKING_TOKEN",
+        "MLFLOW_TRACKING_USERNAME",
+        "MLFLOW_TRACKING_PASSWORD",
+    ),
+    TRACKER_WANDB: ("WANDB_API_KEY", "WANDB_BASE_URL"),
+}
+"""Variables a tracker's client reads, passed by name from the host's environment, never written down."""
+TAG_STATE = "astrai.state"
+"""The tracker run's tag for how the run ended: finished, stopped, diverged or failed."""
+TAG_FINAL_CHECKPOINT = "astrai.checkpoint"
+"""The tracker run's tag naming the last checkpoint written."""
+TAG_REPLAYED = "astrai.replayed_steps"
+"""Set on resume: the steps trained again after the checkpoint, whose values the tracker kept from the first time."""
+
 EXIT_LOST_NODE = 75
 """Exit code of a trainer rank that gave up because another node was lost (not a stop: it may be restarted)."""
 EXIT_STOPPED_UNFINISHED = 76

@@ -19,9 +19,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from astrai.common.contract import METRIC_STEP
+from astrai.common.contract import METRIC_STEP, TRACKER_PACKAGES, TRACKERS_FILE
 
 TAIL_BYTES = 1 << 20
 """How far back from the end the newest records are looked for."""
@@ -156,3 +157,25 @@ def _as_run(records) -> list[dict]:
 def read_records(path: Path) -> list[dict]:
     """Every progress record of a metrics.jsonl as the run stands (see :meth:`MetricsFile.records`)."""
     return MetricsFile(path).records()
+
+
+# --- trackers.json: the job's experiment tracker runs --------------------------------------------------
+
+
+@dataclass
+class TrackerRun:
+    """One tracker's run as the job dir records it."""
+
+    run_id: str | None = None
+    url: str | None = None
+    last_step: int = 0
+    """The last step whose metrics reached the tracker."""
+
+
+def read_runs(job_dir: Path) -> dict[str, TrackerRun]:
+    """The job dir's tracker runs by tracker name; none when the file is missing or unreadable."""
+    try:
+        saved = json.loads((Path(job_dir) / TRACKERS_FILE).read_text(encoding="utf-8"))
+        return {name: TrackerRun(**fields) for name, fields in saved.items() if name in TRACKER_PACKAGES}
+    except (OSError, ValueError, TypeError):
+        return {}

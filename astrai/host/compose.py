@@ -35,6 +35,7 @@ from astrai.common.contract import (
     LABEL_NODE,
     TORCH_CUDA_TAGS,
     TORCH_VERSION,
+    TRACKER_PACKAGES,
 )
 from astrai.common.errors import AstraiError
 from astrai.host import launch
@@ -72,6 +73,8 @@ SCRATCH_TMPFS = tuple(f"{path}:exec,mode=1777" for path in ("/tmp", CONTAINER_HO
 # 64 MiB stack. memlock only for GPU jobs: raising it needs CAP_SYS_RESOURCE in the
 # engine, which CPU jobs (gloo) have no use for.
 STACK_BYTES = 67108864
+DOCKER_HOST_NAME = "host.docker.internal"
+"""The host as a job's container on a bridge network reaches it (for a tracker server running beside the job)."""
 
 
 class ComposeError(AstraiError):
@@ -147,6 +150,8 @@ def render_override(
                 "CUDA_TAG": runtime.cuda_tag,
                 "GID": str(gid),
                 "TORCH_VERSION": TORCH_VERSION,
+                # The trackers' clients join the image only for a job that reports to them (log.report_to).
+                "TRACKER_PACKAGES": " ".join(TRACKER_PACKAGES[name] for name in sorted(spec.trackers)),
                 "UID": str(uid),
             },
         },
@@ -180,6 +185,10 @@ def render_override(
         # with host networking, its name) would each run torchrun as the same pid of a fresh PID namespace, and
         # the rendezvous would wait forever; the host's PID namespace keeps their pids apart.
         service["pid"] = "host"
+    elif spec.trackers:
+        # A tracker server on this host (MLflow, a self-hosted W&B) is at host.docker.internal inside the container,
+        # as on Docker Desktop; on the host's own network (above) it is at localhost already.
+        service["extra_hosts"] = [f"{DOCKER_HOST_NAME}:host-gateway"]
     if runtime.supervisor_pid is not None:
         # The entrypoint watches the Slurm task that started it (a host pid) and stops when it is gone.
         service["pid"] = "host"

@@ -98,7 +98,7 @@ def render_manifests(runtime: Runtime, trainer_args: list[str] = (), *, trainjob
             "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT}],
         },
     }
-    env = _environment(runtime)
+    env = _environment(runtime, trainer_args)
     env += [
         _from_field(ENV_NODE_RANK, f"metadata.annotations['{INDEX_ANNOTATION}']"),
         {"name": ENV_RDZV_ENDPOINT, "value": f"{name}-0.{name}.{settings.namespace}.svc:{RENDEZVOUS_PORT}"},
@@ -204,19 +204,35 @@ def _literal(text: str) -> str:
     return text.replace("$(", "$$(")
 
 
-def _environment(runtime: Runtime) -> list[dict]:
+def _environment(runtime: Runtime, trainer_args: list[str] | tuple[str, ...] = ()) -> list[dict]:
     """The container's environment as the Docker job has it, minus what each pod takes from Kubernetes."""
     # Each pod's rank and the rendezvous come from the Job (below); the device plugin decides which GPUs it sees.
-    env = launch.scheduler_spec(runtime).environment
+    spec = launch.scheduler_spec(runtime, trainer_args)
+    env = spec.environment
     # A pod stopped short of the end (an eviction, a drain, a preemption) exits non-zero, and is retried.
     env[ENV_STOPPED_EXIT_CODE] = str(EXIT_STOPPED_UNFINISHED)
-    passed = [key for key, value in env.items() if value is None]
+    # The trackers' variables come from the job's Secret, by name; a key the Secret lacks is left unset.
+    secret = {name for name in launch.tracker_environment(spec.trackers) if env.get(name) is None}
+    passed = [key for key, value in env.items() if value is None and key not in secret]
     if passed:
         raise KubernetesError(
             f"{runtime.config_path}: runtime.environment.{passed[0]}: null passes a variable through from your shell, "
             "which a pod does not have; give it a value (or a Secret by editing the manifest)"
         )
-    return [{"name": key, "value": _literal(value)} for key, value in sorted(env.items())]
+    return [
+        _from_secret(key, tracker_secret_name(runtime)) if key in secret else {"name": key, "value": _literal(value)}
+        for key, value in sorted(env.items())
+    ]
+
+
+def tracker_secret_name(runtime: Runtime) -> str:
+    """The Secret a job's pods read their trackers' variables from (``kubectl create secret generic NAME
+    --from-literal=WANDB_API_KEY=...``): the job's object name and ``-trackers``."""
+    return f"{object_name(runtime.job_name)}-trackers"
+
+
+def _from_secret(name: str, secret: str) -> dict:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": name, "optional": True}}}
 
 
 def _resources(runtime: Runtime) -> dict:
@@ -296,7 +312,7 @@ def _trainjob(runtime: Runtime, name: str, trainer_args: list[str]) -> dict:
         "command": ["python3", "-m", "astrai.trainer.entrypoint"],
         "numNodes": runtime.node_count,
         # No ENV_STOPPED_EXIT_CODE: a TrainJob's runtime has no failure policy that would retry an exit of 76.
-        "env": [item for item in _environment(runtime) if item["name"] != ENV_STOPPED_EXIT_CODE],
+        "env": [item for item in _environment(runtime, trainer_args) if item["name"] != ENV_STOPPED_EXIT_CODE],
     }
     if trainer_args:
         trainer["args"] = [_literal(arg) for arg in trainer_args]

@@ -40,8 +40,10 @@ from astrai.common.contract import (
     ENV_RDZV_ID,
     ENV_STOP_TIMEOUT_SECONDS,
     ENV_SUPERVISOR_PID,
+    TRACKER_SECRETS,
 )
 from astrai.host.runtime import INTERFACE_VARIABLES, Runtime
+from astrai.host.trainer_config import trackers_of
 
 SCHEDULER_GIVEN = (ENV_NODE_RANK, ENV_RDZV_ENDPOINT, ENV_RDZV_ID)
 """What each node's container gets from the scheduler that starts it, never from the spec (and, for a GPU job,
@@ -64,6 +66,9 @@ class LaunchSpec:
     """None: passed through from the environment of the process that starts the container (a secret)."""
     arguments: tuple[str, ...]
     """The entrypoint's arguments: the user's words after ``--`` (the entrypoint puts the trainer's own first)."""
+    trackers: tuple[str, ...] = ()
+    """The remote trackers the trainer reports to (log.report_to): the image needs their clients, and the container
+    their variables (:data:`TRACKER_SECRETS`), passed by name."""
 
 
 def mounts(runtime: Runtime) -> tuple[Mount, ...]:
@@ -125,11 +130,21 @@ def scheduler_environment(runtime: Runtime) -> dict[str, str | None]:
 
 
 def node_spec(runtime: Runtime, trainer_args: list[str] | tuple[str, ...] = ()) -> LaunchSpec:
-    return LaunchSpec(mounts(runtime), container_environment(runtime), tuple(trainer_args))
+    trackers = trackers_of(runtime, trainer_args)
+    env = {**tracker_environment(trackers), **container_environment(runtime)}
+    return LaunchSpec(mounts(runtime), env, tuple(trainer_args), trackers)
 
 
 def scheduler_spec(runtime: Runtime, trainer_args: list[str] | tuple[str, ...] = ()) -> LaunchSpec:
-    return LaunchSpec(mounts(runtime), scheduler_environment(runtime), tuple(trainer_args))
+    trackers = trackers_of(runtime, trainer_args)
+    env = {**tracker_environment(trackers), **scheduler_environment(runtime)}
+    return LaunchSpec(mounts(runtime), env, tuple(trainer_args), trackers)
+
+
+def tracker_environment(trackers: tuple[str, ...]) -> dict[str, None]:
+    """The variables the trackers' clients read (their secrets among them), each passed through by name: its value
+    never appears in a rendered file. A value the user gives in runtime.environment wins."""
+    return {name: None for tracker in trackers for name in TRACKER_SECRETS[tracker]}
 
 
 def _devices_text(devices: str | tuple[int, ...]) -> str:

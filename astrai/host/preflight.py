@@ -114,6 +114,10 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = (), *, this_host: boo
             checks.append(_resume_check(runtime, latest, config, data))
         if config is not None and config.training.train_type == "dpo":
             checks.append(_reference_check(runtime, config, model, data))
+        if config is not None:
+            from astrai.host.tracker_checks import tracker_checks  # it builds on this module's Check
+
+            checks += tracker_checks(runtime, config)
     checks.append(_disk_space_check(runtime, config))
     if runtime.multi_node:
         checks += node_checks(runtime)

@@ -228,7 +228,7 @@ first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 address=$(scontrol show node "$first" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p' | head -n 1)
 export {ENV_RDZV_ENDPOINT}="${{address:-$first}}:{rendezvous_port("SLURM_JOB_ID")}"
 export {ENV_RDZV_ID}="slurm-$SLURM_JOB_ID"
-{_exports(runtime)}
+{_exports(runtime, trainer_args)}
 # Every stop is graceful: each task gets SIGTERM, finishes its step, and the job writes one emergency checkpoint.
 reason=""
 stop_tasks() {{
@@ -329,7 +329,7 @@ def _apptainer_task(runtime: Runtime, trainer_args: list[str], _python: str) -> 
     return shlex.join(command), shlex.join(finished)
 
 
-def _exports(runtime: Runtime) -> str:
+def _exports(runtime: Runtime, trainer_args: list[str] | tuple[str, ...] = ()) -> str:
     """The container's environment as exports, for the launchers that run the image inside the task.
 
     The docker launcher renders it per node (as `invoke start` does), so it needs none here. Slurm itself
@@ -338,7 +338,7 @@ def _exports(runtime: Runtime) -> str:
     if slurm_settings(runtime).launcher == "docker":
         return ""
     # The rank per task from SLURM_NODEID, the rendezvous from the allocation (above).
-    env = launch.scheduler_spec(runtime).environment
+    env = launch.scheduler_spec(runtime, trainer_args).environment
     lines = ["# The trainer's environment (the image's entrypoint reads it)."]
     for name, value in sorted(env.items()):
         if value is None:

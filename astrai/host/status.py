@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from astrai.common.checkpoints import Checkpoint, scan_job_dir
@@ -36,8 +36,9 @@ from astrai.common.contract import (
     METRIC_TOKENS_PER_SOURCE,
     METRIC_VAL_LOSS,
     METRICS_FILE,
+    container_job_dir,
 )
-from astrai.common.metrics import MetricsFile
+from astrai.common.metrics import MetricsFile, TrackerRun, read_runs
 from astrai.common.model_folder import ModelConfig, ModelLoadError, num_adapter_parameters, num_parameters
 from astrai.common.values import format_duration, local_time
 from astrai.host import compose, engine, preflight, slurm, timer
@@ -68,6 +69,8 @@ class JobStatus:
     timer: timer.TimerState | None
     slurm: str | None = None
     """The submitted Slurm job's state in words, for a job with runtime.slurm that was submitted."""
+    trackers: dict[str, TrackerRun] = field(default_factory=dict)
+    """The MLflow and W&B runs the job reports to (log.report_to), from the job dir."""
 
     @property
     def running(self) -> bool:
@@ -104,6 +107,7 @@ def job_status(runtime: Runtime) -> JobStatus:
         not_checkpoints=len(scan.damaged),
         timer=timer.read_timer(compose.state_dir(runtime)),
         slurm=slurm.status_line(runtime),
+        trackers=read_runs(runtime.job_dir),
     )
 
 
@@ -188,12 +192,23 @@ def format_status(status: JobStatus) -> list[str]:
             f"damaged     {status.not_checkpoints} folder(s) named like checkpoints are not checkpoints; "
             f"`{runtime.command('clean')}` lists them"
         )
+    for name, run in status.trackers.items():
+        lines.append(f"{name:<11} {_tracker_line(runtime, run)}")
     if status.timer is None:
         lines.append("timer       none")
     else:
         left = timer.seconds_left(status.timer)
         lines.append(f"timer       graceful stop in {format_duration(left)} (at {local_time(status.timer.deadline)})")
     return lines
+
+
+def _tracker_line(runtime: Runtime, run: TrackerRun) -> str:
+    """A tracker run's address (an offline W&B run: its folder, as the host sees it), id and last step sent."""
+    where = run.url or ""
+    inside = container_job_dir(runtime.job_name)
+    if where == inside or where.startswith(inside + "/"):
+        where = str(runtime.job_dir) + where[len(inside) :]
+    return f"{where} (run {run.run_id}, step {run.last_step} sent)"
 
 
 def sparkline(values: list[float], width: int = SPARK_WIDTH) -> str:

@@ -162,3 +162,12 @@ def _pairs(user_args: list[str]) -> list[tuple[str, str]]:
             index += 1
         index += 1
     return [(key, value) for key, value in pairs if key != "config"]
+
+
+def trackers_of(runtime: Runtime, user_args: list[str] | tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The remote trackers (log.report_to: mlflow, wandb) this job's trainer reports to; none where its config does
+    not read (the commands that start a job refuse such a config before they render anything)."""
+    try:
+        return read_trainer_config(runtime, list(user_args)).log.trackers
+    except ConfigError:
+        return ()

@@ -48,6 +48,7 @@ from astrai.common.contract import (
     REASON_EMERGENCY,
     REASON_FINAL,
     REASON_PERIODIC,
+    TRACKER_TENSORBOARD,
     resolve_parallel_mode,
 )
 from astrai.common.errors import AstraiError
@@ -70,9 +71,11 @@ from astrai.trainer.distributed import (
     world_from_environment,
 )
 from astrai.trainer.health import Diverged, DivergenceRecord
+from astrai.trainer.lora import parameter_counts
 from astrai.trainer.model import describe_folder
 from astrai.trainer.optim import Schedule, apply_settings, build_optimizer, describe_changes, set_lr
 from astrai.trainer.report import ProgressReporter, ReportError, StepReport, flops_per_token, peak_tflops, print_line
+from astrai.trainer.trackers import Trackers, flat_params
 from astrai.trainer.validation import Validator
 
 
@@ -191,7 +194,8 @@ class Trainer:
             self.autocast,
             config.log.eval_interval,
         )
-        self.reporter = self._reporter()
+        self.reporter = self._reporter(loaded)
+        self._last_checkpoint: Path | None = loaded.checkpoint.path if loaded is not None else None
         self._loss_sum = torch.zeros((), device=env.device)
         self._step_loss = torch.zeros((), device=env.device)
         self._warmed_up = False
@@ -231,7 +235,7 @@ class Trainer:
                 f"(world size {self.env.world_size}, device {self.env.device})"
             )
 
-    def _reporter(self) -> ProgressReporter:
+    def _reporter(self, loaded: LoadedCheckpoint | None) -> ProgressReporter:
         env = self.env
         device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None
         return ProgressReporter(
@@ -245,6 +249,31 @@ class Trainer:
             resumed_step=self.progress.step,
             log=self.log,
             tag=build.trainable_tag(self.model, self.config),
+            tensorboard=TRACKER_TENSORBOARD in self.config.log.report_to,
+            trackers=self._trackers(loaded),
+        )
+
+    def _trackers(self, loaded: LoadedCheckpoint | None) -> Trackers | None:
+        """MLflow and W&B runs (log.report_to) on global rank 0: resumed runs continue the checkpoint's."""
+        if not self.env.master_process or not self.config.log.trackers:
+            return None
+        trainable, frozen = parameter_counts(self.model)
+        params = {
+            **flat_params(self.config.to_dict()),
+            "config_hash": self.config.config_hash(),
+            "world_size": str(self.env.world_size),
+            "parallel_mode": self.env.parallel_mode,
+            "global_batch": str(self.global_batch),
+            "parameters_total": str(trainable + frozen),
+            "parameters_trainable": str(trainable),
+        }
+        return Trackers(
+            self.config.log,
+            self.job_dir,
+            resumed_step=loaded.progress.step if loaded is not None else None,
+            saved=loaded.meta.trackers if loaded is not None else None,
+            params=params,
+            log=self.log,
         )
 
     def _note_mixture(self, splits) -> None:
@@ -437,6 +466,9 @@ class Trainer:
         included, ever holds non-finite state, so retention never pushes out the last good one.
         """
         self.health.check(self.progress.step)
+        trackers = self.reporter.trackers
+        if trackers is not None:  # the tracker runs opened so far, so that a resume continues them
+            self.checkpointer.facts = dataclasses.replace(self.checkpointer.facts, trackers=trackers.ids() or None)
         try:
             path = self.checkpointer.save(reason, wait=reason != REASON_PERIODIC)
         except NonFiniteWeights as error:
@@ -444,20 +476,24 @@ class Trainer:
                 self.health.message(f"the weights after step {self.progress.step} are not finite ({error})")
             ) from None
         self.reporter.checkpoint(self.progress.step, path.name, reason)
+        self._last_checkpoint = path
         if reason == REASON_FINAL:
             self.log(f"final checkpoint {path}")
         elif reason == REASON_EMERGENCY:
             self.log(f"emergency checkpoint {path} (step {self.progress.step}/{self.max_steps})")
         return path
 
-    def close(self) -> None:
-        """Finish a save in progress and stop the DataLoader workers. Call it when done with a Trainer."""
+    def close(self, state: str = "stopped") -> None:
+        """Finish a save in progress, stop the DataLoader workers and end the tracker runs with ``state`` (finished,
+        stopped, diverged or failed). Call it when done with a Trainer."""
         # Dropping the iterator and the loader (which keeps persistent workers' iterator) shuts the workers
         # down now, through their queues; left to interpreter exit, they would be sent SIGTERM, which they ignore.
         self._batches = None
         self.loader = None
-        self.checkpointer.wait()
-        self.reporter.close()
+        try:
+            self.checkpointer.wait()
+        finally:
+            self.reporter.close(state, self._last_checkpoint)
 
 
 def release_freed_memory() -> None:
@@ -563,8 +599,14 @@ def _train(config: TrainerConfig, env: DistEnv, stop: GracefulStop) -> bool:
     trainer = open_trainer(config, env, stop)
     if trainer is None:
         return True
+    state = "failed"
     try:
         trainer.train()
-        return trainer.progress.step >= trainer.max_steps
+        finished = trainer.progress.step >= trainer.max_steps
+        state = "finished" if finished else "stopped"
+        return finished
+    except Diverged:
+        state = "diverged"
+        raise
     finally:
-        trainer.close()
+        trainer.close(state)

@@ -51,6 +51,7 @@ from astrai.common.contract import (
 )
 from astrai.common.errors import AstraiError
 from astrai.common.values import format_duration
+from astrai.trainer.trackers import Trackers
 
 
 class ReportError(AstraiError):
@@ -256,6 +257,8 @@ class ProgressReporter:
         resumed_step: int,
         log: Callable[[str], None],
         tag: str | None = None,
+        tensorboard: bool = True,
+        trackers: Trackers | None = None,
     ):
         self.job_dir = Path(job_dir)
         self.tag = tag
@@ -268,7 +271,9 @@ class ProgressReporter:
         self.peak = peak
         self.log = log
         self.clock = StepClock(time.perf_counter())
-        self.events = EventWriter(self.job_dir / TENSORBOARD_DIR, resumed_step, log) if master else None
+        self.events = EventWriter(self.job_dir / TENSORBOARD_DIR, resumed_step, log) if master and tensorboard else None
+        self.trackers = trackers
+        """MLflow and W&B (log.report_to), global rank 0 only."""
 
     def report(self, report: StepReport, steps: int, evals_left: int, seconds_per_eval: float) -> None:
         """Close the timing interval of ``steps`` steps and, on rank 0, print and record ``report``."""
@@ -324,6 +329,10 @@ class ProgressReporter:
                 handle.write(json.dumps(record, sort_keys=True) + "\n")
         except OSError as error:
             raise ReportError(f"cannot append to {self.job_dir / METRICS_FILE}: {error.strerror}") from None
+        if self.trackers is not None:
+            self.trackers.metrics(report.step, record)
+        if self.events is None:
+            return
         self.events.scalars(
             report.step,
             {
@@ -343,10 +352,14 @@ class ProgressReporter:
         if self.events is not None:
             self.events.checkpoint(step, folder_name, reason)
 
-    def close(self) -> None:
+    def close(self, state: str = "stopped", checkpoint: Path | None = None) -> None:
+        """Flush the event files and end the tracker runs with ``state`` and the last ``checkpoint``."""
         if self.events is not None:
             # After an emergency stop too: the steps logged since the last flush reach the disk.
             self.events.close()
+        if self.trackers is not None:
+            self.trackers.close(state, checkpoint)
+            self.trackers = None
 
 
 def print_line(message: str) -> None:

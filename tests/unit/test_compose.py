@@ -49,7 +49,14 @@ def _runtime(
 def _expected(tmp_path: Path, environment: dict, cuda_tag: str, gpu: bool) -> dict:
     service = {
         "build": {
-            "args": {"BASE_IMAGE": BASE, "CUDA_TAG": cuda_tag, "GID": "1001", "TORCH_VERSION": "2.13.0", "UID": "1000"},
+            "args": {
+                "BASE_IMAGE": BASE,
+                "CUDA_TAG": cuda_tag,
+                "GID": "1001",
+                "TORCH_VERSION": "2.13.0",
+                "TRACKER_PACKAGES": "",
+                "UID": "1000",
+            },
             "context": str(compose.PROJECT_ROOT),
             "dockerfile": "Dockerfile",
         },

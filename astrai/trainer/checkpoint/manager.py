@@ -84,6 +84,8 @@ class RunFacts:
     """LoRA: its settings and the base model the adapters belong to (LoRASettings.record)."""
     rewards: dict | None = None
     """The types that learn from rewards: the settings of a step (astrai.common.config.reward_settings)."""
+    trackers: dict | None = None
+    """The experiment tracker runs (log.report_to) by tracker name: their run ids, known once each has opened."""
 
 
 class CheckpointManager:
@@ -317,6 +319,7 @@ class CheckpointManager:
             data_digest=self.facts.data_digest,
             lora=self.facts.lora,
             rewards=self.facts.rewards,
+            trackers=self.facts.trackers,
         )
 
     def wait(self) -> None:

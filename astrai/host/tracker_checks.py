@@ -1,0 +1,78 @@
+"""Preflight's look at the experiment trackers a job reports to (log.report_to): does each one answer?
+
+A tracker that does not answer is worth a warning, never a refusal: training runs without it, and its updates
+wait (up to a point) for it to come back. The MLflow server is asked from this host: an address the container
+reaches as ``host.docker.internal`` is this host's loopback here.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from astrai.common.config import MlflowSettings, TrainerConfig, WandbSettings
+from astrai.common.contract import TRACKER_MLFLOW, TRACKER_WANDB, WANDB_DIR
+from astrai.host.compose import DOCKER_HOST_NAME
+from astrai.host.preflight import PASS, WARN, Check
+from astrai.host.runtime import Runtime
+
+TIMEOUT_SECONDS = 3
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+def tracker_checks(runtime: Runtime, config: TrainerConfig) -> list[Check]:
+    checks = []
+    for name in config.log.trackers:
+        if name == TRACKER_MLFLOW:
+            checks.append(mlflow_check(runtime, config.log.mlflow))
+        elif name == TRACKER_WANDB:
+            checks.append(wandb_check(runtime, config.log.wandb))
+    return checks
+
+
+def mlflow_check(runtime: Runtime, settings: MlflowSettings) -> Check:
+    key = "log.mlflow.tracking_uri" if settings.tracking_uri else "MLFLOW_TRACKING_URI"
+    uri = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri is None:
+        return Check(PASS, "mlflow", f"no tracking_uri: a file store in the job dir ({runtime.job_dir}/mlruns)")
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme not in ("http", "https"):
+        return Check(PASS, "mlflow", f"{uri}: not a server address; not checked")
+    if parts.hostname in LOOPBACK and not runtime.multi_node:
+        return Check(
+            WARN,
+            "mlflow",
+            f"{key}: {uri}: inside the container, {parts.hostname} is the container itself",
+            f"use http://{DOCKER_HOST_NAME}:{parts.port or 80} for a server on this host",
+        )
+    probe = uri
+    if parts.hostname == DOCKER_HOST_NAME:  # the container's name for this host
+        probe = parts._replace(netloc=parts.netloc.replace(DOCKER_HOST_NAME, "127.0.0.1", 1)).geturl()
+    try:
+        with urllib.request.urlopen(probe.rstrip("/") + "/health", timeout=TIMEOUT_SECONDS) as answer:
+            answer.read(64)
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        reason = getattr(error, "reason", error)
+        return Check(
+            WARN,
+            "mlflow",
+            f"{key}: {uri} does not answer ({reason}); training runs without it, its updates wait for it",
+            "start the MLflow server, or fix the address",
+        )
+    return Check(PASS, "mlflow", f"{uri} answers")
+
+
+def wandb_check(runtime: Runtime, settings: WandbSettings) -> Check:
+    if settings.mode == "offline":
+        return Check(PASS, "wandb", f"offline: the run's files go to {runtime.job_dir}/{WANDB_DIR} for `wandb sync`")
+    if not os.environ.get("WANDB_API_KEY"):
+        return Check(
+            WARN,
+            "wandb",
+            "log.wandb.mode is online, but WANDB_API_KEY is not set in this shell: the trainer would run without W&B",
+            "export WANDB_API_KEY (it is passed to the container by name, never written down), or set "
+            "log.wandb.mode: offline",
+        )
+    return Check(PASS, "wandb", "online; WANDB_API_KEY is set here and passed to the container by name")

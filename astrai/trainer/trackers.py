@@ -1,0 +1,444 @@
+"""Experiment trackers: a job's MLflow and Weights & Biases runs, fed by global rank 0.
+
+Each tracker the config's ``log.report_to`` names gets a :class:`Outbox`: a bounded queue and a worker thread
+that opens the tracker run, sends the parameters, every logged metric and, at the end, how the run ended. The
+trainer only puts updates in the queue, so a slow or unreachable server never holds up a step:
+
+- an update that fails because the server cannot be reached is kept and sent again (1 s, 2 s, ... 30 s apart),
+  in order; meanwhile the queue fills, and once it is full new updates are dropped and counted;
+- an update the server refuses is dropped and counted; a tracker whose run cannot be opened at all (no API key,
+  no client in the image) is switched off with one warning;
+- at the end, what is still queued after :data:`CLOSE_SECONDS` is dropped and counted.
+
+A resumed job continues the same tracker runs. ``<job dir>/trackers.json`` keeps each run's id, address and the
+last step it was sent, and every checkpoint's ``meta.json`` keeps the ids. The steps a resume trains again (those
+after its checkpoint that the interrupted run had already sent) are not sent twice: the tracker keeps the values
+it has, which an exact resume reproduces, and the run gets the tag :data:`TAG_REPLAYED` naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import re
+import secrets
+import string
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+from astrai.common.atomic import write_text_atomically
+from astrai.common.config import LogSection
+from astrai.common.contract import (
+    METRIC_MAX_STEPS,
+    METRIC_STEP,
+    METRIC_TIME,
+    TAG_FINAL_CHECKPOINT,
+    TAG_REPLAYED,
+    TAG_STATE,
+    TRACKER_MLFLOW,
+    TRACKER_PACKAGES,
+    TRACKER_WANDB,
+    TRACKERS_FILE,
+    WANDB_DIR,
+)
+from astrai.common.metrics import TrackerRun, read_runs
+
+OUTBOX_SIZE = 2000
+"""Updates a tracker may have waiting (a metrics record each log_interval steps) before new ones are dropped."""
+CLOSE_SECONDS = 10.0
+"""How long the end of a run waits for each tracker's queue to empty."""
+RETRY_SECONDS = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
+"""Pauses between attempts to reach an unreachable tracker, the last one repeated."""
+STATES = ("finished", "stopped", "diverged", "failed")
+"""How a run ended, as the tracker run's TAG_STATE says."""
+DEFAULT_EXPERIMENT = "astrai"
+
+
+class TrackerUnavailable(Exception):
+    """The tracker cannot be used in this run at all (no client installed, no credentials): switch it off."""
+
+
+def metric_values(record: dict) -> dict[str, float]:
+    """A metrics.jsonl record as tracker metrics: every number but the step's own fields, mixtures' counts
+    flattened (``tokens/<source>``), names reduced to what MLflow accepts."""
+    values = {}
+    for key, value in record.items():
+        if key in (METRIC_STEP, METRIC_MAX_STEPS, METRIC_TIME):
+            continue
+        items = value.items() if isinstance(value, dict) else [("", value)]
+        for sub, number in items:
+            name = f"tokens/{sub}" if sub else key
+            if isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number):
+                values[re.sub(r"[^\w.\-/ ]", "_", name)] = float(number)
+    return values
+
+
+def flat_params(config: dict, prefix: str = "") -> dict[str, str]:
+    """A nested config as ``section.key`` parameters, values as text (lists and mappings as JSON)."""
+    params = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            params.update(flat_params(value, f"{name}."))
+        else:
+            text = value if isinstance(value, str) else json.dumps(value, default=str)
+            params[name] = text[:500]
+    return params
+
+
+def _transient(error: BaseException) -> bool:
+    """Whether a failure means the server could not be reached (try again later), not that it refused."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            return True
+        text = f"{type(error).__name__} {error}"
+        if re.search(r"Connection|Timeout|timed out|Max retries|Temporary failure|\b(429|502|503|504)\b", text):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+# --- The trackers' clients ------------------------------------------------------------------------------------
+
+
+class MlflowTracker:
+    """One MLflow run through ``MlflowClient``; its requests fail fast so that the outbox decides about retries."""
+
+    name = TRACKER_MLFLOW
+
+    def __init__(self, settings, job_dir: Path, job_name: str):
+        self.settings, self.job_dir, self.job_name = settings, Path(job_dir), job_name
+        self.client = None
+        self.run = TrackerRun()
+        self.skip_through = 0
+        """Steps up to this one were sent before the resume: not again."""
+
+    def prepare(self) -> None:
+        """Import the client (seconds of CPU) before training starts, rather than beside the first steps."""
+        try:
+            import mlflow.entities  # noqa: F401
+            import mlflow.tracking  # noqa: F401
+        except ImportError:
+            raise TrackerUnavailable(_not_installed(self.name)) from None
+
+    def open(self, previous: TrackerRun | None, params: dict[str, str], tags: dict[str, str]) -> None:
+        from mlflow.entities import Param, RunStatus
+        from mlflow.tracking import MlflowClient
+
+        # MLflow's own retries would wait minutes on a dead server; the outbox retries instead.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        uri = self.settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"file://{self.job_dir}/mlruns"
+        client = MlflowClient(tracking_uri=uri)
+        name = self.settings.experiment or DEFAULT_EXPERIMENT
+        experiment = client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(name)
+        run = self._existing(client, previous)
+        if run is None:
+            tags = {key: value for key, value in tags.items() if key != TAG_REPLAYED}
+            run = client.create_run(experiment_id, run_name=self.settings.run_name or self.job_name, tags=tags)
+            new, self.skip_through, self.run.last_step = params, 0, 0
+        else:
+            client.update_run(run.info.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+            old = run.data.params
+            new = {key: value for key, value in params.items() if key not in old}
+            changed = {f"astrai.changed.{key}": value for key, value in params.items() if old.get(key, value) != value}
+            for key, value in {**tags, **changed}.items():
+                client.set_tag(run.info.run_id, key, value)
+        items = [Param(key, value) for key, value in new.items()]
+        for first in range(0, len(items), 100):  # MLflow takes at most 100 parameters a request
+            client.log_batch(run.info.run_id, params=items[first : first + 100])
+        self.client = client
+        base = uri.rstrip("/") if uri.startswith("http") else uri
+        url = f"{base}/#/experiments/{experiment_id}/runs/{run.info.run_id}"
+        self.run = TrackerRun(run.info.run_id, url, self.run.last_step)
+
+    @staticmethod
+    def _existing(client, previous: TrackerRun | None):
+        if previous is None or previous.run_id is None:
+            return None
+        try:
+            return client.get_run(previous.run_id)
+        except Exception as error:
+            if _transient(error):
+                raise
+            return None  # deleted, or on another server: a new run
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run.run_id, metrics=[Metric(key, value, now, step) for key, value in values.items()])
+
+    def tag(self, key: str, value: str) -> None:
+        self.client.set_tag(self.run.run_id, key, value)
+
+    def finish(self, state: str, checkpoint: str | None, upload: bool) -> None:
+        self.tag(TAG_STATE, state)
+        if checkpoint is not None:
+            self.tag(TAG_FINAL_CHECKPOINT, checkpoint)
+            if upload:
+                self.client.log_artifacts(self.run.run_id, checkpoint, artifact_path=Path(checkpoint).name)
+        status = {"finished": "FINISHED", "stopped": "KILLED"}.get(state, "FAILED")
+        self.client.set_terminated(self.run.run_id, status=status)
+
+
+class WandbTracker:
+    """One Weights & Biases run, online or offline, its files in ``<job dir>/wandb``."""
+
+    name = TRACKER_WANDB
+
+    def __init__(self, settings, job_dir: Path, job_name: str):
+        self.settings, self.job_dir, self.job_name = settings, Path(job_dir), job_name
+        self.handle = None
+        self.run = TrackerRun()
+        self.skip_through = 0
+
+    def prepare(self) -> None:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise TrackerUnavailable(_not_installed(self.name)) from None
+        if self.settings.mode == "online" and not os.environ.get("WANDB_API_KEY"):
+            raise TrackerUnavailable(
+                "log.wandb.mode is online, but WANDB_API_KEY is not set in the trainer's environment: set it in the "
+                "shell that runs `invoke start` (it is passed by name), or set log.wandb.mode to offline"
+            )
+
+    def open(self, previous: TrackerRun | None, params: dict[str, str], tags: dict[str, str]) -> None:
+        import wandb
+
+        mode = self.settings.mode
+        folder = self.job_dir / WANDB_DIR
+        folder.mkdir(exist_ok=True)
+        run_id = previous.run_id if previous is not None and previous.run_id else _new_run_id()
+        self.handle = wandb.init(
+            id=run_id,
+            # Offline, W&B cannot look the run up; the same id makes `wandb sync` add to the same run.
+            resume="allow" if mode == "online" else None,
+            project=self.settings.project or os.environ.get("WANDB_PROJECT") or DEFAULT_EXPERIMENT,
+            entity=self.settings.entity,
+            name=self.settings.run_name or self.job_name,
+            mode=mode,
+            dir=str(self.job_dir),
+            config=params,
+            # The trainer's own output stays untouched: W&B does not wrap stdout, keep code or send the console.
+            settings=wandb.Settings(console="off", save_code=False, silent=True),
+        )
+        self.handle.config.update(params, allow_val_change=True)
+        self.handle.summary.update(tags)
+        url = self.handle.url if mode == "online" else str(Path(self.handle.dir).parent.resolve())
+        self.run = TrackerRun(self.handle.id, url, self.run.last_step)
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        self.handle.log(values, step=step)
+
+    def tag(self, key: str, value: str) -> None:
+        self.handle.summary[key] = value
+
+    def finish(self, state: str, checkpoint: str | None, upload: bool) -> None:
+        import wandb
+
+        self.tag(TAG_STATE, state)
+        if checkpoint is not None:
+            self.tag(TAG_FINAL_CHECKPOINT, checkpoint)
+            if upload:
+                artifact = wandb.Artifact(f"{self.job_name}-checkpoint", type="model")
+                artifact.add_dir(checkpoint)
+                self.handle.log_artifact(artifact)
+        self.handle.finish(exit_code=0 if state in ("finished", "stopped") else 1)
+
+
+def _not_installed(name: str) -> str:
+    return (
+        f"log.report_to lists {name}, but {TRACKER_PACKAGES[name]} is not installed here; the trainer image gets "
+        "it when `invoke start` or `invoke build` sees report_to ask for it (on the host: pip install it)"
+    )
+
+
+def _new_run_id() -> str:
+    """A W&B run id: eight lower-case letters and digits."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+CLIENTS = {TRACKER_MLFLOW: MlflowTracker, TRACKER_WANDB: WandbTracker}
+
+
+# --- The outbox: one worker thread a tracker -----------------------------------------------------------------
+
+
+class Outbox:
+    """Sends one tracker's updates in order from a worker thread; :meth:`put` never waits."""
+
+    def __init__(self, tracker, log: Callable[[str], None], changed: Callable[[], None], capacity: int = OUTBOX_SIZE):
+        self.tracker = tracker
+        self.log = log
+        self.changed = changed
+        self.queue: queue.Queue = queue.Queue(capacity)
+        self.dropped = 0
+        self.off = False
+        self._closing = threading.Event()
+        self._unreachable = False
+        self._refused: set[str] = set()
+        self._thread = threading.Thread(target=self._work, name=f"astrai-{tracker.name}", daemon=True)
+        self._thread.start()
+
+    def put(self, method: str, *args) -> None:
+        try:
+            self.queue.put_nowait((method, args))
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1:
+                self.log(
+                    f"warning: {self.tracker.name} is not keeping up ({self.queue.maxsize} updates waiting): new "
+                    "updates are dropped until it does; training goes on (the count comes at the end)"
+                )
+
+    def _work(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            method, args = item
+            if self.off or self._closing.is_set():
+                self.dropped += 1
+                continue
+            self._deliver(method, args)
+
+    def _deliver(self, method: str, args: tuple) -> None:
+        if method == "metrics" and args[0] <= self.tracker.skip_through:
+            return  # sent before the resume
+        pauses = iter(RETRY_SECONDS)
+        while True:
+            try:
+                getattr(self.tracker, method)(*args)
+            except TrackerUnavailable as error:
+                self.log(f"warning: {error}; {self.tracker.name} is off for this run")
+                self.off = True
+                return
+            except Exception as error:
+                if method == "open" and not _transient(error):
+                    self.log(f"warning: {self.tracker.name} could not open its run ({_short(error)}); off for this run")
+                    self.off = True
+                    return
+                if self._closing.is_set():
+                    self.dropped += 1
+                    return
+                if not _transient(error):
+                    self.dropped += 1
+                    if method not in self._refused:
+                        self._refused.add(method)
+                        self.log(f"warning: {self.tracker.name} refused an update ({method}), dropped: {_short(error)}")
+                    return
+                if not self._unreachable:
+                    self._unreachable = True
+                    self.log(f"warning: {self.tracker.name} cannot be reached ({_short(error)}); trying again")
+                self._closing.wait(next(pauses, RETRY_SECONDS[-1]))
+                continue
+            if self._unreachable:
+                self._unreachable = False
+                self.log(f"{self.tracker.name} reached again")
+            if method == "metrics":
+                self.tracker.run.last_step = max(self.tracker.run.last_step, args[0])
+            self.changed()
+            return
+
+    def close(self, seconds: float) -> None:
+        """Let the queue empty for at most ``seconds``, then stop; what is left is dropped and counted."""
+        if self._unreachable:
+            self._closing.set()  # waiting would only delay the exit: drop what is queued now
+        deadline = time.monotonic() + seconds
+        try:
+            self.queue.put(None, timeout=seconds)
+        except queue.Full:
+            pass
+        self._thread.join(max(deadline - time.monotonic(), 0.0))
+        if self._thread.is_alive():
+            self._closing.set()  # no more retries: the current attempt is the last
+            self._thread.join(1.0)
+            self.dropped += self.queue.qsize()
+        if self.dropped and not self.off:
+            self.log(f"warning: {self.dropped} update(s) to {self.tracker.name} were dropped in this run")
+
+
+def _short(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:200]
+
+
+# --- What the trainer uses -------------------------------------------------------------------------------------
+
+
+class Trackers:
+    """The trackers ``log.report_to`` asks for, for one run on global rank 0.
+
+    ``resumed_step`` is the step of the checkpoint this run resumed (None: a fresh start, which opens new runs);
+    ``saved`` the tracker run ids that checkpoint recorded.
+    """
+
+    def __init__(
+        self,
+        log_section: LogSection,
+        job_dir: Path,
+        *,
+        resumed_step: int | None,
+        saved: dict | None,
+        params: dict[str, str],
+        log: Callable[[str], None],
+    ):
+        self.job_dir = Path(job_dir)
+        self.upload = log_section.upload_checkpoints
+        self._lock = threading.Lock()
+        previous = read_runs(self.job_dir) if resumed_step is not None else {}
+        for name, run_id in (saved or {}).items():
+            if name in CLIENTS and (name not in previous or previous[name].run_id is None):
+                previous[name] = TrackerRun(run_id)
+        self.outboxes: dict[str, Outbox] = {}
+        for name in log_section.trackers:
+            tracker = CLIENTS[name](getattr(log_section, name), self.job_dir, self.job_dir.name)
+            try:
+                tracker.prepare()
+            except TrackerUnavailable as error:
+                log(f"warning: {error}; {name} is off for this run")
+                continue
+            before = previous.get(name)
+            tags = {"astrai.job": self.job_dir.name, "astrai.config_hash": params.get("config_hash", "")}
+            if before is not None and resumed_step is not None and before.last_step > resumed_step:
+                # Trained again after the checkpoint: the tracker keeps what it was sent the first time.
+                tracker.skip_through = before.last_step
+                tags[TAG_REPLAYED] = f"{resumed_step + 1}-{before.last_step}"
+            tracker.run.last_step = before.last_step if before is not None else 0
+            outbox = Outbox(tracker, log, self._save)
+            outbox.put("open", before, params, tags)
+            self.outboxes[name] = outbox
+
+    def metrics(self, step: int, record: dict) -> None:
+        values = metric_values(record)
+        for outbox in self.outboxes.values():
+            outbox.put("metrics", step, values)
+
+    def ids(self) -> dict[str, str]:
+        """The tracker run ids known so far, for the checkpoint's meta.json."""
+        return {name: box.tracker.run.run_id for name, box in self.outboxes.items() if box.tracker.run.run_id}
+
+    def close(self, state: str, checkpoint: Path | None) -> None:
+        for outbox in self.outboxes.values():
+            outbox.put("finish", state, None if checkpoint is None else str(checkpoint), self.upload)
+        for outbox in self.outboxes.values():
+            outbox.close(CLOSE_SECONDS)
+
+    def _save(self) -> None:
+        """Record every tracker's run in the job dir (from the workers, after each update that arrived)."""
+        with self._lock:
+            runs = {name: asdict(box.tracker.run) for name, box in self.outboxes.items() if box.tracker.run.run_id}
+            try:
+                write_text_atomically(self.job_dir / TRACKERS_FILE, json.dumps(runs, indent=1, sort_keys=True) + "\n")
+            except OSError:
+                pass  # a full disk: the checkpoint's meta.json still names the runs
