@@ -135,7 +135,12 @@ class MlflowTracker:
         # MLflow's own retries would wait minutes on a dead server; the outbox retries instead.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        uri = self.settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"file://{self.job_dir}/mlruns"
+        uri = self.settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if uri is None:
+            # No server named: MLflow's file store in the job dir (`mlflow ui --backend-store-uri` reads it), which
+            # MLflow keeps in maintenance mode and refuses unless asked.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            uri = f"file://{self.job_dir.resolve()}/mlruns"
         client = MlflowClient(tracking_uri=uri)
         name = self.settings.experiment or DEFAULT_EXPERIMENT
         experiment = client.get_experiment_by_name(name)
