@@ -43,6 +43,7 @@ from bench import (
     post_training,
     sharded_checkpoints,
     stop_latency,
+    trackers,
     trainer_speed,
     two_nodes,
 )
@@ -174,6 +175,13 @@ TARGETS = {
     "grpo_reward_start": ("online_grpo on a toy task: the mean reward of its first 20 steps", "<=", 0.3),
     "grpo_reward_end": ("the same, its last 20 of 400 steps", ">=", 0.8),
     "grpo_rollout_share": ("the share of an online_grpo step's CPU time spent sampling and scoring", None, None),
+    "tracker_overhead": (
+        "trainer tokens per CPU-second reporting to MLflow (a server here) and W&B offline, over without them",
+        ">=",
+        0.98,
+    ),
+    "tracker_overhead_wall": ("the same on wall time", None, None),
+    "tracker_updates_dropped": ("tracker updates dropped over that run", "==", 0),
 }
 
 
@@ -192,6 +200,7 @@ SECTIONS = {
     "lora": lambda quick, image: lora.run(quick),
     "generation": lambda quick, image: generation.run(quick),
     "grpo": lambda quick, image: grpo.run(quick),
+    "trackers": lambda quick, image: trackers.run(quick),
 }
 
 

@@ -17,7 +17,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.checkpoints import estimate_checkpoint_bytes, folder_bytes, latest_complete_checkpoint
@@ -61,28 +60,16 @@ from astrai.common.model_folder import (
 from astrai.common.paths import folder_problem, length_problem, nearest_existing, read_only
 from astrai.common.values import format_bytes
 from astrai.host import compose, engine
+from astrai.host.checklist import FAIL, PASS, SKIP, WARN, Check
 from astrai.host.hostuser import host_user_ids
 from astrai.host.runtime import JOB_DIR_ROOM, Runtime, split_endpoint
+from astrai.host.tracker_checks import tracker_checks
 from astrai.host.trainer_config import fix_hint, host_path, read_trainer_config
 
-PASS, FAIL, SKIP, WARN = "✓", "✗", "-", "!"
 NET_CLASS_DIR = Path("/sys/class/net")
 CONNECT_TIMEOUT_SECONDS = 3
 CDI_SPEC_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
 READ, WRITE, EXECUTE = 4, 2, 1
-
-
-@dataclass(frozen=True)
-class Check:
-    mark: str
-    """PASS, FAIL, SKIP (not applicable) or WARN (worth knowing); only FAIL fails the checklist."""
-    name: str
-    detail: str
-    hint: str = ""
-
-    @property
-    def failed(self) -> bool:
-        return self.mark == FAIL
 
 
 TRAINER_CONFIG = "trainer config"
@@ -115,8 +102,6 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = (), *, this_host: boo
         if config is not None and config.training.train_type == "dpo":
             checks.append(_reference_check(runtime, config, model, data))
         if config is not None:
-            from astrai.host.tracker_checks import tracker_checks  # it builds on this module's Check
-
             checks += tracker_checks(runtime, config)
     checks.append(_disk_space_check(runtime, config))
     if runtime.multi_node:

@@ -14,8 +14,8 @@ import urllib.request
 
 from astrai.common.config import MlflowSettings, TrainerConfig, WandbSettings
 from astrai.common.contract import TRACKER_MLFLOW, TRACKER_WANDB, WANDB_DIR
+from astrai.host.checklist import PASS, WARN, Check
 from astrai.host.compose import DOCKER_HOST_NAME
-from astrai.host.preflight import PASS, WARN, Check
 from astrai.host.runtime import Runtime
 
 TIMEOUT_SECONDS = 3
@@ -36,14 +36,14 @@ def mlflow_check(runtime: Runtime, settings: MlflowSettings) -> Check:
     key = "log.mlflow.tracking_uri" if settings.tracking_uri else "MLFLOW_TRACKING_URI"
     uri = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri is None:
-        return Check(PASS, "mlflow", f"no tracking_uri: a file store in the job dir ({runtime.job_dir}/mlruns)")
+        return Check(PASS, TRACKER_MLFLOW, f"no tracking_uri: a file store in the job dir ({runtime.job_dir}/mlruns)")
     parts = urllib.parse.urlsplit(uri)
     if parts.scheme not in ("http", "https"):
-        return Check(PASS, "mlflow", f"{uri}: not a server address; not checked")
+        return Check(PASS, TRACKER_MLFLOW, f"{uri}: not a server address; not checked")
     if parts.hostname in LOOPBACK and not runtime.multi_node:
         return Check(
             WARN,
-            "mlflow",
+            TRACKER_MLFLOW,
             f"{key}: {uri}: inside the container, {parts.hostname} is the container itself",
             f"use http://{DOCKER_HOST_NAME}:{parts.port or 80} for a server on this host",
         )
@@ -57,22 +57,23 @@ def mlflow_check(runtime: Runtime, settings: MlflowSettings) -> Check:
         reason = getattr(error, "reason", error)
         return Check(
             WARN,
-            "mlflow",
+            TRACKER_MLFLOW,
             f"{key}: {uri} does not answer ({reason}); training runs without it, its updates wait for it",
             "start the MLflow server, or fix the address",
         )
-    return Check(PASS, "mlflow", f"{uri} answers")
+    return Check(PASS, TRACKER_MLFLOW, f"{uri} answers")
 
 
 def wandb_check(runtime: Runtime, settings: WandbSettings) -> Check:
     if settings.mode == "offline":
-        return Check(PASS, "wandb", f"offline: the run's files go to {runtime.job_dir}/{WANDB_DIR} for `wandb sync`")
+        folder = runtime.job_dir / WANDB_DIR
+        return Check(PASS, TRACKER_WANDB, f"offline: the run's files go to {folder} for `wandb sync`")
     if not os.environ.get("WANDB_API_KEY"):
         return Check(
             WARN,
-            "wandb",
+            TRACKER_WANDB,
             "log.wandb.mode is online, but WANDB_API_KEY is not set in this shell: the trainer would run without W&B",
             "export WANDB_API_KEY (it is passed to the container by name, never written down), or set "
             "log.wandb.mode: offline",
         )
-    return Check(PASS, "wandb", "online; WANDB_API_KEY is set here and passed to the container by name")
+    return Check(PASS, TRACKER_WANDB, "online; WANDB_API_KEY is set here and passed to the container by name")

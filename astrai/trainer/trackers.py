@@ -50,6 +50,8 @@ from astrai.common.metrics import TrackerRun, read_runs
 
 OUTBOX_SIZE = 2000
 """Updates a tracker may have waiting (a metrics record each log_interval steps) before new ones are dropped."""
+FLUSH_SECONDS = 5.0
+"""Metrics records reach a tracker together, at most one request this often (and at the end of the run)."""
 CLOSE_SECONDS = 10.0
 """How long the end of a run waits for each tracker's queue to empty."""
 RETRY_SECONDS = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
@@ -176,11 +178,13 @@ class MlflowTracker:
                 raise
             return None  # deleted, or on another server: a new run
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
+    def metrics(self, records: list[tuple[int, dict[str, float]]]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run.run_id, metrics=[Metric(key, value, now, step) for key, value in values.items()])
+        metrics = [Metric(key, value, now, step) for step, values in records for key, value in values.items()]
+        for first in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics a request
+            self.client.log_batch(self.run.run_id, metrics=metrics[first : first + 1000])
 
     def tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run.run_id, key, value)
@@ -242,8 +246,9 @@ class WandbTracker:
         url = self.handle.url if mode == "online" else str(Path(self.handle.dir).parent.resolve())
         self.run = TrackerRun(self.handle.id, url, self.run.last_step)
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
-        self.handle.log(values, step=step)
+    def metrics(self, records: list[tuple[int, dict[str, float]]]) -> None:
+        for step, values in records:
+            self.handle.log(values, step=step)
 
     def tag(self, key: str, value: str) -> None:
         self.handle.summary[key] = value
@@ -290,6 +295,9 @@ class Outbox:
         self.dropped = 0
         self.off = False
         self._closing = threading.Event()
+        self._hurry = threading.Event()
+        """Set: metrics go out without waiting for FLUSH_SECONDS (the run is ending, or a drain)."""
+        self._sent_at = 0.0
         self._unreachable = False
         self._refused: set[str] = set()
         self._thread = threading.Thread(target=self._work, name=f"astrai-{tracker.name}", daemon=True)
@@ -307,19 +315,48 @@ class Outbox:
                 )
 
     def _work(self) -> None:
+        held = None  # an update taken from the queue while gathering metrics, sent next
         while True:
-            item = self.queue.get()
+            item, held = held or self.queue.get(), None
             if item is None:
+                self.queue.task_done()
                 return
             method, args = item
-            if self.off or self._closing.is_set():
-                self.dropped += 1
-                continue
-            self._deliver(method, args)
+            taken = 1
+            if method == "metrics":
+                # Metrics records go out together, at most one request every FLUSH_SECONDS: a request costs the
+                # trainer's process milliseconds of CPU, whatever it carries.
+                self._hurry.wait(max(self._sent_at + FLUSH_SECONDS - time.monotonic(), 0.0))
+                records = [args]
+                while held is None:
+                    try:
+                        following = self.queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if following is not None and following[0] == "metrics":
+                        records.append(following[1])
+                        taken += 1
+                    else:
+                        held = following
+                args = ([record for record in records if record[0] > self.tracker.skip_through],)
+            try:
+                if self.off or self._closing.is_set():
+                    self.dropped += taken
+                elif method != "metrics" or args[0]:  # records sent before a resume are not sent again
+                    self._deliver(method, args, taken)
+            finally:
+                self._sent_at = time.monotonic()
+                for _ in range(taken):
+                    self.queue.task_done()
 
-    def _deliver(self, method: str, args: tuple) -> None:
-        if method == "metrics" and args[0] <= self.tracker.skip_through:
-            return  # sent before the resume
+    def drain(self) -> None:
+        """Send what is queued now and wait until it is sent or dropped (benchmarks: that CPU is the sender's)."""
+        self._hurry.set()
+        self.queue.join()
+        if not self._closing.is_set():
+            self._hurry.clear()
+
+    def _deliver(self, method: str, args: tuple, updates: int) -> None:
         pauses = iter(RETRY_SECONDS)
         while True:
             try:
@@ -334,10 +371,10 @@ class Outbox:
                     self.off = True
                     return
                 if self._closing.is_set():
-                    self.dropped += 1
+                    self.dropped += updates
                     return
                 if not _transient(error):
-                    self.dropped += 1
+                    self.dropped += updates
                     if method not in self._refused:
                         self._refused.add(method)
                         self.log(f"warning: {self.tracker.name} refused an update ({method}), dropped: {_short(error)}")
@@ -351,12 +388,13 @@ class Outbox:
                 self._unreachable = False
                 self.log(f"{self.tracker.name} reached again")
             if method == "metrics":
-                self.tracker.run.last_step = max(self.tracker.run.last_step, args[0])
+                self.tracker.run.last_step = max(self.tracker.run.last_step, *(step for step, _ in args[0]))
             self.changed()
             return
 
     def close(self, seconds: float) -> None:
         """Let the queue empty for at most ``seconds``, then stop; what is left is dropped and counted."""
+        self._hurry.set()
         if self._unreachable:
             self._closing.set()  # waiting would only delay the exit: drop what is queued now
         deadline = time.monotonic() + seconds

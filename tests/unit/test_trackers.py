@@ -81,14 +81,28 @@ class FakeTracker:
         self.run = TrackerRun("r1")
         self.skip_through = 0
         self.sent: list[int] = []
+        self.requests = 0
         self.failures, self.pause, self.error = failures, pause, error
 
-    def metrics(self, step, values):
+    def metrics(self, records):
+        self.requests += 1
         time.sleep(self.pause)
         if self.failures:
             self.failures -= 1
             raise self.error or ConnectionError("connection refused")
-        self.sent.append(step)
+        self.sent += [step for step, _ in records]
+
+
+def test_metrics_records_go_out_together_at_most_once_a_flush_period(monkeypatch):
+    monkeypatch.setattr("astrai.trainer.trackers.FLUSH_SECONDS", 0.5)
+    tracker = FakeTracker()
+    outbox = Outbox(tracker, print, lambda: None)
+    for step in range(1, 21):
+        outbox.put("metrics", step, {"loss": 1.0})
+        time.sleep(0.02)
+    outbox.close(5.0)
+    assert tracker.sent == list(range(1, 21)) and tracker.run.last_step == 20
+    assert 2 <= tracker.requests <= 4  # the first at once, then one a period, the rest at the end
 
 
 def test_a_slow_tracker_never_holds_the_trainer_up_and_what_overflows_is_counted():
@@ -98,6 +112,7 @@ def test_a_slow_tracker_never_holds_the_trainer_up_and_what_overflows_is_counted
     began = time.perf_counter()
     for step in range(1, 11):
         outbox.put("metrics", step, {"loss": 1.0})
+        time.sleep(0.001)
     assert time.perf_counter() - began < 0.1
     outbox.close(5.0)
     assert len(tracker.sent) + outbox.dropped == 10 and outbox.dropped >= 6
@@ -124,6 +139,7 @@ def test_a_refused_update_is_dropped_and_said_once():
     outbox = Outbox(tracker, lines.append, lambda: None)
     for step in (1, 2, 3):
         outbox.put("metrics", step, {})
+        outbox.drain()  # a request each
     outbox.close(5.0)
     assert tracker.sent == [3] and outbox.dropped == 2
     assert sum("refused an update" in line for line in lines) == 1
