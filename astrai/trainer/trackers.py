@@ -284,6 +284,10 @@ CLIENTS = {TRACKER_MLFLOW: MlflowTracker, TRACKER_WANDB: WandbTracker}
 # --- The outbox: one worker thread a tracker -----------------------------------------------------------------
 
 
+_END = ("end", ())
+"""The last item of an outbox's queue: the worker stops there."""
+
+
 class Outbox:
     """Sends one tracker's updates in order from a worker thread; :meth:`put` never waits."""
 
@@ -318,7 +322,7 @@ class Outbox:
         held = None  # an update taken from the queue while gathering metrics, sent next
         while True:
             item, held = held or self.queue.get(), None
-            if item is None:
+            if item is _END:
                 self.queue.task_done()
                 return
             method, args = item
@@ -333,7 +337,7 @@ class Outbox:
                         following = self.queue.get_nowait()
                     except queue.Empty:
                         break
-                    if following is not None and following[0] == "metrics":
+                    if following[0] == "metrics":
                         records.append(following[1])
                         taken += 1
                     else:
@@ -399,7 +403,7 @@ class Outbox:
             self._closing.set()  # waiting would only delay the exit: drop what is queued now
         deadline = time.monotonic() + seconds
         try:
-            self.queue.put(None, timeout=seconds)
+            self.queue.put(_END, timeout=seconds)
         except queue.Full:
             pass
         self._thread.join(max(deadline - time.monotonic(), 0.0))
@@ -474,8 +478,9 @@ class Trackers:
     def close(self, state: str, checkpoint: Path | None) -> None:
         for outbox in self.outboxes.values():
             outbox.put("finish", state, None if checkpoint is None else str(checkpoint), self.upload)
+        deadline = time.monotonic() + CLOSE_SECONDS  # for all of them together: the stop's time is short
         for outbox in self.outboxes.values():
-            outbox.close(CLOSE_SECONDS)
+            outbox.close(max(deadline - time.monotonic(), 0.5))
 
     def _save(self) -> None:
         """Record every tracker's run in the job dir (from the workers, after each update that arrived)."""

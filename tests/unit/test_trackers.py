@@ -3,6 +3,7 @@ real MLflow server (up, down at start, killed mid-run) and W&B offline, and what
 
 from __future__ import annotations
 
+import http.server
 import io
 import json
 import shutil
@@ -29,10 +30,25 @@ from tests.unit.trainer_runs import TRAINER, Run, metrics_step, wait_for
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as running:
-        yield running
+@pytest.fixture
+def health_server():
+    """A stand-in that answers /health as an MLflow server does (the real server is the Docker test's)."""
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the handler's API
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+            self.wfile.write(b"OK")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
 
 
 # --- Settings -------------------------------------------------------------------------------------------------
@@ -100,7 +116,9 @@ def test_metrics_records_go_out_together_at_most_once_a_flush_period(monkeypatch
     for step in range(1, 21):
         outbox.put("metrics", step, {"loss": 1.0})
         time.sleep(0.02)
+    began = time.monotonic()
     outbox.close(5.0)
+    assert time.monotonic() - began < 1.0  # the rest goes out at once, and the worker ends
     assert tracker.sent == list(range(1, 21)) and tracker.run.last_step == 20
     assert 2 <= tracker.requests <= 4  # the first at once, then one a period, the rest at the end
 
@@ -206,10 +224,10 @@ def test_a_tracker_that_is_down_at_start_is_warned_and_training_finishes(tmp_pat
     assert read_records(tmp_path / "ckpt" / METRICS_FILE)[-1]["step"] == 6
 
 
-def test_a_tracker_killed_mid_run_never_stops_training(tmp_path, train_yaml, server):
-    """A second server of the test's own, killed once the run has sent a few steps: the run goes on to its end."""
+def test_a_tracker_killed_mid_run_never_stops_training(tmp_path, train_yaml):
+    """A real server of the test's own, killed once the run has sent a few steps: the run goes on to its end."""
     job = tmp_path / "ckpt"
-    config = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(job), max_steps=400, log_interval=2)
+    config = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(job), max_steps=160, log_interval=2)
     with mlflow_server(tmp_path / "mlflow") as own:
         overrides = ["--report_to", "mlflow", "--mlflow", f"{{tracking_uri: '{own.local_uri}'}}"]
         run = Run([*TRAINER, "--config", str(config), *overrides], {**_env(), "OMP_NUM_THREADS": "1"}, tmp_path / "log")
@@ -217,18 +235,18 @@ def test_a_tracker_killed_mid_run_never_stops_training(tmp_path, train_yaml, ser
         own.stop()
         assert run.wait(timeout=300) == 0, run.output()[-3000:]
     output = run.output()
-    assert metrics_step(job) == 400
+    assert metrics_step(job) == 160
     assert "warning: mlflow cannot be reached" in output, output[-3000:]
     assert "update(s) to mlflow were dropped in this run" in output
 
 
-def test_preflight_says_whether_each_tracker_answers(tmp_path, server, monkeypatch):
+def test_preflight_says_whether_each_tracker_answers(tmp_path, health_server, monkeypatch):
     from astrai.host.runtime import resolve_runtime
     from astrai.host.tracker_checks import mlflow_check, wandb_check
 
     (tmp_path / "train.yaml").write_text(yaml.safe_dump({"runtime": {"job_name": "t", "gpu": {"devices": "none"}}}))
     runtime = resolve_runtime(tmp_path / "train.yaml")
-    log = _log(("mlflow", f"{{tracking_uri: 'http://host.docker.internal:{server.port}'}}"))
+    log = _log(("mlflow", f"{{tracking_uri: 'http://host.docker.internal:{health_server}'}}"))
     assert mlflow_check(runtime, log.mlflow).mark == "✓"
     down = mlflow_check(runtime, _log(("mlflow", f"{{tracking_uri: 'http://127.0.0.2:{free_port()}'}}")).mlflow)
     assert down.mark == "!" and "does not answer" in down.detail and "log.mlflow.tracking_uri" in down.detail
