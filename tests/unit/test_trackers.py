@@ -25,6 +25,7 @@ from astrai.trainer import loop
 from astrai.trainer.trackers import Outbox, flat_params, metric_values
 from tests.support import free_port
 from tests.trackers_support import mlflow_server, wandb_records, wandb_runs
+from tests.unit.test_kubernetes import _validate_k8s
 from tests.unit.trainer_runs import TRAINER, Run, metrics_step, wait_for
 
 pytestmark = pytest.mark.slow
@@ -319,6 +320,9 @@ def test_manifests_and_the_sbatch_script_name_the_secrets_without_their_values(t
     reference = env["WANDB_API_KEY"]["valueFrom"]["secretKeyRef"]
     assert reference == {"name": "astrai-trk-trackers", "key": "WANDB_API_KEY", "optional": True}
     assert "value" not in env["MLFLOW_TRACKING_TOKEN"]
+    for document in objects:
+        if document["kind"] != "ConfigMap":
+            _validate_k8s(document)  # the Secret references as the API server reads them
     script = slurm_script.render_script(runtime)
     assert SECRET not in script and "# WANDB_API_KEY is passed through from the environment sbatch was run in" in script
 
@@ -352,3 +356,14 @@ def test_the_trainer_runs_without_the_clients_installed(tmp_path, job_yaml):
     assert result.returncode == 0, result.stderr
     assert "mlflow-skinny==3.17.2 is not installed here" in result.stdout
     assert threading.active_count() >= 1
+
+
+def test_status_shows_each_tracker_run_as_the_host_sees_it(tmp_path):
+    from astrai.host.runtime import resolve_runtime
+    from astrai.host.status import _tracker_line
+
+    runtime = resolve_runtime(_job(tmp_path))
+    offline = TrackerRun("k2m9", "/checkpoints/trk/wandb/offline-run-1-k2m9", 40)
+    assert _tracker_line(runtime, offline) == f"{runtime.job_dir}/wandb/offline-run-1-k2m9 (run k2m9, step 40 sent)"
+    online = TrackerRun("8c1f", "http://mlflow:5000/#/experiments/3/runs/8c1f", 12)
+    assert _tracker_line(runtime, online) == "http://mlflow:5000/#/experiments/3/runs/8c1f (run 8c1f, step 12 sent)"
