@@ -544,6 +544,9 @@ class LogSection:
     """Upload the last checkpoint to the trackers when the run ends (its weights leave the host: off by default)."""
 
     def __post_init__(self) -> None:
+        for name, cls in TRACKER_SETTINGS.items():
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, cls(**getattr(self, name)))
         _check(self.log_interval >= 1, "log.log_interval", self.log_interval, "an integer >= 1")
         _check(self.eval_interval >= 1, "log.eval_interval", self.eval_interval, "an integer >= 1")
         _check(self.eval_max_windows >= 1, "log.eval_max_windows", self.eval_max_windows, "an integer >= 1")
@@ -705,8 +708,10 @@ def _targets(dotted: str, value, from_text: bool) -> tuple[str, ...]:
 
 def _report_to(dotted: str, value, from_text: bool) -> tuple[str, ...]:
     """log.report_to: a YAML list (or one name), or comma-separated text; ``none`` alone."""
+    if value is None:
+        return (TRACKER_TENSORBOARD,)
     if from_text or isinstance(value, str):
-        value = [name.strip() for name in str(value).split(",")]
+        value = [name.strip() for name in str(value).strip().strip("[]").split(",")]
     allowed = ", ".join(REPORT_TO)
     if not isinstance(value, list) or not all(isinstance(name, str) and name in REPORT_TO for name in value):
         bad = [name for name in value if name not in REPORT_TO] if isinstance(value, list) else value
@@ -730,7 +735,7 @@ def _tracker_settings(dotted: str, value, from_text: bool):
         except yaml.YAMLError:
             raise ConfigError(f"{dotted}: expected a mapping in flow style, such as '{example}'") from None
     if value is None:
-        return cls()
+        return {}
     if not isinstance(value, dict):
         raise ConfigError(f"{dotted}: expected a mapping of {', '.join(keys)} such as {example}, got {_got(value)}")
     hints = _field_types(cls)
@@ -741,7 +746,7 @@ def _tracker_settings(dotted: str, value, from_text: bool):
         if key == "mode" and item not in WANDB_MODES:
             raise ConfigError(f"{section}.mode: expected one of {', '.join(WANDB_MODES)}, got {_got(item)}")
         settings[key] = _coerce(f"{section}.{key}", item, hints[key], from_text=False)
-    return cls(**settings)
+    return settings  # the keys given: a layer's mapping adds to the one before (build_config), LogSection builds it
 
 
 def _rewards(dotted: str, value, from_text: bool) -> tuple[RewardSpec, ...]:
@@ -826,7 +831,11 @@ def build_config(*layers: dict) -> TrainerConfig:
     merged: dict[str, dict] = {}
     for layer in layers:
         for section, body in layer.items():
-            merged.setdefault(section, {}).update(body)
+            for key, value in body.items():
+                before = merged.setdefault(section, {}).get(key)
+                if isinstance(before, dict) and isinstance(value, dict):
+                    value = {**before, **value}  # log.mlflow / log.wandb in the YAML and after --: both, later wins
+                merged[section][key] = value
     sections, problems = {}, []
     for name, cls in _SECTION_CLASSES.items():
         try:

@@ -58,3 +58,8 @@ def whole_number(text, minimum: int, maximum: int | None = None) -> int:
         allowed = f"from {minimum} to {maximum}" if maximum is not None else f"of at least {minimum}"
         raise ValueError(f"takes a whole number {allowed}, got {str(text)!r}")
     return number
+
+
+def without_credentials(uri: str) -> str:
+    """An address (or a text quoting one) with any ``user:password@`` taken out: fit to print, record or send."""
+    return re.sub(r"(://)[^/@\s]*@", r"\1", uri)

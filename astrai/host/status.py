@@ -9,6 +9,7 @@ sampled for the curve (astrai/common/metrics.py), and the job dir is scanned onc
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -206,8 +207,7 @@ def _tracker_line(runtime: Runtime, run: TrackerRun) -> str:
     """A tracker run's address (an offline W&B run: its folder, as the host sees it), id and last step sent."""
     where = run.url or ""
     inside = container_job_dir(runtime.job_name)
-    if where == inside or where.startswith(inside + "/"):
-        where = str(runtime.job_dir) + where[len(inside) :]
+    where = re.sub(re.escape(inside) + r"(?=/|$)", lambda _: str(runtime.job_dir), where)
     return f"{where} (run {run.run_id}, step {run.last_step} sent)"
 
 

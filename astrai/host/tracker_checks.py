@@ -14,6 +14,7 @@ import urllib.request
 
 from astrai.common.config import MlflowSettings, TrainerConfig, WandbSettings
 from astrai.common.contract import TRACKER_MLFLOW, TRACKER_WANDB, WANDB_DIR
+from astrai.common.values import without_credentials
 from astrai.host.checklist import PASS, WARN, Check
 from astrai.host.compose import DOCKER_HOST_NAME
 from astrai.host.runtime import Runtime
@@ -37,31 +38,57 @@ def mlflow_check(runtime: Runtime, settings: MlflowSettings) -> Check:
     uri = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri is None:
         return Check(PASS, TRACKER_MLFLOW, f"no tracking_uri: a file store in the job dir ({runtime.job_dir}/mlruns)")
-    parts = urllib.parse.urlsplit(uri)
+    parts, shown = urllib.parse.urlsplit(uri), without_credentials(uri)
+    address = parts.netloc.rsplit("@", 1)[-1]
     if parts.scheme not in ("http", "https"):
-        return Check(PASS, TRACKER_MLFLOW, f"{uri}: not a server address; not checked")
+        return Check(PASS, TRACKER_MLFLOW, f"{shown}: not a server address; not checked")
     if parts.hostname in LOOPBACK and not runtime.multi_node:
         return Check(
             WARN,
             TRACKER_MLFLOW,
-            f"{key}: {uri}: inside the container, {parts.hostname} is the container itself",
+            f"{key}: {shown}: inside the container, {parts.hostname} is the container itself",
             f"use http://{DOCKER_HOST_NAME}:{parts.port or 80} for a server on this host",
         )
-    probe = uri
-    if parts.hostname == DOCKER_HOST_NAME:  # the container's name for this host
-        probe = parts._replace(netloc=parts.netloc.replace(DOCKER_HOST_NAME, "127.0.0.1", 1)).geturl()
-    try:
-        with urllib.request.urlopen(probe.rstrip("/") + "/health", timeout=TIMEOUT_SECONDS) as answer:
-            answer.read(64)
-    except (urllib.error.URLError, OSError, ValueError) as error:
-        reason = getattr(error, "reason", error)
+    if parts.hostname == DOCKER_HOST_NAME and runtime.multi_node:
         return Check(
             WARN,
             TRACKER_MLFLOW,
-            f"{key}: {uri} does not answer ({reason}); training runs without it, its updates wait for it",
-            "start the MLflow server, or fix the address",
+            f"{key}: {shown}: a job of several nodes shares each host's network, where {DOCKER_HOST_NAME} is not set",
+            "name the server by an address every node reaches (localhost for a server on each node's host)",
         )
-    return Check(PASS, TRACKER_MLFLOW, f"{uri} answers")
+    # An API path, with the Host header the container sends: MLflow answers /health to any host name, but refuses
+    # its API to a name it was not started to allow (--allowed-hosts).
+    local = address.replace(DOCKER_HOST_NAME, "127.0.0.1", 1)  # the container's name for this host
+    request = urllib.request.Request(
+        parts._replace(netloc=local).geturl().rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1",
+        headers={"Host": address},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_SECONDS) as answer:
+            answer.read(64)
+    except urllib.error.HTTPError as error:
+        if error.code == 403 and "host" in error.read(512).decode(errors="replace").lower():
+            return Check(
+                WARN,
+                TRACKER_MLFLOW,
+                f"{key}: {shown} refuses the host name {parts.hostname} (403)",
+                f"start the server with --allowed-hosts {address}",
+            )
+        if error.code >= 500:
+            return _not_answering(key, shown, error)
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        return _not_answering(key, shown, error)
+    return Check(PASS, TRACKER_MLFLOW, f"{shown} answers")
+
+
+def _not_answering(key: str, shown: str, error: Exception) -> Check:
+    reason = getattr(error, "reason", error)
+    return Check(
+        WARN,
+        TRACKER_MLFLOW,
+        f"{key}: {shown} does not answer ({reason}); training runs without it, its updates wait for it",
+        "start the MLflow server (with --host 0.0.0.0 for a container to reach it), or fix the address",
+    )
 
 
 def wandb_check(runtime: Runtime, settings: WandbSettings) -> Check:

@@ -37,6 +37,7 @@ from astrai.common.contract import (
     METRIC_MAX_STEPS,
     METRIC_STEP,
     METRIC_TIME,
+    METRICS_FILE,
     TAG_FINAL_CHECKPOINT,
     TAG_REPLAYED,
     TAG_STATE,
@@ -46,13 +47,19 @@ from astrai.common.contract import (
     TRACKERS_FILE,
     WANDB_DIR,
 )
-from astrai.common.metrics import TrackerRun, read_runs
+from astrai.common.metrics import TrackerRun, read_records, read_runs
+from astrai.common.values import without_credentials
 
 OUTBOX_SIZE = 2000
 """Updates a tracker may have waiting (a metrics record each log_interval steps) before new ones are dropped."""
+WANDB_INIT_SECONDS = 30
+"""How long opening a W&B run may take before the attempt counts as failed (and is tried again)."""
 FLUSH_SECONDS = 5.0
 """Metrics records reach a tracker together, at most one request this often (and at the end of the run)."""
 CLOSE_SECONDS = 10.0
+UPLOAD_SECONDS = 1800.0
+"""With log.upload_checkpoints, how long a finished run waits for its last checkpoint to reach the trackers (a
+stopped one does not upload: a stop's time is the emergency checkpoint's)."""
 """How long the end of a run waits for each tracker's queue to empty."""
 RETRY_SECONDS = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 """Pauses between attempts to reach an unreachable tracker, the last one repeated."""
@@ -89,7 +96,7 @@ def flat_params(config: dict, prefix: str = "") -> dict[str, str]:
             params.update(flat_params(value, f"{name}."))
         else:
             text = value if isinstance(value, str) else json.dumps(value, default=str)
-            params[name] = text[:500]
+            params[name] = without_credentials(text)[:500]
     return params
 
 
@@ -118,39 +125,49 @@ class MlflowTracker:
     def __init__(self, settings, job_dir: Path, job_name: str):
         self.settings, self.job_dir, self.job_name = settings, Path(job_dir), job_name
         self.client = None
+        self.uri: str | None = None
+        self._created = None
         self.run = TrackerRun()
         self.skip_through = 0
         """Steps up to this one were sent before the resume: not again."""
 
     def prepare(self) -> None:
-        """Import the client (seconds of CPU) before training starts, rather than beside the first steps."""
+        """Import the client (seconds of CPU) and set its environment before training starts, in the main thread."""
         try:
             import mlflow.entities  # noqa: F401
             import mlflow.tracking  # noqa: F401
-        except ImportError:
-            raise TrackerUnavailable(_not_installed(self.name)) from None
+        except Exception as error:  # not installed, or a dependency that does not import
+            raise TrackerUnavailable(_not_installed(self.name, error)) from None
+        # MLflow's own retries would wait minutes on a dead server; the outbox retries instead.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        self.uri = self.settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if self.uri is None:
+            # No server named: MLflow's file store in the job dir (`mlflow ui --backend-store-uri` reads it), which
+            # MLflow keeps in maintenance mode and refuses unless asked.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            self.uri = f"file://{self.job_dir.resolve()}/mlruns"
 
     def open(self, previous: TrackerRun | None, params: dict[str, str], tags: dict[str, str]) -> None:
         from mlflow.entities import Param, RunStatus
         from mlflow.tracking import MlflowClient
 
-        # MLflow's own retries would wait minutes on a dead server; the outbox retries instead.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        uri = self.settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-        if uri is None:
-            # No server named: MLflow's file store in the job dir (`mlflow ui --backend-store-uri` reads it), which
-            # MLflow keeps in maintenance mode and refuses unless asked.
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            uri = f"file://{self.job_dir.resolve()}/mlruns"
+        uri = self.uri
         client = MlflowClient(tracking_uri=uri)
         name = self.settings.experiment or DEFAULT_EXPERIMENT
         experiment = client.get_experiment_by_name(name)
-        experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(name)
-        run = self._existing(client, previous)
+        if experiment is None:
+            experiment_id = client.create_experiment(name)
+        else:
+            experiment_id = experiment.experiment_id
+            if experiment.lifecycle_stage != "active":  # deleted in the UI: brought back
+                client.restore_experiment(experiment_id)
+        # A retry after a failure past create_run continues the run it created.
+        run = self._created or self._existing(client, previous)
         if run is None:
             tags = {key: value for key, value in tags.items() if key != TAG_REPLAYED}
             run = client.create_run(experiment_id, run_name=self.settings.run_name or self.job_name, tags=tags)
+            self._created = run
             new, self.skip_through, self.run.last_step = params, 0, 0
         else:
             client.update_run(run.info.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
@@ -163,8 +180,7 @@ class MlflowTracker:
         for first in range(0, len(items), 100):  # MLflow takes at most 100 parameters a request
             client.log_batch(run.info.run_id, params=items[first : first + 100])
         self.client = client
-        base = uri.rstrip("/") if uri.startswith("http") else uri
-        url = f"{base}/#/experiments/{experiment_id}/runs/{run.info.run_id}"
+        url = f"{without_credentials(uri).rstrip('/')}/#/experiments/{experiment_id}/runs/{run.info.run_id}"
         self.run = TrackerRun(run.info.run_id, url, self.run.last_step)
 
     @staticmethod
@@ -172,19 +188,29 @@ class MlflowTracker:
         if previous is None or previous.run_id is None:
             return None
         try:
-            return client.get_run(previous.run_id)
+            run = client.get_run(previous.run_id)
         except Exception as error:
             if _transient(error):
                 raise
-            return None  # deleted, or on another server: a new run
+            return None  # on another server: a new run
+        return run if run.info.lifecycle_stage == "active" else None  # deleted: a new run
 
     def metrics(self, records: list[tuple[int, dict[str, float]]]) -> None:
+        """Send ``records`` (at most 1000 metrics a request, MLflow's limit); each request's records leave the list
+        once it is through, so a retry after a failure sends only the rest."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(key, value, now, step) for step, values in records for key, value in values.items()]
-        for first in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics a request
-            self.client.log_batch(self.run.run_id, metrics=metrics[first : first + 1000])
+        while records:
+            count, size = 0, 0
+            while count < len(records) and (count == 0 or size + len(records[count][1]) <= 1000):
+                size += len(records[count][1])
+                count += 1
+            metrics = [
+                Metric(key, value, now, step) for step, values in records[:count] for key, value in values.items()
+            ]
+            self.client.log_batch(self.run.run_id, metrics=metrics)
+            del records[:count]
 
     def tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run.run_id, key, value)
@@ -193,10 +219,10 @@ class MlflowTracker:
         self.tag(TAG_STATE, state)
         if checkpoint is not None:
             self.tag(TAG_FINAL_CHECKPOINT, checkpoint)
-            if upload:
-                self.client.log_artifacts(self.run.run_id, checkpoint, artifact_path=Path(checkpoint).name)
         status = {"finished": "FINISHED", "stopped": "KILLED"}.get(state, "FAILED")
         self.client.set_terminated(self.run.run_id, status=status)
+        if upload and checkpoint is not None:  # last: the run's state is told even if the upload runs out of time
+            self.client.log_artifacts(self.run.run_id, checkpoint, artifact_path=Path(checkpoint).name)
 
 
 class WandbTracker:
@@ -213,8 +239,8 @@ class WandbTracker:
     def prepare(self) -> None:
         try:
             import wandb  # noqa: F401
-        except ImportError:
-            raise TrackerUnavailable(_not_installed(self.name)) from None
+        except Exception as error:
+            raise TrackerUnavailable(_not_installed(self.name, error)) from None
         if self.settings.mode == "online" and not os.environ.get("WANDB_API_KEY"):
             raise TrackerUnavailable(
                 "log.wandb.mode is online, but WANDB_API_KEY is not set in the trainer's environment: set it in the "
@@ -230,7 +256,7 @@ class WandbTracker:
         run_id = previous.run_id if previous is not None and previous.run_id else _new_run_id()
         self.handle = wandb.init(
             id=run_id,
-            # Offline, W&B cannot look the run up; the same id makes `wandb sync` add to the same run.
+            # Offline, W&B cannot look the run up: each process writes a folder of its own under the same id.
             resume="allow" if mode == "online" else None,
             project=self.settings.project or os.environ.get("WANDB_PROJECT") or DEFAULT_EXPERIMENT,
             entity=self.settings.entity,
@@ -239,8 +265,17 @@ class WandbTracker:
             dir=str(self.job_dir),
             config=params,
             # The trainer's own output stays untouched: W&B does not wrap stdout, keep code or send the console.
-            settings=wandb.Settings(console="off", save_code=False, silent=True),
+            # Bounded waits: a slow server must not hold up the end of a run (W&B's default is to wait for ever).
+            settings=wandb.Settings(
+                console="off",
+                save_code=False,
+                silent=True,
+                init_timeout=WANDB_INIT_SECONDS,
+                finish_timeout=int(CLOSE_SECONDS),
+            ),
         )
+        if mode == "online" and not self.handle.resumed:
+            self.skip_through = 0  # a new run (another project or entity): it gets every step
         self.handle.config.update(params, allow_val_change=True)
         self.handle.summary.update(tags)
         url = self.handle.url if mode == "online" else str(Path(self.handle.dir).parent.resolve())
@@ -261,12 +296,17 @@ class WandbTracker:
             self.tag(TAG_FINAL_CHECKPOINT, checkpoint)
             if upload:
                 artifact = wandb.Artifact(f"{self.job_name}-checkpoint", type="model")
-                artifact.add_dir(checkpoint)
-                self.handle.log_artifact(artifact)
+                # Read in place: the default policy copies the whole folder to W&B's staging area first.
+                artifact.add_dir(checkpoint, policy="immutable")
+                logged = self.handle.log_artifact(artifact)
+                if self.settings.mode == "online":  # finish() itself waits only CLOSE_SECONDS
+                    logged.wait(timeout=UPLOAD_SECONDS)
         self.handle.finish(exit_code=0 if state in ("finished", "stopped") else 1)
 
 
-def _not_installed(name: str) -> str:
+def _not_installed(name: str, error: Exception) -> str:
+    if not isinstance(error, ImportError) or getattr(error, "name", name) not in (name, None):
+        return f"log.report_to lists {name}, but its client does not import ({_short(error)})"
     return (
         f"log.report_to lists {name}, but {TRACKER_PACKAGES[name]} is not installed here; the trainer image gets "
         "it when `invoke start` or `invoke build` sees report_to ask for it (on the host: pip install it)"
@@ -295,7 +335,9 @@ class Outbox:
         self.tracker = tracker
         self.log = log
         self.changed = changed
-        self.queue: queue.Queue = queue.Queue(capacity)
+        self.capacity = capacity
+        # Unbounded underneath: metrics stop at ``capacity``, but the end of the run always finds room.
+        self.queue: queue.Queue = queue.Queue()
         self.dropped = 0
         self.off = False
         self._closing = threading.Event()
@@ -308,15 +350,15 @@ class Outbox:
         self._thread.start()
 
     def put(self, method: str, *args) -> None:
-        try:
-            self.queue.put_nowait((method, args))
-        except queue.Full:
+        if method == "metrics" and self.queue.qsize() >= self.capacity:
             self.dropped += 1
             if self.dropped == 1:
                 self.log(
-                    f"warning: {self.tracker.name} is not keeping up ({self.queue.maxsize} updates waiting): new "
+                    f"warning: {self.tracker.name} is not keeping up ({self.capacity} updates waiting): new "
                     "updates are dropped until it does; training goes on (the count comes at the end)"
                 )
+            return
+        self.queue.put_nowait((method, args))
 
     def _work(self) -> None:
         held = None  # an update taken from the queue while gathering metrics, sent next
@@ -348,6 +390,9 @@ class Outbox:
                     self.dropped += taken
                 elif method != "metrics" or args[0]:  # records sent before a resume are not sent again
                     self._deliver(method, args, taken)
+            except Exception as error:  # a defect of ours: never let it end the worker (the queue would fill)
+                self.dropped += taken
+                self.log(f"warning: {self.tracker.name} {method} failed ({_short(error)}); dropped")
             finally:
                 self._sent_at = time.monotonic()
                 for _ in range(taken):
@@ -361,6 +406,7 @@ class Outbox:
             self._hurry.clear()
 
     def _deliver(self, method: str, args: tuple, updates: int) -> None:
+        steps = [step for step, _ in args[0]] if method == "metrics" else []  # the client empties the list
         pauses = iter(RETRY_SECONDS)
         while True:
             try:
@@ -386,27 +432,30 @@ class Outbox:
                 if not self._unreachable:
                     self._unreachable = True
                     self.log(f"warning: {self.tracker.name} cannot be reached ({_short(error)}); trying again")
-                self._closing.wait(next(pauses, RETRY_SECONDS[-1]))
+                if self._closing.wait(next(pauses, RETRY_SECONDS[-1])):
+                    self.dropped += updates
+                    return
                 continue
             if self._unreachable:
                 self._unreachable = False
                 self.log(f"{self.tracker.name} reached again")
-            if method == "metrics":
-                self.tracker.run.last_step = max(self.tracker.run.last_step, *(step for step, _ in args[0]))
+            if steps:
+                self.tracker.run.last_step = max(self.tracker.run.last_step, *steps)
             self.changed()
             return
 
-    def close(self, seconds: float) -> None:
-        """Let the queue empty for at most ``seconds``, then stop; what is left is dropped and counted."""
+    def end(self) -> None:
+        """No more updates: send what is queued without waiting for the next flush, then stop."""
         self._hurry.set()
         if self._unreachable:
             self._closing.set()  # waiting would only delay the exit: drop what is queued now
-        deadline = time.monotonic() + seconds
-        try:
-            self.queue.put(_END, timeout=seconds)
-        except queue.Full:
-            pass
-        self._thread.join(max(deadline - time.monotonic(), 0.0))
+        self.queue.put_nowait(_END)
+
+    def close(self, seconds: float) -> None:
+        """End, let the queue empty for at most ``seconds``, then stop; what is left is dropped and counted."""
+        if self._thread.is_alive() and not self._hurry.is_set():
+            self.end()
+        self._thread.join(seconds)
         if self._thread.is_alive():
             self._closing.set()  # no more retries: the current attempt is the last
             self._thread.join(1.0)
@@ -416,7 +465,8 @@ class Outbox:
 
 
 def _short(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
+    """The first line of an error, without any credentials in an address it quotes."""
+    text = without_credentials(str(error)).strip().splitlines()
     return (text[0] if text else type(error).__name__)[:200]
 
 
@@ -443,10 +493,7 @@ class Trackers:
         self.job_dir = Path(job_dir)
         self.upload = log_section.upload_checkpoints
         self._lock = threading.Lock()
-        previous = read_runs(self.job_dir) if resumed_step is not None else {}
-        for name, run_id in (saved or {}).items():
-            if name in CLIENTS and (name not in previous or previous[name].run_id is None):
-                previous[name] = TrackerRun(run_id)
+        previous = self._previous(resumed_step, saved or {})
         self.outboxes: dict[str, Outbox] = {}
         for name in log_section.trackers:
             tracker = CLIENTS[name](getattr(log_section, name), self.job_dir, self.job_dir.name)
@@ -464,7 +511,25 @@ class Trackers:
             tracker.run.last_step = before.last_step if before is not None else 0
             outbox = Outbox(tracker, log, self._save)
             outbox.put("open", before, params, tags)
+            if resumed_step is not None:
+                # What the interrupted run logged but never got through (dropped at its end, or its tracker down):
+                # metrics.jsonl has it, so the tracker still gets every step up to the checkpoint.
+                for record in read_records(self.job_dir / METRICS_FILE):
+                    if tracker.run.last_step < record[METRIC_STEP] <= resumed_step:
+                        outbox.put("metrics", record[METRIC_STEP], metric_values(record))
             self.outboxes[name] = outbox
+
+    def _previous(self, resumed_step: int | None, saved: dict) -> dict[str, TrackerRun]:
+        """The tracker runs to continue: none for a fresh start (the job dir's record of older runs goes); on a
+        resume, the job dir's record where it names the checkpoint's runs, else the checkpoint's run ids."""
+        if resumed_step is None:
+            (self.job_dir / TRACKERS_FILE).unlink(missing_ok=True)
+            return {}
+        previous = read_runs(self.job_dir)
+        for name, run_id in saved.items():
+            if name in CLIENTS and (name not in previous or previous[name].run_id != run_id):
+                previous[name] = TrackerRun(run_id)
+        return previous
 
     def metrics(self, step: int, record: dict) -> None:
         values = metric_values(record)
@@ -476,11 +541,14 @@ class Trackers:
         return {name: box.tracker.run.run_id for name, box in self.outboxes.items() if box.tracker.run.run_id}
 
     def close(self, state: str, checkpoint: Path | None) -> None:
+        # The end reaches every tracker first; then one deadline for all of them: a stop's time is short.
+        upload = self.upload and state == "finished"
         for outbox in self.outboxes.values():
-            outbox.put("finish", state, None if checkpoint is None else str(checkpoint), self.upload)
-        deadline = time.monotonic() + CLOSE_SECONDS  # for all of them together: the stop's time is short
+            outbox.put("finish", state, None if checkpoint is None else str(checkpoint), upload)
+            outbox.end()
+        deadline = time.monotonic() + (UPLOAD_SECONDS if upload else CLOSE_SECONDS)
         for outbox in self.outboxes.values():
-            outbox.close(max(deadline - time.monotonic(), 0.5))
+            outbox.close(max(deadline - time.monotonic(), 0.0))
 
     def _save(self) -> None:
         """Record every tracker's run in the job dir (from the workers, after each update that arrived)."""
