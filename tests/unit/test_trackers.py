@@ -367,3 +367,20 @@ def test_status_shows_each_tracker_run_as_the_host_sees_it(tmp_path):
     assert _tracker_line(runtime, offline) == f"{runtime.job_dir}/wandb/offline-run-1-k2m9 (run k2m9, step 40 sent)"
     online = TrackerRun("8c1f", "http://mlflow:5000/#/experiments/3/runs/8c1f", 12)
     assert _tracker_line(runtime, online) == "http://mlflow:5000/#/experiments/3/runs/8c1f (run 8c1f, step 12 sent)"
+
+
+def test_a_resume_sends_the_steps_a_tracker_never_got(tmp_path, job_yaml, one_thread):
+    """MLflow down for the whole first run: the resume's run gets those steps from metrics.jsonl, each once."""
+    from mlflow.tracking import MlflowClient
+
+    config = job_yaml(max_steps=6, ckpt_interval=3, log_interval=1, report_to="mlflow")
+    output = _train(config, mlflow=f"{{tracking_uri: 'http://127.0.0.1:{free_port()}'}}")
+    assert "update(s) to mlflow were dropped" in output
+    _train(config, max_steps=9)  # no server named: the job dir's file store
+    job = tmp_path / "ckpt"
+    saved = json.loads((job / TRACKERS_FILE).read_text())["mlflow"]
+    client = MlflowClient(f"file://{job}/mlruns")
+    history = client.get_metric_history(saved["run_id"], "loss")
+    expected = {record["step"]: record["loss"] for record in read_records(job / METRICS_FILE)}
+    assert sorted(point.step for point in history) == list(range(1, 10))
+    assert {point.step: point.value for point in history} == expected
