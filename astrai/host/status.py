@@ -207,7 +207,9 @@ def _tracker_line(runtime: Runtime, run: TrackerRun) -> str:
     """A tracker run's address (an offline W&B run: its folder, as the host sees it), id and last step sent."""
     where = run.url or ""
     inside = container_job_dir(runtime.job_name)
-    where = re.sub(re.escape(inside) + r"(?=/|$)", lambda _: str(runtime.job_dir), where)
+    # Only where the container's job dir starts the address (a host-run job's own path may end the same way).
+    host = str(runtime.job_dir)
+    where = re.sub(r"^(file://)?" + re.escape(inside) + r"(?=/|$)", lambda m: (m[1] or "") + host, where)
     return f"{where} (run {run.run_id}, step {run.last_step} sent)"
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from astrai.common.atomic import write_text_atomically
 from astrai.common.config import LogSection
 from astrai.common.contract import (
+    METRIC_LOSS,
     METRIC_MAX_STEPS,
     METRIC_STEP,
     METRIC_TIME,
@@ -52,7 +53,7 @@ from astrai.common.values import without_credentials
 
 OUTBOX_SIZE = 2000
 """Updates a tracker may have waiting (a metrics record each log_interval steps) before new ones are dropped."""
-WANDB_INIT_SECONDS = 30
+WANDB_INIT_SECONDS = 15
 """How long opening a W&B run may take before the attempt counts as failed (and is tried again)."""
 FLUSH_SECONDS = 5.0
 """Metrics records reach a tracker together, at most one request this often (and at the end of the run)."""
@@ -141,6 +142,8 @@ class MlflowTracker:
         # MLflow's own retries would wait minutes on a dead server; the outbox retries instead.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        # MLflow prints the run's address when it ends, credentials and all; status shows it without them.
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         self.uri = self.settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if self.uri is None:
             # No server named: MLflow's file store in the job dir (`mlflow ui --backend-store-uri` reads it), which
@@ -148,7 +151,7 @@ class MlflowTracker:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             self.uri = f"file://{self.job_dir.resolve()}/mlruns"
 
-    def open(self, previous: TrackerRun | None, params: dict[str, str], tags: dict[str, str]) -> None:
+    def open(self, previous: TrackerRun | None, params: dict[str, str], tags: dict[str, str], resumed_step) -> None:
         from mlflow.entities import Param, RunStatus
         from mlflow.tracking import MlflowClient
 
@@ -165,10 +168,9 @@ class MlflowTracker:
         # A retry after a failure past create_run continues the run it created.
         run = self._created or self._existing(client, previous)
         if run is None:
-            tags = {key: value for key, value in tags.items() if key != TAG_REPLAYED}
             run = client.create_run(experiment_id, run_name=self.settings.run_name or self.job_name, tags=tags)
             self._created = run
-            new, self.skip_through, self.run.last_step = params, 0, 0
+            new, held = params, 0
         else:
             client.update_run(run.info.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
             old = run.data.params
@@ -176,12 +178,17 @@ class MlflowTracker:
             changed = {f"astrai.changed.{key}": value for key, value in params.items() if old.get(key, value) != value}
             for key, value in {**tags, **changed}.items():
                 client.set_tag(run.info.run_id, key, value)
+            # What the server holds, not what the job dir says: a request may have got through just before a kill.
+            held = max((point.step for point in client.get_metric_history(run.info.run_id, METRIC_LOSS)), default=0)
+        replayed = _replayed(held, resumed_step)
+        if replayed:
+            client.set_tag(run.info.run_id, TAG_REPLAYED, replayed)
         items = [Param(key, value) for key, value in new.items()]
         for first in range(0, len(items), 100):  # MLflow takes at most 100 parameters a request
             client.log_batch(run.info.run_id, params=items[first : first + 100])
         self.client = client
         url = f"{without_credentials(uri).rstrip('/')}/#/experiments/{experiment_id}/runs/{run.info.run_id}"
-        self.run = TrackerRun(run.info.run_id, url, self.run.last_step)
+        self.run, self.skip_through = TrackerRun(run.info.run_id, url, held), held
 
     @staticmethod
     def _existing(client, previous: TrackerRun | None):
@@ -247,7 +254,7 @@ class WandbTracker:
                 "shell that runs `invoke start` (it is passed by name), or set log.wandb.mode to offline"
             )
 
-    def open(self, previous: TrackerRun | None, params: dict[str, str], tags: dict[str, str]) -> None:
+    def open(self, previous: TrackerRun | None, params: dict[str, str], tags: dict[str, str], resumed_step) -> None:
         import wandb
 
         mode = self.settings.mode
@@ -274,12 +281,17 @@ class WandbTracker:
                 finish_timeout=int(CLOSE_SECONDS),
             ),
         )
+        held = previous.last_step if previous is not None else 0
         if mode == "online" and not self.handle.resumed:
-            self.skip_through = 0  # a new run (another project or entity): it gets every step
+            held = 0  # a new run (another project or entity): it gets every step
+        elif mode == "offline" and previous is not None:
+            # W&B writes its file in blocks: a kill loses the last one. What the files hold is what was sent.
+            held = min(held, _offline_steps(folder, run_id, held))
+        replayed = _replayed(held, resumed_step)
         self.handle.config.update(params, allow_val_change=True)
-        self.handle.summary.update(tags)
+        self.handle.summary.update({**tags, **({TAG_REPLAYED: replayed} if replayed else {})})
         url = self.handle.url if mode == "online" else str(Path(self.handle.dir).parent.resolve())
-        self.run = TrackerRun(self.handle.id, url, self.run.last_step)
+        self.run, self.skip_through = TrackerRun(self.handle.id, url, held), held
 
     def metrics(self, records: list[tuple[int, dict[str, float]]]) -> None:
         for step, values in records:
@@ -295,13 +307,42 @@ class WandbTracker:
         if checkpoint is not None:
             self.tag(TAG_FINAL_CHECKPOINT, checkpoint)
             if upload:
-                artifact = wandb.Artifact(f"{self.job_name}-checkpoint", type="model")
+                # An artifact's name takes letters, digits, dashes, underscores and dots only.
+                name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{self.job_name}-checkpoint")
+                artifact = wandb.Artifact(name, type="model")
                 # Read in place: the default policy copies the whole folder to W&B's staging area first.
                 artifact.add_dir(checkpoint, policy="immutable")
                 logged = self.handle.log_artifact(artifact)
                 if self.settings.mode == "online":  # finish() itself waits only CLOSE_SECONDS
                     logged.wait(timeout=UPLOAD_SECONDS)
         self.handle.finish(exit_code=0 if state in ("finished", "stopped") else 1)
+
+
+def _replayed(held: int, resumed_step: int | None) -> str | None:
+    """The steps a resume trains again that the tracker already holds (``41-60``), or None."""
+    return f"{resumed_step + 1}-{held}" if resumed_step is not None and held > resumed_step else None
+
+
+def _offline_steps(folder: Path, run_id: str, at_most: int) -> int:
+    """The last step W&B's offline files of ``run_id`` hold (its own reader), or ``at_most`` if they cannot be read."""
+    try:
+        from wandb.proto import wandb_internal_pb2
+        from wandb.sdk.internal import datastore
+    except Exception:  # a W&B without its reader: the job dir's word
+        return at_most
+    last = 0
+    for path in folder.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"):
+        store = datastore.DataStore()
+        try:
+            store.open_for_scan(str(path))
+            while (data := store.scan_data()) is not None:
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(data)
+                if record.WhichOneof("record_type") == "history":
+                    last = max(last, record.history.step.num)
+        except Exception:  # the end of a file cut short by the kill
+            pass
+    return last
 
 
 def _not_installed(name: str, error: Exception) -> str:
@@ -369,7 +410,9 @@ class Outbox:
                 return
             method, args = item
             taken = 1
-            if method == "metrics":
+            if method == "catch_up":  # after the open: only what the tracker turned out not to hold
+                method, args = "metrics", ([record for record in args[0] if record[0] > self.tracker.run.last_step],)
+            elif method == "metrics":
                 # Metrics records go out together, at most one request every FLUSH_SECONDS: a request costs the
                 # trainer's process milliseconds of CPU, whatever it carries.
                 self._hurry.wait(max(self._sent_at + FLUSH_SECONDS - time.monotonic(), 0.0))
@@ -495,6 +538,9 @@ class Trackers:
         self._lock = threading.Lock()
         previous = self._previous(resumed_step, saved or {})
         self.outboxes: dict[str, Outbox] = {}
+        logged = []
+        if resumed_step is not None and log_section.trackers:
+            logged = [(r[METRIC_STEP], metric_values(r)) for r in read_records(self.job_dir / METRICS_FILE)]
         for name in log_section.trackers:
             tracker = CLIENTS[name](getattr(log_section, name), self.job_dir, self.job_dir.name)
             try:
@@ -504,19 +550,13 @@ class Trackers:
                 continue
             before = previous.get(name)
             tags = {"astrai.job": self.job_dir.name, "astrai.config_hash": params.get("config_hash", "")}
-            if before is not None and resumed_step is not None and before.last_step > resumed_step:
-                # Trained again after the checkpoint: the tracker keeps what it was sent the first time.
-                tracker.skip_through = before.last_step
-                tags[TAG_REPLAYED] = f"{resumed_step + 1}-{before.last_step}"
-            tracker.run.last_step = before.last_step if before is not None else 0
             outbox = Outbox(tracker, log, self._save)
-            outbox.put("open", before, params, tags)
+            # The open finds what the tracker holds: the steps past it that a resume trains again are not sent
+            # again (it keeps the values it has), and those up to the checkpoint that it lacks (the interrupted run
+            # dropped them, or its tracker was down) come from metrics.jsonl.
+            outbox.put("open", before, params, tags, resumed_step)
             if resumed_step is not None:
-                # What the interrupted run logged but never got through (dropped at its end, or its tracker down):
-                # metrics.jsonl has it, so the tracker still gets every step up to the checkpoint.
-                for record in read_records(self.job_dir / METRICS_FILE):
-                    if tracker.run.last_step < record[METRIC_STEP] <= resumed_step:
-                        outbox.put("metrics", record[METRIC_STEP], metric_values(record))
+                outbox.put("catch_up", [(step, values) for step, values in logged if step <= resumed_step])
             self.outboxes[name] = outbox
 
     def _previous(self, resumed_step: int | None, saved: dict) -> dict[str, TrackerRun]:

@@ -186,6 +186,11 @@ def test_wandb_offline_and_mlflow_file_store_continue_the_same_runs_after_a_resu
     job = tmp_path / "ckpt"
     _train(config, **settings)
     shutil.rmtree(job / "epoch_0_step_12")  # resume at 8: steps 9 to 12 are trained again
+    # The job dir's record wrong both ways, as a kill leaves it: a request that got through unrecorded (MLflow), a
+    # block of W&B's file lost. The resume goes by what the trackers hold.
+    record = json.loads((job / TRACKERS_FILE).read_text())
+    record["mlflow"]["last_step"], record["wandb"]["last_step"] = 2, 20
+    (job / TRACKERS_FILE).write_text(json.dumps(record))
     output = _train(config, **settings)
     assert "resumed from" in output
     expected = {record["step"]: record["loss"] for record in read_records(job / METRICS_FILE)}
@@ -365,6 +370,10 @@ def test_status_shows_each_tracker_run_as_the_host_sees_it(tmp_path):
     runtime = resolve_runtime(_job(tmp_path))
     offline = TrackerRun("k2m9", "/checkpoints/trk/wandb/offline-run-1-k2m9", 40)
     assert _tracker_line(runtime, offline) == f"{runtime.job_dir}/wandb/offline-run-1-k2m9 (run k2m9, step 40 sent)"
+    store = TrackerRun("1a", "file:///checkpoints/trk/mlruns/#/experiments/1/runs/1a", 3)
+    assert _tracker_line(runtime, store).startswith(f"file://{runtime.job_dir}/mlruns/#/")
+    host_run = TrackerRun("k2", "/srv/x/checkpoints/trk/wandb/offline-run-1-k2", 4)  # a host-run job: left alone
+    assert _tracker_line(runtime, host_run).startswith("/srv/x/checkpoints/trk/wandb/")
     online = TrackerRun("8c1f", "http://mlflow:5000/#/experiments/3/runs/8c1f", 12)
     assert _tracker_line(runtime, online) == "http://mlflow:5000/#/experiments/3/runs/8c1f (run 8c1f, step 12 sent)"
 
