@@ -7,6 +7,7 @@ import http.server
 import io
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -173,8 +174,15 @@ def _train(path: Path, **overrides) -> str:
     for key, value in overrides.items():
         argv += [f"--{key}", str(value)]
     output = io.StringIO()
-    with redirect_stdout(output):
-        assert loop.main(argv) == 0
+    # main() installs the trainer's stop handlers and, at its end, ignores SIGINT and SIGTERM: put this process's
+    # own back, or every process it starts later (a Ctrl-C test's `invoke start`) would inherit "ignore".
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with redirect_stdout(output):
+            assert loop.main(argv) == 0
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
     return output.getvalue()
 
 
@@ -233,15 +241,15 @@ def test_a_tracker_that_is_down_at_start_is_warned_and_training_finishes(tmp_pat
 def test_a_tracker_killed_mid_run_never_stops_training(tmp_path, train_yaml):
     """A real server of the test's own, killed once the run has sent a few steps: the run goes on to its end."""
     job = tmp_path / "ckpt"
-    config = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(job), max_steps=160, log_interval=2)
+    config = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(job), max_steps=400, log_interval=2)
     with mlflow_server(tmp_path / "mlflow") as own:
         overrides = ["--report_to", "mlflow", "--mlflow", f"{{tracking_uri: '{own.local_uri}'}}"]
         run = Run([*TRAINER, "--config", str(config), *overrides], {**_env(), "OMP_NUM_THREADS": "1"}, tmp_path / "log")
-        wait_for(lambda: _sent(job) >= 10, run, timeout=180)
+        wait_for(lambda: _sent(job) >= 2, run, timeout=180)  # the first request got through
         own.stop()
         assert run.wait(timeout=300) == 0, run.output()[-3000:]
     output = run.output()
-    assert metrics_step(job) == 160
+    assert metrics_step(job) == 400
     assert "warning: mlflow cannot be reached" in output, output[-3000:]
     assert "update(s) to mlflow were dropped in this run" in output
 
