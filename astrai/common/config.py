@@ -23,7 +23,6 @@ import yaml
 
 from astrai.common.configfile import ConfigError, load_yaml, show_value, unknown
 from astrai.common.contract import (
-    CKPT_FORMAT_FULL,
     CKPT_FORMAT_SHARDED,
     CKPT_FORMATS,
     CONTAINER_DATA,
@@ -39,8 +38,9 @@ from astrai.common.contract import (
 )
 from astrai.common.data_folder import TRAIN_TYPES
 from astrai.common.model_folder import ADAPTER_TARGETS
+from astrai.common.reward_specs import RewardSpec, parse_rewards
 from astrai.common.safetensors_file import DTYPE_ALIASES
-from astrai.trainer.rewards import RewardSpec, parse_rewards
+from astrai.common.settings import MIN_TEMPERATURE, GRPOSettings, LoRASettings, Sampling, SettingError
 
 HOST_SECTION = "runtime"
 """The section the host reads (astrai/host/runtime.py); the trainer ignores it."""
@@ -164,21 +164,11 @@ SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
 OVERLONG = ("truncate", "drop")
 DPO_REFERENCES = ("precomputed", "live")
-GRPO_LOSSES = ("grpo", "dr_grpo", "dapo")
-SCALE_REWARDS = ("group", "batch", "none")
 ONLINE_TRAIN_TYPES = ("online_grpo", "online_dpo")
 """The train types that sample completions of prompts and score them with training.rewards."""
 REWARD_TRAIN_TYPES = ("grpo", *ONLINE_TRAIN_TYPES)
 """The train types that learn from rewards (no validation loss to hold data out for)."""
 LORA_BASE_DTYPES = ("auto", "float32", "bfloat16")
-
-
-def resolve_lora_base_dtype(requested: str, device_type: str) -> str:
-    """The dtype LoRA's frozen base is held in: ``auto`` is bfloat16 on CUDA (where autocast computes in bfloat16
-    anyway) and float32 on CPU (which computes in float32)."""
-    if requested != "auto":
-        return requested
-    return "bfloat16" if device_type == "cuda" else "float32"
 
 
 @dataclass(frozen=True)
@@ -213,29 +203,29 @@ class TrainingSection:
     num_generations: int = 8
     """online_grpo: completions sampled per prompt (a group; online_dpo samples two); batch_per_device counts
     prompts."""
-    max_completion_length: int = 256
+    max_completion_length: int = GRPOSettings.max_completion_length
     """online_grpo: at most this many tokens per completion (with the prompt, at most the model's max_seq_len)."""
     mask_truncated_completions: bool = False
     """online_grpo: leave completions that reach max_completion_length without ending out of the loss."""
     temperature: float = 1.0
     """online_grpo: sampling temperature (0: greedy, which gives a group no spread)."""
-    top_p: float = 1.0
+    top_p: float = Sampling.top_p
     """online_grpo: sample among the most likely tokens reaching this probability (1: all)."""
-    top_k: int = 0
+    top_k: int = Sampling.top_k
     """online_grpo: sample among the k most likely tokens (0: all)."""
-    grpo_epsilon: float = 0.2
+    grpo_epsilon: float = GRPOSettings.epsilon
     """online_grpo: clip the probability ratio to [1 - grpo_epsilon, 1 + grpo_epsilon_high]."""
-    grpo_epsilon_high: float | None = None
+    grpo_epsilon_high: float | None = GRPOSettings.epsilon_high
     """online_grpo: the upper clip (DAPO's clip-higher); null: grpo_epsilon."""
-    grpo_beta: float = 0.0
+    grpo_beta: float = GRPOSettings.beta
     """online_grpo: weight of the KL penalty against the frozen starting model (0: none, and no reference kept)."""
-    grpo_loss: str = "dapo"
+    grpo_loss: str = GRPOSettings.loss
     """online_grpo: how token losses are averaged, as TRL names it: grpo (per completion, then over completions),
     dr_grpo (summed, over completions x max_completion_length) or dapo (over every token of the step's batch)."""
-    num_iterations: int = 1
+    num_iterations: int = GRPOSettings.num_iterations
     """online_grpo, grpo: optimizer steps on each generation round's completions (TRL's mu); the later ones take
     their probability ratio against the policy the completions were sampled from, and no new prompts."""
-    scale_rewards: str = "group"
+    scale_rewards: str = GRPOSettings.scale_rewards
     """online_grpo: divide each advantage by the std of its group's rewards (group), of the step's (batch), or
     not at all (none)."""
     optimizer: str = "adamw"
@@ -294,8 +284,8 @@ class TrainingSection:
         _check(self.train_type in TRAIN_TYPES, "training.train_type", self.train_type, " | ".join(TRAIN_TYPES))
         _check(self.optimizer in OPTIMIZERS, "training.optimizer", self.optimizer, " | ".join(OPTIMIZERS))
         _check(self.lora_rank >= 0, "training.lora_rank", self.lora_rank, "an integer >= 0 (0 = full fine-tuning)")
-        _check(self.lora_alpha > 0, "training.lora_alpha", self.lora_alpha, "a number > 0")
-        _check(0 <= self.lora_dropout < 1, "training.lora_dropout", self.lora_dropout, "a number in [0, 1)")
+        # Alpha, dropout and targets are checked with LoRA off too: a typo there is never silent.
+        _settings(lambda: LoRASettings(self.lora_rank or 1, self.lora_alpha, self.lora_dropout, self.lora_targets))
         # bf16 and fp32 as `invoke export --dtype` takes them too.
         if DTYPE_ALIASES.get(self.lora_base_dtype) in LORA_BASE_DTYPES:
             object.__setattr__(self, "lora_base_dtype", DTYPE_ALIASES[self.lora_base_dtype])
@@ -332,64 +322,67 @@ class TrainingSection:
         _check(self.device in DEVICES, "training.device", self.device, " | ".join(DEVICES))
 
     def _check_online(self) -> None:
-        _check(self.num_generations >= 1, "training.num_generations", self.num_generations, "an integer >= 1")
+        """The sampling and GRPO settings (checked by building them), after the limits of this train type, so that
+        the first message about a key states the limit that applies."""
+        online = self.train_type in ONLINE_TRAIN_TYPES
         _check(
-            self.max_completion_length >= 1,
-            "training.max_completion_length",
-            self.max_completion_length,
-            "an integer >= 1",
-        )
-        _check(
-            self.temperature == 0 or 1e-3 <= self.temperature,
+            not online or self.temperature >= MIN_TEMPERATURE,
             "training.temperature",
             self.temperature,
-            "0 (greedy) or a number >= 0.001",
+            f"a number >= {MIN_TEMPERATURE:g} with train_type {self.train_type} (greedy sampling, 0, gives every "
+            "completion of a prompt the same tokens)",
         )
-        _check(0 < self.top_p <= 1, "training.top_p", self.top_p, "a number in (0, 1]")
-        _check(self.top_k >= 0, "training.top_k", self.top_k, "an integer >= 0 (0 = every token)")
-        _check(0 <= self.grpo_epsilon < 1, "training.grpo_epsilon", self.grpo_epsilon, "a number in [0, 1)")
         _check(
-            self.grpo_epsilon_high is None or self.grpo_epsilon_high >= 0,
-            "training.grpo_epsilon_high",
-            self.grpo_epsilon_high,
-            "a number >= 0, or null for grpo_epsilon",
+            self.train_type != "online_grpo" or self.num_generations >= 2,
+            "training.num_generations",
+            self.num_generations,
+            "an integer >= 2 with train_type online_grpo (a group's advantages are each completion's reward against "
+            "the others')",
         )
-        _check(self.grpo_beta >= 0, "training.grpo_beta", self.grpo_beta, "a number >= 0 (0 = no KL penalty)")
-        _check(self.grpo_loss in GRPO_LOSSES, "training.grpo_loss", self.grpo_loss, " | ".join(GRPO_LOSSES))
-        _check(
-            self.scale_rewards in SCALE_REWARDS, "training.scale_rewards", self.scale_rewards, " | ".join(SCALE_REWARDS)
-        )
-        _check(self.num_iterations >= 1, "training.num_iterations", self.num_iterations, "an integer >= 1")
+        _check(self.num_generations >= 1, "training.num_generations", self.num_generations, "an integer >= 1")
+        _settings(self.sampling)
+        _settings(self.grpo)
         _check(
             self.train_type != "online_dpo" or self.num_iterations == 1,
             "training.num_iterations",
             self.num_iterations,
             "1 with online_dpo (each step ranks new completions)",
         )
-        online = self.train_type in ONLINE_TRAIN_TYPES
         _check(
             self.train_type != "online_dpo" or not self.mask_truncated_completions,
             "training.mask_truncated_completions",
             self.mask_truncated_completions,
             "false with online_dpo (a pair is ranked by its completions' rewards, cut or not)",
         )
-        _check(
-            self.train_type != "online_grpo" or self.num_generations >= 2,
-            "training.num_generations",
-            self.num_generations,
-            "an integer >= 2 (a group's advantages are each completion's reward against the others')",
-        )
-        _check(
-            not online or self.temperature > 0,
-            "training.temperature",
-            self.temperature,
-            "a number >= 0.001 (greedy sampling, 0, gives every completion of a group the same tokens)",
-        )
         if online and not self.rewards:
             raise ConfigError(
                 f"training.rewards: training.train_type {self.train_type} scores completions with reward functions; "
                 "list at least one, such as [astrai.rewards:exact_answer] or ['/data/my_rewards.py:brevity']"
             )
+
+    def sampling(self) -> Sampling:
+        """How the online types sample their completions."""
+        return Sampling(self.max_completion_length, self.temperature, self.top_k, self.top_p)
+
+    def grpo(self) -> GRPOSettings:
+        """GRPO's settings (online_grpo, grpo)."""
+        return GRPOSettings(
+            epsilon=self.grpo_epsilon,
+            epsilon_high=self.grpo_epsilon_high,
+            beta=self.grpo_beta,
+            loss=self.grpo_loss,
+            scale_rewards=self.scale_rewards,
+            max_completion_length=self.max_completion_length,
+            num_iterations=self.num_iterations,
+        )
+
+
+def _settings(build) -> None:
+    """Build a set of settings to check it; its SettingError becomes the config's error, named ``training.<key>``."""
+    try:
+        build()
+    except SettingError as error:
+        raise ConfigError(error.under("training.", Sampling.CONFIG_KEYS)) from None
 
 
 REWARD_KEYS = {
@@ -452,13 +445,6 @@ def resolve_grad_accum_steps(training: TrainingSection, world_size: int) -> int:
         f"training.global_batch_size: {global_batch} is not a whole multiple of batch_per_device"
         f"({training.batch_per_device}) * world_size({world_size}) = {per_step}; {hint}"
     )
-
-
-def resolve_ckpt_format(requested: str | None, parallel_mode: str) -> str:
-    """The checkpoint format a run writes: ``ckpt.format``, or by default sharded under FSDP and full otherwise."""
-    if requested is not None:
-        return requested
-    return CKPT_FORMAT_SHARDED if parallel_mode == "fsdp" else CKPT_FORMAT_FULL
 
 
 @dataclass(frozen=True)
@@ -693,17 +679,14 @@ def _coerce(dotted: str, value, kind, from_text: bool):
 
 
 def _targets(dotted: str, value, from_text: bool) -> tuple[str, ...]:
-    """lora_targets: a YAML list of module names, or comma-separated text; each one of ADAPTER_TARGETS, none twice."""
+    """lora_targets: a YAML list of module names, or comma-separated text (LoRASettings checks the names)."""
     if from_text or isinstance(value, str):
         value = [name.strip() for name in value.split(",")]
-    names = value if isinstance(value, list) else None
-    allowed = ", ".join(ADAPTER_TARGETS)
-    if not names or not all(isinstance(name, str) and name in ADAPTER_TARGETS for name in names):
-        bad = [name for name in names if name not in ADAPTER_TARGETS] if names else value
-        raise ConfigError(f"{dotted}: expected a non-empty list of {allowed}, got {_got(bad)}")
-    if len(set(names)) != len(names):
-        raise ConfigError(f"{dotted}: each module once, got {_got(names)}")
-    return tuple(names)
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise ConfigError(
+            f"{dotted}: expected a list of module names ({', '.join(ADAPTER_TARGETS)}), got {_got(value)}"
+        )
+    return tuple(value)
 
 
 def _report_to(dotted: str, value, from_text: bool) -> tuple[str, ...]:

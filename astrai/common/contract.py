@@ -134,6 +134,9 @@ CKPT_FORMAT_FULL = "full"
 CKPT_FORMAT_SHARDED = "sharded"
 CKPT_FORMATS = (CKPT_FORMAT_FULL, CKPT_FORMAT_SHARDED)
 """``ckpt.format``: ``full`` gathers the state on rank 0, which writes it; ``sharded``: every rank writes its rows."""
+CKPT_FORMAT_LORA = "lora"
+"""The run plan's format of a LoRA run (training.lora_rank >= 1), whatever ckpt.format says: the full format's files,
+of the adapters alone (meta.json records ``full``, the files' format)."""
 SHARED_FS_CHECK_PREFIX = ".shared-fs-check-"
 """A file rank 0 writes into the job dir at start, which every node must read (sharded format on several nodes)."""
 
@@ -159,7 +162,9 @@ METRIC_REWARDS_ACCURACY = "rewards_accuracy"
 """DPO: the share of pairs whose chosen reward exceeds the rejected one's."""
 METRIC_REWARD = "reward"
 """online_grpo: the mean total reward of the completions sampled since the last report (TRL's reward)."""
-METRIC_REWARD_STD = "reward_std"
+STD_SUFFIX = "_std"
+"""A metric's standard deviation is reported under its name and this suffix."""
+METRIC_REWARD_STD = METRIC_REWARD + STD_SUFFIX
 METRIC_REWARD_OF = "reward_{name}"
 """online_grpo: the mean of one reward function (``reward_{name}_std`` its std), over the completions it scored."""
 METRIC_FRAC_REWARD_ZERO_STD = "frac_reward_zero_std"

@@ -16,6 +16,7 @@ from astrai.common.contract import MODEL_CONFIG_FILE, TOKENIZER_FILE
 from astrai.common.data_folder import TokenData, WindowSplit, tokenizer_digest
 from astrai.common.errors import AstraiError
 from astrai.common.model_folder import ModelConfig, check_window
+from astrai.common.settings import LoRASettings
 
 
 class SetupError(AstraiError):
@@ -143,22 +144,22 @@ def check_same_tokenizer(datas: list[TokenData], names: list[str]) -> None:
 def _check_same_lora(meta: CheckpointMeta, folder: Path, training) -> None:
     """A LoRA checkpoint resumes only as LoRA with the same adapters' shapes and scaling, and a full one only as full
     fine-tuning: one job dir holds one run."""
-    lora = meta.lora
-    if lora is None and not training.lora_rank:
+    lora, ours = meta.lora, LoRASettings.of(training)
+    if lora is None and ours is None:
         return
-    if lora is None or not training.lora_rank:
+    if lora is None or ours is None:
         held = "full fine-tuning weights" if lora is None else f"LoRA adapters (rank {lora['rank']})"
-        wanted = f"lora_rank {training.lora_rank}" if training.lora_rank else "full fine-tuning (lora_rank 0)"
+        wanted = f"lora_rank {ours.rank}" if ours is not None else "full fine-tuning (lora_rank 0)"
         raise SetupError(
             f"{folder} holds {held}, and this config trains {wanted}: a job dir holds one run. Set "
             f"training.lora_rank back to {lora['rank'] if lora else 0}, or start a new job (its own ckpt_dir)"
         )
-    theirs = (lora["rank"], float(lora["alpha"]), sorted(lora["targets"]))
-    ours = (training.lora_rank, float(training.lora_alpha), sorted(training.lora_targets))
-    if theirs != ours:
+    theirs = LoRASettings(lora["rank"], float(lora["alpha"]), float(lora.get("dropout", 0.0)), tuple(lora["targets"]))
+    if theirs.identity != ours.identity:
+        (rank, alpha, targets), (our_rank, our_alpha, our_targets) = theirs.identity, ours.identity
         raise SetupError(
-            f"{folder} holds LoRA adapters of rank {theirs[0]}, alpha {theirs[1]:g} on {', '.join(theirs[2])}, and "
-            f"this config asks for rank {ours[0]}, alpha {ours[1]:g} on {', '.join(ours[2])}: they cannot carry "
+            f"{folder} holds LoRA adapters of rank {rank}, alpha {alpha:g} on {', '.join(targets)}, and "
+            f"this config asks for rank {our_rank}, alpha {our_alpha:g} on {', '.join(our_targets)}: they cannot carry "
             "over. Set training.lora_rank, lora_alpha and lora_targets back, or start a new job (its own ckpt_dir)"
         )
 

@@ -20,16 +20,10 @@ import tempfile
 from pathlib import Path
 
 from astrai.common.checkpoints import estimate_checkpoint_bytes, folder_bytes, latest_complete_checkpoint
-from astrai.common.config import (
-    ONLINE_TRAIN_TYPES,
-    REWARD_TRAIN_TYPES,
-    TrainerConfig,
-    resolve_ckpt_format,
-    resolve_grad_accum_steps,
-    resolve_lora_base_dtype,
-)
+from astrai.common.config import ONLINE_TRAIN_TYPES, REWARD_TRAIN_TYPES, TrainerConfig
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import (
+    CKPT_FORMAT_LORA,
     CKPT_FORMAT_SHARDED,
     LABEL_CUDA_TAG,
     LABEL_TORCH,
@@ -40,7 +34,6 @@ from astrai.common.contract import (
 )
 from astrai.common.data_folder import DataError, TokenData, data_digest, describe_units, training_units
 from astrai.common.fit import (
-    BatchShape,
     SetupError,
     check_fit,
     check_model_tokenizer,
@@ -58,6 +51,8 @@ from astrai.common.model_folder import (
     num_parameters,
 )
 from astrai.common.paths import folder_problem, length_problem, nearest_existing, read_only
+from astrai.common.plan import RunPlan, lora_base_dtype, resolve_plan
+from astrai.common.settings import LoRASettings
 from astrai.common.values import format_bytes
 from astrai.host import compose, engine
 from astrai.host.checklist import FAIL, PASS, SKIP, WARN, Check
@@ -334,12 +329,11 @@ def _fit_check(
     """Data, model and batch fit together: the trainer's own checks (vocabulary, window, one global batch)."""
     if config is None or datas is None or model is None:
         return Check(SKIP, "data fits model", "not checked: see the lines above")
-    world = runtime.world_size if runtime.world_size is not None else _visible_gpus() * runtime.node_count
     training = config.training
     mixture = config.data.sources is not None
     try:
-        grad_accum = resolve_grad_accum_steps(training, world)
-        batch = BatchShape(training.batch_per_device, grad_accum, world)
+        plan = container_plan(runtime, config)
+        world, batch = plan.batch.world_size, plan.batch
         window, kind = config.data.window_size, training.train_type
         units = None
         check_model_tokenizer(datas[0], model[1])
@@ -397,17 +391,22 @@ def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model)
     if config is None or model is None:
         return Check(SKIP, "training state", "not estimated: see the lines above")
     model_config = model[0]
-    world = runtime.world_size if runtime.world_size is not None else max(1, _visible_gpus() * runtime.node_count)
-    sharded = resolve_parallel_mode(config.parallel.parallel_mode, world) == "fsdp"
+    try:
+        plan = container_plan(runtime, config, at_least_one=True)
+    except ConfigError:
+        return Check(SKIP, "training state", "not estimated: see the lines above")
+    world = plan.batch.world_size
+    sharded = plan.parallel_mode == "fsdp"
     share = world if sharded else 1
     total = num_parameters(model_config)
     training = config.training
-    rank = training.lora_rank or 16
+    rank = plan.lora.rank if plan.lora is not None else 16  # with LoRA off: what rank 16 would take
     adapters = num_adapter_parameters(model_config, rank, training.lora_targets)
-    base_dtype = _lora_base_dtype(runtime, training)
+    # With LoRA off, what it would hold its base in on this device: the comparison says why LoRA fits.
+    base_dtype = plan.base_dtype or lora_base_dtype(training.lora_base_dtype, plan.device_type)
     full = total * TRAINING_BYTES_PER_PARAMETER / share
     lora = (total * FROZEN_BYTES_PER_PARAMETER[base_dtype] + adapters * TRAINING_BYTES_PER_PARAMETER) / share
-    chosen = "LoRA" if training.lora_rank else "full fine-tuning"
+    chosen = "LoRA" if plan.lora is not None else "full fine-tuning"
     per = f" per rank ({world} under FSDP)" if sharded else " per process"
     return Check(
         PASS,
@@ -419,18 +418,24 @@ def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model)
     )
 
 
-def _lora_base_dtype(runtime: Runtime, training) -> str:
-    """What the container will hold LoRA's base in: training.lora_base_dtype for the device it will train on."""
+def container_plan(runtime: Runtime, config: TrainerConfig, at_least_one: bool = False) -> RunPlan:
+    """The run plan the trainer will resolve in the container: its device type and world size (counted with
+    nvidia-smi when the runtime leaves them to the GPUs; ``at_least_one``: one when it counts none). ConfigError
+    when the world size does not fit the global batch."""
+    training = config.training
     device = training.device if training.device != "auto" else "cuda" if runtime.uses_gpu else "cpu"
-    return resolve_lora_base_dtype(training.lora_base_dtype, device)
+    world = runtime.world_size if runtime.world_size is not None else _visible_gpus() * runtime.node_count
+    world = max(1, world) if at_least_one else world
+    mode = runtime.parallel_mode if runtime.parallel_mode != "auto" else resolve_parallel_mode("auto", max(1, world))
+    return resolve_plan(config, device, world, mode)
 
 
 def _resume_check(runtime: Runtime, latest, config: TrainerConfig, datas: list[TokenData]) -> Check:
     """What the resume carries over: the trainer's own rule (a changed optimizer refused, other data announced)."""
     try:
-        held = _lora_base_dtype(runtime, config.training)
+        held = container_plan(runtime, config, at_least_one=True).base_dtype
         notes = check_resume(latest.meta, latest.path, config.training, data_digest(datas), held)
-    except SetupError as error:
+    except (SetupError, ConfigError) as error:
         return Check(FAIL, "resume", str(error))
     if latest.meta.optimizer is None:  # written before meta.json recorded it: the trainer reads it from optimizer.pt
         notes.append("its optimizer is not recorded in meta.json: the trainer checks it against training.optimizer")
@@ -518,9 +523,9 @@ def _disk_space_check(runtime: Runtime, config: TrainerConfig | None = None) -> 
 
 def _saved_parameters(model: ModelConfig, config: TrainerConfig | None) -> int:
     """What a checkpoint holds the weights of: every one, or LoRA's adapters alone."""
-    training = config.training if config is not None else None
-    if training is not None and training.lora_rank:
-        return num_adapter_parameters(model, training.lora_rank, training.lora_targets)
+    lora = LoRASettings.of(config.training) if config is not None else None
+    if lora is not None:
+        return num_adapter_parameters(model, lora.rank, lora.targets)
     return num_parameters(model)
 
 
@@ -570,8 +575,11 @@ MOUNTINFO = Path("/proc/self/mountinfo")
 
 def shared_checkpoints_check(runtime: Runtime, config: TrainerConfig) -> Check:
     """Sharded checkpoints on several nodes: every node writes into the checkpoints folder, so it must be shared."""
-    format = resolve_ckpt_format(config.ckpt.format, runtime.parallel_mode)
-    if config.training.lora_rank:
+    try:
+        format = container_plan(runtime, config, at_least_one=True).ckpt_format
+    except ConfigError as error:
+        return Check(SKIP, "shared checkpoints", f"not checked: {error}")
+    if format == CKPT_FORMAT_LORA:
         return Check(PASS, "shared checkpoints", "LoRA: only node 0 writes checkpoints (the adapters alone)")
     if format != CKPT_FORMAT_SHARDED:
         return Check(PASS, "shared checkpoints", f"ckpt.format {format}: only node 0 writes checkpoints")

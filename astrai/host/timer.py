@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from astrai.common.values import local_time
 from astrai.host import engine
 from astrai.host.daemon import Daemon
 
@@ -86,7 +87,7 @@ def seconds_left(state: TimerState, now: float | None = None) -> float:
 
 
 def _log(message: str) -> None:
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}", flush=True)
+    print(f"{local_time(time.time())} {message}", flush=True)
 
 
 def _wait_and_stop(path: Path) -> int:
@@ -105,7 +106,7 @@ def _wait_and_stop(path: Path) -> int:
         return 0
     _log(
         f"job {state.job_name}: stopping container {state.container_id[:12]} at "
-        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(state.deadline))}"
+        f"{local_time(state.deadline)}"
     )
     try:
         while True:

@@ -1,0 +1,148 @@
+"""The run plan: every decision a run makes from its config and where it runs, made once.
+
+The trainer resolves a :class:`RunPlan` before it builds anything and hands it to every builder; ``python -m
+astrai.train --dry-run`` prints it; `invoke preflight` resolves the same plan for the container's world size and
+device, so the host and the trainer answer "is this LoRA, in which dtype is its base held, which checkpoint format,
+how many completions per prompt" with one function. Torch-free: what torch makes of it (the autocast context, the
+device) is the trainer's, from the names here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from astrai.common.config import ONLINE_TRAIN_TYPES, TrainerConfig, resolve_grad_accum_steps
+from astrai.common.contract import CKPT_FORMAT_FULL, CKPT_FORMAT_LORA, CKPT_FORMAT_SHARDED, resolve_parallel_mode
+from astrai.common.fit import BatchShape
+from astrai.common.settings import GRPOSettings, LoRASettings, Sampling
+
+ONLINE_DPO_GENERATIONS = 2
+"""online_dpo samples two completions of each prompt and ranks them."""
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run does, resolved from its config, its world size and its device type."""
+
+    train_type: str
+    device_type: str
+    """cpu or cuda."""
+    parallel_mode: str
+    batch: BatchShape
+    grad_accum_derived: bool
+    """grad_accum_steps was derived from training.global_batch_size."""
+    window_size: int
+    lora: LoRASettings | None
+    """None: full fine-tuning."""
+    base_dtype: str | None
+    """The dtype LoRA's frozen base is held in (float32 or bfloat16); None for full fine-tuning."""
+    ckpt_format: str
+    """full, sharded (every rank writes its rows) or lora (the adapters alone, written by rank 0)."""
+    generations: int | None
+    """Completions per prompt of the online types (online_dpo: two); None for the others (grpo: the data's)."""
+    sampling: Sampling | None
+    """How the online types sample their completions; None for the others."""
+    grpo: GRPOSettings | None
+    """GRPO's settings (online_grpo, grpo); None for the others."""
+    autocast: str | None
+    """The dtype the forward pass computes in under autocast (bfloat16 on CUDA); None: the weights' own."""
+    compile: bool
+    """Each transformer block compiled with torch.compile."""
+
+    @property
+    def grad_accum(self) -> int:
+        return self.batch.grad_accum
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch.global_batch
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of a step of the window-based types (DPO trains each pair as two rows)."""
+        return self.global_batch * self.window_size * (2 if self.train_type == "dpo" else 1)
+
+    def lines(self) -> list[str]:
+        """The plan as ``--dry-run`` prints it, a decision a line."""
+        batch = self.batch
+        derived = " (derived from global_batch_size)" if self.grad_accum_derived else ""
+        lines = [
+            f"train type: {self.train_type}",
+            f"world size: {batch.world_size}",
+            f"device: {self.device_type} (parallel mode {self.parallel_mode})",
+            f"global batch: batch_per_device({batch.batch_per_device}) * grad_accum_steps({batch.grad_accum}){derived}"
+            f" * world_size({batch.world_size}) = {batch.global_batch} {self._unit()} per step",
+            f"compute: {'autocast ' + self.autocast if self.autocast else 'float32'}"
+            f"{', each block compiled' if self.compile else ', eager'}",
+        ]
+        if self.lora is not None:
+            lines.append(f"lora: {self.lora.describe()}; the frozen base held in {self.base_dtype}, adapters float32")
+        how = {
+            CKPT_FORMAT_FULL: "rank 0 gathers the state and writes it",
+            CKPT_FORMAT_SHARDED: "every rank writes its own rows",
+            CKPT_FORMAT_LORA: "the adapters alone, written by rank 0; the base stays in ckpt.param_path",
+        }[self.ckpt_format]
+        lines.append(f"checkpoints: {self.ckpt_format} format ({how})")
+        if self.sampling is not None:
+            s = self.sampling
+            lines.append(
+                f"sampling: {self.generations} completions per prompt of at most {s.max_new_tokens} tokens, "
+                f"temperature {s.temperature:g}, top_k {s.top_k}, top_p {s.top_p:g}"
+            )
+        if self.grpo is not None:
+            g = self.grpo
+            lines.append(
+                f"grpo: loss {g.loss}, epsilon {g.epsilon:g}/{g.high:g}, beta {g.beta:g}, scale_rewards "
+                f"{g.scale_rewards}, num_iterations {g.num_iterations}"
+            )
+        return lines
+
+    def _unit(self) -> str:
+        if self.train_type in (*ONLINE_TRAIN_TYPES, "grpo"):
+            return "prompts"
+        return "pairs" if self.train_type == "dpo" else "sequences"
+
+
+def resolve_plan(config: TrainerConfig, device_type: str, world_size: int, parallel_mode: str | None = None) -> RunPlan:
+    """The plan of ``config`` on ``world_size`` processes of ``device_type`` (cpu, cuda); ``parallel_mode`` as the
+    launcher resolved it (by default: the config's, ``auto`` resolved for the world size). ConfigError when the
+    world size does not fit the global batch."""
+    training = config.training
+    mode = parallel_mode or resolve_parallel_mode(config.parallel.parallel_mode, world_size)
+    batch = BatchShape(training.batch_per_device, resolve_grad_accum_steps(training, world_size), world_size)
+    lora = LoRASettings.of(training)
+    online = training.train_type in ONLINE_TRAIN_TYPES
+    generations = None
+    if online:
+        generations = ONLINE_DPO_GENERATIONS if training.train_type == "online_dpo" else training.num_generations
+    return RunPlan(
+        train_type=training.train_type,
+        device_type=device_type,
+        parallel_mode=mode,
+        batch=batch,
+        grad_accum_derived=training.global_batch_size is not None,
+        window_size=config.data.window_size,
+        lora=lora,
+        base_dtype=None if lora is None else lora_base_dtype(training.lora_base_dtype, device_type),
+        ckpt_format=CKPT_FORMAT_LORA if lora is not None else ckpt_format(config.ckpt.format, mode),
+        generations=generations,
+        sampling=training.sampling() if online else None,
+        grpo=training.grpo() if training.train_type in ("online_grpo", "grpo") else None,
+        autocast="bfloat16" if device_type == "cuda" else None,
+        compile=config.model.compile,
+    )
+
+
+def lora_base_dtype(requested: str, device_type: str) -> str:
+    """The dtype LoRA's frozen base is held in: ``auto`` is bfloat16 on CUDA (where autocast computes in bfloat16
+    anyway) and float32 on CPU (which computes in float32)."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if device_type == "cuda" else "float32"
+
+
+def ckpt_format(requested: str | None, parallel_mode: str) -> str:
+    """The format of full fine-tuning's checkpoints: ``ckpt.format``, or by default sharded under FSDP, else full."""
+    if requested is not None:
+        return requested
+    return CKPT_FORMAT_SHARDED if parallel_mode == "fsdp" else CKPT_FORMAT_FULL
