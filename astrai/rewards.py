@@ -1,8 +1,8 @@
 """Reward functions that ship with the trainer, named ``astrai.rewards:exact_answer`` and so on (see
-:mod:`astrai.trainer.rewards`; ``training.rewards`` names them for ``online_grpo``).
+:mod:`astrai.trainer.objectives.rewards`; ``training.rewards`` names them for ``online_grpo``).
 
 Each has TRL's shape, ``fn(prompts, completions, **fields) -> list[float | None]``, and needs neither torch
-nor anything else: write your own the same way in a ``.py`` file (see :mod:`astrai.trainer.rewards`).
+nor anything else: write your own the same way in a ``.py`` file (see :mod:`astrai.trainer.objectives.rewards`).
 
 - :func:`exact_answer` — 1.0 when the completion's final answer (:func:`final_answer`) equals the record's
   ``answer`` field after normalisation (numbers by exact value, a unit or % after them left out), else 0.0.

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from astrai.trainer.generate import Sampling, generate
+from astrai.common.settings import Sampling
+from astrai.trainer.generate import generate
 from astrai.trainer.model import PRESETS, load_pretrained, write_base_model
 from bench.common import Figures, fix_threads
 from tests.support import transformers_generate

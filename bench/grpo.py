@@ -9,8 +9,8 @@
   5e-4): the median of the first 20 steps' mean rewards, and of the last 20. The curve (every 10 steps) is kept
   with the figures and drawn in docs/post-training.md.
 - ``grpo_update_vs_sft``: completion tokens per CPU-second of GRPO's update (the forward and backward pass of
-  :func:`astrai.trainer.grpo.completion_logps` and the loss) over an SFT step's on the same rows (prompt and
-  completion, the loss on the completion's tokens), on the ``small`` preset, in alternating turns.
+  :func:`astrai.trainer.objectives.rollouts.completion_logps` and the loss) over an SFT step's on the same rows
+  (prompt and completion, the loss on the completion's tokens), on the ``small`` preset, in alternating turns.
 - ``grpo_rollout_share``: the share of an ``online_grpo`` step's CPU time spent before its update (sampling the
   completions, scoring them, the advantages), in the learning run above.
 """
@@ -29,11 +29,13 @@ import yaml
 
 from astrai.common.config import KEY_SECTION, load_trainer_config
 from astrai.common.contract import METRICS_FILE
+from astrai.common.settings import GRPOSettings
 from astrai.data.pipeline import prepare
 from astrai.trainer.distributed import init_distributed
-from astrai.trainer.grpo import GRPOSettings, completion_logps, grpo_loss
 from astrai.trainer.loop import open_trainer
 from astrai.trainer.model import PRESETS, Transformer, write_base_model
+from astrai.trainer.objectives.grpo import grpo_loss
+from astrai.trainer.objectives.rollouts import completion_logps
 from bench.common import Figures, fix_threads
 
 REWARD = '''

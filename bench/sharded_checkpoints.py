@@ -50,7 +50,7 @@ def worker(preset: str, window: str, batch: str, repeats: str, params: str, data
 
     from astrai.common.checkpoints import list_complete_checkpoints
     from astrai.common.contract import CKPT_FORMATS
-    from astrai.trainer.checkpoint.formats import checkpoint_format
+    from astrai.trainer.checkpoint.formats import FORMATS
     from astrai.trainer.checkpoint.manager import load_latest
     from astrai.trainer.distributed import init_distributed, shutdown_distributed
     from astrai.trainer.loop import open_trainer
@@ -112,7 +112,7 @@ def worker(preset: str, window: str, batch: str, repeats: str, params: str, data
     samples: dict[str, dict[str, list]] = {name: {} for name in CKPT_FORMATS}
     for repeat in range(-1, int(repeats)):  # -1: an uncounted warm-up (first-use buffers, page faults)
         for format in CKPT_FORMATS if repeat % 2 == 0 else CKPT_FORMATS[::-1]:
-            trainer.checkpointer.format = checkpoint_format(format)
+            trainer.checkpointer.format = FORMATS[format]
             figures = {}
             figures["save"] = measured(lambda: trainer.save_checkpoint("final"))
             dist.barrier()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,6 @@ from astrai.common.config import (
     ONLINE_TRAIN_TYPES,
     REWARD_TRAIN_TYPES,
     TrainerConfig,
-    resolve_grad_accum_steps,
-    resolve_lora_base_dtype,
     reward_settings,
     unused_reward_keys,
 )
@@ -40,13 +37,14 @@ from astrai.common.fit import (
     tokenizer_hint,
 )
 from astrai.common.model_folder import base_digest
+from astrai.common.plan import RunPlan
+from astrai.common.settings import LoRASettings
 from astrai.trainer.checkpoint.files import LoadedCheckpoint
 from astrai.trainer.checkpoint.manager import RunFacts
 from astrai.trainer.distributed import DistEnv, broadcast_from_master, gather_objects, parallelize
 from astrai.trainer.lora import (
     AdapterError,
     BaseModel,
-    LoRASettings,
     add_adapters,
     frozen_dtype,
     hold_base_in,
@@ -54,19 +52,16 @@ from astrai.trainer.lora import (
     parameter_counts,
     read_peft_adapter,
 )
-from astrai.trainer.model import ModelConfig, ModelLoadError, Transformer, load_base_model, model_digest
-from astrai.trainer.objectives import NextToken, Preference, Supervised
-from astrai.trainer.online import (
-    OfflineGRPO,
-    OnlineDPO,
-    OnlineGRPO,
-    Prompts,
-    PromptSet,
-    ScoredGroups,
-    prompt_units,
-)
+from astrai.trainer.model import ModelConfig, ModelLoadError, Transformer, load_base_model
+from astrai.trainer.objectives.contract import Objective
+from astrai.trainer.objectives.dpo import Preference
+from astrai.trainer.objectives.grpo import GRPO, RoundShape
+from astrai.trainer.objectives.online_dpo import OnlineDPO
+from astrai.trainer.objectives.prompts import Prompts, PromptSet, ScoredGroups, prompt_units
+from astrai.trainer.objectives.reference import check_same_reference, frozen_model, reference_table
+from astrai.trainer.objectives.rollouts import CompletionsLog, GivenRollouts, SampledRollouts
+from astrai.trainer.objectives.supervised import NextToken, Supervised
 from astrai.trainer.records import DPOPairs, PackedSFT, RecordIndex
-from astrai.trainer.reference import reference_table
 from astrai.trainer.windows import (
     MixtureBatchSampler,
     MixtureDataset,
@@ -140,10 +135,11 @@ class Start:
     """LoRA: which base model the weights are (astrai.common.model_folder.base_digest)."""
 
 
-def read_start(config: TrainerConfig, env: DistEnv, data: RunData, loaded: LoadedCheckpoint | None) -> Start:
-    settings = LoRASettings.of(config.training)
-    if settings is not None:
-        return _lora_start(config, env, data, loaded, settings)
+def read_start(
+    config: TrainerConfig, plan: RunPlan, env: DistEnv, data: RunData, loaded: LoadedCheckpoint | None
+) -> Start:
+    if plan.lora is not None:
+        return _lora_start(config, env, data, loaded, plan.lora)
     if loaded is not None:
         source = loaded.checkpoint.path
         broadcast_from_master(env, lambda: check_model_tokenizer(data.first, source), errors=(SetupError, DataError))
@@ -189,8 +185,7 @@ def _lora_start(
 
     def read_adapter():
         theirs, tensors = read_peft_adapter(folder)
-        mine = (settings.rank, settings.alpha, sorted(settings.targets))
-        if (theirs.rank, theirs.alpha, sorted(theirs.targets)) != mine:
+        if theirs.identity != settings.identity:
             raise AdapterError(
                 f"ckpt.adapter_path {folder}: its adapters are rank {theirs.rank}, alpha {theirs.alpha:g} on "
                 f"{', '.join(theirs.targets)}, and this run's are rank {settings.rank}, alpha {settings.alpha:g} on "
@@ -202,7 +197,7 @@ def _lora_start(
     return Start(model_config, weights, base, adapters, digest)
 
 
-def resume_notes(loaded: LoadedCheckpoint | None, config: TrainerConfig, digest: str, env: DistEnv) -> list[str]:
+def resume_notes(loaded: LoadedCheckpoint | None, config: TrainerConfig, plan: RunPlan, digest: str) -> list[str]:
     """What changed since the checkpoint that the resume goes on with; SetupError for what it cannot."""
     if loaded is None:
         return []
@@ -210,8 +205,7 @@ def resume_notes(loaded: LoadedCheckpoint | None, config: TrainerConfig, digest:
     groups = loaded.optimizer_state.get("param_groups", [])
     if meta.optimizer is None and groups:  # an older checkpoint: AdamW has two groups, Muon adds a third
         meta = dataclasses.replace(meta, optimizer="muon" if len(groups) == 3 else "adamw")
-    held = resolve_lora_base_dtype(config.training.lora_base_dtype, env.device.type)
-    return check_resume(meta, loaded.checkpoint.path, config.training, digest, held)
+    return check_resume(meta, loaded.checkpoint.path, config.training, digest, plan.base_dtype)
 
 
 @dataclass(frozen=True)
@@ -222,7 +216,9 @@ class Records:
     units: object
 
 
-def post_training_records(config: TrainerConfig, data: RunData, log: Log, model: ModelConfig) -> Records | None:
+def post_training_records(
+    config: TrainerConfig, plan: RunPlan, data: RunData, log: Log, model: ModelConfig
+) -> Records | None:
     train_type, window = config.training.train_type, config.data.window_size
     for folder in data.datas:
         folder.check_kind(train_type, tokenizer_hint(Path(config.ckpt.param_path)))
@@ -231,7 +227,7 @@ def post_training_records(config: TrainerConfig, data: RunData, log: Log, model:
     index = RecordIndex(data.first)
     overlong = config.data.overlong
     if train_type in ONLINE_TRAIN_TYPES:
-        return Records(index, _prompt_units(config, index, log, model))
+        return Records(index, _prompt_units(config, plan, index, log, model))
     if train_type == "grpo":
         groups = ScoredGroups(data.first, index, config.data.window_size, overlong)
         how = f"{groups.truncated:,} cut to it" if overlong == "truncate" else "their groups left out"
@@ -247,7 +243,7 @@ def post_training_records(config: TrainerConfig, data: RunData, log: Log, model:
     return Records(index, units)
 
 
-def _prompt_units(config: TrainerConfig, index: RecordIndex, log: Log, model: ModelConfig):
+def _prompt_units(config: TrainerConfig, plan: RunPlan, index: RecordIndex, log: Log, model: ModelConfig):
     """The prompts, each cut to leave room for max_completion_length in the model's context (or left out)."""
     training, overlong = config.training, config.data.overlong
     limit = min(model.max_seq_len, model.sliding_window or model.max_seq_len)
@@ -258,7 +254,6 @@ def _prompt_units(config: TrainerConfig, index: RecordIndex, log: Log, model: Mo
             f"model's context of {limit} tokens; lower it below {limit}"
         )
     units = prompt_units(index.length, room, overlong)
-    generations = 2 if training.train_type == "online_dpo" else training.num_generations
     if not len(units):
         raise SetupError(
             f"every prompt of {index.data.root} is longer than {room} tokens, the room max_completion_length "
@@ -266,7 +261,7 @@ def _prompt_units(config: TrainerConfig, index: RecordIndex, log: Log, model: Mo
         )
     how = f"{units.truncated:,} cut to their last {room}" if overlong == "truncate" else f"{units.dropped:,} left out"
     log(
-        f"{training.train_type}: {len(units):,} prompts x {generations} completions of at most "
+        f"{training.train_type}: {len(units):,} prompts x {plan.generations} completions of at most "
         f"{training.max_completion_length} tokens; prompts longer than {room} tokens: {how} (data.overlong: {overlong})"
     )
     return units
@@ -339,7 +334,7 @@ def make_loader(config: TrainerConfig, env: DistEnv, feed: Feed) -> DataLoader:
     )
 
 
-def build_model(config: TrainerConfig, env: DistEnv, start: Start) -> torch.nn.Module:
+def build_model(config: TrainerConfig, plan: RunPlan, env: DistEnv, start: Start) -> torch.nn.Module:
     """The model with the start's weights, on the device and wrapped for the parallel mode."""
     checkpointing = config.model.activation_checkpointing
     if start.weights is None:
@@ -350,16 +345,14 @@ def build_model(config: TrainerConfig, env: DistEnv, start: Start) -> torch.nn.M
     else:
         model = Transformer(start.model_config, activation_checkpointing=checkpointing)
         model.load_state_dict(start.weights)
-        settings = LoRASettings.of(config.training)
-        if settings is not None:
+        if plan.lora is not None:
             # The base frozen, the adapters new (A from the seed, B zero) or the start's.
-            add_adapters(model, settings, torch.Generator().manual_seed(config.training.random_seed))
+            add_adapters(model, plan.lora, torch.Generator().manual_seed(config.training.random_seed))
             if start.adapters is not None:
                 load_adapters(model, start.adapters, str(start.source))
-            held = resolve_lora_base_dtype(config.training.lora_base_dtype, env.device.type)
-            hold_base_in(model, getattr(torch, held))
+            hold_base_in(model, getattr(torch, plan.base_dtype))
         model.to(env.device)
-    if config.model.compile:
+    if plan.compile:
         for layer in model.layers:
             layer.compile()
     model = parallelize(model, env)
@@ -368,282 +361,214 @@ def build_model(config: TrainerConfig, env: DistEnv, start: Start) -> torch.nn.M
     return model
 
 
-def autocast_for(env: DistEnv) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA; CPU trains in fp32, where autocast would only slow it down."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else contextlib.nullcontext()
+def autocast_for(plan: RunPlan) -> contextlib.AbstractContextManager:
+    """The plan's autocast (bf16 on CUDA); CPU trains in fp32, where autocast would only slow it down."""
+    if plan.autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(plan.device_type, dtype=getattr(torch, plan.autocast))
 
 
 @dataclass(frozen=True)
-class Objective:
-    """The loss of the train type, and DPO's reference as checkpoints record it (path, sha256), else None."""
+class RunParts:
+    """What an objective is built from: the run's config and plan, and the parts built before it."""
 
-    loss: NextToken | Supervised | Preference | OnlineGRPO | OnlineDPO | OfflineGRPO
+    config: TrainerConfig
+    plan: RunPlan
+    env: DistEnv
+    log: Log
+    start: Start
+    records: Records | None
+    feed: Feed
+    model: torch.nn.Module
+    loaded: LoadedCheckpoint | None
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.start.model_config
+
+
+@dataclass(frozen=True)
+class BuiltObjective:
+    """The objective of the run, and its frozen reference as checkpoints record it (path, sha256), else None."""
+
+    objective: Objective
     reference: dict | None = None
 
 
-def build_objective(
-    config: TrainerConfig,
-    env: DistEnv,
-    model_config: ModelConfig,
-    records: Records | None,
-    feed: Feed,
-    loaded: LoadedCheckpoint | None,
-    log: Log,
-    model: torch.nn.Module,
-    start: Start,
-) -> Objective:
-    vocab, train_type = model_config.vocab_size, config.training.train_type
-    if train_type == "seq":
-        return Objective(NextToken(env, vocab))
-    if train_type == "sft":
-        return Objective(Supervised(env, vocab))
-    if train_type in REWARD_TRAIN_TYPES:
-        return _online(config, env, model_config, records, loaded, log, model, start)
-    if start.base_sha256 is not None and config.ckpt.reference_path is None:
-        reference, recorded = _base_reference(config, env, model_config, records, feed, loaded, log, model, start)
-    else:
-        reference, recorded = _reference(config, env, model_config, records, feed, loaded, log)
-    return Objective(Preference(env, vocab, reference, config.training.dpo_beta), recorded)
+ObjectiveBuilder = Callable[[RunParts], BuiltObjective]
+"""What the trainer builds its objective with: :func:`build_objective`, or another of the same shape."""
 
 
-def _online(config, env, model_config, records, loaded, log, model, start) -> Objective:
-    """The types that learn from rewards: the reward functions loaded (none for grpo, whose data holds its rewards),
-    sampling settings, stop tokens, and the frozen starting model (online_dpo's reference; GRPO's KL reference when
-    grpo_beta > 0): the base model with LoRA's adapters
-    off, else a second copy of it."""
-    from astrai.data.tokenizing import ByteTokenizer, HFTokenizer
-    from astrai.trainer.generate import Sampling, stop_tokens
-    from astrai.trainer.rewards import load_reward
-
-    training = config.training
+def build_objective(parts: RunParts) -> BuiltObjective:
+    """The objective ``training.train_type`` names, with what it needs (a reference, a rollout source)."""
+    env, plan, training = parts.env, parts.plan, parts.config.training
+    vocab = parts.model_config.vocab_size
+    if plan.train_type == "seq":
+        return BuiltObjective(NextToken(env, vocab))
+    if plan.train_type == "sft":
+        return BuiltObjective(Supervised(env, vocab))
+    if plan.train_type == "dpo":
+        reference, recorded = _dpo_reference(parts)
+        return BuiltObjective(Preference(env, vocab, reference, training.dpo_beta), recorded)
     unused = unused_reward_keys(training)
     if unused:
         keys = ", ".join(f"training.{key}" for key in unused)
-        log(f"note: train_type {training.train_type} does not use {keys}; they are left as set")
-    offline = training.train_type == "grpo"
-    rewards = [] if offline else [load_reward(spec) for spec in training.rewards]
-    settings = _grpo_settings(training)
-    sampling = Sampling(training.max_completion_length, training.temperature, training.top_k, training.top_p)
-    data = records.index.data
-    tokenizer = ByteTokenizer() if data.tokenizer_sha256 is None else HFTokenizer(data.root / TOKENIZER_FILE)
-    stop = stop_tokens(model_config, start.source, tokenizer)
-    dpo = training.train_type == "online_dpo"
-    per_device = training.batch_per_device
-    reference, recorded = None, None
-    if settings.beta != 0 or dpo:
-        reference, recorded = _starting_model(config, env, model_config, records, loaded, model, start)
-    how = (
-        f"two completions a prompt, the higher-scored chosen, DPO beta {training.dpo_beta:g} against the starting model"
-        if dpo
-        else f"loss {settings.loss}, epsilon {settings.epsilon:g}/{settings.high:g}, beta {settings.beta:g}, "
-        f"scale_rewards {settings.scale_rewards}"
+        parts.log(f"note: train_type {plan.train_type} does not use {keys}; they are left as set")
+    if plan.train_type == "online_dpo":
+        source = sampled_rollouts(parts)
+        reference, recorded = starting_model(parts)
+        parts.log(f"online_dpo: two completions a prompt, the higher-scored chosen, DPO beta {training.dpo_beta:g}")
+        autocast, log = autocast_for(plan), completions_log(parts)
+        objective = OnlineDPO(env, source, training.dpo_beta, reference, autocast, log, parts.log)
+        return BuiltObjective(objective, recorded)
+    source = given_rollouts(parts) if plan.train_type == "grpo" else sampled_rollouts(parts)
+    settings = plan.grpo
+    reference, recorded = starting_model(parts) if settings.beta != 0 else (None, None)
+    parts.log(
+        f"{plan.train_type}: loss {settings.loss}, epsilon {settings.epsilon:g}/{settings.high:g}, beta "
+        f"{settings.beta:g}, scale_rewards {settings.scale_rewards}, num_iterations {settings.num_iterations}"
     )
-    if offline:
-        log(f"grpo: the rewards given with the data; {how}")
-        objective = OfflineGRPO(
-            env,
-            records.units,
-            settings,
-            tokenizer.decode,
-            reference,
-            job_dir=Path(config.ckpt.ckpt_dir),
-            log_interval=config.log.log_interval,
-            autocast=autocast_for(env),
-            log=log,
-            iterations=training.num_iterations,
-        )
-        objective.round_shape = (resolve_grad_accum_steps(training, env.world_size), per_device * records.units.size)
-        return Objective(objective, recorded)
+    shape = RoundShape(plan.grad_accum, plan.batch.batch_per_device * source.generations)
+    objective = GRPO(env, source, settings, reference, shape, autocast_for(plan), completions_log(parts), parts.log)
+    return BuiltObjective(objective, recorded)
+
+
+def _tokenizer(parts: RunParts):
+    from astrai.data.tokenizing import ByteTokenizer, HFTokenizer
+
+    data = parts.records.index.data
+    return ByteTokenizer() if data.tokenizer_sha256 is None else HFTokenizer(data.root / TOKENIZER_FILE)
+
+
+def sampled_rollouts(parts: RunParts) -> SampledRollouts:
+    """The online types' rollout source: the policy samples (``plan.sampling``, ``plan.generations``), the reward
+    functions of ``training.rewards`` score, the model's stop tokens end a completion."""
+    from astrai.trainer.generate import stop_tokens
+    from astrai.trainer.objectives.rewards import load_reward
+
+    env, plan, training, records = parts.env, parts.plan, parts.config.training, parts.records
+    rewards = [load_reward(spec) for spec in training.rewards]
+    tokenizer = _tokenizer(parts)
+    stop = stop_tokens(parts.model_config, parts.start.source, tokenizer)
+    sampling = plan.sampling
     described = ", ".join(f"{reward.name} x{reward.spec.weight:g}" for reward in rewards)
-    log(
-        f"{training.train_type}: rewards {described}; temperature {training.temperature:g}, top_p {training.top_p:g}, "
-        f"top_k {training.top_k}; {how}; stop tokens {sorted(stop)}"
+    parts.log(
+        f"{plan.train_type}: rewards {described}; temperature {sampling.temperature:g}, top_p {sampling.top_p:g}, "
+        f"top_k {sampling.top_k}; stop tokens {sorted(stop)}"
     )
-    make = functools.partial(OnlineDPO, beta=training.dpo_beta) if dpo else OnlineGRPO
-    objective = make(
+    prompts = Prompts(records.index.data, records.index, records.units)
+    return SampledRollouts(
         env,
-        Prompts(data, records.index, records.units),
+        prompts,
         rewards,
-        settings,
         sampling,
-        2 if dpo else training.num_generations,
+        plan.generations,
         stop,
         tokenizer.decode,
         training.random_seed,
-        reference,
         training.mask_truncated_completions,
-        Path(config.ckpt.ckpt_dir),
-        config.log.log_interval,
-        autocast_for(env),
-        log,
-        iterations=training.num_iterations,
-    )
-    objective.round_shape = (resolve_grad_accum_steps(training, env.world_size), per_device * objective.generations)
-    return Objective(objective, recorded)
-
-
-def _grpo_settings(training):
-    from astrai.trainer.grpo import GRPOSettings
-
-    return GRPOSettings(
-        epsilon=training.grpo_epsilon,
-        epsilon_high=training.grpo_epsilon_high,
-        beta=training.grpo_beta,
-        loss=training.grpo_loss,
-        scale_rewards=training.scale_rewards,
-        max_completion_length=training.max_completion_length,
+        autocast_for(plan),
     )
 
 
-def _starting_model(config, env, model_config, records, loaded, model, start):
-    """The frozen starting model the rewards' types compare with, and what checkpoints record of it: with LoRA the
-    model itself with its adapters off, else a frozen copy (of ckpt.reference_path, or the base model)."""
-    from astrai.trainer.lora import BaseModel
-
-    if start.base_sha256 is not None and config.ckpt.reference_path is None:
-        recorded = {"path": config.ckpt.param_path, "sha256": start.base_sha256}
-        _check_same_reference(recorded, loaded)
-        return BaseModel(model), recorded
-    return _frozen_model(config, env, model_config, records, loaded)
+def given_rollouts(parts: RunParts) -> GivenRollouts:
+    """``grpo``'s rollout source: the data's scored completions."""
+    parts.log("grpo: the rewards given with the data")
+    return GivenRollouts(parts.records.units, _tokenizer(parts).decode)
 
 
-def _frozen_model(config, env, model_config, records, loaded):
-    """A frozen copy of a model folder (ckpt.reference_path, or the base model) on the device, sharded under FSDP;
-    and what checkpoints record of it, which a resume must keep."""
+def completions_log(parts: RunParts) -> CompletionsLog:
+    return CompletionsLog(Path(parts.config.ckpt.ckpt_dir), parts.config.log.log_interval, parts.env)
+
+
+def starting_model(parts: RunParts) -> tuple[object, dict]:
+    """The frozen starting model the reward types compare with (online_dpo's reference, GRPO's KL reference), and
+    what checkpoints record of it: with LoRA the model itself with its adapters off, else a frozen copy (of
+    ckpt.reference_path, or the base model)."""
+    config = parts.config
+    if parts.plan.lora is not None and config.ckpt.reference_path is None:
+        recorded = {"path": config.ckpt.param_path, "sha256": parts.start.base_sha256}
+        check_same_reference(recorded, parts.loaded)
+        return BaseModel(parts.model), recorded
     path = Path(config.ckpt.reference_path or config.ckpt.param_path)
+    return frozen_model(path, parts.env, parts.model_config, parts.records.index.data, parts.loaded)
 
-    def read_reference():
-        check_model_tokenizer(records.index.data, path)  # a reference with its own tokenizer must be the data's
-        return (*load_base_model(path), model_digest(path))
 
-    reference_config, weights, digest = broadcast_from_master(
-        env, read_reference, errors=(ModelLoadError, SetupError, DataError)
-    )
-    if reference_config.vocab_size != model_config.vocab_size:
-        raise SetupError(
-            f"the reference {path} has a vocabulary of {reference_config.vocab_size}, the trained model "
-            f"{model_config.vocab_size}: the reference must score the same tokens"
+def _dpo_reference(parts: RunParts) -> tuple[object, dict]:
+    """DPO's frozen reference (ckpt.reference_path, or the base model; with LoRA the model, adapters off), live or
+    as its table of log-probabilities. A resume must keep the same reference: meta.json records its checksum."""
+    training = parts.config.training
+    reference, recorded = starting_model(parts)
+    how = f"beta {training.dpo_beta}, {training.dpo_reference}"
+    if isinstance(reference, BaseModel):
+        parts.log(
+            f"dpo: reference is the base model {recorded['path']} (sha256 {recorded['sha256'][:12]}): this model, "
+            f"adapters off, {how}"
         )
-    recorded = {"path": str(path), "sha256": digest}
-    _check_same_reference(recorded, loaded)
-    reference = Transformer(reference_config)
-    reference.load_state_dict(weights)
-    del weights
-    reference.to(env.device).eval().requires_grad_(False)
-    if env.parallel_mode == "fsdp":
-        reference = parallelize(reference, env)
-    return reference, recorded
-
-
-def _reference(config, env, model_config, records, feed, loaded, log) -> tuple[object, dict]:
-    """DPO's frozen reference (ckpt.reference_path, or the base model), live or as its table of log-probabilities.
-
-    A resume must keep the same reference: meta.json records its checksum.
-    """
-    training = config.training
-    reference, recorded = _frozen_model(config, env, model_config, records, loaded)
-    path, digest = recorded["path"], recorded["sha256"]
-    how = f"frozen, beta {training.dpo_beta}, {training.dpo_reference}"
-    log(f"dpo: reference model {path} (sha256 {digest[:12]}), {how}")
-    return _live_or_table(config, env, model_config, records, feed, log, reference, digest), recorded
-
-
-def _base_reference(config, env, model_config, records, feed, loaded, log, model, start) -> tuple[object, dict]:
-    """LoRA's DPO reference: the trained model itself with its adapters off (no second copy in memory)."""
-    path = Path(config.ckpt.param_path)
-    recorded = {"path": str(path), "sha256": start.base_sha256}
-    _check_same_reference(recorded, loaded)
-    how = f"beta {config.training.dpo_beta}, {config.training.dpo_reference}"
-    log(f"dpo: reference is the base model {path} (sha256 {start.base_sha256[:12]}): this model, adapters off, {how}")
-    reference = BaseModel(model)
-    return _live_or_table(config, env, model_config, records, feed, log, reference, start.base_sha256), recorded
-
-
-def _check_same_reference(recorded: dict, loaded: LoadedCheckpoint | None) -> None:
-    """A resume keeps the DPO reference its checkpoint was trained against."""
-    before = loaded.meta.reference if loaded is not None else None
-    if before is not None and before.get("sha256") != recorded["sha256"]:
-        raise SetupError(
-            f"this run's DPO reference {recorded['path']} (sha256 {recorded['sha256'][:12]}) is not the one its "
-            f"checkpoint {loaded.checkpoint.path} was trained against ({before.get('path')}, sha256 "
-            f"{before.get('sha256', '')[:12]}); set ckpt.reference_path back to it"
-        )
-
-
-def _live_or_table(config, env, model_config, records, feed, log, reference, digest):
-    """The reference as the objective uses it: the model itself (live), or its table of log-probabilities."""
-    training = config.training
+    else:
+        parts.log(f"dpo: reference model {recorded['path']} (sha256 {recorded['sha256'][:12]}), frozen, {how}")
     if training.dpo_reference == "live":
-        return reference
+        return reference, recorded
     facts = {
-        "reference_sha256": digest,
-        "data": records.index.data.fingerprint(),
-        "window_size": str(config.data.window_size),
-        "overlong": config.data.overlong,
-        "device_type": env.device.type,
+        "reference_sha256": recorded["sha256"],
+        "data": parts.records.index.data.fingerprint(),
+        "window_size": str(parts.config.data.window_size),
+        "overlong": parts.config.data.overlong,
+        "device_type": parts.env.device.type,
     }
     if isinstance(reference, BaseModel):  # LoRA: the base as held (a bf16 base scores otherwise than an fp32 one)
         facts["base_dtype"] = frozen_dtype(reference.model)
     table = reference_table(
         reference,
-        feed.dataset,
-        len(records.units),
+        parts.feed.dataset,
+        len(parts.records.units),
         facts,
-        Path(config.ckpt.ckpt_dir),
-        env,
+        Path(parts.config.ckpt.ckpt_dir),
+        parts.env,
         training.batch_per_device,
-        autocast_for(env),
-        model_config.vocab_size,
-        log,
+        autocast_for(parts.plan),
+        parts.model_config.vocab_size,
+        parts.log,
     )
-    return table
+    return table, recorded
 
 
-def run_facts(
-    config: TrainerConfig, env: DistEnv, global_batch: int, data: RunData, objective: Objective, start: Start
-) -> RunFacts:
+def run_facts(config: TrainerConfig, plan: RunPlan, data: RunData, built: BuiltObjective, start: Start) -> RunFacts:
     training = config.training
+    lora = None
+    if plan.lora is not None:
+        lora = plan.lora.record(config.ckpt.param_path, start.base_sha256, plan.base_dtype)
     return RunFacts(
         config.config_hash(),
         training.max_steps,
         config.data.window_size,
-        global_batch,
+        plan.global_batch,
         training.train_type,
-        reference=objective.reference,
+        reference=built.reference,
         optimizer=training.optimizer,
         data_digest=data.digest,
-        lora=_lora_record(config, env, start),
+        lora=lora,
         rewards=reward_settings(training),
     )
 
 
-def _lora_record(config: TrainerConfig, env: DistEnv, start: Start) -> dict | None:
-    settings = LoRASettings.of(config.training)
-    if settings is None:
-        return None
-    base_dtype = resolve_lora_base_dtype(config.training.lora_base_dtype, env.device.type)
-    return settings.record(config.ckpt.param_path, start.base_sha256, base_dtype)
-
-
-def trainable_tag(model: torch.nn.Module, config: TrainerConfig) -> str | None:
+def trainable_tag(model: torch.nn.Module, plan: RunPlan) -> str | None:
     """LoRA's rank and trainable share for the progress line (``lora r16 0.52%``); None for full fine-tuning."""
-    if not config.training.lora_rank:
+    if plan.lora is None:
         return None
     trainable, frozen = parameter_counts(model)
-    return f"lora r{config.training.lora_rank} {trainable / (trainable + frozen):.2%}"
+    return f"lora r{plan.lora.rank} {trainable / (trainable + frozen):.2%}"
 
 
-def describe_trainable(model: torch.nn.Module, config: TrainerConfig) -> str | None:
+def describe_trainable(model: torch.nn.Module, plan: RunPlan) -> str | None:
     """LoRA's line at start: its settings and how much of the model trains; None for full fine-tuning."""
-    settings = LoRASettings.of(config.training)
-    if settings is None:
+    if plan.lora is None:
         return None
     trainable, frozen = parameter_counts(model)
     share = trainable / (trainable + frozen)
-    held = frozen_dtype(model)
     return (
-        f"lora: {settings.describe()}: {trainable:,} trainable of {trainable + frozen:,} parameters ({share:.2%}); "
-        f"the frozen base held in {held}"
+        f"lora: {plan.lora.describe()}: {trainable:,} trainable of {trainable + frozen:,} parameters ({share:.2%}); "
+        f"the frozen base held in {frozen_dtype(model)}"
     )
 
 

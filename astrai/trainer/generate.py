@@ -15,42 +15,15 @@ samples the same completions after a resume.
 from __future__ import annotations
 
 import json
-import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from astrai.common.contract import GENERATION_CONFIG_FILE, TOKENIZER_FILE
 from astrai.common.model_folder import ModelConfig
+from astrai.common.settings import Sampling
 from astrai.trainer.model import KVCache, load_pretrained
-
-MIN_TEMPERATURE = 1e-3
-"""Below it the scaled logits overflow float32; 0 is greedy."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How the next token is chosen; the defaults are greedy decoding."""
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    """0 picks the most likely token; above 0 the logits are divided by it and a token drawn."""
-    top_k: int = 0
-    """Draw among the k most likely tokens only; 0 = all."""
-    top_p: float = 1.0
-    """Draw among the smallest set of most likely tokens whose probability reaches top_p; 1 = all."""
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
-            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = every token), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:

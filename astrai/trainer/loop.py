@@ -33,31 +33,20 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from astrai.common.checkpoints import latest_complete_checkpoint
-from astrai.common.config import (
-    TrainerConfig,
-    describe,
-    parse_args,
-    resolve_ckpt_format,
-    resolve_grad_accum_steps,
-    resolve_lora_base_dtype,
-)
+from astrai.common.config import TrainerConfig, describe, parse_args
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import (
-    CKPT_FORMAT_SHARDED,
     ENV_STOPPED_EXIT_CODE,
     REASON_EMERGENCY,
     REASON_FINAL,
     REASON_PERIODIC,
     TRACKER_TENSORBOARD,
-    resolve_parallel_mode,
 )
 from astrai.common.errors import AstraiError
-from astrai.common.fit import (
-    BatchShape,
-)
+from astrai.common.plan import RunPlan, resolve_plan
 from astrai.trainer import build
 from astrai.trainer.checkpoint.files import SCHEDULE, LoadedCheckpoint, NonFiniteWeights, Progress
-from astrai.trainer.checkpoint.formats import run_format
+from astrai.trainer.checkpoint.formats import FORMATS
 from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
 from astrai.trainer.checkpoint.state import run_state
 from astrai.trainer.distributed import (
@@ -94,17 +83,23 @@ class TrainStats:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def open_trainer(config: TrainerConfig, env: DistEnv, stop: GracefulStop | None = None) -> Trainer | None:
+def open_trainer(
+    config: TrainerConfig,
+    env: DistEnv,
+    stop: GracefulStop | None = None,
+    objective: build.ObjectiveBuilder = build.build_objective,
+) -> Trainer | None:
     """A Trainer resuming the newest checkpoint that loads (or starting fresh), or None when the run is done.
 
     Whether the run is already at max_steps is decided here, from the checkpoint alone: nothing is built
-    for a run that has nothing left to do.
+    for a run that has nothing left to do. ``objective`` builds the run's objective from its parts (by default the
+    one ``training.train_type`` names).
     """
-    # Checked before anything is loaded: a world size that does not fit the global batch fails at once.
-    resolve_grad_accum_steps(config.training, env.world_size)
+    # Resolved before anything is loaded: a world size that does not fit the global batch fails at once.
+    plan = resolve_plan(config, env.device.type, env.world_size, env.parallel_mode)
     # Rank 0 reads the whole checkpoint and every rank receives it, or (sharded under FSDP) each rank reads its own
     # rows of the weights and moments once the model is built and sharded.
-    format = run_format(config.ckpt.format, env.parallel_mode, bool(config.training.lora_rank))
+    format = FORMATS[plan.ckpt_format]
     loaded = load_latest(Path(config.ckpt.ckpt_dir), env, _logger(env), whole=format.reads_whole(env))
     max_steps = config.training.max_steps
     if loaded is not None and loaded.progress.step >= max_steps:
@@ -113,7 +108,7 @@ def open_trainer(config: TrainerConfig, env: DistEnv, stop: GracefulStop | None 
             f"is at step {loaded.progress.step}; nothing to do"
         )
         return None
-    return Trainer(config, env, stop, loaded)
+    return Trainer(config, env, stop, loaded, plan, objective)
 
 
 class Trainer:
@@ -122,53 +117,58 @@ class Trainer:
     ``train()`` runs the loop; ``close()`` finishes a save in progress and stops the workers.
     """
 
-    def __init__(self, config: TrainerConfig, env: DistEnv, stop: GracefulStop | None, loaded: LoadedCheckpoint | None):
+    def __init__(
+        self,
+        config: TrainerConfig,
+        env: DistEnv,
+        stop: GracefulStop | None,
+        loaded: LoadedCheckpoint | None,
+        plan: RunPlan,
+        objective: build.ObjectiveBuilder = build.build_objective,
+    ):
         self.config = config
+        self.plan = plan
         self.env = env
         self.stop = stop or GracefulStop()
         self.log = _logger(env)
         training = config.training
-        self.max_steps = training.max_steps
-        self.window_size = config.data.window_size
+        self.max_steps, self.window_size = training.max_steps, config.data.window_size
         self.job_dir = Path(config.ckpt.ckpt_dir)
         self.train_type = training.train_type
-        self.grad_accum = resolve_grad_accum_steps(training, env.world_size)
-        batch = BatchShape(training.batch_per_device, self.grad_accum, env.world_size)
-        self.global_batch = batch.global_batch
-        # DPO trains each pair as two rows: a chosen and a rejected sequence.
-        self.tokens_per_step = self.global_batch * self.window_size * (2 if self.train_type == "dpo" else 1)
-
+        self.grad_accum, self.global_batch, self.tokens_per_step = (
+            plan.grad_accum,
+            plan.global_batch,
+            plan.tokens_per_step,
+        )
         data = build.open_run_data(config, env)
-        notes = build.resume_notes(loaded, config, data.digest, env)
-        start = build.read_start(config, env, data, loaded)
+        notes = build.resume_notes(loaded, config, plan, data.digest)
+        start = build.read_start(config, plan, env, data, loaded)
         self.model_config = start.model_config
-        records = build.post_training_records(config, data, self.log, start.model_config)
-        feed = build.build_feed(config, env, data, start, batch, records)
+        records = build.post_training_records(config, plan, data, self.log, start.model_config)
+        feed = build.build_feed(config, env, data, start, plan.batch, records)
         self.dataset, self.sampler, self.mixture, self.source_names = (
             feed.dataset,
             feed.sampler,
             feed.mixture,
             data.names,
         )
-        self.model = build.build_model(config, env, start)
+        self.model = build.build_model(config, plan, env, start)
         start = dataclasses.replace(start, weights=None, adapters=None)  # in the model now: not held twice
         release_freed_memory()
-        trainable = build.describe_trainable(self.model, config)
+        trainable = build.describe_trainable(self.model, plan)
         if trainable is not None:
             self.log(trainable)
         self.optimizer = build_optimizer(self.model, training, env.device, env.parallel_mode)
         self.schedule = Schedule.of(training)
         self.progress = Progress()
         # Everything a checkpoint holds besides the model and the optimizer; a new part is one more entry here.
-        self.autocast = build.autocast_for(env)
-        objective = build.build_objective(
-            config, env, self.model_config, records, feed, loaded, self.log, self.model, start
-        )
-        self.objective = objective.loss
+        self.autocast = build.autocast_for(plan)
+        built = objective(build.RunParts(config, plan, env, self.log, start, records, feed, self.model, loaded))
+        self.objective = built.objective
         self.parts = run_state(
-            self.progress, self.schedule, env, training.random_seed, self.log, **getattr(self.objective, "parts", {})
+            self.progress, self.schedule, env, training.random_seed, self.log, **self.objective.parts()
         )
-        facts = build.run_facts(config, env, self.global_batch, data, objective, start)
+        facts = build.run_facts(config, plan, data, built, start)
         self.checkpointer = self._checkpointer(facts, data, start)
         if env.watch is not None and env.master_process:
             # A node lost while a periodic save is being written: publish it before this process exits (the full
@@ -185,21 +185,17 @@ class Trainer:
             self.progress.epoch, self.progress.samples_in_epoch = self.progress.epoch + 1, 0
         self._start_epoch()
         self.health = DivergenceRecord(config.log.log_interval, env, self.grad_accum, self.job_dir, self.progress.step)
-        self.validator = Validator(
-            self.dataset,
-            self.objective,
-            feed.eval_windows,
-            training.batch_per_device,
-            env,
-            self.autocast,
-            config.log.eval_interval,
-        )
+        self.validator = self._validator(feed)
         self.reporter = self._reporter(loaded)
         self._last_checkpoint: Path | None = loaded.checkpoint.path if loaded is not None else None
         self._loss_sum = torch.zeros((), device=env.device)
         self._step_loss = torch.zeros((), device=env.device)
         self._warmed_up = False
         self._fresh = True
+
+    def _validator(self, feed: build.Feed) -> Validator:
+        batch, interval = self.config.training.batch_per_device, self.config.log.eval_interval
+        return Validator(self.dataset, self.objective, feed.eval_windows, batch, self.env, self.autocast, interval)
 
     def _checkpointer(self, facts: RunFacts, data: build.RunData, start: build.Start) -> CheckpointManager:
         config = self.config
@@ -217,7 +213,7 @@ class Trainer:
             # A checkpoint is a complete model folder: the data's tokenizer goes into each one, and the model's
             # generation settings (its stop tokens) stay with it.
             extra_files=build.carried_files(data.first, start.source),
-            format=run_format(config.ckpt.format, self.env.parallel_mode, bool(config.training.lora_rank)),
+            format=FORMATS[self.plan.ckpt_format],
         )
 
     def _resume_or_start(self, loaded: LoadedCheckpoint | None, notes: list[str], source: Path) -> None:
@@ -248,7 +244,7 @@ class Trainer:
             peak=peak_tflops(device_name, self.config.log.peak_tflops),
             resumed_step=self.progress.step,
             log=self.log,
-            tag=build.trainable_tag(self.model, self.config),
+            tag=build.trainable_tag(self.model, self.plan),
             tensorboard=TRACKER_TENSORBOARD in self.config.log.report_to,
             trackers=self._trackers(loaded),
         )
@@ -333,13 +329,13 @@ class Trainer:
         lr = self.schedule.lr(self.progress.step)
         set_lr(self.optimizer, lr)
         # A step that trains again on the completions of an earlier one (num_iterations) takes no new data.
-        self._fresh = getattr(self.objective, "takes_batch", lambda step: True)(self.progress.step)
+        self._fresh = self.objective.takes_batch(self.progress.step)
         batches = [next(self._batches) for _ in range(accum)] if self._fresh else [None] * accum
-        scale = self.objective.step_scale(batches, self.model, self.progress.step)
-        for micro, batch in enumerate(batches):
+        prepared = self.objective.prepare_step(batches, self.model, self.progress.step)
+        for micro, (batch, extra) in enumerate(zip(batches, prepared, strict=True)):
             set_gradient_sync(self.model, self.env, micro == accum - 1)
             with self.autocast:
-                loss, reported = self.objective.micro(self.model, batch, scale, accum)
+                loss, reported = self.objective.micro(self.model, batch, extra, accum)
             loss.backward()
             self._step_loss += reported
         grad_norm = None
@@ -374,8 +370,8 @@ class Trainer:
                 self._synchronize()
                 self.reporter.clock.pause(time.perf_counter() - started, steps=1)
                 self._warmed_up = True
-            # The online train types' steps hold as many tokens as their prompts and sampled completions.
-            self._advance(getattr(self.objective, "step_tokens", tokens_per_step))
+            # The reward types' steps hold as many tokens as their prompts and completions.
+            self._advance(self.objective.step_tokens(tokens_per_step))
             # A failed background save stops the run now, on every rank at the same step, not at the next save.
             stopping, save_failed = self.stop.agree(self.env, self.checkpointer.failed)
             if save_failed:
@@ -518,31 +514,17 @@ def _silent(message: str) -> None:
 
 
 def dry_run(config: TrainerConfig) -> int:
-    """Print the resolved config, world size, device and resume decision; train nothing, change nothing."""
+    """Print the resolved config, the run plan and the resume decision; train nothing, change nothing."""
     rank, local_rank, world_size = world_from_environment()
     check_parallel_mode(config.parallel.parallel_mode, world_size)
     device = resolve_device(config.training.device, local_rank)
-    training = config.training
-    grad_accum = resolve_grad_accum_steps(training, world_size)
+    plan = resolve_plan(config, device.type, world_size)
     if rank != 0:
         return 0
     print(describe(config))
-    print(f"world size: {world_size}")
-    derived = " (derived from global_batch_size)" if training.global_batch_size is not None else ""
-    print(
-        f"global batch: batch_per_device({training.batch_per_device}) * grad_accum_steps({grad_accum}){derived}"
-        f" * world_size({world_size}) = {training.batch_per_device * grad_accum * world_size} sequences per step"
-    )
-    print(f"device: {device}")
-    format = resolve_ckpt_format(config.ckpt.format, resolve_parallel_mode(config.parallel.parallel_mode, world_size))
-    how = (
-        "every rank writes its own rows" if format == CKPT_FORMAT_SHARDED else "rank 0 gathers the state and writes it"
-    )
-    if training.lora_rank:
-        held = resolve_lora_base_dtype(training.lora_base_dtype, device.type)
-        format, how = "LoRA", f"the adapters alone, rank {training.lora_rank}; the base stays in ckpt.param_path"
-        print(f"lora: rank {training.lora_rank}, the frozen base held in {held}, the adapters in float32")
-    print(f"checkpoints: {format} format ({how})")
+    print(f"--- run plan (device {device}) ---")
+    for line in plan.lines():
+        print(line)
     print(f"resume decision: {_resume_decision(config)}")
     return 0
 

@@ -24,63 +24,20 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from astrai.common.atomic import write_text_atomically
 from astrai.common.contract import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from astrai.common.errors import AstraiError
-from astrai.common.model_folder import ADAPTER_TARGETS, LAYER_PARTS, PEFT_PREFIX, hf_name, peft_adapter_config
-from astrai.trainer.model import frozen_linear, save_tensors
+from astrai.common.model_folder import LAYER_PARTS, PEFT_PREFIX, hf_name
+from astrai.common.settings import LoRASettings, SettingError
+from astrai.trainer.model import frozen_linear
 
 TARGETS = {hf.rpartition(".")[2]: ours for ours, hf in LAYER_PARTS.items() if hf.endswith("_proj")}
 """PEFT's name of each linear layer of a block, and ours."""
-DEFAULT_TARGETS = ADAPTER_TARGETS
-
-
-@dataclass(frozen=True)
-class LoRASettings:
-    rank: int
-    alpha: float
-    dropout: float = 0.0
-    targets: tuple[str, ...] = DEFAULT_TARGETS
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
-    @classmethod
-    def of(cls, training) -> LoRASettings | None:
-        """The settings of a config's training section; None for full fine-tuning (lora_rank 0)."""
-        if not training.lora_rank:
-            return None
-        return cls(training.lora_rank, training.lora_alpha, training.lora_dropout, tuple(training.lora_targets))
-
-    @classmethod
-    def of_record(cls, record: dict) -> LoRASettings:
-        """The settings a checkpoint's meta.json records (its ``lora`` entry)."""
-        return cls(
-            int(record["rank"]), float(record["alpha"]), float(record.get("dropout", 0.0)), tuple(record["targets"])
-        )
-
-    def record(self, base_path: str, base_sha256: str, base_dtype: str = "float32") -> dict:
-        """What meta.json records of a LoRA run: these settings and the base model the adapters belong to (and the
-        dtype its frozen weights were held in)."""
-        return {
-            "rank": self.rank,
-            "alpha": self.alpha,
-            "dropout": self.dropout,
-            "targets": list(self.targets),
-            "base": {"path": base_path, "sha256": base_sha256},
-            "base_dtype": base_dtype,
-        }
-
-    def describe(self) -> str:
-        return f"rank {self.rank}, alpha {self.alpha:g}, dropout {self.dropout:g} on {', '.join(self.targets)}"
 
 
 class FrozenLinear(nn.Linear):
@@ -124,11 +81,6 @@ class LoRALinear(FrozenLinear):
         # In place: the base layer's backward does not need its output, and no second full-width tensor is made.
         return out.add_(update.to(out.dtype), alpha=self.scaling)
 
-    def merged_weight(self) -> torch.Tensor:
-        """The base weight with the update folded in, in the base weight's dtype."""
-        delta = (self.lora_B.weight @ self.lora_A.weight) * self.scaling
-        return (self.weight.float() + delta).to(self.weight.dtype)
-
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_A.out_features}, scaling={self.scaling:g}"
 
@@ -138,11 +90,6 @@ def add_adapters(model: nn.Module, settings: LoRASettings, generator: torch.Gene
 
     ``generator`` makes the adapters' start a function of the seed (one A per layer, in layer order).
     """
-    unknown = sorted(set(settings.targets) - set(TARGETS))
-    if unknown:
-        raise ValueError(f"lora_targets: unknown {', '.join(unknown)}; choose from {', '.join(TARGETS)}")
-    if settings.rank < 1:
-        raise ValueError(f"lora_rank must be at least 1 to add adapters, got {settings.rank}")
     for param in model.parameters():
         param.requires_grad_(False)
     adapted = []
@@ -243,18 +190,6 @@ def peft_name(name: str) -> str:
     return f"{PEFT_PREFIX}{base}.lora_{part}"
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state with every adapter folded into its layer's weight, and no adapter tensors."""
-    layers = adapter_layers(model)
-    state = {}
-    for name, value in model.state_dict().items():
-        if is_adapter(name):
-            continue
-        layer = name.removesuffix(".weight")
-        state[name] = layers[layer].merged_weight().detach() if layer in layers and name.endswith(".weight") else value
-    return state
-
-
 @contextlib.contextmanager
 def adapters_off(model: nn.Module):
     """The base model, for as long as the block runs (DPO's reference without a second copy)."""
@@ -279,22 +214,6 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
 
 class AdapterError(AstraiError):
     """A PEFT adapter folder that cannot be read, or does not fit the model it is meant for."""
-
-
-def write_peft_adapter(folder: Path, model: nn.Module, settings: LoRASettings, base_model: str = "") -> None:
-    """Write the adapters as a PEFT adapter folder that ``peft.PeftModel.from_pretrained(base, folder)`` loads."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        peft_name(name): value.detach().float().contiguous() for name, value in adapter_state_dict(model).items()
-    }
-    save_tensors(tensors, folder / ADAPTER_WEIGHTS_FILE, metadata={"format": "pt"})
-    write_text_atomically(folder / ADAPTER_CONFIG_FILE, peft_config_json(settings, base_model))
-
-
-def peft_config_json(settings: LoRASettings, base_model: str = "") -> str:
-    """adapter_config.json of a plain LoRA adapter with these settings, as PEFT writes and reads it."""
-    return peft_adapter_config(settings.rank, settings.alpha, settings.dropout, settings.targets, base_model)
 
 
 def read_peft_adapter(folder: Path) -> tuple[LoRASettings, dict[str, torch.Tensor]]:
@@ -326,11 +245,13 @@ def read_peft_adapter(folder: Path) -> tuple[LoRASettings, dict[str, torch.Tenso
             f"{folder / ADAPTER_CONFIG_FILE}: target_modules {unknown or targets} are not among {', '.join(TARGETS)}"
         )
     try:
-        settings = LoRASettings(
-            int(raw["r"]), float(raw["lora_alpha"]), float(raw.get("lora_dropout", 0.0)), tuple(targets)
-        )
+        numbers = int(raw["r"]), float(raw["lora_alpha"]), float(raw.get("lora_dropout", 0.0))
     except (KeyError, TypeError, ValueError) as error:
         raise AdapterError(f"{folder / ADAPTER_CONFIG_FILE}: r and lora_alpha must be numbers ({error})") from None
+    try:
+        settings = LoRASettings(*numbers, tuple(targets))
+    except SettingError as error:
+        raise AdapterError(f"{folder / ADAPTER_CONFIG_FILE}: {error}") from None
     return settings, from_peft_names(tensors, str(folder / ADAPTER_WEIGHTS_FILE))
 
 

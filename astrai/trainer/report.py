@@ -316,7 +316,9 @@ class ProgressReporter:
                 f" | accuracy {report.extra[METRIC_REWARDS_ACCURACY]:.2f}"
             )
         if report.extra and METRIC_REWARD in report.extra:
-            line += f" | reward {report.extra[METRIC_REWARD]:.3f} | length {report.extra[METRIC_COMPLETION_LENGTH]:.1f}"
+            line += f" | reward {report.extra[METRIC_REWARD]:.3f}"
+        if report.extra and METRIC_COMPLETION_LENGTH in report.extra:
+            line += f" | length {report.extra[METRIC_COMPLETION_LENGTH]:.1f}"
         line += f" | {tokens_per_s:,.0f} tokens/s | mfu {'n/a' if utilization is None else f'{utilization:.1%}'}"
         if report.max_allocated_gib is not None:
             line += f" | mem {report.max_allocated_gib:.2f} GiB"

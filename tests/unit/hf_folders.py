@@ -163,3 +163,24 @@ def make_chat_tokenizer(folder: Path, texts: list[str], style: str = "chatml", i
         (folder / "chat_template.jinja").write_text(template)
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+def save_peft_adapter(folder: Path, base: Path, adapters: dict[str, torch.Tensor], settings) -> None:
+    """Our adapters (by our names) written by PEFT itself as an adapter folder of the model folder ``base``: an
+    adapter as a user brings one."""
+    import peft
+    import transformers
+
+    from astrai.trainer.lora import peft_name
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.targets),
+    )
+    model = peft.get_peft_model(model, config)
+    result = peft.set_peft_model_state_dict(model, {peft_name(name): value for name, value in adapters.items()})
+    assert not [key for key in result.unexpected_keys if "lora" in key], result.unexpected_keys
+    model.save_pretrained(folder)

@@ -417,7 +417,8 @@ def test_the_optimizer_state_a_save_takes_is_torchs_own_by_parameter_name(kind):
     )
 
     from astrai.common.config import build_config
-    from astrai.trainer.lora import LoRASettings, add_adapters
+    from astrai.common.settings import LoRASettings
+    from astrai.trainer.lora import add_adapters
     from astrai.trainer.optim import build_optimizer
 
     torch.manual_seed(0)

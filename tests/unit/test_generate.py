@@ -6,8 +6,9 @@ import pytest
 import torch
 from hf_folders import make_hf_model
 
+from astrai.common.settings import Sampling
 from astrai.model import main as model_main
-from astrai.trainer.generate import Sampling, generate, pick
+from astrai.trainer.generate import generate, pick
 from astrai.trainer.model import KVCache, load_pretrained
 from tests.support import transformers_generate
 
@@ -131,7 +132,7 @@ def test_the_command_completes_a_chat_prompt_as_transformers_does(tmp_path, caps
     assert model_main(["generate", str(folder), "--prompt", "x"]) == 1
     assert "holds no tokenizer.json" in capsys.readouterr().err
     assert model_main(["generate", str(folder), "--prompt", "x", "--top_p", "1e-3", "--top_k", "-1"]) == 2
-    assert "top_k must be >= 0" in capsys.readouterr().err
+    assert "--top_k: expected an integer >= 0" in capsys.readouterr().err
     assert model_main(["generate", str(folder / "nothing"), "--prompt", "x"]) == 1
     assert "not a folder" in capsys.readouterr().err
 

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from astrai.trainer.grpo import GRPOSettings, advantages, grpo_loss
+from astrai.common.settings import GRPOSettings
+from astrai.trainer.objectives.grpo import advantages, grpo_loss
 
 trl = pytest.importorskip("trl")
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
@@ -74,7 +75,7 @@ def _trl_loss(settings: GRPOSettings, tensors: dict, logps: torch.Tensor) -> tor
 @pytest.mark.parametrize(
     "settings",
     [
-        GRPOSettings(),
+        GRPOSettings(loss="grpo"),
         GRPOSettings(loss="dr_grpo", max_completion_length=T),
         GRPOSettings(loss="dapo", epsilon=0.2, epsilon_high=0.28),
         GRPOSettings(beta=0.04),
@@ -139,8 +140,8 @@ def test_settings_it_cannot_take_name_the_key():
 
 
 def test_completion_log_probabilities_of_a_padded_batch_are_each_rows_own():
-    from astrai.trainer.grpo import completion_logps
     from astrai.trainer.model import PRESETS, Transformer
+    from astrai.trainer.objectives.rollouts import completion_logps
 
     torch.manual_seed(0)
     model = Transformer(PRESETS["tiny"])
@@ -157,3 +158,22 @@ def test_completion_log_probabilities_of_a_padded_batch_are_each_rows_own():
     assert (logps[mask == 0] == 0).all() and logps.requires_grad
     logps.sum().backward()
     assert model.tok_embeddings.weight.grad is not None
+
+
+def test_the_defaults_are_trls_in_one_place():
+    """GRPOSettings owns GRPO's defaults (the config's training keys take theirs from it), and they are TRL's."""
+    import dataclasses
+
+    from astrai.common.config import TrainingSection
+
+    theirs = {field.name: field.default for field in dataclasses.fields(trl.GRPOConfig)}
+    ours = GRPOSettings()
+    assert (ours.loss, ours.scale_rewards, ours.epsilon, ours.epsilon_high, ours.beta, ours.num_iterations) == (
+        theirs["loss_type"],
+        theirs["scale_rewards"],
+        theirs["epsilon"],
+        theirs["epsilon_high"],
+        theirs["beta"],
+        theirs["num_iterations"],
+    )
+    assert TrainingSection().grpo() == ours

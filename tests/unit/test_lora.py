@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_folders import make_hf_model
+from hf_folders import make_hf_model, save_peft_adapter
 
+from astrai.common.model_folder import ADAPTER_TARGETS
+from astrai.common.settings import LoRASettings
 from astrai.trainer import lora
 from astrai.trainer.model import load_pretrained
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-SETTINGS = lora.LoRASettings(rank=4, alpha=8.0, dropout=0.0)
+SETTINGS = LoRASettings(rank=4, alpha=8.0, dropout=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +89,12 @@ def test_logits_and_one_adamw_step_equal_peft_on_transformers(folder):
 
 
 def test_merged_weights_and_adapters_off_give_the_adapted_and_the_base_model(folder):
-    model = _ours(folder, lora.LoRASettings(rank=2, alpha=3.0, targets=("q_proj", "down_proj")))
+    settings = LoRASettings(rank=2, alpha=3.0, targets=("q_proj", "down_proj"))
+    model = _ours(folder, settings)
     _nonzero_b(model)
-    merged = load_pretrained(folder)
-    merged.load_state_dict(lora.merged_state_dict(model))
+    merged = _peft(folder, lora.adapter_state_dict(model), settings).merge_and_unload()
     with torch.no_grad():
-        assert (merged(TOKENS) - model(TOKENS)).abs().max().item() <= 1e-5
+        assert (merged(input_ids=TOKENS).logits - model(TOKENS)).abs().max().item() <= 1e-5
         with lora.adapters_off(model):
             assert torch.equal(model(TOKENS), load_pretrained(folder)(TOKENS))
         assert not torch.equal(model(TOKENS), load_pretrained(folder)(TOKENS))
@@ -108,14 +110,14 @@ def test_bf16_base_weights_keep_fp32_adapters(folder):
 
 @pytest.mark.parametrize(
     ("targets", "kind"),
-    [(lora.DEFAULT_TARGETS, "llama"), (("q_proj", "v_proj"), "llama"), (lora.DEFAULT_TARGETS, "qwen2")],
+    [(ADAPTER_TARGETS, "llama"), (("q_proj", "v_proj"), "llama"), (ADAPTER_TARGETS, "qwen2")],
 )
 def test_a_bf16_base_computes_as_its_rounded_fp32_weights_would_and_holds_half_the_bytes(
     folder, tmp_path, targets, kind
 ):
     if kind == "qwen2":  # biases on q, k and v, a tied output head
         folder = make_hf_model(tmp_path / "qwen2", model_type="qwen2", kv_heads=2, tie=True, seed=4)
-    settings = lora.LoRASettings(rank=4, alpha=8.0, targets=targets)
+    settings = LoRASettings(rank=4, alpha=8.0, targets=targets)
     model, rounded = _ours(folder, settings), _ours(folder, settings)
     _nonzero_b(model)
     rounded.load_state_dict(model.state_dict())
@@ -149,16 +151,16 @@ def test_a_bf16_base_computes_as_its_rounded_fp32_weights_would_and_holds_half_t
 
 
 def test_unknown_targets_and_a_zero_rank_are_refused(folder):
-    with pytest.raises(ValueError, match="unknown qkv; choose from q_proj"):
-        lora.add_adapters(load_pretrained(folder), lora.LoRASettings(rank=2, alpha=2, targets=("qkv",)))
+    with pytest.raises(ValueError, match=r"lora_targets: expected a non-empty list of q_proj.*got \['qkv'\]"):
+        lora.add_adapters(load_pretrained(folder), LoRASettings(rank=2, alpha=2, targets=("qkv",)))
     with pytest.raises(ValueError, match="at least 1"):
-        lora.add_adapters(load_pretrained(folder), lora.LoRASettings(rank=0, alpha=2))
+        lora.add_adapters(load_pretrained(folder), LoRASettings(rank=0, alpha=2))
 
 
 def test_a_peft_adapter_folder_goes_both_ways(folder, tmp_path):
     ours = _ours(folder)
     _nonzero_b(ours)
-    lora.write_peft_adapter(tmp_path / "ours", ours, SETTINGS, base_model=str(folder))
+    save_peft_adapter(tmp_path / "ours", folder, lora.adapter_state_dict(ours), SETTINGS)
     base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     loaded = peft.PeftModel.from_pretrained(base, tmp_path / "ours").eval()
     with torch.no_grad():
@@ -174,10 +176,10 @@ def test_a_peft_adapter_folder_goes_both_ways(folder, tmp_path):
     with torch.no_grad():
         assert (again(TOKENS) - expected).abs().max().item() <= 1e-5
 
-    smaller = _ours(folder, lora.LoRASettings(rank=2, alpha=8.0))
+    smaller = _ours(folder, LoRASettings(rank=2, alpha=8.0))
     with pytest.raises(lora.AdapterError, match=r"theirs: layers.0.attention.wq.lora_A.weight is \[4, 64\], this"):
         lora.load_adapters(smaller, tensors, "theirs")
-    fewer = _ours(folder, lora.LoRASettings(rank=4, alpha=8.0, targets=("q_proj",)))
+    fewer = _ours(folder, LoRASettings(rank=4, alpha=8.0, targets=("q_proj",)))
     with pytest.raises(lora.AdapterError, match="do not fit this model's: not in the model layers.0"):
         lora.load_adapters(fewer, tensors, "theirs")
 
@@ -185,7 +187,8 @@ def test_a_peft_adapter_folder_goes_both_ways(folder, tmp_path):
 def test_adapter_folders_lora_cannot_read_are_refused_naming_the_key(tmp_path):
     import json
 
-    lora.write_peft_adapter(tmp_path, _ours(make_hf_model(tmp_path / "base")), SETTINGS)
+    base = make_hf_model(tmp_path / "base")
+    save_peft_adapter(tmp_path, base, lora.adapter_state_dict(_ours(base)), SETTINGS)
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     for change, message in (
         ({"peft_type": "IA3"}, "peft_type must be LORA, got 'IA3'"),

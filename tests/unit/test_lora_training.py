@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from hf_folders import save_peft_adapter
 from safetensors.torch import load_file
 from trainer_runs import (
     TORCHRUN,
@@ -35,6 +36,7 @@ from astrai.common.model_folder import (
     num_adapter_parameters,
     num_parameters,
 )
+from astrai.common.settings import LoRASettings
 from astrai.common.values import format_bytes
 from astrai.host import preflight
 from astrai.host.export import ExportError, export_checkpoint, lora_base
@@ -43,11 +45,10 @@ from astrai.host.status import _lora_line
 from astrai.trainer.lora import (
     AdapterError,
     BaseModel,
-    LoRASettings,
     adapter_parameters,
+    adapter_state_dict,
     adapters_off,
     parameter_counts,
-    write_peft_adapter,
 )
 from astrai.trainer.model import PRESETS, write_base_model
 from tests.support import write_config
@@ -161,7 +162,7 @@ def test_a_run_starts_from_a_peft_adapter_folder_and_refuses_one_that_does_not_f
             with torch.no_grad():
                 param.copy_(torch.randn_like(param))
         folder = tmp_path / "adapter folder é"
-        write_peft_adapter(folder, source.model, LoRASettings(4, 8.0))
+        save_peft_adapter(folder, source.config.ckpt.param_path, adapter_state_dict(source.model), LoRASettings(4, 8.0))
         expected = _adapters(source)
     finally:
         source.close()
@@ -302,7 +303,7 @@ def test_export_writes_a_merged_model_and_a_peft_folder_with_the_trainers_logits
 
 def test_the_base_digest_tells_a_base_from_its_merge_and_a_changed_matrix(tmp_path, tiny_model):
     """Two models of one architecture whose embeddings and headers are the same still differ."""
-    from astrai.trainer.lora import add_adapters, merged_state_dict
+    from astrai.trainer.lora import adapter_layers, add_adapters, is_adapter
     from astrai.trainer.model import Transformer, load_base_model, save_model_folder
 
     config, weights = load_base_model(tiny_model)
@@ -313,7 +314,10 @@ def test_the_base_digest_tells_a_base_from_its_merge_and_a_changed_matrix(tmp_pa
         for name, param in model.named_parameters():
             if ".lora_B." in name:
                 param.normal_(0, 0.01)
-    save_model_folder(tmp_path / "merged", config, merged_state_dict(model))
+        merged = {name: value for name, value in model.state_dict().items() if not is_adapter(name)}
+        for name, layer in adapter_layers(model).items():
+            merged[f"{name}.weight"] = layer.weight + layer.scaling * (layer.lora_B.weight @ layer.lora_A.weight)
+    save_model_folder(tmp_path / "merged", config, merged)
     assert base_digest(tmp_path / "merged") != base_digest(tiny_model)
     save_model_folder(tmp_path / "same", config, weights)
     assert base_digest(tmp_path / "same") == base_digest(tiny_model)

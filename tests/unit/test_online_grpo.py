@@ -32,11 +32,12 @@ from astrai.common.config import load_trainer_config
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import COMPLETIONS_LOG, METRICS_FILE
 from astrai.common.data_folder import DataError, TokenData
+from astrai.common.settings import GRPOSettings
 from astrai.data.pipeline import prepare
 from astrai.host.status import _grpo_summary
-from astrai.trainer.grpo import GRPOSettings, advantages, completion_logps, grpo_loss
-from astrai.trainer.online import OnlineGRPO, flat_groups
-from astrai.trainer.rewards import RewardError
+from astrai.trainer.objectives.grpo import advantages, grpo_loss
+from astrai.trainer.objectives.rewards import RewardError
+from astrai.trainer.objectives.rollouts import completion_logps, flat_groups
 from tests.support import invoke
 
 pytestmark = pytest.mark.slow
@@ -202,11 +203,10 @@ def test_the_step_loss_is_grpos_on_the_steps_completions(tmp_path, prompts_world
     )
     trainer = make_trainer(path)
     try:
-        objective: OnlineGRPO = trainer.objective
+        objective = trainer.objective
         batches = [torch.tensor([0, 1]), torch.tensor([2, 3])]
-        objective.step_scale(batches, trainer.model, 0)
-        rollouts = list(objective._rollouts)
-        total = sum(objective.micro(trainer.model, batch, None, 2)[0] for batch in batches)
+        rollouts = objective.prepare_step(batches, trainer.model, 0)
+        total = sum(objective.micro(trainer.model, batch, r, 2)[0] for batch, r in zip(batches, rollouts, strict=True))
         prompts = [p for r in rollouts for p in r.prompts]
         completions = [c for r in rollouts for c in r.completions]
         logps, mask, _ = completion_logps(trainer.model, prompts, completions)
@@ -250,12 +250,14 @@ def test_settings_out_of_range_are_refused_naming_the_key(tmp_path, prompts_worl
     for overrides, message in (
         ({"grpo_loss": "ppo"}, "training.grpo_loss: expected grpo | dr_grpo | dapo, got 'ppo'"),
         ({"scale_rewards": "std"}, "training.scale_rewards: expected group | batch | none"),
-        ({"temperature": "1e-4"}, "training.temperature: expected 0 (greedy) or a number >= 0.001"),
+        # The first message about a key states the limit of this train type (a general 0-or-0.001 would mislead).
+        ({"temperature": "1e-4"}, "training.temperature: expected a number >= 0.001 with train_type online_grpo"),
         ({"rewards": "[]"}, "training.rewards: training.train_type online_grpo scores completions"),
         ({"rewards": "[nocolon]"}, "training.rewards (--rewards): entry 0: function must be"),
         ({"val_fraction": "0.1"}, "data.val_fraction: training.train_type online_grpo has no validation loss"),
-        ({"num_generations": "1"}, "training.num_generations: expected an integer >= 2"),
-        ({"temperature": "0"}, "training.temperature: expected a number >= 0.001 (greedy sampling"),
+        ({"num_generations": "1"}, "training.num_generations: expected an integer >= 2 with train_type online_grpo"),
+        ({"num_generations": "-1"}, "training.num_generations: expected an integer >= 2 with train_type online_grpo"),
+        ({"temperature": "0"}, "training.temperature: expected a number >= 0.001 with train_type online_grpo (greedy"),
     ):
         with pytest.raises(ConfigError) as raised:
             load_trainer_config(path, list(overrides.items()))
@@ -319,9 +321,8 @@ def test_online_dpo_ranks_two_completions_and_takes_dpos_step_resuming_bitwise(
     try:
         objective = trainer.objective
         batches = [torch.tensor([0, 1]), torch.tensor([2, 3])]
-        objective.step_scale(batches, trainer.model, 0)
-        rollouts = list(objective._rollouts)
-        total = sum(objective.micro(trainer.model, batch, None, 2)[0] for batch in batches)
+        rollouts = objective.prepare_step(batches, trainer.model, 0)
+        total = sum(objective.micro(trainer.model, batch, r, 2)[0] for batch, r in zip(batches, rollouts, strict=True))
         margins = []
         for rollout in rollouts:
             logps, mask, _ = completion_logps(trainer.model, rollout.prompts, rollout.completions)
@@ -403,9 +404,8 @@ def test_grpo_trains_on_completions_scored_elsewhere_with_their_rewards(
     trainer = make_trainer(whole, ckpt_dir=str(tmp_path / "fresh"))
     try:
         objective = trainer.objective
-        objective.step_scale([torch.tensor([0, 4])], trainer.model, 0)
-        (rollout,) = objective._rollouts
-        loss = objective.micro(trainer.model, None, None, 1)[0]
+        (rollout,) = objective.prepare_step([torch.tensor([0, 4])], trainer.model, 0)
+        loss = objective.micro(trainer.model, None, rollout, 1)[0]
         texts = [bytes(t for t in c if t < 256).decode() for c in rollout.completions]
         assert texts == ["0", "1 ü", "$'\"", "x", "4", "5 ü", "$'\"", "xxxxx"]  # with their end-of-text token
         rewards = [1.0, 0.5, None, 0.25, 1.0, 0.5, 0.0, 0.25]
@@ -455,7 +455,7 @@ def test_num_iterations_trains_each_round_again_and_resumes_inside_a_round_bitwi
     resumed = make_trainer(parts)
     try:
         assert resumed.progress.step == 3 and resumed.progress.samples_in_epoch == 2 * 2
-        assert not resumed.objective.takes_batch(3) and len(resumed.objective._round) == 1
+        assert not resumed.objective.takes_batch(3) and len(resumed.objective.round) == 1
         resumed.train()
     finally:
         resumed.close()

@@ -28,7 +28,7 @@ from astrai.data.tokenizing import HFTokenizer
 from astrai.trainer.distributed import init_distributed
 from astrai.trainer.loop import open_trainer
 from astrai.trainer.model import load_pretrained
-from astrai.trainer.objectives import Supervised
+from astrai.trainer.objectives.supervised import Supervised
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -139,9 +139,9 @@ def test_the_sft_loss_is_transformers_loss_with_labels_ignored_outside_the_super
         numbers = [0, 1, 2, 3]
         batch = torch.utils.data.default_collate([dataset.item(n) for n in numbers])
         objective = Supervised(env, trainer.model_config.vocab_size)
-        scale = objective.step_scale([batch])
+        (prepared,) = objective.prepare_step([batch], trainer.model, 0)
         with torch.no_grad():
-            ours, _ = objective.micro(trainer.model, batch, scale, 1)
+            ours, _ = objective.micro(trainer.model, batch, prepared, 1)
         records = [dataset.index.sequence(s, take) for n in numbers for s, take in dataset.packing.windows[n]]
     finally:
         trainer.close()

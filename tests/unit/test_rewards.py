@@ -7,7 +7,8 @@ import math
 import pytest
 
 from astrai import rewards as builtin
-from astrai.trainer.rewards import RewardError, RewardSpec, load_reward, parse_rewards, score
+from astrai.common.reward_specs import RewardSpec, parse_rewards
+from astrai.trainer.objectives.rewards import RewardError, load_reward, score
 
 PROMPTS = ["What is 2 + 2?", "What is 10 * 100?", "Name a colour."]
 FIELDS = {"answer": ["4", "1000", None]}
@@ -112,7 +113,7 @@ def test_what_score_refuses_before_calling_anything(tmp_path):
     with pytest.raises(RewardError, match="reward leaves raised SystemExit: 3"):
         score([load_reward(RewardSpec(f"{path}:leaves"))], [], [], {})
     exact = load_reward(RewardSpec("astrai.rewards:exact_answer"))
-    with pytest.raises(ValueError, match="two reward functions of one name"):
+    with pytest.raises(ValueError, match="two reward functions named exact_answer"):
         score([exact, exact], PROMPTS, ["1", "2", "3"], FIELDS)
     with pytest.raises(RewardError, match="a field named completions"):
         score([exact], PROMPTS, ["1", "2", "3"], {**FIELDS, "completions": [1, 2, 3]})

@@ -1,6 +1,6 @@
-"""The two checkpoint formats behind one interface: what a save snapshots, how it is written, how it is read.
+"""The checkpoint formats behind one interface: what a save snapshots, how it is written, how it is read.
 
-A format (:func:`checkpoint_format`) takes a :class:`Snapshot` of the model and optimizer at the step
+A format (:data:`FORMATS`, by the run plan's name) takes a :class:`Snapshot` of the model and optimizer at the step
 (a collective: every rank calls it), and the manager writes every snapshot the same way: check it,
 copy it to host memory when training goes on meanwhile, stage, write, agree, publish, retain.
 
@@ -9,7 +9,7 @@ copy it to host memory when training goes on meanwhile, stage, write, agree, pub
 - **sharded**: every rank writes its own rows of the weights and the optimizer's moments into files
   laid out whole (:mod:`astrai.trainer.checkpoint.sharded`); under FSDP every rank reads its own rows
   back too, so no rank ever holds more than its share.
-- **LoRA** (:data:`LORA`, whenever ``training.lora_rank`` is set): the full format's files, holding only what
+- **lora** (whenever ``training.lora_rank`` is set): the full format's files, holding only what
   trains: the adapters (gathered on rank 0, under PEFT's names) and their optimizer state; the frozen base
   weights stay in the base model's folder, which ``meta.json`` names with a digest.
 
@@ -34,8 +34,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from astrai.common.checkpoints import SMALL_FILES_BYTES
-from astrai.common.config import resolve_ckpt_format
-from astrai.common.contract import CKPT_FORMAT_FULL, CKPT_FORMAT_SHARDED, OPTIMIZER_FILE, WEIGHTS_FILE
+from astrai.common.contract import (
+    CKPT_FORMAT_FULL,
+    CKPT_FORMAT_LORA,
+    CKPT_FORMAT_SHARDED,
+    OPTIMIZER_FILE,
+    WEIGHTS_FILE,
+)
 from astrai.trainer.checkpoint.files import (
     CheckpointError,
     LoadedCheckpoint,
@@ -283,18 +288,9 @@ class LoRAFormat(FullFormat):
         return FullSnapshot(adapters, optimizer_state, env.master_process, gathered=fsdp, names=peft_state_dict)
 
 
-FORMATS: dict[str, CheckpointFormat] = {CKPT_FORMAT_FULL: FullFormat(), CKPT_FORMAT_SHARDED: ShardedFormat()}
-LORA = LoRAFormat()
-
-
-def run_format(requested: str | None, parallel_mode: str, lora: bool) -> CheckpointFormat:
-    """The format a run writes: LoRA's when it trains adapters, else ``ckpt.format`` resolved for the mode."""
-    return LORA if lora else checkpoint_format(resolve_ckpt_format(requested, parallel_mode))
-
-
-def checkpoint_format(name: str) -> CheckpointFormat:
-    """The format named ``ckpt.format`` resolves to (:func:`astrai.common.config.resolve_ckpt_format`)."""
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise ValueError(f"ckpt.format must be one of {sorted(FORMATS)}, got {name!r}") from None
+FORMATS: dict[str, CheckpointFormat] = {
+    CKPT_FORMAT_FULL: FullFormat(),
+    CKPT_FORMAT_SHARDED: ShardedFormat(),
+    CKPT_FORMAT_LORA: LoRAFormat(),
+}
+"""Each format by the run plan's name of it (:attr:`astrai.common.plan.RunPlan.ckpt_format`)."""

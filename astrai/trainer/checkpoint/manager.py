@@ -38,7 +38,7 @@ from astrai.trainer.checkpoint.files import (
     read_checkpoint,
     write_failure,
 )
-from astrai.trainer.checkpoint.formats import CheckpointFormat, Snapshot, checkpoint_format
+from astrai.trainer.checkpoint.formats import FORMATS, CheckpointFormat, Snapshot
 from astrai.trainer.checkpoint.state import RunState
 from astrai.trainer.distributed import DistEnv, broadcast_from_master, failed_ranks
 from astrai.trainer.model import ModelConfig
@@ -127,7 +127,7 @@ class CheckpointManager:
         self.extra_files = dict(extra_files or {})
         """Files written into every checkpoint as they are, by name (the data's tokenizer files, the base model's
         generation config): read once at start, so a data folder prepared again meanwhile changes nothing."""
-        self.format = checkpoint_format(format) if isinstance(format, str) else format
+        self.format = FORMATS[format] if isinstance(format, str) else format
         """full: rank 0 gathers the state and writes it; sharded: every rank writes its own rows."""
         self._host_copy = _HostCopy(pin=env.device.type == "cuda")
         self._writer: threading.Thread | None = None

@@ -1,7 +1,7 @@
 """GRPO's arithmetic: advantages from a group's rewards, and the clipped surrogate loss, as TRL computes them.
 
 For each prompt the policy samples a group of ``G`` completions; each completion's total reward (the
-weighted sum of :mod:`astrai.trainer.rewards`, None where no function applies) becomes an advantage::
+weighted sum of :mod:`astrai.trainer.objectives.rewards`, None where no function applies) becomes an advantage::
 
     A_i = (r_i - mean(group)) / (std + 1e-4)        std of the group (scale_rewards: group), of the
                                                     whole batch (batch), or no division at all (none)
@@ -21,40 +21,24 @@ over every token and divided by the tokens of the whole batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-LOSSES = ("grpo", "dr_grpo", "dapo")
-SCALES = ("group", "batch", "none")
-
-
-@dataclass(frozen=True)
-class GRPOSettings:
-    epsilon: float = 0.2
-    """Clip of the probability ratio below 1 (and above, unless epsilon_high is given)."""
-    epsilon_high: float | None = None
-    """Clip above 1 (DAPO's clip-higher); None = epsilon."""
-    beta: float = 0.0
-    """Weight of the KL penalty against the frozen starting model; 0 computes no reference at all."""
-    loss: str = "grpo"
-    scale_rewards: str = "group"
-    max_completion_length: int = 256
-    """dr_grpo's constant denominator (with the number of completions)."""
-
-    def __post_init__(self) -> None:
-        if self.loss not in LOSSES:
-            raise ValueError(f"grpo_loss must be one of {' | '.join(LOSSES)}, got {self.loss!r}")
-        if self.scale_rewards not in SCALES:
-            raise ValueError(f"scale_rewards must be one of {' | '.join(SCALES)}, got {self.scale_rewards!r}")
-        if not 0 <= self.epsilon < 1 or (self.epsilon_high is not None and not self.epsilon_high >= 0):
-            raise ValueError(f"grpo_epsilon must be in [0, 1) and grpo_epsilon_high >= 0, got {self}")
-        if not self.beta >= 0:
-            raise ValueError(f"grpo_beta must be >= 0, got {self.beta}")
-
-    @property
-    def high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+from astrai.common.contract import METRIC_CLIP_HIGH, METRIC_CLIP_LOW, METRIC_CLIP_REGION, METRIC_ENTROPY, METRIC_KL
+from astrai.common.settings import GRPOSettings
+from astrai.trainer.distributed import DistEnv
+from astrai.trainer.objectives.contract import Objective, RunningSums
+from astrai.trainer.objectives.rollouts import (
+    CompletionsLog,
+    RewardReport,
+    RolloutSource,
+    StepScores,
+    completion_logps,
+    sample_step,
+)
 
 
 def _nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -86,12 +70,13 @@ def advantages(totals: list[float | None], generations: int, scale: str) -> tupl
 
 @dataclass(frozen=True)
 class GRPOStats:
-    """What a step reports of the loss: the share of completion tokens clipped, and the mean KL."""
+    """What a step reports of the loss: the share of completion tokens clipped, and the mean KL (0-d tensors on the
+    loss's device: reading them waits for it)."""
 
-    clip_low: float
-    clip_high: float
-    clip_region: float
-    kl: float | None
+    clip_low: torch.Tensor
+    clip_high: torch.Tensor
+    clip_region: torch.Tensor
+    kl: torch.Tensor | None
 
 
 def grpo_loss(
@@ -130,8 +115,8 @@ def grpo_loss(
         high = (ratio > 1 + settings.high) & (advantage > 0)
         count = mask.sum().clamp(min=1.0)
 
-        def masked_mean(values: torch.Tensor) -> float:
-            return float((values.to(mask.dtype) * mask).sum() / count)
+        def masked_mean(values: torch.Tensor) -> torch.Tensor:
+            return (values.to(mask.dtype) * mask).sum() / count
 
         stats = GRPOStats(
             masked_mean(low), masked_mean(high), masked_mean(low | high), None if kl is None else masked_mean(kl)
@@ -139,33 +124,224 @@ def grpo_loss(
     return loss, stats
 
 
-def completion_logps(
-    model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each completion token's log-probability given its prompt and the tokens before it, under ``model`` (with
-    gradients when enabled): ``(logps, mask, entropy)``, each (B, longest completion), the rows padded at the end.
+# --- The objective ----------------------------------------------------------------------------------------
 
-    A row is its prompt and completion, padded at the end (which no earlier token attends to), so one forward pass
-    scores the batch; only the completions' positions go through the softmax.
+
+@dataclass
+class GRPOBatch:
+    """One micro-batch's completions, as GRPO's update takes them."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    advantages: torch.Tensor
+    reference: torch.Tensor | None
+    """The completions' token log-probabilities under the frozen starting model (grpo_beta > 0)."""
+    mask: torch.Tensor
+    """Which completions count in the loss (all, or those that ended, with mask_truncated_completions)."""
+    old: torch.Tensor | None = None
+    """With num_iterations > 1: the policy's log-probabilities before the round's first update (taken by that
+    update's own forward pass), which the round's later updates take their ratio against."""
+
+    TENSORS = ("advantages", "reference", "mask", "old")
+
+    def state_dict(self) -> dict:
+        tensors = {name: getattr(self, name).cpu() for name in self.TENSORS if getattr(self, name) is not None}
+        return {"prompts": self.prompts, "completions": self.completions, **tensors}
+
+    @classmethod
+    def from_state(cls, state: dict, device: torch.device) -> GRPOBatch:
+        tensors = {name: state[name].to(device) if name in state else None for name in cls.TENSORS}
+        return cls(state["prompts"], state["completions"], **tensors)
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """A step's rollouts on one rank: micro-batches, and completions in each (prompts x group size)."""
+
+    micro_batches: int
+    completions: int
+
+
+@dataclass(frozen=True)
+class GRPOLossSums:
+    """What GRPO's loss metrics are computed from, summed over the updates since the last report."""
+
+    clip_low: float
+    """Of each micro-batch, its share of completion tokens clipped below (summed: divided by micro_batches)."""
+    clip_high: float
+    clip_region: float
+    kl: float
+    micro_batches: float
+    entropy: float
+    """Summed over every completion token the loss counts."""
+    tokens: float
+
+
+class GRPO(Objective):
+    """GRPO's step on a rollout source's completions: sampled by the policy (``online_grpo``) or given by the data
+    (``grpo``); the two differ only in the source.
+
+    At the start of a step (:meth:`prepare_step`) every rank takes its micro-batches' rollouts, the step's rewards
+    are gathered from every rank, and each completion's advantage is computed on the whole global batch (a group is
+    one prompt's completions, always on one rank; ``scale_rewards: batch`` divides by the whole batch's std). Each
+    micro-batch (:meth:`micro`) then scores its completions under the policy, with gradients, and returns
+    :func:`grpo_loss`. The log-probabilities the ratio starts from are the policy's own before the update, so the
+    ratio is 1 in value and its gradient the policy gradient's, as in TRL with ``num_iterations`` 1; with more, a
+    generation round trains that many steps, the later ones against the round's first log-probabilities.
+
+    The loss normalisations hold across micro-batches and ranks: ``grpo`` and ``dr_grpo`` average equal-sized
+    micro-batches (divided by grad_accum_steps; DDP and FSDP average the ranks); ``dapo`` divides each micro-batch's
+    summed token losses by the step's completion tokens over every rank, per rank.
     """
-    device = next(model.parameters()).device
-    width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
-    longest = max(len(c) for c in completions)
-    tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-    where = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
-    mask = torch.zeros(len(prompts), longest, device=device)
-    targets = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
-    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
-        if not prompt:
-            raise ValueError("every prompt needs at least one token")
-        tokens[row, : len(prompt) + len(completion)] = torch.tensor(prompt + completion, device=device)
-        # The logits at position t predict the token at t + 1.
-        where[row, : len(completion)] = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(completion))
-        mask[row, : len(completion)] = 1.0
-        targets[row, : len(completion)] = torch.tensor(completion, dtype=torch.long, device=device)
-    logits = model(tokens)
-    picked = logits.gather(1, where.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()
-    log_probs = picked.log_softmax(dim=-1)
-    logps = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
-    return logps * mask, mask, entropy.detach() * mask
+
+    def __init__(
+        self,
+        env: DistEnv,
+        source: RolloutSource,
+        settings: GRPOSettings,
+        reference,
+        round_shape: RoundShape,
+        autocast,
+        completions_log: CompletionsLog,
+        log,
+    ):
+        self.env, self.source, self.settings, self.reference = env, source, settings, reference
+        self.round_shape, self.autocast, self.completions_log, self.log = round_shape, autocast, completions_log, log
+        self.iterations = settings.num_iterations
+        self.round: list[GRPOBatch] = []
+        """The current generation round's batches, trained on ``iterations`` steps."""
+        self.round_lost = False
+        """A checkpoint's round could not be taken up (another world size or shape): the next step starts one."""
+        self.tokens = 0
+        """Prompt and completion tokens of the round's rollouts, over every rank (the tokens of each of its steps)."""
+        self.loss_tokens = 0.0
+        """Completion tokens the loss counts in the round, over every rank (dapo's denominator)."""
+        self._rewards = RewardReport(source, log)
+        self._loss = RunningSums(GRPOLossSums)
+
+    def parts(self) -> dict:
+        return {"grpo_round": GRPORound(self)} if self.iterations > 1 else {}
+
+    def takes_batch(self, step: int) -> bool:
+        """Whether ``step`` starts a generation round (and takes new prompts); else it trains on the round's again."""
+        return step % self.iterations == 0 or self.round_lost or not self.round
+
+    def prepare_step(self, batches, model, step: int) -> list[GRPOBatch]:
+        """Every micro-batch's rollouts with their advantages, weighed on the whole step's rewards; inside a generation
+        round (num_iterations > 1, no new batches), the round's again."""
+        if batches[0] is None:
+            return list(self.round)
+        self.round_lost = False
+        rollouts = sample_step(self.source, model, batches, step, self.reference, self.autocast, self.completions_log)
+        scores = StepScores.gather(rollouts, self.env)
+        self._rewards.add(scores)
+        self.tokens, self.loss_tokens = scores.tokens, scores.loss_tokens
+        totals = [None if math.isnan(value) else value for value in scores.rewards.tolist()]
+        advantage, _ = advantages(totals, self.source.generations, self.settings.scale_rewards)
+        mine = advantage[scores.rows_of(self.env)].to(self.env.device)
+        prepared, start = [], 0
+        for part in rollouts:
+            count = len(part.completions)
+            counted = torch.tensor(part.counted, device=self.env.device)
+            prepared.append(
+                GRPOBatch(part.prompts, part.completions, mine[start : start + count], part.reference_logps, counted)
+            )
+            start += count
+        if self.iterations > 1:
+            self.round = list(prepared)
+        return prepared
+
+    def micro(self, model, batch, prepared: GRPOBatch, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logps, token_mask, entropy = completion_logps(model, prepared.prompts, prepared.completions)
+        token_mask = token_mask * prepared.mask.unsqueeze(1)
+        dapo = self.settings.loss == "dapo"
+        # dapo: the step's completion tokens the loss counts, over every rank and micro-batch, per rank.
+        batch_tokens = self.loss_tokens / self.env.world_size if dapo else None
+        if self.iterations > 1 and prepared.old is None:
+            prepared.old = logps.detach()  # the round's first update: the policy the completions were sampled from
+        old = logps.detach() if prepared.old is None else prepared.old
+        loss, stats = grpo_loss(
+            logps, old, prepared.reference, prepared.advantages, token_mask, self.settings, batch_tokens
+        )
+        self._loss.add(
+            self.env.device,
+            clip_low=stats.clip_low,
+            clip_high=stats.clip_high,
+            clip_region=stats.clip_region,
+            kl=0.0 if stats.kl is None else stats.kl,
+            micro_batches=1.0,
+            entropy=(entropy * token_mask).sum(),
+            tokens=token_mask.sum(),
+        )
+        if dapo:
+            # Each micro-batch's loss is already a share of the step's: summed over the micro-batches, not averaged.
+            return loss, loss.detach() * accum
+        return loss / accum, loss.detach()
+
+    def step_tokens(self, planned: int) -> int:
+        return self.tokens
+
+    def metrics(self) -> dict | None:
+        """Rewards, groups without signal, completion lengths (of the rounds sampled) and the loss's statistics (of
+        every update) since the last call."""
+        loss = self._loss.take(self.env)
+        values = self._rewards.take()
+        if not values and not loss.micro_batches:
+            return None
+        micros = max(loss.micro_batches, 1.0)
+        values.update(
+            {
+                METRIC_CLIP_LOW: loss.clip_low / micros,
+                METRIC_CLIP_HIGH: loss.clip_high / micros,
+                METRIC_CLIP_REGION: loss.clip_region / micros,
+                METRIC_KL: loss.kl / micros if self.settings.beta != 0 else None,
+                METRIC_ENTROPY: loss.entropy / max(loss.tokens, 1.0),
+            }
+        )
+        return {key: value for key, value in values.items() if value is not None}
+
+
+class GRPORound:
+    """The generation round under way (num_iterations > 1), every rank's, as a checkpoint part: a run stopped inside
+    a round resumes it with the same completions, advantages and old log-probabilities."""
+
+    def __init__(self, objective: GRPO):
+        self.objective = objective
+
+    def state_dict(self) -> dict:
+        objective, env = self.objective, self.objective.env
+        mine = {
+            "rollouts": [batch.state_dict() for batch in objective.round],
+            "tokens": objective.tokens,
+            "loss_tokens": objective.loss_tokens,
+        }
+        everyone = [mine]
+        if env.distributed:
+            everyone = [None] * env.world_size
+            dist.all_gather_object(everyone, mine, group=env.control_group)
+        return {f"rank{rank}": state for rank, state in enumerate(everyone)}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        objective, env = self.objective, self.objective.env
+        ranks = sum(1 for key in state or {} if key.startswith("rank"))
+        if not state or ranks != env.world_size:
+            if state:
+                objective.log(
+                    f"note: the checkpoint holds the generation round of {ranks} process(es), this run has "
+                    f"{env.world_size}: a new round starts at the next step"
+                )
+            objective.round_lost = bool(state)
+            return
+        mine = state[f"rank{env.rank}"]
+        batches = mine["rollouts"]
+        shape = RoundShape(len(batches), len(batches[0]["completions"]) if batches else 0)
+        if shape != objective.round_shape:
+            objective.log(
+                f"note: the checkpoint's generation round has {shape.micro_batches} micro-batch(es) of "
+                f"{shape.completions} completions, a step of this run {objective.round_shape.micro_batches} of "
+                f"{objective.round_shape.completions}: a new round starts"
+            )
+            objective.round_lost = True
+            return
+        objective.round = [GRPOBatch.from_state(batch, env.device) for batch in batches]
+        objective.tokens, objective.loss_tokens = mine["tokens"], mine["loss_tokens"]

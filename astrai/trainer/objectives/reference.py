@@ -1,4 +1,9 @@
-"""DPO's frozen reference: loaded and checked, then kept live or turned into a table of log-probabilities.
+"""The frozen starting model the preference and reward types compare with: loaded and checked, and for DPO kept
+live or turned into a table of log-probabilities.
+
+:func:`frozen_model` loads a model folder (``ckpt.reference_path``, or the base model) frozen on the device, and
+says what checkpoints record of it (path and sha256), which a resume must keep (:func:`check_same_reference`).
+With LoRA the reference is the trained model itself with its adapters off (:class:`astrai.trainer.lora.BaseModel`).
 
 With ``training.dpo_reference: precomputed`` (the default) the reference scores every pair of the data
 once, before the first step: each rank scores its share, the shares are summed into one table
@@ -24,8 +29,11 @@ from torch.utils.data import default_collate
 
 from astrai.common.checkpoints import fsync_path
 from astrai.common.contract import REFERENCE_LOG_PROBS_FILE
-from astrai.trainer.distributed import DistEnv, broadcast_from_master
-from astrai.trainer.model import save_tensors
+from astrai.common.data_folder import DataError, TokenData
+from astrai.common.fit import SetupError, check_model_tokenizer
+from astrai.trainer.checkpoint.files import LoadedCheckpoint
+from astrai.trainer.distributed import DistEnv, broadcast_from_master, parallelize
+from astrai.trainer.model import ModelConfig, ModelLoadError, Transformer, load_base_model, model_digest, save_tensors
 from astrai.trainer.records import DPOPair
 
 TABLE_KEY = "log_probs"
@@ -107,3 +115,44 @@ def _write(path: Path, table: torch.Tensor, facts: dict[str, str]) -> None:
     fsync_path(staging)
     os.replace(staging, path)
     fsync_path(path.parent)
+
+
+def frozen_model(
+    path: Path, env: DistEnv, model_config: ModelConfig, data: TokenData, loaded: LoadedCheckpoint | None
+) -> tuple[Transformer, dict]:
+    """A frozen copy of the model folder ``path`` on the device (sharded under FSDP), which must score the tokens of
+    the trained model (``model_config``) and of the data, and be the one the checkpoint resumed (``loaded``) was
+    trained against; and what checkpoints record of it."""
+
+    def read_reference():
+        check_model_tokenizer(data, path)  # a reference with its own tokenizer must be the data's
+        return (*load_base_model(path), model_digest(path))
+
+    reference_config, weights, digest = broadcast_from_master(
+        env, read_reference, errors=(ModelLoadError, SetupError, DataError)
+    )
+    if reference_config.vocab_size != model_config.vocab_size:
+        raise SetupError(
+            f"the reference {path} has a vocabulary of {reference_config.vocab_size}, the trained model "
+            f"{model_config.vocab_size}: the reference must score the same tokens"
+        )
+    recorded = {"path": str(path), "sha256": digest}
+    check_same_reference(recorded, loaded)
+    reference = Transformer(reference_config)
+    reference.load_state_dict(weights)
+    del weights
+    reference.to(env.device).eval().requires_grad_(False)
+    if env.parallel_mode == "fsdp":
+        reference = parallelize(reference, env)
+    return reference, recorded
+
+
+def check_same_reference(recorded: dict, loaded: LoadedCheckpoint | None) -> None:
+    """A resume keeps the reference its checkpoint was trained against (meta.json's ``reference``)."""
+    before = loaded.meta.reference if loaded is not None else None
+    if before is not None and before.get("sha256") != recorded["sha256"]:
+        raise SetupError(
+            f"this run's DPO reference {recorded['path']} (sha256 {recorded['sha256'][:12]}) is not the one its "
+            f"checkpoint {loaded.checkpoint.path} was trained against ({before.get('path')}, sha256 "
+            f"{before.get('sha256', '')[:12]}); set ckpt.reference_path back to it"
+        )

@@ -31,55 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.errors import AstraiError
+from astrai.common.reward_specs import RewardSpec, check_metric_names
 
 
 class RewardError(AstraiError):
     """A reward function that cannot be loaded, or that failed on a batch; the message names it."""
-
-
-@dataclass(frozen=True)
-class RewardSpec:
-    """One entry of ``training.rewards``: where the function is, and its weight in the total."""
-
-    function: str
-    weight: float = 1.0
-
-    @property
-    def name(self) -> str:
-        """The function's own name (``exact_answer``), as metrics and messages call it."""
-        return self.function.rpartition(":")[2]
-
-
-def parse_rewards(value) -> tuple[RewardSpec, ...]:
-    """``training.rewards`` as written in YAML (a list of text or ``{function, weight}``); ValueError says which
-    entry is wrong and what is allowed."""
-    if value is None:
-        return ()
-    if not isinstance(value, (list, tuple)):
-        raise ValueError(f"expected a list of reward functions, got {value!r}")
-    specs = []
-    for index, entry in enumerate(value):
-        where = f"entry {index}"
-        if isinstance(entry, str):
-            entry = {"function": entry}
-        if not isinstance(entry, dict) or set(entry) - {"function", "weight"} or "function" not in entry:
-            raise ValueError(
-                f"{where}: expected 'FILE.py:function', 'module:function' or {{function, weight}}, got {entry!r}"
-            )
-        function, weight = entry["function"], entry.get("weight", 1.0)
-        head, colon, name = str(function).rpartition(":")
-        if not isinstance(function, str) or not colon or not head or not name.isidentifier():
-            raise ValueError(f"{where}: function must be 'FILE.py:function' or 'module:function', got {function!r}")
-        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
-            raise ValueError(f"{where}: weight must be a finite number, got {weight!r}")
-        specs.append(RewardSpec(function, float(weight)))
-    names = [spec.name for spec in specs]
-    if "std" in names:
-        raise ValueError("a reward function named std would be reported as reward_std, the total's; rename it")
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
-        raise ValueError(f"two reward functions named {', '.join(twice)}: metrics tell them apart by name")
-    return tuple(specs)
 
 
 @dataclass(frozen=True)
@@ -136,9 +92,7 @@ class Scores:
 
 def score(rewards: list[Reward], prompts: list[str], completions: list[str], fields: dict[str, list]) -> Scores:
     """Every reward function on the batch, checked; RewardError names the function and the prompt at fault."""
-    names = [reward.name for reward in rewards]
-    if len(set(names)) != len(names):
-        raise ValueError(f"two reward functions of one name among {', '.join(names)}: metrics tell them apart by name")
+    check_metric_names([reward.name for reward in rewards])
     clash = sorted({"prompts", "completions"} & set(fields))
     if clash:
         raise RewardError(f"the prompt records have a field named {clash[0]}, which reward functions take as text")

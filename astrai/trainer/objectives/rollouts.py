@@ -1,0 +1,374 @@
+"""Rollouts: completions of a micro-batch's prompts, with what the rewards gave them, from one of two sources.
+
+- :class:`SampledRollouts` (``online_grpo``, ``online_dpo``): the policy samples ``generations`` completions of each
+  prompt (:func:`astrai.trainer.generate.generate`, with a generator seeded from the run's seed, the step, the rank
+  and the micro-batch: a resumed run samples what the uninterrupted one sampled), and ``training.rewards`` scores
+  them in text, with each prompt record's other fields (:mod:`astrai.trainer.objectives.rewards`).
+- :class:`GivenRollouts` (``grpo``): each prompt's completions and rewards as the data gives them.
+
+Either returns a :class:`Rollouts` with named fields; the objectives (GRPO, online DPO) take a source and do not ask
+which one it is. :class:`StepScores` gathers what every rank's rollouts of a step scored, so that advantages and
+pairs are worked out on the whole global batch; :class:`RewardReport` turns the steps since the last report into the
+reward metrics, and :class:`CompletionsLog` writes a group now and then into the job dir's completions log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from astrai.common.contract import (
+    COMPLETIONS_LOG,
+    METRIC_COMPLETION_CLIPPED,
+    METRIC_COMPLETION_LENGTH,
+    METRIC_COMPLETION_LENGTH_MAX,
+    METRIC_FRAC_REWARD_ZERO_STD,
+    METRIC_REWARD,
+    METRIC_REWARD_STD,
+)
+from astrai.common.reward_specs import reward_metric_names
+from astrai.common.settings import Sampling
+from astrai.trainer.distributed import DistEnv
+from astrai.trainer.generate import generate
+from astrai.trainer.objectives.prompts import Prompts, ScoredGroups
+from astrai.trainer.objectives.rewards import Reward, score
+
+GIVEN = "given"
+"""The completions log's name for rewards the data gave (grpo)."""
+
+
+@dataclass
+class Rollouts:
+    """One micro-batch's completions, ``generations`` consecutive rows per prompt, and what they scored."""
+
+    numbers: list[int]
+    """The prompts' numbers, one per group."""
+    prompts: list[list[int]]
+    """Each row's prompt tokens."""
+    completions: list[list[int]]
+    prompt_texts: list[str]
+    texts: list[str]
+    """Each completion as text."""
+    rewards: list[float | None]
+    """Each completion's total: the weighted sum of the functions that scored it; None where none did."""
+    by_function: dict[str, list[float | None]]
+    """Each reward function's values, by its name (empty for rewards the data gave)."""
+    ended: list[bool]
+    """Whether a completion ended with a stop token (False: max_completion_length, or the data's window, cut it)."""
+    counted: list[bool]
+    """Whether the loss counts a completion (all, or those that ended, with mask_truncated_completions)."""
+    reference_logps: torch.Tensor | None = None
+    """The completions' token log-probabilities under the frozen starting model, where the objective keeps one
+    (:func:`sample_step`)."""
+
+
+class RolloutSource(Protocol):
+    generations: int
+    """Completions per prompt (a group)."""
+    functions: tuple[str, ...]
+    """The reward functions' names (their metrics); none for rewards the data gives."""
+
+    def rollouts(self, model: torch.nn.Module, numbers: list[int], step: int, micro: int) -> Rollouts:
+        """The completions of prompts ``numbers`` for micro-batch ``micro`` of ``step``, scored."""
+
+
+def rollout_seed(seed: int, step: int, rank: int, micro: int) -> int:
+    """The sampling seed of one micro-batch of a step: the same for a resumed run as for the uninterrupted one, and
+    another for every (seed, step, rank, micro-batch)."""
+    digest = hashlib.sha256(f"{seed}/{step}/{rank}/{micro}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # 63 bits: what torch.Generator.manual_seed takes
+
+
+class SampledRollouts:
+    """Completions the policy samples, scored by the reward functions (``online_grpo``, ``online_dpo``)."""
+
+    def __init__(
+        self,
+        env: DistEnv,
+        prompts: Prompts,
+        rewards: list[Reward],
+        sampling: Sampling,
+        generations: int,
+        stop: set[int],
+        decode,
+        seed: int,
+        mask_truncated: bool,
+        autocast,
+    ):
+        self.env, self.prompts, self.rewards, self.sampling = env, prompts, rewards, sampling
+        self.generations, self.stop, self.decode, self.seed = generations, stop, decode, seed
+        self.mask_truncated, self.autocast = mask_truncated, autocast
+        self.functions = tuple(reward.name for reward in rewards)
+
+    def rollouts(self, model: torch.nn.Module, numbers: list[int], step: int, micro: int) -> Rollouts:
+        G = self.generations
+        prompts = [self.prompts.ids[number] for number in numbers for _ in range(G)]
+        generator = torch.Generator(device=self.env.device)
+        generator.manual_seed(rollout_seed(self.seed, step, self.env.rank, micro))
+        # FSDP gathers the weights in every forward pass: its ranks generate in step.
+        together = self.env.control_group if self.env.parallel_mode == "fsdp" else None
+        with self.autocast:
+            completions = generate(model, prompts, self.sampling, self.stop, generator, together)
+        ended = [bool(completion) and completion[-1] in self.stop for completion in completions]
+        texts = [self.decode(completion) for completion in completions]
+        prompt_texts = [self.prompts.texts[number] for number in numbers for _ in range(G)]
+        scores = score(self.rewards, prompt_texts, texts, self.prompts.fields_of(numbers, G))
+        counted = [end or not self.mask_truncated for end in ended]
+        return Rollouts(
+            numbers, prompts, completions, prompt_texts, texts, scores.total, scores.by_function, ended, counted
+        )
+
+
+class GivenRollouts:
+    """Each prompt's completions and rewards as the data gives them (``grpo``): nothing is sampled."""
+
+    functions: tuple[str, ...] = ()
+
+    def __init__(self, groups: ScoredGroups, decode):
+        self.groups, self.decode = groups, decode
+        self.generations = groups.size
+
+    def rollouts(self, model: torch.nn.Module, numbers: list[int], step: int, micro: int) -> Rollouts:
+        chosen = [(number, row) for number in numbers for row in self.groups.groups[number]]
+        completions = [completion for _, (_, completion, _, _) in chosen]
+        return Rollouts(
+            numbers=numbers,
+            prompts=[prompt for _, (prompt, _, _, _) in chosen],
+            completions=completions,
+            prompt_texts=[self.groups.texts[number] for number, _ in chosen],
+            texts=[self.decode(completion) for completion in completions],
+            rewards=[reward for _, (_, _, reward, _) in chosen],
+            by_function={},
+            ended=[not cut for _, (_, _, _, cut) in chosen],
+            counted=[True] * len(chosen),
+        )
+
+
+def completion_logps(
+    model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each completion token's log-probability given its prompt and the tokens before it, under ``model`` (with
+    gradients when enabled): ``(logps, mask, entropy)``, each (B, longest completion), the rows padded at the end.
+
+    A row is its prompt and completion, padded at the end (which no earlier token attends to), so one forward pass
+    scores the batch; only the completions' positions go through the softmax.
+    """
+    device = next(model.parameters()).device
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    longest = max(len(c) for c in completions)
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    where = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
+    mask = torch.zeros(len(prompts), longest, device=device)
+    targets = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        if not prompt:
+            raise ValueError("every prompt needs at least one token")
+        tokens[row, : len(prompt) + len(completion)] = torch.tensor(prompt + completion, device=device)
+        # The logits at position t predict the token at t + 1.
+        where[row, : len(completion)] = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(completion))
+        mask[row, : len(completion)] = 1.0
+        targets[row, : len(completion)] = torch.tensor(completion, dtype=torch.long, device=device)
+    logits = model(tokens)
+    picked = logits.gather(1, where.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()
+    log_probs = picked.log_softmax(dim=-1)
+    logps = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+    return logps * mask, mask, entropy.detach() * mask
+
+
+def sample_step(
+    source: RolloutSource, model: torch.nn.Module, batches: list, step: int, reference, autocast, log: CompletionsLog
+) -> list[Rollouts]:
+    """The rollouts of every micro-batch of a step on this rank, in eval mode (no dropout while sampling), each with
+    its completions' log-probabilities under ``reference`` (the frozen starting model, or None); the first group
+    goes to the completions log when it is due."""
+    inner = getattr(model, "module", model)  # under DDP, the model it wraps
+    was_training = inner.training
+    model.eval()
+    made = []
+    try:
+        for micro, numbers in enumerate(batches):
+            rollouts = source.rollouts(model, [int(number) for number in numbers], step, micro)
+            if reference is not None:
+                with torch.no_grad(), autocast:
+                    rollouts.reference_logps = completion_logps(reference, rollouts.prompts, rollouts.completions)[0]
+            if micro == 0:
+                log.offer(step, rollouts, source.generations)
+            made.append(rollouts)
+    finally:
+        model.train(was_training)
+    return made
+
+
+@dataclass(frozen=True)
+class StepScores:
+    """What every rank's rollouts of one step scored, row by row in rank order (each rank has as many rows)."""
+
+    rewards: torch.Tensor
+    """Each completion's total reward (float64; NaN where no function scored it)."""
+    by_function: dict[str, torch.Tensor]
+    prompt_lengths: torch.Tensor
+    completion_lengths: torch.Tensor
+    ended: torch.Tensor
+    counted: torch.Tensor
+
+    @classmethod
+    def gather(cls, rollouts: list[Rollouts], env: DistEnv) -> StepScores:
+        """This rank's rollouts' scores, and every other rank's (a collective: every rank calls it)."""
+
+        def column(values) -> torch.Tensor:
+            return torch.tensor([math.nan if value is None else float(value) for value in values], dtype=torch.float64)
+
+        mine = {
+            "rewards": column(value for part in rollouts for value in part.rewards),
+            **{
+                f"function:{name}": column(value for part in rollouts for value in part.by_function[name])
+                for name in (rollouts[0].by_function if rollouts else {})
+            },
+            "prompt_lengths": column(len(prompt) for part in rollouts for prompt in part.prompts),
+            "completion_lengths": column(len(completion) for part in rollouts for completion in part.completions),
+            "ended": column(value for part in rollouts for value in part.ended),
+            "counted": column(value for part in rollouts for value in part.counted),
+        }
+        table = torch.stack(list(mine.values()), dim=1)
+        if env.distributed:
+            gathered = [torch.empty_like(table, device=env.device) for _ in range(env.world_size)]
+            dist.all_gather(gathered, table.to(env.device))
+            table = torch.cat(gathered).cpu()
+        named = dict(zip(mine, table.unbind(dim=1), strict=True))
+        by_function = {key.partition(":")[2]: named.pop(key) for key in list(named) if key.startswith("function:")}
+        return cls(by_function=by_function, **named)
+
+    def rows_of(self, env: DistEnv) -> slice:
+        """This rank's rows."""
+        rows = len(self.rewards) // env.world_size
+        return slice(env.rank * rows, (env.rank + 1) * rows)
+
+    @property
+    def tokens(self) -> int:
+        """Prompt and completion tokens of the step, over every rank."""
+        return int((self.prompt_lengths + self.completion_lengths).sum())
+
+    @property
+    def loss_tokens(self) -> float:
+        """Completion tokens the loss counts, over every rank."""
+        return float((self.completion_lengths * self.counted).sum())
+
+    @staticmethod
+    def concat(steps: list[StepScores]) -> StepScores:
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([getattr(step, name) for step in steps])
+
+        fields = [field.name for field in dataclasses.fields(StepScores) if field.name != "by_function"]
+        by_function = {name: torch.cat([step.by_function[name] for step in steps]) for name in steps[0].by_function}
+        return StepScores(by_function=by_function, **{name: cat(name) for name in fields})
+
+
+def flat_groups(totals: torch.Tensor, generations: int) -> int:
+    """Groups whose completions all scored the same, or fewer than two of them at all: no signal (TRL's
+    frac_reward_zero_std counts them by the group's own std, whatever scale_rewards divides by)."""
+    flat = 0
+    for group in totals.view(-1, generations):
+        scored = group[~group.isnan()]
+        flat += int(scored.numel() < 2 or bool(torch.isclose(scored.std(), torch.zeros((), dtype=scored.dtype))))
+    return flat
+
+
+def mean_std(column: torch.Tensor) -> tuple[float | None, float | None]:
+    """The mean and std of the values that are not NaN (None for too few)."""
+    scored = column[~column.isnan()]
+    return float(scored.mean()) if scored.numel() else None, float(scored.std()) if scored.numel() > 1 else None
+
+
+class RewardReport:
+    """The reward metrics of the rounds sampled since the last report: the rewards' mean and std in total and per
+    function, the groups without signal, the completions' lengths; and a warning for steps nothing scored."""
+
+    def __init__(self, source: RolloutSource, log):
+        self.source, self.log = source, log
+        self._steps: list[StepScores] = []
+        self._flat_groups = self._unscored_steps = 0
+
+    def add(self, scores: StepScores) -> None:
+        self._steps.append(scores)
+        self._flat_groups += flat_groups(scores.rewards, self.source.generations)
+        if scores.rewards.isnan().all():
+            self._unscored_steps += 1
+
+    def take(self) -> dict[str, float]:
+        """The metrics (empty when no round was sampled since the last call); counting starts again."""
+        if not self._steps:
+            return {}
+        if self._unscored_steps:
+            why = (
+                "(every function gave None): those steps learn nothing; check the fields the rewards read"
+                if self.source.functions
+                else "(the data gives every one of them a null reward): those steps learn nothing"
+            )
+            self.log(
+                f"warning: no completion of {self._unscored_steps} step(s) since the last report has a reward {why}"
+            )
+        scores = StepScores.concat(self._steps)
+        reward, reward_std = mean_std(scores.rewards)
+        values = {METRIC_REWARD: reward, METRIC_REWARD_STD: reward_std}
+        for name in self.source.functions:
+            mean_name, std_name = reward_metric_names(name)
+            values[mean_name], values[std_name] = mean_std(scores.by_function[name])
+        values[METRIC_COMPLETION_LENGTH] = float(scores.completion_lengths.mean())
+        values[METRIC_COMPLETION_LENGTH_MAX] = float(scores.completion_lengths.max())
+        values[METRIC_COMPLETION_CLIPPED] = float(1.0 - scores.ended.mean())
+        groups = len(scores.rewards) // self.source.generations
+        values[METRIC_FRAC_REWARD_ZERO_STD] = self._flat_groups / max(groups, 1)
+        self._steps, self._flat_groups, self._unscored_steps = [], 0, 0
+        return {key: value for key, value in values.items() if value is not None}
+
+
+class CompletionsLog:
+    """One group of completions with its rewards, now and then, appended to the job dir's completions log (global
+    rank 0 only): the first group sampled at or after every ``log_interval`` steps."""
+
+    def __init__(self, job_dir: Path, log_interval: int, env: DistEnv):
+        self.path = Path(job_dir) / COMPLETIONS_LOG
+        self.log_interval, self.master = log_interval, env.master_process
+        self._period: int | None = None
+
+    def _due(self, step: int) -> bool:
+        """Whether the rollouts sampled at ``step`` go into the log (with num_iterations > 1 a round may begin after
+        the interval's last step)."""
+        period = (step + 1) // self.log_interval
+        if self._period is None:
+            self._period = step // self.log_interval
+        if period <= self._period:
+            return False
+        self._period = period
+        return True
+
+    def offer(self, step: int, rollouts: Rollouts, generations: int) -> None:
+        """Log the first group of ``rollouts`` (micro-batch 0 of ``step``) when it is due."""
+        if not self.master or not self._due(step):
+            return
+        by_function = rollouts.by_function or {GIVEN: rollouts.rewards}
+        prompt = json.dumps(rollouts.prompt_texts[0], ensure_ascii=False)
+        lines = [f"step {step + 1} | prompt {rollouts.numbers[0]}: {prompt}"]
+        for row in range(generations):
+            total = rollouts.rewards[row]
+            parts = ", ".join(
+                f"{name} {'n/a' if values[row] is None else f'{values[row]:.3g}'}"
+                for name, values in by_function.items()
+            )
+            shown = "n/a" if total is None else f"{total:.3g}"
+            text = json.dumps(rollouts.texts[row], ensure_ascii=False)
+            lines.append(f"  [{row + 1}/{generations}] reward {shown} ({parts}): {text}")
+        try:
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write("\n".join(lines) + "\n\n")
+        except OSError:
+            pass  # a full disk stops the run at its metrics or checkpoint, which say why; this log is for reading
