@@ -104,10 +104,7 @@ def _wait_and_stop(path: Path) -> int:
     if state.pid != os.getpid():
         _log("the state file belongs to another timer; exiting")
         return 0
-    _log(
-        f"job {state.job_name}: stopping container {state.container_id[:12]} at "
-        f"{local_time(state.deadline)}"
-    )
+    _log(f"job {state.job_name}: stopping container {state.container_id[:12]} at {local_time(state.deadline)}")
     try:
         while True:
             container = engine.inspect_container(state.container_id)

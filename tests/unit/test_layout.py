@@ -1,4 +1,5 @@
-"""The shape of the package itself: no import cycle between its modules, no function too long to read at once."""
+"""The shape of the package itself: layers that import downward only, no import cycle between its modules, no
+function too long to read at once."""
 
 from __future__ import annotations
 
@@ -80,6 +81,56 @@ def test_the_cycle_finder_finds_a_cycle_through_a_third_module():
     assert _cycles(graph) == [["a", "b", "c"]]
 
 
+LAYERS = {
+    "astrai.common": {"astrai.common"},
+    "astrai.data": {"astrai.common", "astrai.data"},
+    "astrai.host": {"astrai.common", "astrai.host"},
+    "astrai.trainer": {"astrai.common", "astrai.data", "astrai.trainer"},
+}
+"""What each layer may import: common (nothing of astrai) < data, host (common) < trainer (common, data) < the
+top-level commands (astrai/train.py, model.py, rewards.py), which may import any layer."""
+
+
+def _layer(module: str) -> str | None:
+    """The layer a module belongs to; None for the top-level commands (and the package itself)."""
+    return next((layer for layer in LAYERS if module == layer or module.startswith(layer + ".")), None)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a layer its own may not import (a higher one, or a sibling)."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        layer = _layer(module)
+        if layer is None:
+            continue
+        for other in sorted(imported):
+            if (_layer(other) or other) not in LAYERS[layer]:
+                found.append(f"{module} imports {other}")
+    return found
+
+
+def test_layers_import_downward_only():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert "astrai.common.contract" in graph["astrai.host.jobs"]  # the walk sees imports between layers at all
+    assert upward_imports(graph) == []
+
+
+def test_an_upward_import_is_found():
+    """A planted import of the trainer into common, of host into data, and of the top-level commands into the
+    trainer: each is named; a downward one is not."""
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    graph["astrai.common.config"] = graph["astrai.common.config"] | {"astrai.trainer.objectives.rewards"}
+    graph["astrai.data.chat"] = graph["astrai.data.chat"] | {"astrai.host.runtime"}
+    graph["astrai.trainer.loop"] = graph["astrai.trainer.loop"] | {"astrai.train", "astrai.data.chat"}
+    assert upward_imports(graph) == [
+        "astrai.common.config imports astrai.trainer.objectives.rewards",
+        "astrai.data.chat imports astrai.host.runtime",
+        "astrai.trainer.loop imports astrai.train",
+    ]
+
+
 def test_no_function_is_longer_than_80_lines():
     long = []
     for name, path in _modules().items():
@@ -89,3 +140,16 @@ def test_no_function_is_longer_than_80_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{name}.{node.name} ({path.name}:{node.lineno}): {lines} lines")
     assert long == []
+
+
+def test_the_architecture_page_names_every_module():
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    unnamed = [
+        name
+        for name, path in _modules().items()
+        if name.count(".") >= 2
+        and path.name not in ("__init__.py", "__main__.py")
+        and f"`{name.rpartition('.')[2]}`" not in page
+        and f"/{name.rpartition('.')[2]}`" not in page
+    ]
+    assert unnamed == []
