@@ -32,6 +32,7 @@ import time
 from astrai.host import baseimage
 from bench import (
     checkpoint_cost,
+    chunked_loss,
     corpora,
     faults,
     generation,
@@ -61,6 +62,17 @@ TARGETS = {
     "tiny_trainer_vs_bare": ("the same on `tiny`", ">=", 0.98),
     "small_trainer_vs_bare": ("the same on `small`", ">=", 0.98),
     "trainer_vs_bare_wall": ("the same on wall-clock time (worst of tiny, small)", None, None),
+    "chunked_loss_vs_plain": (
+        "a forward and backward pass with the loss in chunks over the plain loss (`small`)",
+        ">=",
+        1.0,
+    ),
+    "vocab_152k_step_peak_growth_gb": (
+        "peak memory of a step of 4,096 tokens, vocabulary 151,936 over 512, GB (loss in chunks)",
+        "<=",
+        1.2,
+    ),
+    "plain_vocab_152k_step_peak_growth_gb": ("the same with the plain loss, GB", None, None),
     "ckpt_save_vs_dcp": ("checkpoint write over torch.distributed.checkpoint.save (`small`)", "<=", 1.0),
     "ckpt_save_vs_raw_fsync": ("checkpoint write over raw safetensors + torch.save, fsynced (`small`)", "<=", 1.2),
     "ckpt_save_vs_raw": ("checkpoint write over the same raw writes without fsync (`small`)", "<=", 1.2),
@@ -187,6 +199,7 @@ TARGETS = {
 
 SECTIONS = {
     "trainer overhead": lambda quick, image: trainer_speed.run(quick),
+    "chunked loss": lambda quick, image: chunked_loss.run(quick),
     "checkpoint cost": lambda quick, image: checkpoint_cost.run(quick),
     "host commands at scale": lambda quick, image: host_commands.run(quick),
     "image rebuild": lambda quick, image: image_build.run(quick, image),

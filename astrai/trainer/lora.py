@@ -77,7 +77,9 @@ class LoRALinear(FrozenLinear):
         out = frozen_linear(x, self.weight, self.bias)
         if not self.adapters_on:
             return out
-        update = self.lora_B(self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype))))
+        # Under autocast the adapters compute in its dtype: a float32 copy of the activations would only be cast back.
+        source = x if torch.is_autocast_enabled(x.device.type) else x.to(self.lora_A.weight.dtype)
+        update = self.lora_B(self.lora_A(self.dropout(source)))
         # In place: the base layer's backward does not need its output, and no second full-width tensor is made.
         return out.add_(update.to(out.dtype), alpha=self.scaling)
 
@@ -175,9 +177,9 @@ class BaseModel:
     def parameters(self):
         return self.model.parameters()
 
-    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *args, **kwargs):
         with adapters_off(self.model):
-            return self.model(inputs)
+            return self.model(*args, **kwargs)
 
 
 def peft_name(name: str) -> str:

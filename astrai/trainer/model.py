@@ -29,6 +29,7 @@ import mmap
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +128,95 @@ def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _UpcastLinear.apply(x, weight, bias)
 
 
+LOGITS_CHUNK_BYTES = 128 << 20
+"""The float32 logits of at most this many bytes exist at once when a loss is computed over the vocabulary."""
+LOGITS_KEEP_BYTES = 1 << 30
+"""Logits (in the head's compute dtype) of at most this many bytes in all are kept from the forward pass for the
+backward; larger ones are computed again there, a chunk at a time."""
+
+
+class TokenTargets(NamedTuple):
+    """Which tokens to score: ``targets`` (B, L), the token each scored position predicts; ``where`` (B, L), the
+    positions scored (None: every one, L = T); ``entropy``: the distribution's entropy at each of them too."""
+
+    targets: torch.Tensor
+    where: torch.Tensor | None = None
+    entropy: bool = False
+
+
+class TokenScores(NamedTuple):
+    """Each scored position's log-probability of its target (B, L), and its entropy (detached) when asked."""
+
+    logps: torch.Tensor
+    entropy: torch.Tensor | None
+
+
+def token_scores(
+    hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) (N,) in float32 for hidden states (N, D) and the output projection ``head`` (V, D), and the
+    entropy of each distribution (N,), detached, when asked.
+
+    The same numbers as ``log_softmax(F.linear(hidden, head).float())`` picked at the targets, and the same
+    gradients, but a chunk of rows at a time (:data:`LOGITS_CHUNK_BYTES` of float32 logits), forward and backward:
+    the float32 logits of the whole batch are never held, and its logits in the head's dtype only when they are
+    small (:data:`LOGITS_KEEP_BYTES`), else each chunk's are computed again in the backward pass."""
+    return _ChunkedLogProbs.apply(hidden, head, targets, entropy)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, head, targets, entropy: bool):
+        dtype = _compute_dtype(hidden)
+        weight = head.to(dtype)
+        count, vocab = hidden.shape[0], head.shape[0]
+        rows = max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
+        keep = count * vocab * dtype.itemsize <= LOGITS_KEEP_BYTES
+        logps = torch.empty(count, dtype=torch.float32, device=hidden.device)
+        entropies = torch.empty_like(logps) if entropy else None
+        kept = []
+        for start in range(0, count, rows):
+            chunk = F.linear(hidden[start : start + rows].to(dtype), weight)
+            if keep:
+                kept.append(chunk)
+            logits = chunk.float()
+            total = torch.logsumexp(logits, dim=-1)
+            logps[start : start + rows] = logits.gather(-1, targets[start : start + rows, None]).squeeze(-1) - total
+            if entropy:
+                entropies[start : start + rows] = total - (logits.softmax(dim=-1) * logits).sum(dim=-1)
+        ctx.save_for_backward(hidden, head, targets, *kept)
+        ctx.dtype, ctx.rows = dtype, rows
+        if entropies is not None:
+            ctx.mark_non_differentiable(entropies)
+        return logps, entropies
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy):
+        hidden, head, targets, *kept = ctx.saved_tensors
+        dtype, rows = ctx.dtype, ctx.rows
+        weight = head.to(dtype)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_head = None
+        if ctx.needs_input_grad[1]:
+            grad_head = torch.zeros(head.shape, dtype=torch.float32, device=head.device)
+        for index, start in enumerate(range(0, hidden.shape[0], rows)):
+            chunk = hidden[start : start + rows].to(dtype)
+            logits = (kept[index] if kept else F.linear(chunk, weight)).float()
+            grad = grad_logps[start : start + rows].float().unsqueeze(-1)
+            # d log p(t) / d logits = onehot(t) - softmax(logits)
+            grad_logits = (-logits.softmax(dim=-1) * grad).scatter_add_(-1, targets[start : start + rows, None], grad)
+            grad_logits = grad_logits.to(dtype)
+            if grad_hidden is not None:
+                grad_hidden[start : start + rows] = (grad_logits @ weight).to(hidden.dtype)
+            if grad_head is not None:
+                grad_head += (grad_logits.transpose(0, 1) @ chunk).float()
+        return grad_hidden, None if grad_head is None else grad_head.to(head.dtype), None, None
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -166,7 +256,13 @@ class Attention(nn.Module):
         else:
             # Under autocast the mask must be in the queries' dtype.
             mask = mask if mask.dtype == q.dtype else mask.to(q.dtype)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            if gqa and seq_len == 1:
+                # One new token: each key/value head's group of query heads attends as one (G, D) block, so no key
+                # or value is repeated for the heads that share it (a decode step reads the cache once).
+                grouped = q.reshape(batch, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
+                out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask).reshape(q.shape)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -205,41 +301,82 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Every layer's keys and values of the tokens seen so far, in buffers sized for the whole generation."""
+    """Every layer's keys and values in buffers of a fixed capacity, and which of their slots hold a token.
+
+    Its state lives in device tensors (the next slot, each row's next rotary position, the visible slots), so a
+    decode step (:meth:`Transformer.decode_step`) reads no Python number that changes from one token to the next:
+    the same kernels, on the same buffers, compute every step (what a CUDA graph replays).
+    """
 
     def __init__(self, config: ModelConfig, batch: int, capacity: int, device: torch.device, dtype: torch.dtype):
         shape = (batch, config.n_kv_heads, capacity, config.head_size)
-        self.keys = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
-        self.values = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
-        self.real = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
-        """Which cached positions hold a token (not left padding)."""
+        self.capacity = capacity
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.visible = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        """Which slots hold a token (not left padding, not yet written)."""
+        self.slot = torch.zeros((), dtype=torch.long, device=device)
+        """The slot the next token goes into."""
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
+        """Each row's rotary position of its next token (its real tokens so far)."""
         self.length = 0
-        """Positions filled; the tokens of the forward pass under way go after them."""
+        """Slots filled, as the eager path (:meth:`begin`) counts them; a decode step counts on the device."""
+        self._step = False
+
+    def reset(self) -> None:
+        """Empty, in place: the buffers stay where they are (a captured decode step keeps reading them)."""
+        self.visible.zero_()
+        self.slot.zero_()
+        self.positions.zero_()
+        self.length = 0
 
     def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Put a layer's new keys and values (B, H, T, D) after the cached ones; all of them so far."""
-        end = self.length + keys.shape[2]
-        self.keys[layer][:, :, self.length : end] = keys
-        self.values[layer][:, :, self.length : end] = values
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        """Put a layer's new keys and values (B, H, T, D) into their slots; every slot's (B, H, capacity, D)."""
+        keys, values = keys.to(self.keys[layer].dtype), values.to(self.values[layer].dtype)
+        if self._step:
+            self.keys[layer].index_copy_(2, self.slot.view(1), keys)
+            self.values[layer].index_copy_(2, self.slot.view(1), values)
+        else:
+            self.keys[layer][:, :, self.length : self.length + keys.shape[2]] = keys
+            self.values[layer][:, :, self.length : self.length + keys.shape[2]] = values
+        return self.keys[layer], self.values[layer]
 
     def begin(self, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Note which of the next T tokens (B, T) are real; their positions (B, T) and the additive attention
-        mask (B, 1, T, length + T) of the forward pass that adds them."""
+        """Note which of the next T tokens (B, T) are real; their positions (B, T) and the attention mask
+        (B, 1, T, capacity) of the forward pass that adds them (eager: T and the slots filled are Python numbers)."""
         start, count = self.length, real.shape[1]
-        end = start + count
-        self.real[:, start:end] = real
-        positions = (self.real[:, :end].cumsum(dim=1) - 1).clamp(min=0)[:, start:]
-        query = torch.arange(start, end, device=real.device).unsqueeze(1)
-        key = torch.arange(end, device=real.device).unsqueeze(0)
-        allowed = (key <= query).unsqueeze(0) & self.real[:, None, :end]
+        if start + count > self.capacity:
+            raise ValueError(f"{start + count} tokens do not fit a cache of {self.capacity}")
+        self._step = False
+        self.visible[:, start : start + count] = real
+        positions = self.positions.unsqueeze(1) + real.cumsum(dim=1) - 1
+        positions = positions.clamp(min=0)
+        query = torch.arange(start, start + count, device=real.device).unsqueeze(1)
+        key = torch.arange(self.capacity, device=real.device).unsqueeze(0)
+        allowed = (key <= query).unsqueeze(0) & self.visible.unsqueeze(1)
         # A padding query sees itself: its row stays finite (and nothing real ever attends to it).
         allowed = allowed | (key == query).unsqueeze(0)
         mask = torch.zeros(allowed.shape, device=real.device).masked_fill_(~allowed, float("-inf"))
         return positions, mask.unsqueeze(1)
 
-    def advance(self, count: int) -> None:
-        self.length += count
+    def begin_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One real token per row into the next slot, with device state only: its positions (B, 1) and the
+        attention mask (B, 1, 1, capacity)."""
+        self._step = True
+        self.visible.index_fill_(1, self.slot.view(1), True)
+        mask = torch.zeros(self.visible.shape, device=self.visible.device).masked_fill_(~self.visible, float("-inf"))
+        return self.positions.unsqueeze(1), mask[:, None, None, :]
+
+    def advance(self, real: torch.Tensor | None = None) -> None:
+        """Count the tokens just added: ``real`` (B, T) of :meth:`begin`'s pass, or one per row of a step."""
+        if real is None:
+            self.slot.add_(1)
+            self.positions.add_(1)
+            self._step = False
+            return
+        self.length += real.shape[1]
+        self.slot.fill_(self.length)
+        self.positions.add_(real.sum(dim=1))
 
 
 class Transformer(nn.Module):
@@ -286,15 +423,18 @@ class Transformer(nn.Module):
         segments: torch.Tensor | None = None,
         cache: KVCache | None = None,
         real: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        score: TokenTargets | None = None,
+    ) -> torch.Tensor | TokenScores:
         """Logits of ``tokens`` (B, T); with ``segments`` (B, T) several records packed in one row.
 
         ``segments`` confines attention to each record (a token sees the earlier tokens of its own segment
         only); ``positions`` (B, T) restarts the rotary positions at each record. With a ``cache``: generation's
         step (:meth:`decode`), through ``forward`` so that a DDP or FSDP wrapper sees it as the model's call.
+        With ``score``: the log-probabilities of its target tokens instead (:func:`token_scores`), computed over the
+        vocabulary a chunk of positions at a time, so the logits of the whole batch never exist at once.
         """
         if cache is not None:
-            return self.decode(tokens, real, cache)
+            return self.decode(tokens, real, cache) if real is not None else self.decode_step(tokens, cache)
         seq_len = tokens.shape[1]
         if seq_len > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}")
@@ -318,21 +458,42 @@ class Transformer(nn.Module):
             else:
                 x = layer(x, cos, sin, mask)
         x = self.norm(x)
-        if self.output is None:
-            return frozen_linear(x, self.tok_embeddings.weight)
-        return self.output(x)
+        head = self.tok_embeddings.weight if self.output is None else self.output.weight
+        if score is not None:
+            if score.where is not None:  # only these positions: their hidden states alone go through the head
+                x = x.gather(1, score.where.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+            logps, entropy = token_scores(x.reshape(-1, x.shape[-1]), head, score.targets.reshape(-1), score.entropy)
+            shape = score.targets.shape
+            return TokenScores(logps.view(shape), None if entropy is None else entropy.view(shape))
+        return frozen_linear(x, head) if self.output is None else self.output(x)
 
     def decode(self, tokens: torch.Tensor, real: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The next-token logits (B, vocab) after ``tokens`` (B, T), which follow the ones in ``cache`` (and go into
         it); ``real`` (B, T) is False at left padding. See :mod:`astrai.trainer.generate`, which calls it as
-        ``model(tokens, cache=cache, real=real)``."""
+        ``model(tokens, cache=cache, real=real)`` (a prompt's prefill) and :meth:`decode_step` for each new token."""
         positions, mask = cache.begin(real)
-        cos, sin = self._rotary(cache.length + tokens.shape[1], tokens.device)
+        x = self._decode_layers(tokens, positions, mask, cache)
+        cache.advance(real)
+        return x
+
+    def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The next-token logits (B, vocab) after one new token per row (B, 1): device work only, the same every
+        step (what a CUDA graph captures and replays)."""
+        positions, mask = cache.begin_step()
+        x = self._decode_layers(tokens, positions, mask, cache)
+        cache.advance()
+        return x
+
+    def prepare_decode(self, capacity: int, device: torch.device) -> None:
+        """Compute the rotary tables for ``capacity`` positions now, so no decode step allocates them."""
+        self._rotary(capacity, device)
+
+    def _decode_layers(self, tokens, positions, mask, cache: KVCache) -> torch.Tensor:
+        cos, sin = self._rotary(cache.capacity, tokens.device)
         cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         x = self.tok_embeddings(tokens).to(self.norm.weight.dtype)
         for index, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, index)
-        cache.advance(tokens.shape[1])
         x = self.norm(x[:, -1])
         if self.output is None:
             return frozen_linear(x, self.tok_embeddings.weight)

@@ -138,7 +138,7 @@ def test_the_sft_loss_is_transformers_loss_with_labels_ignored_outside_the_super
         dataset, env = trainer.dataset, trainer.env
         numbers = [0, 1, 2, 3]
         batch = torch.utils.data.default_collate([dataset.item(n) for n in numbers])
-        objective = Supervised(env, trainer.model_config.vocab_size)
+        objective = Supervised(env)
         (prepared,) = objective.prepare_step([batch], trainer.model, 0)
         with torch.no_grad():
             ours, _ = objective.micro(trainer.model, batch, prepared, 1)

@@ -86,8 +86,8 @@ class Preference(Objective):
     """``dpo``: the data's pairs against a frozen reference, a live model or a precomputed table of its
     log-probabilities per pair (:mod:`astrai.trainer.objectives.reference`); the loss is the mean over the pairs."""
 
-    def __init__(self, env: DistEnv, vocab_size: int, reference, beta: float):
-        self.env, self.vocab_size, self.beta = env, vocab_size, beta
+    def __init__(self, env: DistEnv, reference, beta: float):
+        self.env, self.beta = env, beta
         self.reference = reference
         """A model, or a (pairs, 2) tensor of its summed log-probabilities."""
         self._metrics = DPOMetrics(env.device)
@@ -100,8 +100,8 @@ class Preference(Objective):
             # First: a LoRA reference is the policy's own model with its adapters off, and its forward pass
             # must not come between the policy's and its backward.
             with torch.no_grad():
-                reference = summed_log_probs(self.reference, self.vocab_size, batch)
-        policy = summed_log_probs(model, self.vocab_size, batch)
+                reference = summed_log_probs(self.reference, batch)
+        policy = summed_log_probs(model, batch)
         return dpo_loss(policy, reference, self.beta)
 
     def micro(self, model, batch, prepared, accum: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,20 +33,25 @@ from astrai.common.data_folder import DataError, TokenData
 from astrai.common.fit import SetupError, check_model_tokenizer
 from astrai.trainer.checkpoint.files import LoadedCheckpoint
 from astrai.trainer.distributed import DistEnv, broadcast_from_master, parallelize
-from astrai.trainer.model import ModelConfig, ModelLoadError, Transformer, load_base_model, model_digest, save_tensors
+from astrai.trainer.model import (
+    ModelConfig,
+    ModelLoadError,
+    TokenTargets,
+    Transformer,
+    load_base_model,
+    model_digest,
+    save_tensors,
+)
 from astrai.trainer.records import DPOPair
 
 TABLE_KEY = "log_probs"
 
 
-def summed_log_probs(model, vocab_size: int, pairs: DPOPair) -> torch.Tensor:
+def summed_log_probs(model, pairs: DPOPair) -> torch.Tensor:
     """Summed log-probability of each row's supervised tokens under ``model``: (pairs, 2) for (pairs, 2, T) rows."""
     width = pairs.inputs.shape[-1]
-    logits = model(pairs.inputs.view(-1, width))
-    token = -torch.nn.functional.cross_entropy(
-        logits.float().view(-1, vocab_size), pairs.targets.reshape(-1), reduction="none"
-    )
-    return (token * pairs.weights.reshape(-1)).view(-1, 2, width).sum(-1)
+    scores = model(pairs.inputs.view(-1, width), score=TokenTargets(pairs.targets.view(-1, width)))
+    return (scores.logps * pairs.weights.view(-1, width)).view(-1, 2, width).sum(-1)
 
 
 def reference_table(
@@ -58,7 +63,6 @@ def reference_table(
     env: DistEnv,
     batch_size: int,
     autocast: contextlib.AbstractContextManager,
-    vocab_size: int,
     log,
 ) -> torch.Tensor:
     """The (count, 2) table of the reference's log-probabilities of pairs 0..count-1, on ``env.device``.
@@ -81,7 +85,7 @@ def reference_table(
             batch = default_collate([dataset.item(number) for number in chunk or [0]])
             batch = batch.to(env.device)
             with autocast:
-                scores = summed_log_probs(reference, vocab_size, batch)
+                scores = summed_log_probs(reference, batch)
             if chunk:
                 table[torch.tensor(chunk, device=env.device)] = scores.float()
     if env.distributed:

@@ -1,8 +1,9 @@
 """Rollouts: completions of a micro-batch's prompts, with what the rewards gave them, from one of two sources.
 
 - :class:`SampledRollouts` (``online_grpo``, ``online_dpo``): the policy samples ``generations`` completions of each
-  prompt (:func:`astrai.trainer.generate.generate`, with a generator seeded from the run's seed, the step, the rank
-  and the micro-batch: a resumed run samples what the uninterrupted one sampled), and ``training.rewards`` scores
+  prompt (:class:`astrai.trainer.decoding.DecodeEngine`, the step's micro-batches at once, each drawn by a generator
+  seeded from the run's seed, the step, the rank and the micro-batch: a resumed run samples what the uninterrupted
+  one sampled), and ``training.rewards`` scores
   them in text, with each prompt record's other fields (:mod:`astrai.trainer.objectives.rewards`).
 - :class:`GivenRollouts` (``grpo``): each prompt's completions and rewards as the data gives them.
 
@@ -36,8 +37,9 @@ from astrai.common.contract import (
 )
 from astrai.common.reward_specs import reward_metric_names
 from astrai.common.settings import Sampling
+from astrai.trainer.decoding import DecodeEngine, Draws
 from astrai.trainer.distributed import DistEnv
-from astrai.trainer.generate import generate
+from astrai.trainer.model import TokenTargets
 from astrai.trainer.objectives.prompts import Prompts, ScoredGroups
 from astrai.trainer.objectives.rewards import Reward, score
 
@@ -76,8 +78,8 @@ class RolloutSource(Protocol):
     functions: tuple[str, ...]
     """The reward functions' names (their metrics); none for rewards the data gives."""
 
-    def rollouts(self, model: torch.nn.Module, numbers: list[int], step: int, micro: int) -> Rollouts:
-        """The completions of prompts ``numbers`` for micro-batch ``micro`` of ``step``, scored."""
+    def rollouts(self, model: torch.nn.Module, batches: list[list[int]], step: int) -> list[Rollouts]:
+        """The completions of each micro-batch's prompts (their numbers) of ``step`` on this rank, scored."""
 
 
 def rollout_seed(seed: int, step: int, rank: int, micro: int) -> int:
@@ -88,11 +90,15 @@ def rollout_seed(seed: int, step: int, rank: int, micro: int) -> int:
 
 
 class SampledRollouts:
-    """Completions the policy samples, scored by the reward functions (``online_grpo``, ``online_dpo``)."""
+    """Completions the policy samples, scored by the reward functions (``online_grpo``, ``online_dpo``).
+
+    A step's micro-batches are sampled together, in one batched generation (:mod:`astrai.trainer.decoding`), each
+    micro-batch's rows drawn by its own generator, seeded from (seed, step, rank, micro-batch)."""
 
     def __init__(
         self,
         env: DistEnv,
+        engine: DecodeEngine,
         prompts: Prompts,
         rewards: list[Reward],
         sampling: Sampling,
@@ -103,20 +109,30 @@ class SampledRollouts:
         mask_truncated: bool,
         autocast,
     ):
-        self.env, self.prompts, self.rewards, self.sampling = env, prompts, rewards, sampling
+        self.env, self.engine, self.prompts, self.rewards, self.sampling = env, engine, prompts, rewards, sampling
         self.generations, self.stop, self.decode, self.seed = generations, stop, decode, seed
         self.mask_truncated, self.autocast = mask_truncated, autocast
         self.functions = tuple(reward.name for reward in rewards)
 
-    def rollouts(self, model: torch.nn.Module, numbers: list[int], step: int, micro: int) -> Rollouts:
+    def rollouts(self, model: torch.nn.Module, batches: list[list[int]], step: int) -> list[Rollouts]:
         G = self.generations
-        prompts = [self.prompts.ids[number] for number in numbers for _ in range(G)]
-        generator = torch.Generator(device=self.env.device)
-        generator.manual_seed(rollout_seed(self.seed, step, self.env.rank, micro))
-        # FSDP gathers the weights in every forward pass: its ranks generate in step.
-        together = self.env.control_group if self.env.parallel_mode == "fsdp" else None
+        prompts = [self.prompts.ids[number] for numbers in batches for number in numbers for _ in range(G)]
+        draws = []
+        for micro, numbers in enumerate(batches):
+            generator = torch.Generator(device=self.env.device)
+            generator.manual_seed(rollout_seed(self.seed, step, self.env.rank, micro))
+            draws.append(Draws(len(numbers) * G, generator))
         with self.autocast:
-            completions = generate(model, prompts, self.sampling, self.stop, generator, together)
+            completions = self.engine.generate(prompts, self.sampling, self.stop, draws)
+        made, start = [], 0
+        for numbers in batches:
+            count = len(numbers) * G
+            made.append(self._scored(numbers, prompts[start : start + count], completions[start : start + count]))
+            start += count
+        return made
+
+    def _scored(self, numbers: list[int], prompts: list[list[int]], completions: list[list[int]]) -> Rollouts:
+        G = self.generations
         ended = [bool(completion) and completion[-1] in self.stop for completion in completions]
         texts = [self.decode(completion) for completion in completions]
         prompt_texts = [self.prompts.texts[number] for number in numbers for _ in range(G)]
@@ -136,7 +152,10 @@ class GivenRollouts:
         self.groups, self.decode = groups, decode
         self.generations = groups.size
 
-    def rollouts(self, model: torch.nn.Module, numbers: list[int], step: int, micro: int) -> Rollouts:
+    def rollouts(self, model: torch.nn.Module, batches: list[list[int]], step: int) -> list[Rollouts]:
+        return [self._given(numbers) for numbers in batches]
+
+    def _given(self, numbers: list[int]) -> Rollouts:
         chosen = [(number, row) for number in numbers for row in self.groups.groups[number]]
         completions = [completion for _, (_, completion, _, _) in chosen]
         return Rollouts(
@@ -159,7 +178,7 @@ def completion_logps(
     gradients when enabled): ``(logps, mask, entropy)``, each (B, longest completion), the rows padded at the end.
 
     A row is its prompt and completion, padded at the end (which no earlier token attends to), so one forward pass
-    scores the batch; only the completions' positions go through the softmax.
+    scores the batch; only the completions' positions go through the output projection and the softmax.
     """
     device = next(model.parameters()).device
     width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
@@ -176,12 +195,8 @@ def completion_logps(
         where[row, : len(completion)] = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(completion))
         mask[row, : len(completion)] = 1.0
         targets[row, : len(completion)] = torch.tensor(completion, dtype=torch.long, device=device)
-    logits = model(tokens)
-    picked = logits.gather(1, where.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()
-    log_probs = picked.log_softmax(dim=-1)
-    logps = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
-    return logps * mask, mask, entropy.detach() * mask
+    scores = model(tokens, score=TokenTargets(targets, where, entropy=True))
+    return scores.logps * mask, mask, scores.entropy * mask
 
 
 def sample_step(
@@ -193,16 +208,13 @@ def sample_step(
     inner = getattr(model, "module", model)  # under DDP, the model it wraps
     was_training = inner.training
     model.eval()
-    made = []
     try:
-        for micro, numbers in enumerate(batches):
-            rollouts = source.rollouts(model, [int(number) for number in numbers], step, micro)
+        made = source.rollouts(model, [[int(number) for number in numbers] for numbers in batches], step)
+        for rollouts in made:
             if reference is not None:
                 with torch.no_grad(), autocast:
                     rollouts.reference_logps = completion_logps(reference, rollouts.prompts, rollouts.completions)[0]
-            if micro == 0:
-                log.offer(step, rollouts, source.generations)
-            made.append(rollouts)
+        log.offer(step, made[0], source.generations)
     finally:
         model.train(was_training)
     return made

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from astrai.trainer.distributed import DistEnv
+from astrai.trainer.model import TokenTargets
 from astrai.trainer.objectives.contract import Objective
 from astrai.trainer.records import SFTWindow
 
@@ -25,29 +25,27 @@ from astrai.trainer.records import SFTWindow
 class NextToken(Objective):
     """Pre-training: every token predicts the next one."""
 
-    def __init__(self, env: DistEnv, vocab_size: int):
-        self.env, self.vocab_size = env, vocab_size
+    def __init__(self, env: DistEnv):
+        self.env = env
+
+    def _log_probs(self, model, batch) -> torch.Tensor:
+        tokens = batch.to(self.env.device, non_blocking=True)
+        return model(tokens[:, :-1], score=TokenTargets(tokens[:, 1:])).logps
 
     def micro(self, model, batch, prepared, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = batch.to(self.env.device, non_blocking=True)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().view(-1, self.vocab_size), tokens[:, 1:].reshape(-1))
+        loss = -self._log_probs(model, batch).mean()
         return loss / accum, loss.detach()
 
     def eval_sums(self, model, batch) -> torch.Tensor:
-        tokens = batch.to(self.env.device)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().view(-1, self.vocab_size), tokens[:, 1:].reshape(-1), reduction="sum")
-        return torch.stack(
-            [loss.double(), torch.tensor(tokens[:, 1:].numel(), dtype=torch.float64, device=loss.device)]
-        )
+        logps = self._log_probs(model, batch)
+        return _sums(-logps.sum(), logps.numel())
 
 
 class Supervised(Objective):
     """SFT: the loss of the supervised tokens (assistant turns, completions), packed sequences kept apart."""
 
-    def __init__(self, env: DistEnv, vocab_size: int):
-        self.env, self.vocab_size = env, vocab_size
+    def __init__(self, env: DistEnv):
+        self.env = env
 
     def prepare_step(self, batches, model, step: int) -> list[torch.Tensor]:
         """Every micro-batch divides by the supervised tokens of the whole global batch (this step's micro-batches on
@@ -59,9 +57,8 @@ class Supervised(Objective):
 
     def _summed(self, model, batch: SFTWindow) -> tuple[torch.Tensor, torch.Tensor]:
         batch = batch.to(self.env.device)
-        logits = model(batch.inputs, batch.positions, batch.segments)
-        losses = F.cross_entropy(logits.float().view(-1, self.vocab_size), batch.targets.reshape(-1), reduction="none")
-        return (losses * batch.weights.reshape(-1)).sum(), batch.weights.sum()
+        scores = model(batch.inputs, batch.positions, batch.segments, score=TokenTargets(batch.targets))
+        return -(scores.logps * batch.weights).sum(), batch.weights.sum()
 
     def micro(self, model, batch, prepared, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
         summed, _ = self._summed(model, batch)
