@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from astrai.common.settings import Sampling
-from astrai.trainer.generate import generate
+from astrai.trainer.decoding import generate
 from astrai.trainer.model import PRESETS, load_pretrained, write_base_model
 from bench.common import Figures, fix_threads
 from tests.support import transformers_generate

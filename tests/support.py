@@ -125,8 +125,8 @@ def transformers_generate(model, prompts: list[list[int]], max_new_tokens: int, 
     import torch
 
     longest = max(len(prompt) for prompt in prompts)
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     out = model.generate(
         input_ids=ids,
         attention_mask=mask,

@@ -41,6 +41,8 @@ from astrai.common.plan import RunPlan
 from astrai.common.settings import LoRASettings
 from astrai.trainer.checkpoint.files import LoadedCheckpoint
 from astrai.trainer.checkpoint.manager import RunFacts
+from astrai.trainer.compiling import compile_blocks
+from astrai.trainer.decoding import DecodeEngine
 from astrai.trainer.distributed import DistEnv, broadcast_from_master, gather_objects, parallelize
 from astrai.trainer.lora import (
     AdapterError,
@@ -353,8 +355,7 @@ def build_model(config: TrainerConfig, plan: RunPlan, env: DistEnv, start: Start
             hold_base_in(model, getattr(torch, plan.base_dtype))
         model.to(env.device)
     if plan.compile:
-        for layer in model.layers:
-            layer.compile()
+        compile_blocks(model)
     model = parallelize(model, env)
     if start.weights is None:
         model.to_empty(device=env.device)
@@ -402,14 +403,13 @@ ObjectiveBuilder = Callable[[RunParts], BuiltObjective]
 def build_objective(parts: RunParts) -> BuiltObjective:
     """The objective ``training.train_type`` names, with what it needs (a reference, a rollout source)."""
     env, plan, training = parts.env, parts.plan, parts.config.training
-    vocab = parts.model_config.vocab_size
     if plan.train_type == "seq":
-        return BuiltObjective(NextToken(env, vocab))
+        return BuiltObjective(NextToken(env))
     if plan.train_type == "sft":
-        return BuiltObjective(Supervised(env, vocab))
+        return BuiltObjective(Supervised(env))
     if plan.train_type == "dpo":
         reference, recorded = _dpo_reference(parts)
-        return BuiltObjective(Preference(env, vocab, reference, training.dpo_beta), recorded)
+        return BuiltObjective(Preference(env, reference, training.dpo_beta), recorded)
     unused = unused_reward_keys(training)
     if unused:
         keys = ", ".join(f"training.{key}" for key in unused)
@@ -457,8 +457,12 @@ def sampled_rollouts(parts: RunParts) -> SampledRollouts:
         f"top_k {sampling.top_k}; stop tokens {sorted(stop)}"
     )
     prompts = Prompts(records.index.data, records.index, records.units)
+    # FSDP gathers the weights in every forward pass: its ranks generate in step, eagerly.
+    together = env.control_group if plan.parallel_mode == "fsdp" else None
+    engine = DecodeEngine(parts.model, together=together, compile=plan.compile and together is None)
     return SampledRollouts(
         env,
+        engine,
         prompts,
         rewards,
         sampling,
@@ -527,7 +531,6 @@ def _dpo_reference(parts: RunParts) -> tuple[object, dict]:
         parts.env,
         training.batch_per_device,
         autocast_for(parts.plan),
-        parts.model_config.vocab_size,
         parts.log,
     )
     return table, recorded

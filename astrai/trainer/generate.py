@@ -1,15 +1,6 @@
-"""Sampling from the trainer's own model, with a key/value cache: what online RL and users' spot checks need.
-
-Prompts of different lengths go in one batch, padded on the left so that every row's next token is in the
-last column. Each row's positions count its own tokens only, and no query sees a padding key, so a row
-samples what it would sample alone. Settings follow ``transformers``' ``generate``: ``temperature`` 0 is
-greedy (on the same prompt tokens its output equals ``generate(do_sample=False)``), otherwise the logits are divided
-by the temperature, cut to the ``top_k`` most likely tokens and to the smallest set whose probability
-reaches ``top_p``, and a token is drawn. A row ends at any of the ``stop`` tokens (which it keeps), or at
-``max_new_tokens``.
-
-Randomness comes only from the ``torch.Generator`` given, so a run that seeds it from its seed and step
-samples the same completions after a resume.
+"""``python -m astrai.model generate``: a completion of a prompt from a model folder or a checkpoint, with the
+generation engine the trainer's rollouts use (:mod:`astrai.trainer.decoding`): on a GPU in bfloat16 with its decode
+steps captured, on a CPU in float32. And :func:`stop_tokens`, the ids a model's completions end at.
 """
 
 from __future__ import annotations
@@ -22,90 +13,9 @@ import torch
 
 from astrai.common.contract import GENERATION_CONFIG_FILE, TOKENIZER_FILE
 from astrai.common.model_folder import ModelConfig
-from astrai.common.settings import Sampling
-from astrai.trainer.model import KVCache, load_pretrained
-
-
-def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
-    """The next token of each row (B,) from its logits (B, vocab)."""
-    if sampling.temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / sampling.temperature
-    if 0 < sampling.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1:
-        ordered, order = torch.sort(logits, dim=-1, descending=True)
-        probabilities = ordered.softmax(dim=-1)
-        # Drop a token once the more likely ones before it already reach top_p (the most likely always stays).
-        before = probabilities.cumsum(dim=-1) - probabilities
-        ordered = ordered.masked_fill(before >= sampling.top_p, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
-
-
-@torch.no_grad()
-def generate(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    sampling: Sampling,
-    stop: set[int] | frozenset[int] = frozenset(),
-    generator: torch.Generator | None = None,
-    together=None,
-) -> list[list[int]]:
-    """The completion of each prompt (token ids, ending with its stop token when it met one).
-
-    ``together``: a process group whose ranks generate in step (FSDP gathers the weights in every forward pass,
-    so no rank may stop before the others): the batch ends when every rank's rows have ended.
-    """
-    if not prompts or any(not prompt for prompt in prompts):
-        raise ValueError("every prompt needs at least one token")
-    inner = getattr(model, "module", model)  # under DDP, the model it wraps
-    config: ModelConfig = inner.config
-    longest = max(len(prompt) for prompt in prompts)
-    capacity = longest + sampling.max_new_tokens - 1  # the last new token is never fed back
-    limit = min(config.max_seq_len, config.sliding_window or config.max_seq_len)
-    if capacity > limit:
-        raise ValueError(
-            f"the longest prompt ({longest} tokens) and max_new_tokens ({sampling.max_new_tokens}) need {capacity} "
-            f"positions; the model takes at most {limit}"
-        )
-    device = inner.norm.weight.device
-    tokens = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
-    real = torch.zeros(len(prompts), longest, dtype=torch.bool, device=device)
-    for row, prompt in enumerate(prompts):
-        tokens[row, longest - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        real[row, longest - len(prompt) :] = True
-    cache = KVCache(config, len(prompts), capacity, device, inner.norm.weight.dtype)
-    stops = torch.tensor(sorted(stop), dtype=torch.long, device=device)
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    completions = []
-    logits = model(tokens, cache=cache, real=real)
-    for made in range(1, sampling.max_new_tokens + 1):
-        chosen = pick(logits, sampling, generator).masked_fill(done, 0)
-        completions.append(chosen)
-        done = done | torch.isin(chosen, stops)
-        if made == sampling.max_new_tokens or _all_done(done, together):
-            break
-        logits = model(chosen.unsqueeze(1), cache=cache, real=torch.ones_like(real[:, :1]))
-    columns = torch.stack(completions, dim=1).tolist()
-    return [_until_stop(row, stop) for row in columns]
-
-
-def _all_done(done: torch.Tensor, together) -> bool:
-    finished = done.all()
-    if together is not None:
-        finished = finished.to("cpu", torch.int32)  # the group is gloo's (astrai.trainer.distributed.DistEnv)
-        torch.distributed.all_reduce(finished, op=torch.distributed.ReduceOp.MIN, group=together)
-    return bool(finished)
-
-
-def _until_stop(row: list[int], stop) -> list[int]:
-    for index, token in enumerate(row):
-        if token in stop:
-            return row[: index + 1]
-    return row
-
+from astrai.common.settings import Sampling, SettingError
+from astrai.trainer.decoding import DecodeEngine, Draws
+from astrai.trainer.model import load_pretrained
 
 # --- python -m astrai.model generate -------------------------------------------------------------------
 
@@ -127,6 +37,12 @@ def add_command(commands) -> None:
         "without --tokenizer)",
     )
     command.add_argument("--eos", help="the tokenizer's end-of-text token, when it has none or several")
+    command.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto (the default): a GPU when there is one (in bfloat16), else the CPU (in float32)",
+    )
 
 
 def run_command(args) -> int:
@@ -137,10 +53,14 @@ def run_command(args) -> int:
 
     try:
         sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
-        if not 0 <= args.seed < 2**63:
-            raise ValueError(f"seed must be from 0 to 2**63 - 1, got {args.seed}")
-    except ValueError as error:
-        print(f"error: --{error}", file=sys.stderr)
+    except SettingError as error:
+        print(f"error: {error.under('--')}", file=sys.stderr)
+        return 2
+    if not 0 <= args.seed < 2**63:
+        print(f"error: --seed must be from 0 to 2**63 - 1, got {args.seed}", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: no GPU is visible to torch here; use --device cpu", file=sys.stderr)
         return 2
     folder = Path(args.dir)
     try:
@@ -153,7 +73,7 @@ def run_command(args) -> int:
                 "not this model's tokenizer"
             )
         stop = stop_tokens(model.config, folder, tokenizer)
-        completion = generate(model, [ids], sampling, stop, torch.Generator().manual_seed(args.seed))[0]
+        completion = _complete(model, ids, sampling, stop, args)
     except _EmptyPrompt:
         print("error: --prompt gives no token to start from", file=sys.stderr)
         return 2
@@ -162,6 +82,16 @@ def run_command(args) -> int:
         return 1
     print(tokenizer.decode(completion))
     return 0
+
+
+def _complete(model, ids: list[int], sampling: Sampling, stop: set[int], args) -> list[int]:
+    """The completion, on the device asked for: a GPU in bfloat16 with captured decode steps, or the CPU."""
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        model = model.to(device, torch.bfloat16)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    return DecodeEngine(model).generate([ids], sampling, stop, [Draws(1, generator)])[0]
 
 
 class _EmptyPrompt(Exception):

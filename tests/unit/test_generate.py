@@ -8,7 +8,7 @@ from hf_folders import make_hf_model
 
 from astrai.common.settings import Sampling
 from astrai.model import main as model_main
-from astrai.trainer.generate import generate, pick
+from astrai.trainer.decoding import generate, pick
 from astrai.trainer.model import KVCache, load_pretrained
 from tests.support import transformers_generate
 

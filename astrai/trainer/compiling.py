@@ -1,0 +1,28 @@
+"""``model.compile``: what is compiled with torch.compile, and how its failures are told apart from the others.
+
+The training compiles each transformer block (:func:`compile_blocks`); generation compiles its decode step
+(:mod:`astrai.trainer.decoding`). A failure of the compiler is the user's to act on (``model.compile: false``), so
+the trainer names the setting (:func:`failed_in_compiler` tells it from any other error) instead of falling back
+to eager code silently.
+"""
+
+from __future__ import annotations
+
+import torch
+
+COMPILER_MODULES = ("torch._dynamo", "torch._inductor")
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """Compile each transformer block of ``model`` (lazily: the first forward pass compiles them)."""
+    for layer in model.layers:
+        layer.compile()
+
+
+def failed_in_compiler(error: BaseException | None) -> bool:
+    """Whether an exception (or one it was raised from) is torch.compile's own: Dynamo's or Inductor's."""
+    while error is not None:
+        if type(error).__module__.startswith(COMPILER_MODULES):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
