@@ -46,12 +46,20 @@ HOST_SECTION = "runtime"
 """The section the host reads (astrai/host/runtime.py); the trainer ignores it."""
 
 
+COMPILE_CHOICES = ("auto", True, False)
+
+
 @dataclass(frozen=True)
 class ModelSection:
     activation_checkpointing: bool = False
     """Recompute each block's activations during backward: less memory for ~30% more compute."""
-    compile: bool = False
-    """Compile each transformer block with torch.compile (needs a C++ compiler on CPU)."""
+    compile: bool | str = "auto"
+    """Compile each transformer block (and generation's decode step) with torch.compile: true, false, or auto (the
+    default): on CUDA, not on a CPU (where it needs a C++ compiler and gains little). A compile that fails stops the
+    run with an error naming this key."""
+
+    def __post_init__(self) -> None:
+        _check(self.compile in COMPILE_CHOICES, "model.compile", self.compile, "auto, true or false")
 
 
 @dataclass(frozen=True)
@@ -269,6 +277,10 @@ class TrainingSection:
     """All randomness derives from it: data order per epoch, and each rank's RNG (seed + rank)."""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""
+    deterministic: bool = False
+    """Deterministic kernels only (torch's deterministic algorithms, cuBLAS's fixed workspace, a deterministic
+    attention backward): on one GPU, two runs, a run with periodic saves and a stopped and resumed run end on bitwise
+    equal weights, as on a CPU always; it costs some tokens/s on a GPU (docs/checkpoints.md says how many)."""
 
     def __post_init__(self) -> None:
         for key in ("max_steps", "batch_per_device", "grad_accum_steps"):
@@ -634,6 +646,8 @@ def _coerce(dotted: str, value, kind, from_text: bool):
         return _targets(dotted, value, from_text)
     if dotted.split(" ")[0] == "training.rewards":
         return _rewards(dotted, value, from_text)
+    if dotted.split(" ")[0] == "model.compile":
+        return _auto_or_bool(dotted, value, from_text)
     if dotted.split(" ")[0] == "log.report_to":
         return _report_to(dotted, value, from_text)
     if dotted.split(" ")[0] in ("log.mlflow", "log.wandb"):
@@ -676,6 +690,19 @@ def _coerce(dotted: str, value, kind, from_text: bool):
     if not from_text and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     raise ConfigError(f"{dotted}: expected a string, got {_got(value)}")
+
+
+def _auto_or_bool(dotted: str, value, from_text: bool) -> bool | str:
+    """auto, or true / false (YAML's booleans, or their words on the command line)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and (from_text or value.lower() == "auto"):
+        word = value.strip().lower()
+        if word == "auto":
+            return "auto"
+        if word in ("true", "false", "yes", "no", "1", "0"):
+            return word in ("true", "yes", "1")
+    raise ConfigError(f"{dotted}: expected auto, true or false, got {_got(value)}")
 
 
 def _targets(dotted: str, value, from_text: bool) -> tuple[str, ...]:

@@ -8,6 +8,8 @@ Standard library only: the host side must import without torch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 # --- Mount points inside the container (docs/architecture.md) --------------------------------
 CONTAINER_DATA = "/data"
 """Token data, mounted read-only from ``runtime.paths.data``."""
@@ -60,6 +62,20 @@ ENV_GPU_DEVICES = "ASTRAI_GPU_DEVICES"
 ENV_PARALLEL_MODE = "ASTRAI_PARALLEL_MODE"
 ENV_PROCESSES = "ASTRAI_PROCESSES"
 ENV_STOP_TIMEOUT_SECONDS = "ASTRAI_STOP_TIMEOUT_SECONDS"
+ENV_CUBLAS_WORKSPACE_CONFIG = "CUBLAS_WORKSPACE_CONFIG"
+"""cuBLAS's workspace setting, read when CUDA starts: with DETERMINISTIC_CUBLAS_WORKSPACE its results are reproducible
+(training.deterministic); the entrypoint and the trainer set it before CUDA starts."""
+DETERMINISTIC_CUBLAS_WORKSPACE = ":4096:8"
+
+
+def deterministic_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a process's environment needs before CUDA starts for training.deterministic: cuBLAS's workspace, unless
+    one of the two settings with which cuBLAS is deterministic is already there."""
+    if environ.get(ENV_CUBLAS_WORKSPACE_CONFIG) in (DETERMINISTIC_CUBLAS_WORKSPACE, ":16:8"):
+        return {}
+    return {ENV_CUBLAS_WORKSPACE_CONFIG: DETERMINISTIC_CUBLAS_WORKSPACE}
+
+
 ENV_NODES = "ASTRAI_NODES"
 """Hosts in the job (runtime.nodes.count); more than 1 makes the entrypoint join a rendezvous."""
 ENV_NODE_RANK = "ASTRAI_NODE_RANK"

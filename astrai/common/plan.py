@@ -47,7 +47,10 @@ class RunPlan:
     autocast: str | None
     """The dtype the forward pass computes in under autocast (bfloat16 on CUDA); None: the weights' own."""
     compile: bool
-    """Each transformer block compiled with torch.compile."""
+    """Each transformer block, and generation's decode step, compiled with torch.compile (model.compile resolved:
+    auto is on CUDA only)."""
+    deterministic: bool
+    """Deterministic kernels only (training.deterministic)."""
 
     @property
     def grad_accum(self) -> int:
@@ -73,7 +76,8 @@ class RunPlan:
             f"global batch: batch_per_device({batch.batch_per_device}) * grad_accum_steps({batch.grad_accum}){derived}"
             f" * world_size({batch.world_size}) = {batch.global_batch} {self._unit()} per step",
             f"compute: {'autocast ' + self.autocast if self.autocast else 'float32'}"
-            f"{', each block compiled' if self.compile else ', eager'}",
+            f"{', each block compiled' if self.compile else ', eager'}"
+            f"{', deterministic kernels only' if self.deterministic else ''}",
         ]
         if self.lora is not None:
             lines.append(f"lora: {self.lora.describe()}; the frozen base held in {self.base_dtype}, adapters float32")
@@ -129,7 +133,8 @@ def resolve_plan(config: TrainerConfig, device_type: str, world_size: int, paral
         sampling=training.sampling() if online else None,
         grpo=training.grpo() if training.train_type in ("online_grpo", "grpo") else None,
         autocast="bfloat16" if device_type == "cuda" else None,
-        compile=config.model.compile,
+        compile=config.model.compile is True or (config.model.compile == "auto" and device_type == "cuda"),
+        deterministic=training.deterministic,
     )
 
 

@@ -49,7 +49,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from astrai.common.checkpoints import emergency_since, latest_complete_checkpoint
@@ -76,6 +76,7 @@ from astrai.common.contract import (
     TRAINER_MODULE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
+    deterministic_environment,
     resolve_parallel_mode,
     trainer_arguments,
 )
@@ -102,6 +103,9 @@ class LaunchPlan:
     command: list[str]
     nodes: int = 1
     node: int = 0
+    environment: dict[str, str] = field(default_factory=dict)
+    """What the trainer's environment needs beside the container's (training.deterministic: cuBLAS's workspace,
+    which must be set before CUDA starts)."""
 
 
 def rendezvous_id(job_name: str) -> str:
@@ -189,7 +193,20 @@ def plan_launch(
             stop_timeout,
             *trainer,
         ]
-    return LaunchPlan(processes, mode, str(job_dir), command, nodes, node)
+    return LaunchPlan(processes, mode, str(job_dir), command, nodes, node, _trainer_environment(arguments))
+
+
+def _trainer_environment(arguments: list[str]) -> dict[str, str]:
+    """The environment the trainer's config asks for before CUDA starts; nothing when the config cannot be read (the
+    trainer says why, in its own words)."""
+    from astrai.common.config import parse_args
+    from astrai.common.configfile import ConfigError
+
+    try:
+        config, _ = parse_args(arguments)
+    except ConfigError:
+        return {}
+    return deterministic_environment(os.environ) if config.training.deterministic else {}
 
 
 def scheduler_fallbacks(env: Mapping[str, str]) -> dict[str, str]:
@@ -460,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         f"parallel_mode {plan.parallel_mode}",
         flush=True,
     )
+    os.environ.update(plan.environment)
     supervisor = _supervisor(os.environ)
     direct = plan.processes == 1 and plan.nodes == 1
     if direct and supervisor is None:

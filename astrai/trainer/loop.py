@@ -49,6 +49,8 @@ from astrai.trainer.checkpoint.files import SCHEDULE, LoadedCheckpoint, NonFinit
 from astrai.trainer.checkpoint.formats import FORMATS
 from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
 from astrai.trainer.checkpoint.state import run_state
+from astrai.trainer.compiling import failed_in_compiler
+from astrai.trainer.determinism import make_deterministic
 from astrai.trainer.distributed import (
     DistEnv,
     GracefulStop,
@@ -97,6 +99,8 @@ def open_trainer(
     """
     # Resolved before anything is loaded: a world size that does not fit the global batch fails at once.
     plan = resolve_plan(config, env.device.type, env.world_size, env.parallel_mode)
+    if plan.deterministic:
+        make_deterministic()  # a no-op when main() did it; in-process use (tests, benchmarks) needs it here
     # Rank 0 reads the whole checkpoint and every rank receives it, or (sharded under FSDP) each rank reads its own
     # rows of the weights and moments once the model is built and sharded.
     format = FORMATS[plan.ckpt_format]
@@ -364,7 +368,7 @@ class Trainer:
         self._loss_sum.zero_()
         stopping = False
         while self.progress.step < end and not stopping:
-            lr, grad_norm = self.train_step()
+            lr, grad_norm = self._compiled(self.train_step)
             if not self._warmed_up:
                 # The first step allocates, picks kernels and compiles (model.compile): a pause, not the pace.
                 self._synchronize()
@@ -392,6 +396,18 @@ class Trainer:
         steps_done = self.progress.step - first_step
         tokens = self.progress.tokens_seen - first_tokens
         return TrainStats(steps_done, tokens, time.perf_counter() - started, stopped=stopping)
+
+    def _compiled(self, step):
+        """Run ``step``; a failure of torch.compile in it (model.compile) is a CompileError naming the setting."""
+        try:
+            return step()
+        except Exception as error:
+            if not self.plan.compile or not failed_in_compiler(error):
+                raise
+            raise CompileError(
+                f"model.compile: compiling the model failed ({type(error).__name__}: {str(error).strip()[:400]}); "
+                "set model.compile: false (or -- --compile false) to train without compiling"
+            ) from error
 
     def _advance(self, tokens_per_step: int) -> None:
         """Count the step just taken; move to the next epoch when the rest of this one cannot fill a step."""
@@ -492,6 +508,10 @@ class Trainer:
             self.reporter.close(state, self._last_checkpoint)
 
 
+class CompileError(AstraiError):
+    """torch.compile failed on the model (model.compile)."""
+
+
 def release_freed_memory() -> None:
     """Hand the memory of the base weights just read (now in the model) back to the system.
 
@@ -547,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         stop = GracefulStop()
         # Installed before anything slow, so a stop during setup is honoured at the first step boundary.
         stop.install()
+        if config.training.deterministic:
+            make_deterministic()  # before CUDA starts (init_distributed may start it)
         env = init_distributed(config.parallel.parallel_mode, config.training.device)
     except ConfigError as error:
         for message in error.messages:  # every problem at once, a line each

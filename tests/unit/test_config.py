@@ -46,7 +46,7 @@ def test_contract_keys_exist_in_their_sections():
     assert defaults.ckpt.ckpt_dir == "/checkpoints/astrai-train"
     assert defaults.ckpt.param_path == "/models/base"
     assert defaults.ckpt.keep_last is None
-    assert defaults.model.activation_checkpointing is False and defaults.model.compile is False
+    assert defaults.model.activation_checkpointing is False and defaults.model.compile == "auto"
 
 
 def test_command_line_beats_yaml_and_runtime_is_ignored(tmp_path):
@@ -81,7 +81,7 @@ ckpt:
         ("training:\n  max_steps: -3\n", "training.max_steps: expected an integer >= 1, got -3"),
         ("training:\n  max_steps: ten\n", "training.max_steps: expected an integer, got 'ten'"),
         ("parallel:\n  parallel_mode: dp\n", "parallel.parallel_mode: expected none | ddp | fsdp, got 'dp'"),
-        ("model:\n  compile: maybe\n", "model.compile: expected true or false, got 'maybe'"),
+        ("model:\n  compile: maybe\n", "model.compile: expected auto, true or false, got 'maybe'"),
         ("training: [1, 2]\n", "training: expected a mapping of keys"),
         ("training:\n  max_steps: 5\n\twindow_size: 1\n", "train.yaml:3:1: YAML syntax error"),
     ],
