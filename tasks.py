@@ -362,12 +362,25 @@ def demo(c, workdir="demo", fresh=False, job_name="astrai-demo"):
     help={
         "quick": "fewer repetitions and no `base` checkpoint run (about 6 minutes instead of about 20)",
         "only": "measure only this section (repeatable, e.g. --only 'host commands at scale'); the rest stay",
+        "gpu": "the GPU section instead (one H100/H200-class GPU, at most about 8 minutes): results.json's gpu block",
     },
     iterable=["only"],
 )
-def bench(c, quick=False, only=None):
+def bench(c, quick=False, only=None, gpu=False):
     """Measure speed and robustness side by side; merges into bench/results.json, writes docs/benchmarks.md."""
     from astrai.host.baseimage import DEFAULT_TAG
+
+    if gpu:
+        from bench import gpu as gpu_bench
+
+        with _user_errors():
+            code = gpu_bench.main([])
+        if code:
+            raise Exit(code=code)
+        from bench.run import load_results, write_docs
+
+        write_docs(load_results())
+        return
     from bench.run import run
 
     with _user_errors():

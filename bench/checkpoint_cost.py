@@ -93,7 +93,7 @@ STREAM_CHUNK = 64 << 20
 """Bytes of one write of the disk-limit stream: large enough that the system call costs nothing."""
 
 
-def _stream_to_disk(target: Path, size: int, direct: bool) -> bool:
+def stream_to_disk(target: Path, size: int, direct: bool) -> bool:
     """Write ``size`` bytes from memory into ``target`` in one sequential stream and fsync it; False when the
     file system refuses O_DIRECT (tmpfs, some overlays). The buffer is page-aligned, as O_DIRECT needs."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
@@ -168,12 +168,12 @@ def _save_times(trainer: Trainer, folder: Path, repeats: int) -> dict[str, list[
     trainer.save_checkpoint("final")
     size = sum(path.stat().st_size for path in list_complete_checkpoints(trainer.job_dir)[-1].path.iterdir())
     _clear(trainer.job_dir)
-    direct = _stream_to_disk(folder / "stream", 1 << 20, direct=True)
+    direct = stream_to_disk(folder / "stream", 1 << 20, direct=True)
 
     ways = {
         "save": lambda: trainer.save_checkpoint("final"),
-        "disk": lambda: _stream_to_disk(folder / "stream", size, direct=False),
-        **({"disk_direct": lambda: _stream_to_disk(folder / "stream", size, direct=True)} if direct else {}),
+        "disk": lambda: stream_to_disk(folder / "stream", size, direct=False),
+        **({"disk_direct": lambda: stream_to_disk(folder / "stream", size, direct=True)} if direct else {}),
         "raw": lambda: _raw_save(trainer, folder / "raw", durable=False),
         "durable": lambda: _raw_save(trainer, folder / "raw", durable=True),
         "dcp": lambda: _dcp_save(trainer, folder / "dcp"),

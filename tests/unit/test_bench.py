@@ -13,6 +13,7 @@ import pytest
 
 from bench import checkpoint_cost, run, trainer_speed
 from bench.common import Figures
+from tests.support import REPO
 
 
 @pytest.mark.slow
@@ -95,3 +96,43 @@ def test_a_partial_run_replaces_only_what_it_measured():
 def test_the_docs_table_is_the_one_results_json_makes():
     results = json.loads(run.RESULTS.read_text(encoding="utf-8"))
     assert run.summary(results) in run.DOCS.read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
+def test_the_gpu_section_runs_on_a_cpu_at_tiny_sizes(tmp_path):
+    """`invoke bench --gpu`'s code, every part of it, on a CPU (so it cannot rot between GPU runs): it writes a gpu
+    block with each figure and its samples into the results file it is given, and nothing else there changes."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "results.json"
+    out.write_text(json.dumps({"trainer_vs_bare": 1.0}))
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    block = results["gpu"]
+    assert results["trainer_vs_bare"] == 1.0 and block["errors"] == {}, block["errors"]
+    for key in (
+        "trainer_vs_bare",
+        "trainer_vs_transformers",
+        "compile_speedup",
+        "lora_tokens_per_s_vs_full",
+        "lora_peak_mem_vs_full",
+        "generate_vs_transformers",
+        "rollout_share",
+        "ckpt_save_vs_disk",
+        "ckpt_stall_vs_sync",
+        "deterministic_bitwise",
+        "default_save_max_abs_diff",
+    ):
+        assert key in block and key in block["samples"], key
+    # On a CPU every run is bitwise equal to every other, in either mode.
+    assert block["deterministic_bitwise"] is True and block["default_save_max_abs_diff"] == 0.0
+    assert block["generate_same_rows"] == 1.0
