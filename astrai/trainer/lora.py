@@ -16,7 +16,10 @@ The adapted layer is still an ``nn.Linear`` holding its own ``weight`` (and ``bi
 weights keep their names (``layers.0.attention.wq.weight``) and load, shard and export as before;
 the adapters are ``<layer>.lora_A.weight`` and ``<layer>.lora_B.weight``. Which layers are adapted
 is said with PEFT's (Hugging Face's) module names: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``,
-``gate_proj``, ``up_proj``, ``down_proj``.
+``gate_proj``, ``up_proj``, ``down_proj``. A model that computes several of them in one matrix (Phi-3's
+``qkv_proj`` and ``gate_up_proj``) gets one adapter on that matrix, as PEFT gives it, when all its parts are
+named (:func:`astrai.common.model_folder.adapted_modules`); its adapter files and PEFT folders name it as the model
+does, so PEFT and ``invoke export`` read them as they read any other.
 """
 
 from __future__ import annotations
@@ -34,11 +37,21 @@ from torch import nn
 from astrai.common.atomic import write_text_atomically
 from astrai.common.contract import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from astrai.common.errors import AstraiError
-from astrai.common.model_folder import ADAPTER_TARGETS, LAYER_PARTS, PEFT_PREFIX, hf_name, peft_adapter_config
+from astrai.common.model_folder import (
+    ADAPTER_TARGETS,
+    FUSED_TARGETS,
+    PEFT_MODULES,
+    PEFT_PREFIX,
+    PROJECTIONS,
+    adapted_modules,
+    canonical_targets,
+    peft_adapter_config,
+    peft_modules_of,
+)
 from astrai.trainer.model import frozen_linear, save_tensors
 
-TARGETS = {hf.rpartition(".")[2]: ours for ours, hf in LAYER_PARTS.items() if hf.endswith("_proj")}
-"""PEFT's name of each linear layer of a block, and ours."""
+TARGETS = {name: PEFT_MODULES[name] for name in ADAPTER_TARGETS}
+"""PEFT's name of each linear layer of a Llama block, and ours (a fused layer is named by these parts)."""
 DEFAULT_TARGETS = ADAPTER_TARGETS
 
 
@@ -138,23 +151,24 @@ def add_adapters(model: nn.Module, settings: LoRASettings, generator: torch.Gene
 
     ``generator`` makes the adapters' start a function of the seed (one A per layer, in layer order).
     """
-    unknown = sorted(set(settings.targets) - set(TARGETS))
+    unknown = sorted(set(settings.targets) - set(TARGETS) - set(FUSED_TARGETS))
     if unknown:
         raise ValueError(f"lora_targets: unknown {', '.join(unknown)}; choose from {', '.join(TARGETS)}")
     if settings.rank < 1:
         raise ValueError(f"lora_rank must be at least 1 to add adapters, got {settings.rank}")
+    modules = adapted_modules(model.config, settings.targets)
     for param in model.parameters():
         param.requires_grad_(False)
     adapted = []
     for index, block in enumerate(model.layers):
-        for target in settings.targets:
-            owner_name, _, leaf = TARGETS[target].partition(".")
+        for module in modules:
+            owner_name, _, leaf = module.partition(".")
             owner = getattr(block, owner_name)
             base = getattr(owner, leaf)
             if isinstance(base, LoRALinear):
-                raise ValueError(f"layers.{index}.{TARGETS[target]} already has adapters")
+                raise ValueError(f"layers.{index}.{module} already has adapters")
             setattr(owner, leaf, LoRALinear(base, settings, generator))
-            adapted.append(f"layers.{index}.{TARGETS[target]}")
+            adapted.append(f"layers.{index}.{module}")
     return adapted
 
 
@@ -239,8 +253,8 @@ def peft_name(name: str) -> str:
     ``layers.0.attention.wq.lora_A.weight`` -> ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``
     """
     layer, _, part = name.rpartition(".lora_")
-    base = hf_name(f"{layer}.weight").removesuffix(".weight")
-    return f"{PEFT_PREFIX}{base}.lora_{part}"
+    _, index, module = layer.split(".", 2)
+    return f"{PEFT_PREFIX}model.layers.{index}.{PROJECTIONS[module]}.lora_{part}"
 
 
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -289,12 +303,8 @@ def write_peft_adapter(folder: Path, model: nn.Module, settings: LoRASettings, b
         peft_name(name): value.detach().float().contiguous() for name, value in adapter_state_dict(model).items()
     }
     save_tensors(tensors, folder / ADAPTER_WEIGHTS_FILE, metadata={"format": "pt"})
-    write_text_atomically(folder / ADAPTER_CONFIG_FILE, peft_config_json(settings, base_model))
-
-
-def peft_config_json(settings: LoRASettings, base_model: str = "") -> str:
-    """adapter_config.json of a plain LoRA adapter with these settings, as PEFT writes and reads it."""
-    return peft_adapter_config(settings.rank, settings.alpha, settings.dropout, settings.targets, base_model)
+    config = peft_adapter_config(settings.rank, settings.alpha, settings.dropout, peft_modules_of(tensors), base_model)
+    write_text_atomically(folder / ADAPTER_CONFIG_FILE, config)
 
 
 def read_peft_adapter(folder: Path) -> tuple[LoRASettings, dict[str, torch.Tensor]]:
@@ -320,21 +330,23 @@ def read_peft_adapter(folder: Path) -> tuple[LoRASettings, dict[str, torch.Tenso
         )
     targets = raw.get("target_modules")
     targets = [targets] if isinstance(targets, str) else targets
-    unknown = sorted(set(targets or ()) - set(TARGETS))
+    unknown = sorted(set(targets or ()) - set(PEFT_MODULES))
     if not targets or unknown:
         raise AdapterError(
-            f"{folder / ADAPTER_CONFIG_FILE}: target_modules {unknown or targets} are not among {', '.join(TARGETS)}"
+            f"{folder / ADAPTER_CONFIG_FILE}: target_modules {unknown or targets} are not among "
+            f"{', '.join(PEFT_MODULES)}"
         )
     try:
+        # A fused layer (qkv_proj) is named by its parts, as training.lora_targets names it.
         settings = LoRASettings(
-            int(raw["r"]), float(raw["lora_alpha"]), float(raw.get("lora_dropout", 0.0)), tuple(targets)
+            int(raw["r"]), float(raw["lora_alpha"]), float(raw.get("lora_dropout", 0.0)), canonical_targets(targets)
         )
     except (KeyError, TypeError, ValueError) as error:
         raise AdapterError(f"{folder / ADAPTER_CONFIG_FILE}: r and lora_alpha must be numbers ({error})") from None
     return settings, from_peft_names(tensors, str(folder / ADAPTER_WEIGHTS_FILE))
 
 
-_OURS_BY_HF = {hf: ours for ours, hf in LAYER_PARTS.items() if hf.endswith("_proj")}
+_OURS_BY_HF = {hf: ours for ours, hf in PROJECTIONS.items()}
 
 
 def _our_name(peft: str) -> str | None:

@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from astrai.common.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE
+from astrai.common.model_config import FAMILY_FIELDS, RopeScaling
 from astrai.common.model_folder import (
     ModelConfig,
     ModelLoadError,
@@ -62,16 +63,33 @@ PRESETS = {
 }
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """RoPE frequencies of one head, with the config's scaling (as transformers computes them)."""
-    dim = config.head_size
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
+def inverse_frequencies(
+    config: ModelConfig, longest: int | None = None, local: bool = False
+) -> tuple[torch.Tensor, float]:
+    """RoPE frequencies of the turned part of one head, and the factor cos and sin are multiplied by, as transformers
+    computes them. ``longest``: the sequence's last position + 1 (dynamic NTK and longrope change with it);
+    ``local``: Gemma 3's local layers, whose RoPE has a base of its own and is never scaled."""
+    dim = config.rotary_dim
+    own_base = local and config.local_rope_theta is not None
+    base = config.local_rope_theta if own_base else config.rope_theta
+    scaling = None if own_base else config.rope_scaling
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     if scaling is None:
-        return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    # llama3: long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated.
+        return 1.0 / (base**exponents), 1.0
+    kind = scaling.rope_type
+    if kind == "linear":
+        return 1.0 / (base**exponents) / scaling.factor, 1.0
+    if kind == "llama3":
+        return _llama3_frequencies(1.0 / (base**exponents), scaling), 1.0
+    if kind == "dynamic":
+        return _dynamic_frequencies(config, base, exponents, longest), 1.0
+    if kind == "yarn":
+        return _yarn_frequencies(scaling, base, dim)
+    return _longrope_frequencies(config, scaling, base, exponents, longest)
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    # Long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated.
     old_context = scaling.original_max_position_embeddings
     low_freq_wavelen = old_context / scaling.low_freq_factor
     high_freq_wavelen = old_context / scaling.high_freq_factor
@@ -83,18 +101,99 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _dynamic_frequencies(
+    config: ModelConfig, base: float, exponents: torch.Tensor, longest: int | None
+) -> torch.Tensor:
+    """Dynamic NTK: within max_position_embeddings the plain frequencies; beyond, a base raised with the length
+    (in float32, as transformers computes it for a longer sequence)."""
+    factor, context, dim = config.rope_scaling.factor, config.max_seq_len, config.rotary_dim
+    if longest is None or longest <= context:
+        return 1.0 / ((base * ((factor * context / context) - (factor - 1)) ** (dim / (dim - 2))) ** exponents)
+    length = torch.tensor(longest)
+    grown = base * ((factor * length / context) - (factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (grown**exponents)
+
+
+def _yarn_frequencies(scaling: RopeScaling, base: float, dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN: frequencies that turn many times within the original context are kept, slow ones interpolated by
+    ``factor``, a linear ramp between; cos and sin are scaled by the attention factor."""
+    factor = scaling.factor
+    attention = scaling.attention_factor
+    if attention is None:
+        if scaling.mscale and scaling.mscale_all_dim:
+            attention = float(_yarn_mscale(factor, scaling.mscale) / _yarn_mscale(factor, scaling.mscale_all_dim))
+        else:
+            attention = _yarn_mscale(factor)
+    context = scaling.original_max_position_embeddings
+
+    def dimension_of(rotations: float) -> float:
+        return (dim * math.log(context / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dimension_of(scaling.beta_fast or 32), dimension_of(scaling.beta_slow or 1)
+    if scaling.truncate is not False:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does, against a division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp
+    turns = base ** (torch.arange(0, dim, 2).float() / dim)
+    inv_freq = (1.0 / (factor * turns)) * (1 - kept) + (1.0 / turns) * kept
+    return inv_freq, attention
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _longrope_frequencies(
+    config: ModelConfig, scaling: RopeScaling, base: float, exponents: torch.Tensor, longest: int | None
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): each frequency divided by its short factor while the sequence fits the original context,
+    by its long factor beyond; cos and sin scaled by the attention factor."""
+    context = scaling.original_max_position_embeddings
+    factor = scaling.factor if scaling.factor is not None else config.max_seq_len / context
+    attention = scaling.attention_factor
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(context))
+    long = longest is not None and longest > context
+    divisors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
+    return 1.0 / (divisors * base**exponents), attention
+
+
+def rope_variant(config: ModelConfig, longest: int | None, local: bool = False):
+    """What, besides the layer kind, tells one set of rotary tables from another: None for tables that do not
+    change with the length; longrope's ``short`` or ``long``; dynamic NTK's length beyond max_position_embeddings."""
+    scaling = config.rope_scaling
+    if scaling is None or not scaling.depends_on_length or (local and config.local_rope_theta is not None):
+        return None
+    if scaling.rope_type == "longrope":
+        return "long" if longest is not None and longest > scaling.original_max_position_embeddings else "short"
+    return longest if longest is not None and longest > config.max_seq_len else None
+
+
 def rotary_tables(
-    config: ModelConfig, seq_len: int, device: torch.device | None = None
+    config: ModelConfig,
+    seq_len: int,
+    device: torch.device | None = None,
+    longest: int | None = None,
+    local: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (seq_len, head_size // 2)."""
-    inv_freq = inverse_frequencies(config).to(device)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
-    return angles.cos(), angles.sin()
+    """cos and sin tables of shape (seq_len, rotary_dim // 2); ``longest`` and ``local`` as inverse_frequencies."""
+    inv_freq, attention = inverse_frequencies(config, longest, local)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq.to(device))
+    if attention == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * attention, angles.sin() * attention
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # Rotate the two halves of each head as pairs (the GPT-NeoX layout); x is (B, H, T, D), cos and sin
-    # (T, D/2) or, with positions of their own per sequence, (B, 1, T, D/2).
+    # (T, R/2) or, with positions of their own per sequence, (B, 1, T, R/2). R < D: only the first R dimensions
+    # turn (Phi-3's partial rotary), the rest pass.
+    turned = 2 * cos.shape[-1]
+    if turned != x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :turned], cos, sin), x[..., turned:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
@@ -127,20 +226,69 @@ def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _UpcastLinear.apply(x, weight, bias)
 
 
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)`` in float32, its weight stored around 0."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.float()
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+def rms_norm(config: ModelConfig, width: int) -> nn.Module:
+    """An RMSNorm of the config's kind: Gemma's (1 + weight), or torch's."""
+    return OffsetRMSNorm(width, config.norm_eps) if config.norm_plus_one else nn.RMSNorm(width, eps=config.norm_eps)
+
+
+def capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, cap: float
+) -> torch.Tensor:
+    """Attention with soft-capped scores (Gemma 2): ``cap * tanh(q.k * scale / cap)``, then the additive ``mask``
+    and the softmax in float32 — transformers' order of operations. SDPA's fused kernels cannot cap, so it is
+    computed explicitly, and only for a model that caps."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # each key/value head serves `groups` query heads
+        batch, heads, length, width = k.shape
+        k = k[:, :, None].expand(batch, heads, groups, length, width).reshape(batch, heads * groups, length, width)
+        v = v[:, :, None].expand(batch, heads, groups, length, width).reshape(batch, heads * groups, length, width)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores + (mask if mask.dtype == scores.dtype else mask.to(scores.dtype))
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_size
-        bias = config.attention_bias
-        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=bias)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=bias)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=bias)
-        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
-        # Qwen3: every query and key head is normalised before the rotary embedding.
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        queries, keys = config.n_heads * self.head_dim, config.n_kv_heads * self.head_dim
+        self.widths = (queries, keys, keys)
+        self.fused = config.fused_projections
+        if self.fused:  # Phi-3: q, k and v from one matrix
+            self.wqkv = nn.Linear(config.dim, queries + 2 * keys, bias=False)
+        else:
+            bias = config.attention_bias
+            self.wq = nn.Linear(config.dim, queries, bias=bias)
+            self.wk = nn.Linear(config.dim, keys, bias=bias)
+            self.wv = nn.Linear(config.dim, keys, bias=bias)
+        self.wo = nn.Linear(queries, config.dim, bias=False)
+        # Qwen3, Gemma 3: every query and key head is normalised before the rotary embedding; OLMo 2: the whole
+        # query and key projections.
+        self.qk_norm = config.qk_norm
+        per_head = config.qk_norm == "head"
+        self.q_norm = rms_norm(config, self.head_dim if per_head else queries) if config.qk_norm else None
+        self.k_norm = rms_norm(config, self.head_dim if per_head else keys) if config.qk_norm else None
+        self.scale = config.attention_scale
+        """None: SDPA's own 1/sqrt(head size)."""
+        self.softcap = config.attn_logit_softcapping
 
     def forward(
         self,
@@ -152,44 +300,74 @@ class Attention(nn.Module):
         layer: int = 0,
     ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
-        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.fused:
+            q, k, v = self.wqkv(x).split(self.widths, dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(batch, seq_len, self.n_heads, self.head_dim)
+        k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin)
         if cache is not None:  # generation: attend to every token so far (the mask says which)
             k, v = cache.store(layer, k, v)
-        gqa = self.n_kv_heads != self.n_heads
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if self.softcap is not None:  # the mask is always given then (Transformer._masks)
+            scale = self.scale if self.scale is not None else self.head_dim**-0.5
+            out = capped_attention(q, k, v, mask, scale, self.softcap)
+        elif mask is None:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads
+            )
         else:
             # Under autocast the mask must be in the queries' dtype.
             mask = mask if mask.dtype == q.dtype else mask.to(q.dtype)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads
+            )
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """A gated MLP: w2(act(w1 x) * w3 x), act SiLU (SwiGLU) or GELU's tanh form (Gemma); Phi-3 computes w1 and w3
+    as one matrix, w13."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
-        self.w3 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
+        self.fused = config.fused_projections
+        if self.fused:
+            self.w13 = nn.Linear(config.dim, 2 * config.ffn_hidden_dim, bias=False)
+        else:
+            self.w1 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
+            self.w3 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
         self.w2 = nn.Linear(config.ffn_hidden_dim, config.dim, bias=False)
+        self.gelu = config.activation == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.fused:
+            gate, up = self.w13(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class Block(nn.Module):
+    """Attention then the MLP, each added to the residual stream; RMSNorms before them (Llama), after them (OLMo 2)
+    or both (Gemma), their outputs scaled by Granite's residual multiplier."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        before, after = config.block_norms in ("pre", "both"), config.block_norms in ("post", "both")
+        self.attention_norm = rms_norm(config, config.dim) if before else None
         self.attention = Attention(config)
-        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention_post_norm = rms_norm(config, config.dim) if after else None
+        self.ffn_norm = rms_norm(config, config.dim) if before else None
         self.feed_forward = FeedForward(config)
+        self.ffn_post_norm = rms_norm(config, config.dim) if after else None
+        self.residual_multiplier = config.residual_multiplier
+        self.plain = config.block_norms == "pre" and config.residual_multiplier == 1.0
 
     def forward(
         self,
@@ -200,8 +378,19 @@ class Block(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, layer)
-        return x + self.feed_forward(self.ffn_norm(x))
+        if self.plain:
+            x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, layer)
+            return x + self.feed_forward(self.ffn_norm(x))
+        attended = self.attention(_norm(self.attention_norm, x), cos, sin, mask, cache, layer)
+        x = x + self._scaled(_norm(self.attention_post_norm, attended))
+        return x + self._scaled(_norm(self.ffn_post_norm, self.feed_forward(_norm(self.ffn_norm, x))))
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
+
+
+def _norm(norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+    return x if norm is None else norm(x)
 
 
 class KVCache:
@@ -215,6 +404,8 @@ class KVCache:
         """Which cached positions hold a token (not left padding)."""
         self.length = 0
         """Positions filled; the tokens of the forward pass under way go after them."""
+        self.local_window = config.local_window if config.local_layers else None
+        """Gemma's local layers see the last local_window tokens only."""
 
     def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Put a layer's new keys and values (B, H, T, D) after the cached ones; all of them so far."""
@@ -223,9 +414,9 @@ class KVCache:
         self.values[layer][:, :, self.length : end] = values
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
-    def begin(self, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def begin(self, real: torch.Tensor) -> tuple[torch.Tensor, dict[bool, torch.Tensor]]:
         """Note which of the next T tokens (B, T) are real; their positions (B, T) and the additive attention
-        mask (B, 1, T, length + T) of the forward pass that adds them."""
+        masks (B, 1, T, length + T) of the forward pass that adds them, by layer kind (local or not)."""
         start, count = self.length, real.shape[1]
         end = start + count
         self.real[:, start:end] = real
@@ -233,13 +424,25 @@ class KVCache:
         query = torch.arange(start, end, device=real.device).unsqueeze(1)
         key = torch.arange(end, device=real.device).unsqueeze(0)
         allowed = (key <= query).unsqueeze(0) & self.real[:, None, :end]
-        # A padding query sees itself: its row stays finite (and nothing real ever attends to it).
-        allowed = allowed | (key == query).unsqueeze(0)
-        mask = torch.zeros(allowed.shape, device=real.device).masked_fill_(~allowed, float("-inf"))
-        return positions, mask.unsqueeze(1)
+        masks = {False: _padded_mask(allowed, key == query)}
+        if self.local_window is not None:
+            # Cache slots and positions differ by a row's left padding only, so their distances are the same.
+            masks[True] = _padded_mask(allowed & (key > query - self.local_window).unsqueeze(0), key == query)
+        return positions, masks
 
     def advance(self, count: int) -> None:
         self.length += count
+
+
+def _padded_mask(allowed: torch.Tensor, itself: torch.Tensor) -> torch.Tensor:
+    # A padding query sees itself: its row stays finite (and nothing real ever attends to it).
+    allowed = allowed | itself.unsqueeze(0)
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+
+
+def _additive(allowed: torch.Tensor) -> torch.Tensor:
+    # Additive (0 / -inf), built once for every layer: attention with a float mask is the faster path.
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 class Transformer(nn.Module):
@@ -252,13 +455,15 @@ class Transformer(nn.Module):
         self.activation_checkpointing = activation_checkpointing
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.norm = rms_norm(config, config.dim)
         # A tied model has no separate output tensor, so the state dict never holds two names for one tensor
         # (which safetensors refuses to save).
         self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         # Rotary tables derive from the config: not in the state dict, and not buffers either (DDP would
         # broadcast them every step), computed for the longest sequence seen so far on the device in use.
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope: dict = {}
+        self._local = frozenset(config.local_layers)
+        """Gemma's local layers: a window of their own in the masks, and Gemma 3's RoPE base."""
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """GPT-2 style init: N(0, 0.02), with residual output projections scaled down by depth."""
@@ -270,13 +475,21 @@ class Transformer(nn.Module):
                 nn.init.normal_(param, std=residual_std, generator=generator)
             elif param.dim() >= 2:
                 nn.init.normal_(param, std=0.02, generator=generator)
+            elif self.config.norm_plus_one:
+                nn.init.zeros_(param)  # a norm that scales by (1 + weight)
             else:
                 nn.init.ones_(param)
 
-    def _rotary(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._rope is None or self._rope[0].shape[0] < seq_len or self._rope[0].device != device:
-            self._rope = rotary_tables(self.config, seq_len, device)
-        cos, sin = self._rope
+    def _rotary(
+        self, seq_len: int, device: torch.device, longest: int | None = None, local: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (local and self.config.local_rope_theta is not None, rope_variant(self.config, longest, local))
+        cached = self._rope.get(key)
+        if cached is None or cached[0].shape[0] < seq_len or cached[0].device != device:
+            if len(self._rope) > 8:  # dynamic NTK's tables of past lengths
+                self._rope.clear()
+            cached = self._rope[key] = rotary_tables(self.config, seq_len, device, longest, local)
+        cos, sin = cached
         return cos[:seq_len], sin[:seq_len]
 
     def forward(
@@ -296,47 +509,85 @@ class Transformer(nn.Module):
         if cache is not None:
             return self.decode(tokens, real, cache)
         seq_len = tokens.shape[1]
-        if seq_len > self.config.max_seq_len:
+        scaling = self.config.rope_scaling
+        if seq_len > self.config.max_seq_len and (scaling is None or scaling.rope_type != "dynamic"):
+            # Dynamic NTK is made for longer sequences; any other model only knows positions below max_seq_len.
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}")
         if self.config.sliding_window is not None and seq_len > self.config.sliding_window:
             # Attention here is plain causal: longer sequences would need the sliding window mask.
             raise ValueError(f"sequence length {seq_len} exceeds sliding_window {self.config.sliding_window}")
-        cos, sin = self._rotary(seq_len, tokens.device)
-        if positions is not None:
-            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-        mask = None
-        if segments is not None:
-            causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=tokens.device).tril()
-            allowed = (segments.unsqueeze(2) == segments.unsqueeze(1)).logical_and(causal).unsqueeze(1)
-            # Additive (0 / -inf), built once for every layer: attention with a float mask is the faster path.
-            mask = torch.zeros(allowed.shape, device=tokens.device).masked_fill_(~allowed, float("-inf"))
-        # The activations are in the norms' dtype, which a narrower (frozen) embedding table does not change.
-        x = self.tok_embeddings(tokens).to(self.norm.weight.dtype)
-        for layer in self.layers:
+        inputs = self._layer_inputs(seq_len, positions, segments, tokens.device)
+        x = self._embed(tokens)
+        for index, layer in enumerate(self.layers):
+            cos, sin, mask = inputs[index in self._local]
             if self.activation_checkpointing and self.training:
                 x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask)
-        x = self.norm(x)
-        if self.output is None:
-            return frozen_linear(x, self.tok_embeddings.weight)
-        return self.output(x)
+        return self._logits(self.norm(x))
+
+    def _layer_inputs(self, seq_len: int, positions, segments, device: torch.device) -> dict:
+        """The rotary tables and mask of each kind of layer (local or not): {local: (cos, sin, mask)}."""
+        longest = seq_len
+        if positions is not None and self.config.rope_depends_on_length:
+            longest = int(positions.max()) + 1  # as transformers decides from the position ids
+        masks = self._masks(seq_len, segments, device)
+        inputs = {}
+        for local in {False, bool(self._local)}:
+            cos, sin = self._rotary(seq_len, device, longest, local)
+            if positions is not None:
+                cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+            inputs[local] = (cos, sin, masks[local])
+        return inputs
+
+    def _masks(self, seq_len: int, segments, device: torch.device) -> dict[bool, torch.Tensor | None]:
+        """The additive attention masks by layer kind; None for plain causal attention (SDPA's fused path)."""
+        explicit = self.config.attn_logit_softcapping is not None  # capped scores are computed, not fused
+        banded = bool(self._local) and seq_len > self.config.local_window
+        if segments is None and not explicit and not banded:
+            return {False: None, True: None}
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+        allowed = causal
+        if segments is not None:
+            allowed = (segments.unsqueeze(2) == segments.unsqueeze(1)).logical_and(causal).unsqueeze(1)
+        full = _additive(allowed) if segments is not None or explicit else None
+        if not banded:
+            return {False: full, True: full}
+        # A local layer's token sees itself and the local_window - 1 tokens before it.
+        return {False: full, True: _additive(allowed.logical_and(causal.triu(1 - self.config.local_window)))}
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        # The activations are in the norms' dtype, which a narrower (frozen) embedding table does not change.
+        x = self.tok_embeddings(tokens).to(self.norm.weight.dtype)
+        scale = self.config.embedding_scale
+        return x if scale == 1.0 else x * scale
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = frozen_linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def decode(self, tokens: torch.Tensor, real: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The next-token logits (B, vocab) after ``tokens`` (B, T), which follow the ones in ``cache`` (and go into
         it); ``real`` (B, T) is False at left padding. See :mod:`astrai.trainer.generate`, which calls it as
         ``model(tokens, cache=cache, real=real)``."""
-        positions, mask = cache.begin(real)
-        cos, sin = self._rotary(cache.length + tokens.shape[1], tokens.device)
-        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-        x = self.tok_embeddings(tokens).to(self.norm.weight.dtype)
+        positions, masks = cache.begin(real)
+        length = cache.length + tokens.shape[1]
+        longest = int(positions.max()) + 1 if self.config.rope_depends_on_length else length
+        rotary = {}
+        for local in {False, bool(self._local)}:
+            cos, sin = self._rotary(length, tokens.device, longest, local)
+            rotary[local] = (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+        x = self._embed(tokens)
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, index)
+            local = index in self._local
+            x = layer(x, *rotary[local], masks[local], cache, index)
         cache.advance(tokens.shape[1])
-        x = self.norm(x[:, -1])
-        if self.output is None:
-            return frozen_linear(x, self.tok_embeddings.weight)
-        return self.output(x)
+        return self._logits(self.norm(x[:, -1]))
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
@@ -398,9 +649,9 @@ def _size(handle) -> int:
     return os.fstat(handle.fileno()).st_size
 
 
-def hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same tensors under Hugging Face's names, as written to ``model.safetensors``."""
-    return {hf_name(name): tensor.contiguous() for name, tensor in state.items()}
+def hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The same tensors under Hugging Face's names in ``config``'s family, as written to ``model.safetensors``."""
+    return {hf_name(name, config): tensor.contiguous() for name, tensor in state.items()}
 
 
 def load_base_model(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -441,7 +692,7 @@ def save_model_folder(folder: Path, config: ModelConfig, state: dict[str, torch.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = hf_state_dict(state)
+    tensors = hf_state_dict(state, config)
     weights_tmp = folder / f".{WEIGHTS_FILE}.tmp"
     config_tmp = folder / f".{MODEL_CONFIG_FILE}.tmp"
     save_tensors(tensors, weights_tmp, metadata={"format": "pt"})
@@ -465,7 +716,7 @@ def _parse_bool(text: str) -> bool:
 _CLI_FIELDS = [
     f
     for f in dataclasses.fields(ModelConfig)
-    if f.type in ("int", "float", "bool", "int | None", "int | tuple[int, ...] | None")
+    if f.type in ("int", "float", "bool", "int | None", "int | tuple[int, ...] | None") and f.name not in FAMILY_FIELDS
 ]
 
 
