@@ -168,12 +168,15 @@ def adapted_modules(config: ModelConfig, targets) -> tuple[str, ...]:
 
 
 def num_adapter_parameters(config: ModelConfig, rank: int, targets) -> int:
-    """What LoRA of ``rank`` on ``targets`` (PEFT's names) trains: rank * (in + out) for each adapted matrix."""
+    """What LoRA of ``rank`` on ``targets`` (PEFT's names) trains: rank * (in + out) for each adapted matrix. An
+    estimate for any targets: a fused layer named in part counts whole (the trainer refuses such targets)."""
+    wanted = canonical_targets(targets)
+    whole = [part for parts in FUSED_TARGETS.values() if set(parts) & set(wanted) for part in parts]
     shapes = tensor_shapes(config)
     return sum(
         rank * sum(shapes[f"layers.{index}.{module}.weight"])
         for index in range(config.n_layers)
-        for module in adapted_modules(config, targets)
+        for module in adapted_modules(config, (*wanted, *whole) if config.fused_projections else wanted)
     )
 
 

@@ -37,6 +37,7 @@ from torch import nn
 from astrai.common.atomic import write_text_atomically
 from astrai.common.contract import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from astrai.common.errors import AstraiError
+from astrai.common.fit import SetupError
 from astrai.common.model_folder import (
     ADAPTER_TARGETS,
     FUSED_TARGETS,
@@ -156,7 +157,10 @@ def add_adapters(model: nn.Module, settings: LoRASettings, generator: torch.Gene
         raise ValueError(f"lora_targets: unknown {', '.join(unknown)}; choose from {', '.join(TARGETS)}")
     if settings.rank < 1:
         raise ValueError(f"lora_rank must be at least 1 to add adapters, got {settings.rank}")
-    modules = adapted_modules(model.config, settings.targets)
+    try:
+        modules = adapted_modules(model.config, settings.targets)
+    except ValueError as error:  # targets that do not fit this model's layers: the run's settings, not a bug
+        raise SetupError(str(error)) from None
     for param in model.parameters():
         param.requires_grad_(False)
     adapted = []

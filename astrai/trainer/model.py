@@ -3,10 +3,12 @@
 Token embedding, rotary position embedding, RMSNorm, causal attention through
 ``scaled_dot_product_attention`` (optionally with fewer key/value heads than
 query heads), a SwiGLU MLP and an optionally tied output embedding: the Llama
-architecture. A model folder is a Hugging Face model folder (``config.json`` and
-``model.safetensors`` or shards, see :mod:`astrai.common.model_folder`), so a Hugging
-Face Llama-family model can be a base model and every folder we write loads in
-``transformers``.
+architecture, and what each family the trainer computes adds to it (Gemma 2 and 3,
+Phi-3, OLMo 2, Granite: :mod:`astrai.common.model_config`), each option taken from the
+config, so that a feature a model does not have adds no operation. A model folder is a
+Hugging Face model folder (``config.json`` and ``model.safetensors`` or shards, see
+:mod:`astrai.common.model_folder`), so a Hugging Face model of these families can be a
+base model and every folder we write loads in ``transformers``.
 
 Use a trained model (a base model or a checkpoint folder)::
 
@@ -655,14 +657,15 @@ def hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
 
 
 def load_base_model(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and checked weights of a base model folder (ours, or a Hugging Face Llama-family one)."""
+    """Config and checked weights of a base model folder (ours, or a Hugging Face one of a native family)."""
     folder = Path(folder)
     config = ModelConfig.load(folder)
     return config, read_weights(folder, config)
 
 
 def load_pretrained(folder: Path) -> Transformer:
-    """The model of a folder (a base model, a Hugging Face Llama-family folder or a checkpoint), fp32, in eval mode.
+    """The model of a folder (a base model, a Hugging Face folder of a native family or a checkpoint), fp32, in eval
+    mode.
 
     ``model(tokens)`` maps token ids ``[batch, seq]`` to logits ``[batch, seq, vocab]``.
     """

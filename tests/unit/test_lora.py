@@ -8,7 +8,8 @@ import pytest
 import torch
 from hf_folders import FAMILY_CASES, make_hf_model
 
-from astrai.common.model_folder import peft_modules_of
+from astrai.common.fit import SetupError
+from astrai.common.model_folder import num_adapter_parameters, peft_modules_of
 from astrai.trainer import lora
 from astrai.trainer.model import load_pretrained
 
@@ -240,8 +241,10 @@ def test_each_family_adapts_the_layers_peft_adapts_with_the_same_logits_and_step
 
 def test_part_of_a_fused_layer_alone_is_refused_with_what_to_name(tmp_path):
     model = load_pretrained(make_hf_model(tmp_path / "base", **FAMILY_CASES["phi3"]))
-    with pytest.raises(ValueError, match="phi3 computes q_proj, k_proj, v_proj in one layer \\(qkv_proj\\), which is"):
+    with pytest.raises(SetupError, match="phi3 computes q_proj, k_proj, v_proj in one layer \\(qkv_proj\\), which is"):
         lora.add_adapters(model, lora.LoRASettings(rank=2, alpha=2, targets=("q_proj", "v_proj")))
+    # Preflight's estimate counts the fused layer whole, and does not fail.
+    assert num_adapter_parameters(model.config, 2, ["q_proj"]) == 2 * 2 * (64 + 64 + 2 * 32)  # 2 layers, rank 2
     adapted = lora.add_adapters(model, lora.LoRASettings(rank=2, alpha=2, targets=("o_proj", "gate_proj", "up_proj")))
     assert adapted == [
         "layers.0.attention.wo",
