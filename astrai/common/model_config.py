@@ -331,7 +331,9 @@ class ModelConfig:
         }
         if self.sliding_window is not None:
             values["sliding_window"] = self.sliding_window
-        _FAMILY_KEYS.get(self.family, lambda config, values: None)(self, values)
+        family_keys = _FAMILY_KEYS.get(self.family)  # a Llama (or Mistral) has none beyond these
+        if family_keys is not None:
+            family_keys(self, values)
         return values
 
     def to_json(self) -> str:

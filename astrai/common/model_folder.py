@@ -22,7 +22,6 @@ from pathlib import Path
 from astrai.common.contract import META_FILE, MODEL_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from astrai.common.model_config import (  # noqa: F401  (the names model folders are read with)
     FAMILIES,
-    GLOBAL_LAYER,
     MODEL_TYPES,
     ROPE_TYPES,
     ModelConfig,
