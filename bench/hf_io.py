@@ -106,7 +106,8 @@ def load_vs_safetensors(folder: Path, quick: bool, figures: Figures) -> None:
         model = folder / f"model-{key}"
         write_base_model(model, PRESETS["small"], seed=0)
         files = _shard(model, dtype)
-        if set(hf_state_dict(load_base_model(model)[1])) != {k for f in files for k in load_file(f)}:
+        config, state = load_base_model(model)
+        if set(hf_state_dict(state, config)) != {k for f in files for k in load_file(f)}:
             raise RuntimeError("the two loads read different tensors")
         ours, plain = [], []
         for _ in range(5 if quick else 11):

@@ -4,10 +4,12 @@
 covers; `--kind dpo` turns each record into two (chosen, then rejected). A record holds either
 
 - ``messages``: a list of ``{role, content}``, rendered with the tokenizer folder's own chat template
-  (``chat_template.jinja``, or ``chat_template`` in ``tokenizer_config.json``) by Jinja2 configured the
-  way ``transformers`` configures it, so the ids equal ``AutoTokenizer.apply_chat_template(messages)``;
-  the loss covers every assistant turn: its content and the special token that ends it (the template's
-  end-of-turn), never the role header around it;
+  (``chat_template.jinja``, or ``chat_template`` in ``tokenizer_config.json``; ``prepare --chat_template FILE``
+  gives another) by Jinja2 configured the way ``transformers`` configures it, so the ids equal
+  ``AutoTokenizer.apply_chat_template(messages)``; the loss covers every assistant turn: what the model generates
+  after the generation prompt, through the special token that ends it (the template's end-of-turn), never the role
+  header around it. A template that marks that text with ``{% generation %}`` ... ``{% endgeneration %}`` is
+  followed as transformers' ``return_assistant_tokens_mask`` follows it: the tokens overlapping a marked span;
 - ``prompt`` and ``completion`` strings: the prompt's ids, the completion's, the end-of-text token; the
   loss covers the completion and the end-of-text token.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os.path
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -48,8 +51,11 @@ class ChatTemplate:
         from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        template = self
+
         class Generation(Extension):
-            """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask tag): renders its body."""
+            """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask tag): renders its body, and
+            while a render tracks them (:meth:`render_with_spans`) notes where in the text the body went."""
 
             tags = {"generation"}
 
@@ -59,7 +65,12 @@ class ChatTemplate:
                 return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
             def _body(self, caller):
-                return caller()
+                text = caller()
+                if template._tracking is not None:
+                    blocks, spans = template._tracking
+                    start = sum(len(block) for block in blocks)  # every block before this one is out already
+                    spans.append((start, start + len(text)))
+                return text
 
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
@@ -83,6 +94,22 @@ class ChatTemplate:
             ) from None
         self._variables = variables
         self._errors = (jinja2.TemplateError,)
+        self._tracking: tuple[list[str], list[tuple[int, int]]] | None = None
+        self.marks_generation = GENERATION_TAG.search(source) is not None
+        """Whether the template marks what the model writes with {% generation %} (then the marks say it)."""
+
+    @classmethod
+    def of_tokenizer(cls, tokenizer) -> ChatTemplate | None:
+        """The chat template a tokenizer's records are rendered with: the file ``prepare --chat_template`` gave it,
+        else its folder's own; None for the byte tokenizer or a folder without one."""
+        given = getattr(tokenizer, "chat_template_file", None)
+        if given is None:
+            return cls.of_folder(tokenizer.file.parent) if hasattr(tokenizer, "file") else None
+        try:
+            source = Path(given).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise DataError(f"--chat_template {given}: cannot be read ({error})") from None
+        return cls(source, _template_variables(tokenizer_settings(tokenizer.file.parent)), str(given))
 
     @classmethod
     def of_folder(cls, folder: Path) -> ChatTemplate | None:
@@ -101,12 +128,27 @@ class ChatTemplate:
             source = named.get("default")
         if not source:
             return None
-        variables = {key: token_text(value) for key, value in config.items() if key.endswith("_token")}
-        return cls(source, {key: text for key, text in variables.items() if text is not None}, str(origin))
+        return cls(source, _template_variables(config), str(origin))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return "".join(self._blocks(messages, add_generation_prompt))
+
+    def render_with_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation rendered, and the (start, end) characters of every {% generation %} block in it."""
+        blocks: list[str] = []
+        spans: list[tuple[int, int]] = []
+        self._tracking = (blocks, spans)
         try:
-            return self._template.render(
+            for block in self._blocks(messages, False):
+                blocks.append(block)
+        finally:
+            self._tracking = None
+        return "".join(blocks), spans
+
+    def _blocks(self, messages: list[dict], add_generation_prompt: bool):
+        """The rendered text as the template yields it, block by block."""
+        try:
+            yield from self._template.generate(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=None,
@@ -117,6 +159,21 @@ class ChatTemplate:
             raise RecordError(f"the chat template refused it: {error}") from None
         except Exception as error:  # the template is code from the tokenizer folder: any error is its own
             raise RecordError(f"the chat template failed on it ({type(error).__name__}: {error})") from None
+
+
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+"""What tells a template that marks the assistant's text (the test transformers makes)."""
+REMEDY = (
+    "copy the template, put {% generation %} ... {% endgeneration %} around what the model writes in an "
+    "assistant turn (through its end-of-turn token), and prepare with --chat_template FILE"
+)
+"""What to do with a template from which the generated tokens cannot be told."""
+
+
+def _template_variables(config: dict) -> dict[str, str]:
+    """The special tokens a template may use (bos_token, eos_token, ...), from the tokenizer's settings."""
+    variables = {key: token_text(value) for key, value in config.items() if key.endswith("_token")}
+    return {key: text for key, text in variables.items() if text is not None}
 
 
 class RecordEncoder:
@@ -278,18 +335,24 @@ class RecordEncoder:
                 "holds messages, but the tokenizer has no chat template; give a tokenizer folder whose "
                 "tokenizer_config.json has a chat_template (or a chat_template.jinja), or use prompt/completion records"
             )
-        text = self.template.render(messages)
+        for index, message in enumerate(messages):
+            if message["role"] == "assistant" and index >= supervise_from and not message["content"].strip():
+                raise RecordError(
+                    f"assistant message {index} is empty: there is no reply to learn; drop the turn or the record"
+                )
+        if self.template.marks_generation:
+            text, spans = self.template.render_with_spans(messages)
+        else:
+            text, spans = self.template.render(messages), None
         if problem := not_unicode_text(text):  # a role, a name or any other field the template shows
             raise RecordError(f"the rendered conversation {problem}")
         ids, offsets = self.tokenizer.ids_with_offsets(text)
         mask = [0] * len(ids)
+        if spans is not None:
+            _mark_overlapping(mask, offsets, self._spans_from(spans, messages, supervise_from, text))
         for index, message in enumerate(messages):
-            if message["role"] != "assistant" or index < supervise_from:
+            if spans is not None or message["role"] != "assistant" or index < supervise_from:
                 continue
-            if not message["content"].strip():
-                raise RecordError(
-                    f"assistant message {index} is empty: there is no reply to learn; drop the turn or the record"
-                )
             start, end = self._generated_span(messages, index, text, ids, offsets)
             for position, (begin, finish) in enumerate(offsets):
                 # A token overlapping the span is generated, also one that straddles its start.
@@ -298,6 +361,17 @@ class RecordEncoder:
         if not any(mask):
             raise RecordError("has no assistant turn to learn from")
         return ids, mask
+
+    def _spans_from(
+        self, spans: list[tuple[int, int]], messages: list[dict], supervise_from: int, text: str
+    ) -> list[tuple[int, int]]:
+        """The marked spans of the turns supervised: those after the first ``supervise_from`` messages (a DPO
+        prompt's own assistant turns are context, not supervised)."""
+        if supervise_from == 0:
+            return spans
+        before = self._without_closing_markers(self._prompt_of(messages[:supervise_from])[0])
+        boundary = _common_prefix(before, text)
+        return [(start, end) for start, end in spans if start >= boundary]
 
     def _generated_span(
         self, messages: list[dict], index: int, text: str, ids: list[int], offsets: list[tuple[int, int]]
@@ -316,7 +390,7 @@ class RecordEncoder:
         if not text.startswith(history):
             raise RecordError(
                 f"the chat template renders the turns before assistant message {index} differently when they "
-                "are followed by more; cannot tell which tokens the model generates"
+                f"are followed by more; cannot tell which tokens the model generates: {REMEDY}"
             )
         # Most prompts are a prefix of the whole; a template may also open a block in the prompt (<think>) that a
         # finished turn renders otherwise: then the turn begins where the two part.
@@ -344,7 +418,7 @@ class RecordEncoder:
             return start, before[-1] if before else after[0]
         raise RecordError(
             f"the chat template renders assistant message {index} differently when later turns follow it, "
-            "and without an end-of-turn token; cannot tell which tokens the model generates"
+            f"and without an end-of-turn token; cannot tell which tokens the model generates: {REMEDY}"
         )
 
     def _prompt_of(self, before: list[dict]) -> tuple[str, str]:
@@ -394,6 +468,13 @@ class RecordEncoder:
             else:
                 return stripped
             text = stripped
+
+
+def _mark_overlapping(mask: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> None:
+    """Mark every token that overlaps a span, as transformers' return_assistant_tokens_mask marks them."""
+    for position, (begin, finish) in enumerate(offsets):
+        if any(begin < end and finish > start for start, end in spans):
+            mask[position] = 1
 
 
 def _common_prefix(a: str, b: str) -> int:

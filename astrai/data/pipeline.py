@@ -160,7 +160,9 @@ def prepare(
     for note in notes:
         (say or _stderr)(f"note: {note}")
     if kind != "seq" and tokenizer is not None:
-        ChatTemplate.of_folder(tokenizer.file.parent)  # a template that does not compile is refused here, once
+        ChatTemplate.of_tokenizer(tokenizer)  # a template that does not compile is refused here, once
+    elif getattr(tokenizer, "chat_template_file", None) is not None:
+        raise DataError("--chat_template: --kind seq renders no chat; give it with --kind sft, dpo, prompts or grpo")
     created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -348,7 +350,7 @@ def _init_worker(
     tokenizer = from_spec(spec)
     encoder = None
     if kind != "seq":
-        template = ChatTemplate.of_folder(tokenizer.file.parent) if isinstance(tokenizer, HFTokenizer) else None
+        template = ChatTemplate.of_tokenizer(tokenizer) if isinstance(tokenizer, HFTokenizer) else None
         encoder = RecordEncoder(tokenizer, template, kind, messages_field)
     _WORKER.update(
         tokenizer=tokenizer, sources=sources, fields=fields, staging=staging, skip_bad=skip_bad, encoder=encoder
@@ -782,6 +784,13 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument(
         "--workers", default=None, metavar="N", help="processes that tokenize (default: the CPUs this process may use)"
     )
+    prep.add_argument(
+        "--chat_template",
+        type=Path,
+        metavar="FILE",
+        help="a Jinja chat template to render the records with instead of the tokenizer folder's (say, one that "
+        "marks the assistant's text with {%% generation %%}); it goes into the data folder as chat_template.jinja",
+    )
     prep.add_argument("--skip_bad", action="store_true", help="skip records without text instead of stopping")
     prep.add_argument(
         "--kind",
@@ -842,11 +851,13 @@ def _prepare_command(args) -> int:
     out = output_folder(args.out, "--out")
     if args.eos is not None and args.tokenizer is None:
         raise DataError("--eos needs --tokenizer (the byte tokenizer's end-of-text token is fixed)")
+    if args.chat_template is not None and args.tokenizer is None:
+        raise DataError("--chat_template needs --tokenizer (the tokenizer whose special tokens the template writes)")
     try:
         workers = available_cpus() if args.workers is None else whole_number(args.workers, 1)
     except ValueError as error:
         raise DataError(f"--workers {error}") from None
-    tokenizer = HFTokenizer(args.tokenizer, args.eos) if args.tokenizer is not None else None
+    tokenizer = HFTokenizer(args.tokenizer, args.eos, args.chat_template) if args.tokenizer is not None else None
     manifest = prepare(
         out,
         args.inputs,

@@ -13,6 +13,7 @@ from array import array
 from pathlib import Path
 
 from astrai.common.contract import (
+    CHAT_TEMPLATE_FILE,
     SPECIAL_TOKENS_MAP_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
@@ -93,7 +94,7 @@ class HFTokenizer:
 
     name = "tokenizers"
 
-    def __init__(self, path: Path, eos: str | None = None):
+    def __init__(self, path: Path, eos: str | None = None, chat_template: Path | None = None):
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -118,12 +119,21 @@ class HFTokenizer:
         self.special_tokens = {token.content: index for index, token in added.items() if token.special}
         self.added_ids = frozenset(added)
         """Ids of every added token (special or not): the tokens a chat template's markers become."""
-        # The folder's other tokenizer files travel with it (a lone tokenizer.json has none).
+        self.chat_template_file = None if chat_template is None else Path(chat_template)
+        """A chat template that replaces the folder's (``prepare --chat_template FILE``)."""
+        if self.chat_template_file is not None and not self.chat_template_file.is_file():
+            raise DataError(f"--chat_template {chat_template}: no such file; give a Jinja chat template file")
+        # The folder's other tokenizer files travel with it (a lone tokenizer.json has none), a given chat template
+        # in place of the folder's chat_template.jinja.
         self.files = [self.file] + [
             self.file.parent / name
             for name in TOKENIZER_FILES[1:]
-            if path.is_dir() and (self.file.parent / name).is_file()
+            if path.is_dir()
+            and (self.file.parent / name).is_file()
+            and (name != CHAT_TEMPLATE_FILE or self.chat_template_file is None)
         ]
+        if self.chat_template_file is not None:
+            self.files.append(self.chat_template_file)
         self.end_of_text_token = self._pick_end_of_text(eos)
         self.end_of_text = self.tokenizer.token_to_id(self.end_of_text_token)
 
@@ -206,14 +216,15 @@ class HFTokenizer:
 
     def spec(self) -> tuple:
         """What a worker process needs to make the same tokenizer."""
-        return ("tokenizers", str(self.file), self.end_of_text_token)
+        template = None if self.chat_template_file is None else str(self.chat_template_file)
+        return ("tokenizers", str(self.file), self.end_of_text_token, template)
 
 
 def from_spec(spec: tuple) -> ByteTokenizer | HFTokenizer:
     """The tokenizer ``spec()`` described (in a worker process)."""
     if spec[0] == "byte":
         return ByteTokenizer()
-    return HFTokenizer(Path(spec[1]), spec[2])
+    return HFTokenizer(Path(spec[1]), spec[2], None if spec[3] is None else Path(spec[3]))
 
 
 def copy_tokenizer_files(tokenizer: HFTokenizer | None, out_dir: Path) -> list[str]:
@@ -224,6 +235,8 @@ def copy_tokenizer_files(tokenizer: HFTokenizer | None, out_dir: Path) -> list[s
     if tokenizer is not None:
         for source in tokenizer.files:
             name = TOKENIZER_FILE if source == tokenizer.file else source.name
+            if source == tokenizer.chat_template_file:
+                name = CHAT_TEMPLATE_FILE  # the template the records were rendered with goes with them
             shutil.copyfile(source, out_dir / name)
             names.append(name)
         if TOKENIZER_CONFIG_FILE not in names:

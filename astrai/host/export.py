@@ -50,6 +50,7 @@ from astrai.common.model_folder import (
     ModelLoadError,
     base_digest,
     peft_adapter_config,
+    peft_modules_of,
     peft_target,
     read_layout,
     weight_files,
@@ -347,7 +348,7 @@ def export_checkpoint(
     headers = [_header(shard) for shard in shards]
     found = sorted({t.out_dtype for t in tensors}, key=lambda code: (code not in _DTYPE_NAMES, code))
     config_dtype = dtype or (_DTYPE_NAMES[found[0]] if len(found) == 1 and found[0] in _DTYPE_NAMES else None)
-    config_name, config_text = _config_file(config, config_dtype, lora if adapter else None)
+    config_name, config_text = _config_file(config, config_dtype, lora if adapter else None, tensors)
     index_text = _index_text(names, shards) if len(shards) > 1 else None
     needed = sum(len(head) + sum(t.out_nbytes for t in ordered) for head, ordered in headers)
     needed += len(config_text) + len(index_text or b"") + sum(path.stat().st_size for path in others)
@@ -414,13 +415,16 @@ def _what_to_write(
     return config, tensors, weights, others, lora
 
 
-def _config_file(config: dict, dtype: str | None, adapter: dict | None) -> tuple[str, bytes]:
-    """config.json saying the dtype, or for a PEFT adapter folder (``adapter``: the LoRA record) its config."""
+def _config_file(config: dict, dtype: str | None, adapter: dict | None, tensors: list[_Tensor]) -> tuple[str, bytes]:
+    """config.json saying the dtype, or for a PEFT adapter folder (``adapter``: the LoRA record) its config, whose
+    target_modules are the layers the adapter ``tensors`` adapt, by the model's own names (a Phi-3's ``qkv_proj``,
+    where the record names its parts)."""
     if adapter is None:
         return MODEL_CONFIG_FILE, (
             json.dumps(updated_config(config, dtype), indent=2, ensure_ascii=False) + "\n"
         ).encode()
-    settings = (adapter["rank"], adapter["alpha"], adapter.get("dropout", 0.0), adapter["targets"])
+    modules = peft_modules_of(t.name for t in tensors)
+    settings = (adapter["rank"], adapter["alpha"], adapter.get("dropout", 0.0), modules)
     return ADAPTER_CONFIG_FILE, peft_adapter_config(*settings, adapter["base"]["path"]).encode()
 
 

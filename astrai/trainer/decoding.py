@@ -106,9 +106,14 @@ class DecodeEngine:
         self.together = together
         self.device = self.inner.norm.weight.device
         cuda = self.device.type == "cuda"
-        self.graphs = (cuda and together is None) if graphs is None else graphs
-        if self.graphs and (not cuda or together is not None):
-            raise ValueError("CUDA graphs need a CUDA model that is not sharded (FSDP generates eagerly)")
+        # A RoPE that changes with the length (dynamic NTK, longrope) reads the longest row at every step.
+        capturable = cuda and together is None and not self.inner.config.rope_depends_on_length
+        self.graphs = capturable if graphs is None else graphs
+        if self.graphs and not capturable:
+            raise ValueError(
+                "CUDA graphs need a CUDA model that is not sharded (FSDP generates eagerly) and whose RoPE does not "
+                "change with the length"
+            )
         self.compile = compile
         self._copy: torch.nn.Module | None = None
         self._steps: dict[tuple[int, int, torch.dtype | None], _Step] = {}
@@ -182,7 +187,7 @@ class DecodeEngine:
         """The model the steps run: under autocast with float32 linear weights (and not sharded), a copy of it in
         the autocast dtype, refreshed from the model now; else the model itself."""
         dtype = torch.get_autocast_dtype(self.device.type) if torch.is_autocast_enabled(self.device.type) else None
-        weight = self.inner.layers[0].attention.wq.weight
+        weight = next(param for param in self.inner.layers[0].parameters() if param.dim() >= 2)
         if dtype is None or weight.dtype == dtype or self.together is not None:
             return self.model if self.together is not None else self.inner
         if self._copy is None:

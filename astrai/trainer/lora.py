@@ -16,7 +16,10 @@ The adapted layer is still an ``nn.Linear`` holding its own ``weight`` (and ``bi
 weights keep their names (``layers.0.attention.wq.weight``) and load, shard and export as before;
 the adapters are ``<layer>.lora_A.weight`` and ``<layer>.lora_B.weight``. Which layers are adapted
 is said with PEFT's (Hugging Face's) module names: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``,
-``gate_proj``, ``up_proj``, ``down_proj``.
+``gate_proj``, ``up_proj``, ``down_proj``. A model that computes several of them in one matrix (Phi-3's
+``qkv_proj`` and ``gate_up_proj``) gets one adapter on that matrix, as PEFT gives it, when all its parts are
+named (:func:`astrai.common.model_folder.adapted_modules`); its adapter files and PEFT folders name it as the model
+does, so PEFT and ``invoke export`` read them as they read any other.
 """
 
 from __future__ import annotations
@@ -32,12 +35,20 @@ from torch import nn
 
 from astrai.common.contract import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from astrai.common.errors import AstraiError
-from astrai.common.model_folder import LAYER_PARTS, PEFT_PREFIX, hf_name
+from astrai.common.fit import SetupError
+from astrai.common.model_folder import (
+    ADAPTER_TARGETS,
+    PEFT_MODULES,
+    PEFT_PREFIX,
+    PROJECTIONS,
+    adapted_modules,
+    canonical_targets,
+)
 from astrai.common.settings import LoRASettings, SettingError
 from astrai.trainer.model import frozen_linear
 
-TARGETS = {hf.rpartition(".")[2]: ours for ours, hf in LAYER_PARTS.items() if hf.endswith("_proj")}
-"""PEFT's name of each linear layer of a block, and ours."""
+TARGETS = {name: PEFT_MODULES[name] for name in ADAPTER_TARGETS}
+"""PEFT's name of each linear layer of a Llama block, and ours (a fused layer is named by these parts)."""
 
 
 class FrozenLinear(nn.Linear):
@@ -92,18 +103,22 @@ def add_adapters(model: nn.Module, settings: LoRASettings, generator: torch.Gene
 
     ``generator`` makes the adapters' start a function of the seed (one A per layer, in layer order).
     """
+    try:
+        modules = adapted_modules(model.config, settings.targets)
+    except ValueError as error:  # targets that do not fit this model's layers: the run's settings, not a bug
+        raise SetupError(str(error)) from None
     for param in model.parameters():
         param.requires_grad_(False)
     adapted = []
     for index, block in enumerate(model.layers):
-        for target in settings.targets:
-            owner_name, _, leaf = TARGETS[target].partition(".")
+        for module in modules:
+            owner_name, _, leaf = module.partition(".")
             owner = getattr(block, owner_name)
             base = getattr(owner, leaf)
             if isinstance(base, LoRALinear):
-                raise ValueError(f"layers.{index}.{TARGETS[target]} already has adapters")
+                raise ValueError(f"layers.{index}.{module} already has adapters")
             setattr(owner, leaf, LoRALinear(base, settings, generator))
-            adapted.append(f"layers.{index}.{TARGETS[target]}")
+            adapted.append(f"layers.{index}.{module}")
     return adapted
 
 
@@ -188,8 +203,8 @@ def peft_name(name: str) -> str:
     ``layers.0.attention.wq.lora_A.weight`` -> ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``
     """
     layer, _, part = name.rpartition(".lora_")
-    base = hf_name(f"{layer}.weight").removesuffix(".weight")
-    return f"{PEFT_PREFIX}{base}.lora_{part}"
+    _, index, module = layer.split(".", 2)
+    return f"{PEFT_PREFIX}model.layers.{index}.{PROJECTIONS[module]}.lora_{part}"
 
 
 @contextlib.contextmanager
@@ -241,23 +256,25 @@ def read_peft_adapter(folder: Path) -> tuple[LoRASettings, dict[str, torch.Tenso
         )
     targets = raw.get("target_modules")
     targets = [targets] if isinstance(targets, str) else targets
-    unknown = sorted(set(targets or ()) - set(TARGETS))
+    unknown = sorted(set(targets or ()) - set(PEFT_MODULES))
     if not targets or unknown:
         raise AdapterError(
-            f"{folder / ADAPTER_CONFIG_FILE}: target_modules {unknown or targets} are not among {', '.join(TARGETS)}"
+            f"{folder / ADAPTER_CONFIG_FILE}: target_modules {unknown or targets} are not among "
+            f"{', '.join(PEFT_MODULES)}"
         )
     try:
         numbers = int(raw["r"]), float(raw["lora_alpha"]), float(raw.get("lora_dropout", 0.0))
     except (KeyError, TypeError, ValueError) as error:
         raise AdapterError(f"{folder / ADAPTER_CONFIG_FILE}: r and lora_alpha must be numbers ({error})") from None
     try:
-        settings = LoRASettings(*numbers, tuple(targets))
+        # A fused layer (qkv_proj) is named by its parts, as training.lora_targets names it.
+        settings = LoRASettings(*numbers, canonical_targets(targets))
     except SettingError as error:
         raise AdapterError(f"{folder / ADAPTER_CONFIG_FILE}: {error}") from None
     return settings, from_peft_names(tensors, str(folder / ADAPTER_WEIGHTS_FILE))
 
 
-_OURS_BY_HF = {hf: ours for ours, hf in LAYER_PARTS.items() if hf.endswith("_proj")}
+_OURS_BY_HF = {hf: ours for ours, hf in PROJECTIONS.items()}
 
 
 def _our_name(peft: str) -> str | None:

@@ -3,10 +3,12 @@
 Token embedding, rotary position embedding, RMSNorm, causal attention through
 ``scaled_dot_product_attention`` (optionally with fewer key/value heads than
 query heads), a SwiGLU MLP and an optionally tied output embedding: the Llama
-architecture. A model folder is a Hugging Face model folder (``config.json`` and
-``model.safetensors`` or shards, see :mod:`astrai.common.model_folder`), so a Hugging
-Face Llama-family model can be a base model and every folder we write loads in
-``transformers``.
+architecture, and what each family the trainer computes adds to it (Gemma 2 and 3,
+Phi-3, OLMo 2, Granite: :mod:`astrai.common.model_config`), each option taken from the
+config, so that a feature a model does not have adds no operation. A model folder is a
+Hugging Face model folder (``config.json`` and ``model.safetensors`` or shards, see
+:mod:`astrai.common.model_folder`), so a Hugging Face model of these families can be a
+base model and every folder we write loads in ``transformers``.
 
 Use a trained model (a base model or a checkpoint folder)::
 
@@ -38,6 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from astrai.common.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE
+from astrai.common.model_config import FAMILY_FIELDS, RopeScaling
 from astrai.common.model_folder import (
     ModelConfig,
     ModelLoadError,
@@ -63,16 +66,33 @@ PRESETS = {
 }
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """RoPE frequencies of one head, with the config's scaling (as transformers computes them)."""
-    dim = config.head_size
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
+def inverse_frequencies(
+    config: ModelConfig, longest: int | None = None, local: bool = False
+) -> tuple[torch.Tensor, float]:
+    """RoPE frequencies of the turned part of one head, and the factor cos and sin are multiplied by, as transformers
+    computes them. ``longest``: the sequence's last position + 1 (dynamic NTK and longrope change with it);
+    ``local``: Gemma 3's local layers, whose RoPE has a base of its own and is never scaled."""
+    dim = config.rotary_dim
+    own_base = local and config.local_rope_theta is not None
+    base = config.local_rope_theta if own_base else config.rope_theta
+    scaling = None if own_base else config.rope_scaling
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     if scaling is None:
-        return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    # llama3: long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated.
+        return 1.0 / (base**exponents), 1.0
+    kind = scaling.rope_type
+    if kind == "linear":
+        return 1.0 / (base**exponents) / scaling.factor, 1.0
+    if kind == "llama3":
+        return _llama3_frequencies(1.0 / (base**exponents), scaling), 1.0
+    if kind == "dynamic":
+        return _dynamic_frequencies(config, base, exponents, longest), 1.0
+    if kind == "yarn":
+        return _yarn_frequencies(scaling, base, dim)
+    return _longrope_frequencies(config, scaling, base, exponents, longest)
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    # Long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated.
     old_context = scaling.original_max_position_embeddings
     low_freq_wavelen = old_context / scaling.low_freq_factor
     high_freq_wavelen = old_context / scaling.high_freq_factor
@@ -84,18 +104,99 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _dynamic_frequencies(
+    config: ModelConfig, base: float, exponents: torch.Tensor, longest: int | None
+) -> torch.Tensor:
+    """Dynamic NTK: within max_position_embeddings the plain frequencies; beyond, a base raised with the length
+    (in float32, as transformers computes it for a longer sequence)."""
+    factor, context, dim = config.rope_scaling.factor, config.max_seq_len, config.rotary_dim
+    if longest is None or longest <= context:
+        return 1.0 / ((base * ((factor * context / context) - (factor - 1)) ** (dim / (dim - 2))) ** exponents)
+    length = torch.tensor(longest)
+    grown = base * ((factor * length / context) - (factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (grown**exponents)
+
+
+def _yarn_frequencies(scaling: RopeScaling, base: float, dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN: frequencies that turn many times within the original context are kept, slow ones interpolated by
+    ``factor``, a linear ramp between; cos and sin are scaled by the attention factor."""
+    factor = scaling.factor
+    attention = scaling.attention_factor
+    if attention is None:
+        if scaling.mscale and scaling.mscale_all_dim:
+            attention = float(_yarn_mscale(factor, scaling.mscale) / _yarn_mscale(factor, scaling.mscale_all_dim))
+        else:
+            attention = _yarn_mscale(factor)
+    context = scaling.original_max_position_embeddings
+
+    def dimension_of(rotations: float) -> float:
+        return (dim * math.log(context / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dimension_of(scaling.beta_fast or 32), dimension_of(scaling.beta_slow or 1)
+    if scaling.truncate is not False:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does, against a division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp
+    turns = base ** (torch.arange(0, dim, 2).float() / dim)
+    inv_freq = (1.0 / (factor * turns)) * (1 - kept) + (1.0 / turns) * kept
+    return inv_freq, attention
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _longrope_frequencies(
+    config: ModelConfig, scaling: RopeScaling, base: float, exponents: torch.Tensor, longest: int | None
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): each frequency divided by its short factor while the sequence fits the original context,
+    by its long factor beyond; cos and sin scaled by the attention factor."""
+    context = scaling.original_max_position_embeddings
+    factor = scaling.factor if scaling.factor is not None else config.max_seq_len / context
+    attention = scaling.attention_factor
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(context))
+    long = longest is not None and longest > context
+    divisors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
+    return 1.0 / (divisors * base**exponents), attention
+
+
+def rope_variant(config: ModelConfig, longest: int | None, local: bool = False):
+    """What, besides the layer kind, tells one set of rotary tables from another: None for tables that do not
+    change with the length; longrope's ``short`` or ``long``; dynamic NTK's length beyond max_position_embeddings."""
+    scaling = config.rope_scaling
+    if scaling is None or not scaling.depends_on_length or (local and config.local_rope_theta is not None):
+        return None
+    if scaling.rope_type == "longrope":
+        return "long" if longest is not None and longest > scaling.original_max_position_embeddings else "short"
+    return longest if longest is not None and longest > config.max_seq_len else None
+
+
 def rotary_tables(
-    config: ModelConfig, seq_len: int, device: torch.device | None = None
+    config: ModelConfig,
+    seq_len: int,
+    device: torch.device | None = None,
+    longest: int | None = None,
+    local: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (seq_len, head_size // 2)."""
-    inv_freq = inverse_frequencies(config).to(device)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
-    return angles.cos(), angles.sin()
+    """cos and sin tables of shape (seq_len, rotary_dim // 2); ``longest`` and ``local`` as inverse_frequencies."""
+    inv_freq, attention = inverse_frequencies(config, longest, local)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq.to(device))
+    if attention == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * attention, angles.sin() * attention
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # Rotate the two halves of each head as pairs (the GPT-NeoX layout); x is (B, H, T, D), cos and sin
-    # (T, D/2) or, with positions of their own per sequence, (B, 1, T, D/2).
+    # (T, R/2) or, with positions of their own per sequence, (B, 1, T, R/2). R < D: only the first R dimensions
+    # turn (Phi-3's partial rotary), the rest pass.
+    turned = 2 * cos.shape[-1]
+    if turned != x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :turned], cos, sin), x[..., turned:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
@@ -151,17 +252,40 @@ class TokenScores(NamedTuple):
     entropy: torch.Tensor | None
 
 
-def token_scores(
-    hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(target) (N,) in float32 for hidden states (N, D) and the output projection ``head`` (V, D), and the
-    entropy of each distribution (N,), detached, when asked.
+@dataclasses.dataclass(frozen=True)
+class LogitsShape:
+    """What comes after the output projection: a division (Granite's logits_scaling), then a soft cap
+    ``cap * tanh(logits / cap)`` (Gemma 2's final_logit_softcapping)."""
 
-    The same numbers as ``log_softmax(F.linear(hidden, head).float())`` picked at the targets, and the same
+    scaling: float = 1.0
+    cap: float | None = None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.scaling != 1.0:
+            logits = logits / self.scaling
+        return logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+
+    def slope(self, shaped: torch.Tensor) -> torch.Tensor | float:
+        """d shaped / d raw logits, from the shaped logits."""
+        slope = 1.0 / self.scaling
+        return slope if self.cap is None else slope * (1.0 - (shaped / self.cap) ** 2)
+
+
+def token_scores(
+    hidden: torch.Tensor,
+    head: torch.Tensor,
+    targets: torch.Tensor,
+    entropy: bool = False,
+    shape: LogitsShape = LogitsShape(),
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) (N,) in float32 for hidden states (N, D) and the output projection ``head`` (V, D) (its logits
+    shaped by ``shape``), and the entropy of each distribution (N,), detached, when asked.
+
+    The same numbers as ``log_softmax(shape(F.linear(hidden, head)).float())`` picked at the targets, and the same
     gradients, but a chunk of rows at a time (:data:`LOGITS_CHUNK_BYTES` of float32 logits), forward and backward:
     the float32 logits of the whole batch are never held, and its logits in the head's dtype only when they are
     small (:data:`LOGITS_KEEP_BYTES`), else each chunk's are computed again in the backward pass."""
-    return _ChunkedLogProbs.apply(hidden, head, targets, entropy)
+    return _ChunkedLogProbs.apply(hidden, head, targets, entropy, shape)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -170,7 +294,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, head, targets, entropy: bool):
+    def forward(ctx, hidden, head, targets, entropy: bool, shape: LogitsShape):
         dtype = _compute_dtype(hidden)
         weight = head.to(dtype)
         count, vocab = hidden.shape[0], head.shape[0]
@@ -183,13 +307,13 @@ class _ChunkedLogProbs(torch.autograd.Function):
             chunk = F.linear(hidden[start : start + rows].to(dtype), weight)
             if keep:
                 kept.append(chunk)
-            logits = chunk.float()
+            logits = shape.apply(chunk).float()
             total = torch.logsumexp(logits, dim=-1)
             logps[start : start + rows] = logits.gather(-1, targets[start : start + rows, None]).squeeze(-1) - total
             if entropy:
                 entropies[start : start + rows] = total - (logits.softmax(dim=-1) * logits).sum(dim=-1)
         ctx.save_for_backward(hidden, head, targets, *kept)
-        ctx.dtype, ctx.rows = dtype, rows
+        ctx.dtype, ctx.rows, ctx.shape = dtype, rows, shape
         if entropies is not None:
             ctx.mark_non_differentiable(entropies)
         return logps, entropies
@@ -197,7 +321,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy):
         hidden, head, targets, *kept = ctx.saved_tensors
-        dtype, rows = ctx.dtype, ctx.rows
+        dtype, rows, shape = ctx.dtype, ctx.rows, ctx.shape
         weight = head.to(dtype)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_head = None
@@ -205,16 +329,53 @@ class _ChunkedLogProbs(torch.autograd.Function):
             grad_head = torch.zeros(head.shape, dtype=torch.float32, device=head.device)
         for index, start in enumerate(range(0, hidden.shape[0], rows)):
             chunk = hidden[start : start + rows].to(dtype)
-            logits = (kept[index] if kept else F.linear(chunk, weight)).float()
+            logits = shape.apply(kept[index] if kept else F.linear(chunk, weight)).float()
             grad = grad_logps[start : start + rows].float().unsqueeze(-1)
-            # d log p(t) / d logits = onehot(t) - softmax(logits)
+            # d log p(t) / d logits = onehot(t) - softmax(logits), then through the shaping of the logits.
             grad_logits = (-logits.softmax(dim=-1) * grad).scatter_add_(-1, targets[start : start + rows, None], grad)
-            grad_logits = grad_logits.to(dtype)
+            grad_logits = (grad_logits * shape.slope(logits)).to(dtype)
             if grad_hidden is not None:
                 grad_hidden[start : start + rows] = (grad_logits @ weight).to(hidden.dtype)
             if grad_head is not None:
                 grad_head += (grad_logits.transpose(0, 1) @ chunk).float()
-        return grad_hidden, None if grad_head is None else grad_head.to(head.dtype), None, None
+        return grad_hidden, None if grad_head is None else grad_head.to(head.dtype), None, None, None
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)`` in float32, its weight stored around 0."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.float()
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+def rms_norm(config: ModelConfig, width: int) -> nn.Module:
+    """An RMSNorm of the config's kind: Gemma's (1 + weight), or torch's."""
+    return OffsetRMSNorm(width, config.norm_eps) if config.norm_plus_one else nn.RMSNorm(width, eps=config.norm_eps)
+
+
+def capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, cap: float
+) -> torch.Tensor:
+    """Attention with soft-capped scores (Gemma 2): ``cap * tanh(q.k * scale / cap)``, then the additive ``mask``
+    and the softmax in float32 — transformers' order of operations. SDPA's fused kernels cannot cap, so it is
+    computed explicitly, and only for a model that caps."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # each key/value head serves `groups` query heads
+        batch, heads, length, width = k.shape
+        k = k[:, :, None].expand(batch, heads, groups, length, width).reshape(batch, heads * groups, length, width)
+        v = v[:, :, None].expand(batch, heads, groups, length, width).reshape(batch, heads * groups, length, width)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores + (mask if mask.dtype == scores.dtype else mask.to(scores.dtype))
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
 
 
 class Attention(nn.Module):
@@ -223,14 +384,26 @@ class Attention(nn.Module):
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_size
-        bias = config.attention_bias
-        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=bias)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=bias)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=bias)
-        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
-        # Qwen3: every query and key head is normalised before the rotary embedding.
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        queries, keys = config.n_heads * self.head_dim, config.n_kv_heads * self.head_dim
+        self.widths = (queries, keys, keys)
+        self.fused = config.fused_projections
+        if self.fused:  # Phi-3: q, k and v from one matrix
+            self.wqkv = nn.Linear(config.dim, queries + 2 * keys, bias=False)
+        else:
+            bias = config.attention_bias
+            self.wq = nn.Linear(config.dim, queries, bias=bias)
+            self.wk = nn.Linear(config.dim, keys, bias=bias)
+            self.wv = nn.Linear(config.dim, keys, bias=bias)
+        self.wo = nn.Linear(queries, config.dim, bias=False)
+        # Qwen3, Gemma 3: every query and key head is normalised before the rotary embedding; OLMo 2: the whole
+        # query and key projections.
+        self.qk_norm = config.qk_norm
+        per_head = config.qk_norm == "head"
+        self.q_norm = rms_norm(config, self.head_dim if per_head else queries) if config.qk_norm else None
+        self.k_norm = rms_norm(config, self.head_dim if per_head else keys) if config.qk_norm else None
+        self.scale = config.attention_scale
+        """None: SDPA's own 1/sqrt(head size)."""
+        self.softcap = config.attn_logit_softcapping
 
     def forward(
         self,
@@ -242,50 +415,80 @@ class Attention(nn.Module):
         layer: int = 0,
     ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
-        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.fused:
+            q, k, v = self.wqkv(x).split(self.widths, dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(batch, seq_len, self.n_heads, self.head_dim)
+        k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin)
         if cache is not None:  # generation: attend to every token so far (the mask says which)
             k, v = cache.store(layer, k, v)
-        gqa = self.n_kv_heads != self.n_heads
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if self.softcap is not None:  # the mask is always given then (Transformer._masks)
+            scale = self.scale if self.scale is not None else self.head_dim**-0.5
+            out = capped_attention(q, k, v, mask, scale, self.softcap)
+        elif mask is None:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads
+            )
         else:
             # Under autocast the mask must be in the queries' dtype.
             mask = mask if mask.dtype == q.dtype else mask.to(q.dtype)
-            if gqa and seq_len == 1:
+            if self.n_kv_heads != self.n_heads and seq_len == 1:
                 # One new token: each key/value head's group of query heads attends as one (G, D) block, so no key
                 # or value is repeated for the heads that share it (a decode step reads the cache once).
                 grouped = q.reshape(batch, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
-                out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask).reshape(q.shape)
+                out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=self.scale).reshape(q.shape)
             else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads
+                )
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """A gated MLP: w2(act(w1 x) * w3 x), act SiLU (SwiGLU) or GELU's tanh form (Gemma); Phi-3 computes w1 and w3
+    as one matrix, w13."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
-        self.w3 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
+        self.fused = config.fused_projections
+        if self.fused:
+            self.w13 = nn.Linear(config.dim, 2 * config.ffn_hidden_dim, bias=False)
+        else:
+            self.w1 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
+            self.w3 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
         self.w2 = nn.Linear(config.ffn_hidden_dim, config.dim, bias=False)
+        self.gelu = config.activation == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.fused:
+            gate, up = self.w13(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class Block(nn.Module):
+    """Attention then the MLP, each added to the residual stream; RMSNorms before them (Llama), after them (OLMo 2)
+    or both (Gemma), their outputs scaled by Granite's residual multiplier."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        before, after = config.block_norms in ("pre", "both"), config.block_norms in ("post", "both")
+        self.attention_norm = rms_norm(config, config.dim) if before else None
         self.attention = Attention(config)
-        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention_post_norm = rms_norm(config, config.dim) if after else None
+        self.ffn_norm = rms_norm(config, config.dim) if before else None
         self.feed_forward = FeedForward(config)
+        self.ffn_post_norm = rms_norm(config, config.dim) if after else None
+        self.residual_multiplier = config.residual_multiplier
+        self.plain = config.block_norms == "pre" and config.residual_multiplier == 1.0
 
     def forward(
         self,
@@ -296,8 +499,19 @@ class Block(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, layer)
-        return x + self.feed_forward(self.ffn_norm(x))
+        if self.plain:
+            x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, layer)
+            return x + self.feed_forward(self.ffn_norm(x))
+        attended = self.attention(_norm(self.attention_norm, x), cos, sin, mask, cache, layer)
+        x = x + self._scaled(_norm(self.attention_post_norm, attended))
+        return x + self._scaled(_norm(self.ffn_post_norm, self.feed_forward(_norm(self.ffn_norm, x))))
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
+
+
+def _norm(norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+    return x if norm is None else norm(x)
 
 
 class KVCache:
@@ -321,6 +535,9 @@ class KVCache:
         """Each row's rotary position of its next token (its real tokens so far)."""
         self.length = 0
         """Slots filled, as the eager path (:meth:`begin`) counts them; a decode step counts on the device."""
+        self.local_window = config.local_window if config.local_layers else None
+        """Gemma's local layers see the last local_window tokens only."""
+        self._slots = torch.arange(capacity, device=device)
         self._step = False
 
     def reset(self) -> None:
@@ -341,31 +558,34 @@ class KVCache:
             self.values[layer][:, :, self.length : self.length + keys.shape[2]] = values
         return self.keys[layer], self.values[layer]
 
-    def begin(self, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Note which of the next T tokens (B, T) are real; their positions (B, T) and the attention mask
-        (B, 1, T, capacity) of the forward pass that adds them (eager: T and the slots filled are Python numbers)."""
+    def begin(self, real: torch.Tensor) -> tuple[torch.Tensor, dict[bool, torch.Tensor]]:
+        """Note which of the next T tokens (B, T) are real; their positions (B, T) and the additive attention masks
+        (B, 1, T, capacity) of the forward pass that adds them, by layer kind (local or not). Eager: T and the slots
+        filled are Python numbers."""
         start, count = self.length, real.shape[1]
         if start + count > self.capacity:
             raise ValueError(f"{start + count} tokens do not fit a cache of {self.capacity}")
         self._step = False
         self.visible[:, start : start + count] = real
-        positions = self.positions.unsqueeze(1) + real.cumsum(dim=1) - 1
-        positions = positions.clamp(min=0)
+        positions = (self.positions.unsqueeze(1) + real.cumsum(dim=1) - 1).clamp(min=0)
         query = torch.arange(start, start + count, device=real.device).unsqueeze(1)
-        key = torch.arange(self.capacity, device=real.device).unsqueeze(0)
+        key = self._slots.unsqueeze(0)
         allowed = (key <= query).unsqueeze(0) & self.visible.unsqueeze(1)
-        # A padding query sees itself: its row stays finite (and nothing real ever attends to it).
-        allowed = allowed | (key == query).unsqueeze(0)
-        mask = torch.zeros(allowed.shape, device=real.device).masked_fill_(~allowed, float("-inf"))
-        return positions, mask.unsqueeze(1)
+        masks = {False: _padded_mask(allowed, key == query)}
+        if self.local_window is not None:
+            # Cache slots and positions differ by a row's left padding only, so their distances are the same.
+            masks[True] = _padded_mask(allowed & (key > query - self.local_window).unsqueeze(0), key == query)
+        return positions, masks
 
-    def begin_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One real token per row into the next slot, with device state only: its positions (B, 1) and the
-        attention mask (B, 1, 1, capacity)."""
+    def begin_step(self) -> tuple[torch.Tensor, dict[bool, torch.Tensor]]:
+        """One real token per row into the next slot, with device state only: its positions (B, 1) and the attention
+        masks (B, 1, 1, capacity) by layer kind."""
         self._step = True
         self.visible.index_fill_(1, self.slot.view(1), True)
-        mask = torch.zeros(self.visible.shape, device=self.visible.device).masked_fill_(~self.visible, float("-inf"))
-        return self.positions.unsqueeze(1), mask[:, None, None, :]
+        masks = {False: _step_mask(self.visible)}
+        if self.local_window is not None:
+            masks[True] = _step_mask(self.visible & (self._slots > self.slot - self.local_window).unsqueeze(0))
+        return self.positions.unsqueeze(1), masks
 
     def advance(self, real: torch.Tensor | None = None) -> None:
         """Count the tokens just added: ``real`` (B, T) of :meth:`begin`'s pass, or one per row of a step."""
@@ -379,6 +599,21 @@ class KVCache:
         self.positions.add_(real.sum(dim=1))
 
 
+def _step_mask(visible: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+
+
+def _padded_mask(allowed: torch.Tensor, itself: torch.Tensor) -> torch.Tensor:
+    # A padding query sees itself: its row stays finite (and nothing real ever attends to it).
+    allowed = allowed | itself.unsqueeze(0)
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+
+
+def _additive(allowed: torch.Tensor) -> torch.Tensor:
+    # Additive (0 / -inf), built once for every layer: attention with a float mask is the faster path.
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 class Transformer(nn.Module):
     """Maps token ids (B, T) to next-token logits (B, T, vocab_size)."""
 
@@ -389,13 +624,15 @@ class Transformer(nn.Module):
         self.activation_checkpointing = activation_checkpointing
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.norm = rms_norm(config, config.dim)
         # A tied model has no separate output tensor, so the state dict never holds two names for one tensor
         # (which safetensors refuses to save).
         self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         # Rotary tables derive from the config: not in the state dict, and not buffers either (DDP would
         # broadcast them every step), computed for the longest sequence seen so far on the device in use.
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope: dict = {}
+        self._local = frozenset(config.local_layers)
+        """Gemma's local layers: a window of their own in the masks, and Gemma 3's RoPE base."""
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """GPT-2 style init: N(0, 0.02), with residual output projections scaled down by depth."""
@@ -407,13 +644,21 @@ class Transformer(nn.Module):
                 nn.init.normal_(param, std=residual_std, generator=generator)
             elif param.dim() >= 2:
                 nn.init.normal_(param, std=0.02, generator=generator)
+            elif self.config.norm_plus_one:
+                nn.init.zeros_(param)  # a norm that scales by (1 + weight)
             else:
                 nn.init.ones_(param)
 
-    def _rotary(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._rope is None or self._rope[0].shape[0] < seq_len or self._rope[0].device != device:
-            self._rope = rotary_tables(self.config, seq_len, device)
-        cos, sin = self._rope
+    def _rotary(
+        self, seq_len: int, device: torch.device, longest: int | None = None, local: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (local and self.config.local_rope_theta is not None, rope_variant(self.config, longest, local))
+        cached = self._rope.get(key)
+        if cached is None or cached[0].shape[0] < seq_len or cached[0].device != device:
+            if len(self._rope) > 8:  # dynamic NTK's tables of past lengths
+                self._rope.clear()
+            cached = self._rope[key] = rotary_tables(self.config, seq_len, device, longest, local)
+        cos, sin = cached
         return cos[:seq_len], sin[:seq_len]
 
     def forward(
@@ -429,75 +674,120 @@ class Transformer(nn.Module):
 
         ``segments`` confines attention to each record (a token sees the earlier tokens of its own segment
         only); ``positions`` (B, T) restarts the rotary positions at each record. With a ``cache``: generation's
-        step (:meth:`decode`), through ``forward`` so that a DDP or FSDP wrapper sees it as the model's call.
-        With ``score``: the log-probabilities of its target tokens instead (:func:`token_scores`), computed over the
-        vocabulary a chunk of positions at a time, so the logits of the whole batch never exist at once.
+        step (:meth:`decode`, :meth:`decode_step`), through ``forward`` so that a DDP or FSDP wrapper sees it as the
+        model's call. With ``score``: the log-probabilities of its target tokens instead (:func:`token_scores`),
+        computed over the vocabulary a chunk of positions at a time, so the logits of the whole batch never exist.
         """
         if cache is not None:
             return self.decode(tokens, real, cache) if real is not None else self.decode_step(tokens, cache)
         seq_len = tokens.shape[1]
-        if seq_len > self.config.max_seq_len:
+        scaling = self.config.rope_scaling
+        if seq_len > self.config.max_seq_len and (scaling is None or scaling.rope_type != "dynamic"):
+            # Dynamic NTK is made for longer sequences; any other model only knows positions below max_seq_len.
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}")
         if self.config.sliding_window is not None and seq_len > self.config.sliding_window:
             # Attention here is plain causal: longer sequences would need the sliding window mask.
             raise ValueError(f"sequence length {seq_len} exceeds sliding_window {self.config.sliding_window}")
-        cos, sin = self._rotary(seq_len, tokens.device)
-        if positions is not None:
-            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-        mask = None
-        if segments is not None:
-            causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=tokens.device).tril()
-            allowed = (segments.unsqueeze(2) == segments.unsqueeze(1)).logical_and(causal).unsqueeze(1)
-            # Additive (0 / -inf), built once for every layer: attention with a float mask is the faster path.
-            mask = torch.zeros(allowed.shape, device=tokens.device).masked_fill_(~allowed, float("-inf"))
-        # The activations are in the norms' dtype, which a narrower (frozen) embedding table does not change.
-        x = self.tok_embeddings(tokens).to(self.norm.weight.dtype)
-        for layer in self.layers:
+        inputs = self._layer_inputs(seq_len, positions, segments, tokens.device)
+        x = self._embed(tokens)
+        for index, layer in enumerate(self.layers):
+            cos, sin, mask = inputs[index in self._local]
             if self.activation_checkpointing and self.training:
                 x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask)
         x = self.norm(x)
+        return self._logits(x) if score is None else self._scores(x, score)
+
+    def _layer_inputs(self, seq_len: int, positions, segments, device: torch.device) -> dict:
+        """The rotary tables and mask of each kind of layer (local or not): {local: (cos, sin, mask)}."""
+        longest = seq_len
+        if positions is not None and self.config.rope_depends_on_length:
+            longest = int(positions.max()) + 1  # as transformers decides from the position ids
+        masks = self._masks(seq_len, segments, device)
+        inputs = {}
+        for local in {False, bool(self._local)}:
+            cos, sin = self._rotary(seq_len, device, longest, local)
+            if positions is not None:
+                cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+            inputs[local] = (cos, sin, masks[local])
+        return inputs
+
+    def _masks(self, seq_len: int, segments, device: torch.device) -> dict[bool, torch.Tensor | None]:
+        """The additive attention masks by layer kind; None for plain causal attention (SDPA's fused path)."""
+        explicit = self.config.attn_logit_softcapping is not None  # capped scores are computed, not fused
+        banded = bool(self._local) and seq_len > self.config.local_window
+        if segments is None and not explicit and not banded:
+            return {False: None, True: None}
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+        allowed = causal
+        if segments is not None:
+            allowed = (segments.unsqueeze(2) == segments.unsqueeze(1)).logical_and(causal).unsqueeze(1)
+        full = _additive(allowed) if segments is not None or explicit else None
+        if not banded:
+            return {False: full, True: full}
+        # A local layer's token sees itself and the local_window - 1 tokens before it.
+        return {False: full, True: _additive(allowed.logical_and(causal.triu(1 - self.config.local_window)))}
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        # The activations are in the norms' dtype, which a narrower (frozen) embedding table does not change.
+        x = self.tok_embeddings(tokens).to(self.norm.weight.dtype)
+        scale = self.config.embedding_scale
+        return x if scale == 1.0 else x * scale
+
+    def _scores(self, x: torch.Tensor, score: TokenTargets) -> TokenScores:
+        if score.where is not None:  # only these positions: their hidden states alone go through the head
+            x = x.gather(1, score.where.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         head = self.tok_embeddings.weight if self.output is None else self.output.weight
-        if score is not None:
-            if score.where is not None:  # only these positions: their hidden states alone go through the head
-                x = x.gather(1, score.where.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-            logps, entropy = token_scores(x.reshape(-1, x.shape[-1]), head, score.targets.reshape(-1), score.entropy)
-            shape = score.targets.shape
-            return TokenScores(logps.view(shape), None if entropy is None else entropy.view(shape))
-        return frozen_linear(x, head) if self.output is None else self.output(x)
+        shape = LogitsShape(self.config.logits_scaling, self.config.final_logit_softcapping)
+        logps, entropy = token_scores(x.reshape(-1, x.shape[-1]), head, score.targets.reshape(-1), score.entropy, shape)
+        size = score.targets.shape
+        return TokenScores(logps.view(size), None if entropy is None else entropy.view(size))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = frozen_linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def decode(self, tokens: torch.Tensor, real: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The next-token logits (B, vocab) after ``tokens`` (B, T), which follow the ones in ``cache`` (and go into
-        it); ``real`` (B, T) is False at left padding. See :mod:`astrai.trainer.generate`, which calls it as
+        it); ``real`` (B, T) is False at left padding. See :mod:`astrai.trainer.decoding`, which calls it as
         ``model(tokens, cache=cache, real=real)`` (a prompt's prefill) and :meth:`decode_step` for each new token."""
-        positions, mask = cache.begin(real)
-        x = self._decode_layers(tokens, positions, mask, cache)
+        positions, masks = cache.begin(real)
+        longest = int(positions.max()) + 1 if self.config.rope_depends_on_length else None
+        x = self._decode_layers(tokens, positions, masks, cache, longest)
         cache.advance(real)
         return x
 
     def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The next-token logits (B, vocab) after one new token per row (B, 1): device work only, the same every
-        step (what a CUDA graph captures and replays)."""
-        positions, mask = cache.begin_step()
-        x = self._decode_layers(tokens, positions, mask, cache)
+        step (what a CUDA graph captures and replays) — but for a RoPE that changes with the length (dynamic NTK,
+        longrope), whose tables follow the longest row (a read of the device, so such steps are not captured)."""
+        positions, masks = cache.begin_step()
+        longest = int(positions.max()) + 1 if self.config.rope_depends_on_length else None
+        x = self._decode_layers(tokens, positions, masks, cache, longest)
         cache.advance()
         return x
 
     def prepare_decode(self, capacity: int, device: torch.device) -> None:
         """Compute the rotary tables for ``capacity`` positions now, so no decode step allocates them."""
-        self._rotary(capacity, device)
+        for local in {False, bool(self._local)}:
+            self._rotary(capacity, device, None, local)
 
-    def _decode_layers(self, tokens, positions, mask, cache: KVCache) -> torch.Tensor:
-        cos, sin = self._rotary(cache.capacity, tokens.device)
-        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-        x = self.tok_embeddings(tokens).to(self.norm.weight.dtype)
+    def _decode_layers(self, tokens, positions, masks, cache: KVCache, longest: int | None) -> torch.Tensor:
+        rotary = {}
+        for local in {False, bool(self._local)}:
+            cos, sin = self._rotary(cache.capacity, tokens.device, longest, local)
+            rotary[local] = (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+        x = self._embed(tokens)
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, index)
-        x = self.norm(x[:, -1])
-        if self.output is None:
-            return frozen_linear(x, self.tok_embeddings.weight)
-        return self.output(x)
+            local = index in self._local
+            x = layer(x, *rotary[local], masks[local], cache, index)
+        return self._logits(self.norm(x[:, -1]))
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
@@ -559,20 +849,21 @@ def _size(handle) -> int:
     return os.fstat(handle.fileno()).st_size
 
 
-def hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same tensors under Hugging Face's names, as written to ``model.safetensors``."""
-    return {hf_name(name): tensor.contiguous() for name, tensor in state.items()}
+def hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The same tensors under Hugging Face's names in ``config``'s family, as written to ``model.safetensors``."""
+    return {hf_name(name, config): tensor.contiguous() for name, tensor in state.items()}
 
 
 def load_base_model(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and checked weights of a base model folder (ours, or a Hugging Face Llama-family one)."""
+    """Config and checked weights of a base model folder (ours, or a Hugging Face one of a native family)."""
     folder = Path(folder)
     config = ModelConfig.load(folder)
     return config, read_weights(folder, config)
 
 
 def load_pretrained(folder: Path) -> Transformer:
-    """The model of a folder (a base model, a Hugging Face Llama-family folder or a checkpoint), fp32, in eval mode.
+    """The model of a folder (a base model, a Hugging Face folder of a native family or a checkpoint), fp32, in eval
+    mode.
 
     ``model(tokens)`` maps token ids ``[batch, seq]`` to logits ``[batch, seq, vocab]``.
     """
@@ -602,7 +893,7 @@ def save_model_folder(folder: Path, config: ModelConfig, state: dict[str, torch.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = hf_state_dict(state)
+    tensors = hf_state_dict(state, config)
     weights_tmp = folder / f".{WEIGHTS_FILE}.tmp"
     config_tmp = folder / f".{MODEL_CONFIG_FILE}.tmp"
     save_tensors(tensors, weights_tmp, metadata={"format": "pt"})
@@ -626,7 +917,7 @@ def _parse_bool(text: str) -> bool:
 _CLI_FIELDS = [
     f
     for f in dataclasses.fields(ModelConfig)
-    if f.type in ("int", "float", "bool", "int | None", "int | tuple[int, ...] | None")
+    if f.type in ("int", "float", "bool", "int | None", "int | tuple[int, ...] | None") and f.name not in FAMILY_FIELDS
 ]
 
 

@@ -7,6 +7,18 @@ from pathlib import Path
 
 import torch
 
+HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+}
+"""transformers' config and model classes of each model_type."""
 ROPE_LLAMA3 = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -33,18 +45,22 @@ def make_hf_model(
     dtype: torch.dtype = torch.float32,
     shard_size: str | None = None,
     seed: int = 0,
+    max_positions: int = 256,
     **extra,
 ) -> Path:
-    """A randomly initialised LlamaForCausalLM (or Mistral) saved by transformers; returns the folder.
+    """A randomly initialised model of ``model_type`` saved by transformers; returns the folder.
 
-    Weights are drawn wider than transformers' init (std 0.02) and norm weights are not all ones, so
-    that a wrong rotation, head grouping or norm shows up in the logits.
+    Weights are drawn wider than transformers' init (std 0.02) and norm weights are not all ones (nor, for Gemma's
+    norms that scale by 1 + weight, all zeros), so that a wrong rotation, head grouping or norm shows up in the
+    logits. ``rope`` is the RoPE of every layer (Gemma 3: of its global layers; ``extra`` may give the rest).
     """
     import transformers
 
-    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
-    config_class = getattr(transformers, f"{prefix}Config")
-    model_class = getattr(transformers, f"{prefix}ForCausalLM")
+    config_class, model_class = (getattr(transformers, name) for name in HF_CLASSES[model_type])
+    rope_parameters = {"rope_type": "default", **(rope or {}), "rope_theta": rope_theta}
+    if model_type == "gemma3_text":
+        local = {"rope_type": "default", "rope_theta": extra.pop("rope_local_base_freq", 10000.0)}
+        rope_parameters = {"full_attention": rope_parameters, "sliding_attention": local}
     config = config_class(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -53,17 +69,18 @@ def make_hf_model(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim if head_dim is not None else hidden_size // heads,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=tie,
-        rope_parameters={"rope_type": "default", **(rope or {}), "rope_theta": rope_theta},
-        **extra,
+        rope_parameters=rope_parameters,
+        # Phi-3's defaults (32000) lie outside these small vocabularies.
+        **{"pad_token_id": None, **({"bos_token_id": 1, "eos_token_id": 2} if model_type == "phi3" else {}), **extra},
     )
     torch.manual_seed(seed)
     model = model_class(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+                param.copy_((0.0 if model_type.startswith("gemma") else 1.0) + 0.2 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.15)
     model.to(dtype).save_pretrained(folder, **({"max_shard_size": shard_size} if shard_size else {}))
@@ -165,22 +182,89 @@ def make_chat_tokenizer(folder: Path, texts: list[str], style: str = "chatml", i
     return folder
 
 
+# Tiny random models of each family the trainer computes beyond Llama, with every feature the family has turned
+# on: a local window shorter than the longer test sequences, soft-capping, multipliers, partial rotary, and the
+# RoPE scalings spread over them (longrope where Phi-3 has it, yarn and dynamic NTK where others use them).
+FAMILY_CASES = {
+    "gemma2": dict(
+        model_type="gemma2",
+        tie=True,
+        layers=3,
+        heads=4,
+        kv_heads=2,
+        head_dim=24,
+        sliding_window=8,
+        query_pre_attn_scalar=20,
+        attn_logit_softcapping=4.0,
+        final_logit_softcapping=6.0,
+        rope={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32},
+    ),
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        tie=True,
+        layers=4,
+        heads=4,
+        kv_heads=1,
+        head_dim=24,
+        sliding_window=8,
+        query_pre_attn_scalar=20,
+        final_logit_softcapping=6.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope={"rope_type": "linear", "factor": 4.0},
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+    ),
+    "phi3": dict(
+        model_type="phi3",
+        heads=4,
+        kv_heads=2,
+        sliding_window=100,
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=32,
+        rope={
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0],
+        },
+    ),
+    "olmo2": dict(
+        model_type="olmo2",
+        heads=4,
+        kv_heads=2,
+        rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0},
+    ),
+    "granite": dict(
+        model_type="granite",
+        heads=4,
+        kv_heads=2,
+        embedding_multiplier=3.0,
+        attention_multiplier=0.2,
+        residual_multiplier=0.6,
+        logits_scaling=2.5,
+        rope={"rope_type": "dynamic", "factor": 2.0},
+        max_positions=32,
+    ),
+}
+
+
 def save_peft_adapter(folder: Path, base: Path, adapters: dict[str, torch.Tensor], settings) -> None:
     """Our adapters (by our names) written by PEFT itself as an adapter folder of the model folder ``base``: an
     adapter as a user brings one."""
     import peft
     import transformers
 
+    from astrai.common.model_folder import peft_modules_of
     from astrai.trainer.lora import peft_name
 
+    tensors = {peft_name(name): value for name, value in adapters.items()}
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     config = peft.LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=list(settings.targets),
+        target_modules=list(peft_modules_of(tensors)),  # a fused layer (Phi-3's qkv_proj) by its own name
     )
     model = peft.get_peft_model(model, config)
-    result = peft.set_peft_model_state_dict(model, {peft_name(name): value for name, value in adapters.items()})
+    result = peft.set_peft_model_state_dict(model, tensors)
     assert not [key for key in result.unexpected_keys if "lora" in key], result.unexpected_keys
     model.save_pretrained(folder)

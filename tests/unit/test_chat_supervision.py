@@ -11,7 +11,7 @@ import json
 import shutil
 
 import pytest
-from real_chat_templates import FAMILIES, MARKED, make_family_folder
+from real_chat_templates import FAMILIES, MARKED, MISTRAL_NEMO_MARKED, make_family_folder
 
 from astrai.data.chat import ChatTemplate, RecordEncoder, RecordError
 from astrai.data.tokenizing import HFTokenizer
@@ -66,6 +66,8 @@ def family(request, tmp_path_factory):
 
 
 def _conversations(name: str) -> list[list[dict]]:
+    if name == "gemma2":  # its template refuses a system message
+        return [[message for message in messages if message["role"] != "system"] for messages in CONVERSATIONS]
     return [*CONVERSATIONS, THINKING] if name == "deepseek_r1" else CONVERSATIONS
 
 
@@ -87,23 +89,37 @@ def test_the_marked_template_renders_what_the_shipped_one_renders(family):
 
 
 def test_every_assistant_turn_supervises_what_transformers_marks_as_generated(family):
+    """The shipped template by the token-position rule; the marked one by its {% generation %} marks, as
+    transformers follows them: both give transformers' assistant mask."""
     name, shipped, marked = family
-    encoder = RecordEncoder(HFTokenizer(shipped), ChatTemplate.of_folder(shipped), "sft")
-    for messages in _conversations(name):
-        ((ids, mask),) = encoder.encode({"messages": messages})
-        reference_ids, reference_mask = _reference(marked, messages)
-        assert ids == reference_ids
-        assert mask == reference_mask, (name, messages)
+    for folder in (shipped, marked):
+        encoder = RecordEncoder(HFTokenizer(folder), ChatTemplate.of_folder(folder), "sft")
+        assert encoder.template.marks_generation == (folder == marked)
+        for messages in _conversations(name):
+            ((ids, mask),) = encoder.encode({"messages": messages})
+            reference_ids, reference_mask = _reference(marked, messages)
+            assert ids == reference_ids
+            assert mask == reference_mask, (name, folder.name, messages)
 
 
 def test_chosen_and_rejected_spans_follow_the_same_rule(family):
     name, shipped, marked = family
-    encoder = RecordEncoder(HFTokenizer(shipped), ChatTemplate.of_folder(shipped), "dpo")
-    prompt = [{"role": "user", "content": "Name a colour."}]
-    record = {"prompt": prompt, "chosen": "Blue.", "rejected": "assistant"}
-    chosen, rejected = encoder.encode(record)
-    for (ids, mask), answer in ((chosen, "Blue."), (rejected, "assistant")):
-        assert (ids, mask) == _reference(marked, [*prompt, {"role": "assistant", "content": answer}])
+    for folder in (shipped, marked):
+        encoder = RecordEncoder(HFTokenizer(folder), ChatTemplate.of_folder(folder), "dpo")
+        prompt = [{"role": "user", "content": "Name a colour."}]
+        record = {"prompt": prompt, "chosen": "Blue.", "rejected": "assistant"}
+        chosen, rejected = encoder.encode(record)
+        for (ids, mask), answer in ((chosen, "Blue."), (rejected, "assistant")):
+            assert (ids, mask) == _reference(marked, [*prompt, {"role": "assistant", "content": answer}])
+        # A prompt that holds an earlier reply: only the chosen and rejected turns are supervised.
+        history = [*prompt, {"role": "assistant", "content": "Red."}, {"role": "user", "content": "Another."}]
+        chosen, _ = encoder.encode({"prompt": history, "chosen": "Blue.", "rejected": "assistant"})
+        _, reference = _reference(marked, [*history, {"role": "assistant", "content": "Blue."}])
+        # The reference marks both replies; chosen's is its last run of marked tokens.
+        start = max(i for i, bit in enumerate(reference) if bit)
+        while reference[start - 1]:
+            start -= 1
+        assert chosen[1] == [0] * start + reference[start:], (name, folder.name)
 
 
 def test_the_facts_the_rule_exists_for(family):
@@ -111,8 +127,8 @@ def test_the_facts_the_rule_exists_for(family):
     tokenizer = HFTokenizer(shipped)
     encoder = RecordEncoder(tokenizer, ChatTemplate.of_folder(shipped), "sft")
     reference = transformers.AutoTokenizer.from_pretrained(shipped)
-    end_of_turn = {"phi3": "<|end|>"}.get(name, FAMILIES[name].config["eos_token"])
-    for messages in CONVERSATIONS[:3]:
+    end_of_turn = FAMILIES[name].end_of_turn or FAMILIES[name].config["eos_token"]
+    for messages in _conversations(name)[:3]:
         ((ids, mask),) = encoder.encode({"messages": messages})
         supervised = [token for token, bit in zip(ids, mask, strict=True) if bit]
         text = reference.decode(supervised)
@@ -132,3 +148,33 @@ def test_an_empty_assistant_message_is_refused_with_what_to_do(family):
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "}]
     with pytest.raises(RecordError, match="assistant message 1 is empty: there is no reply to learn"):
         encoder.encode({"messages": messages})
+
+
+def test_a_template_that_hides_which_tokens_are_generated_is_refused_with_the_remedy_which_works(tmp_path, capsys):
+    """Mistral Nemo's template puts the system message into the last user turn, so the turns before a reply render
+    otherwise when more follow: refused, naming what to do. Marked with {% generation %} and given to
+    `prepare --chat_template FILE`, it is followed as transformers follows it, and goes into the data folder."""
+    from astrai.data import pipeline
+
+    tokenizer = make_family_folder(tmp_path / "tokenizer", "mistral_nemo", _texts())
+    messages = CONVERSATIONS[-1]
+    encoder = RecordEncoder(HFTokenizer(tokenizer), ChatTemplate.of_folder(tokenizer), "sft")
+    with pytest.raises(RecordError, match="before assistant message 2 differently .* --chat_template FILE"):
+        encoder.encode({"messages": messages})
+    records = tmp_path / "chat.jsonl"
+    records.write_text(json.dumps({"messages": messages}) + "\n", encoding="utf-8")
+    prepare = ["prepare", "--kind", "sft", "--tokenizer", str(tokenizer), "--workers", "1", str(records)]
+    assert pipeline.main([*prepare, "--out", str(tmp_path / "refused")]) != 0
+    assert "{% generation %} ... {% endgeneration %}" in capsys.readouterr().err
+
+    marked = tmp_path / "marked.jinja"
+    marked.write_text(MISTRAL_NEMO_MARKED, encoding="utf-8")
+    data = tmp_path / "data"
+    assert pipeline.main([*prepare, "--chat_template", str(marked), "--out", str(data)]) == 0
+    assert (data / "chat_template.jinja").read_text(encoding="utf-8") == MISTRAL_NEMO_MARKED
+    ((ids, mask),) = RecordEncoder(HFTokenizer(data), ChatTemplate.of_folder(data), "sft").encode(
+        {"messages": messages}
+    )
+    assert (ids, mask) == _reference(data, messages) and any(mask)
+    assert pipeline.main(["prepare", "--chat_template", str(marked), "--out", str(tmp_path / "x"), str(records)]) != 0
+    assert "--chat_template needs --tokenizer" in capsys.readouterr().err

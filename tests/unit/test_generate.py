@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_folders import make_hf_model
+from hf_folders import FAMILY_CASES, make_hf_model
 
 from astrai.common.settings import Sampling
 from astrai.model import main as model_main
@@ -23,6 +23,13 @@ FOLDERS = {
     "qwen2": {"model_type": "qwen2", "kv_heads": 2, "tie": True},
     # Per-head norms of queries and keys, a head size of its own.
     "qwen3": {"model_type": "qwen3", "kv_heads": 1, "head_dim": 32, "tie": True},
+    # Soft-capped scores and logits; prompt and completion outgrow the local window of every other layer.
+    "gemma2": FAMILY_CASES["gemma2"],
+    # Fused projections, partial rotary, longrope (within its original context, as transformers' generate keeps
+    # it), no window to limit the generation.
+    "phi3": {**FAMILY_CASES["phi3"], "sliding_window": None},
+    # Local layers with a RoPE base of their own.
+    "gemma3_text": FAMILY_CASES["gemma3_text"],
 }
 
 

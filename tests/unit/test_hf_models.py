@@ -1,4 +1,5 @@
-"""Hugging Face Llama-family folders in and out: logit parity with transformers, both config forms, clear refusals."""
+"""Hugging Face folders of every family in and out: logit parity with transformers, both config forms, clear
+refusals."""
 
 from __future__ import annotations
 
@@ -6,10 +7,17 @@ import json
 
 import pytest
 import torch
-from hf_folders import ROPE_LLAMA3, hf_logits, make_hf_model, to_transformers_4_config
+from hf_folders import FAMILY_CASES, ROPE_LLAMA3, hf_logits, make_hf_model, to_transformers_4_config
 from safetensors.torch import load_file, save_file
 
-from astrai.trainer.model import ModelConfig, ModelLoadError, load_pretrained, write_base_model
+from astrai.trainer.model import (
+    ModelConfig,
+    ModelLoadError,
+    describe_folder,
+    load_pretrained,
+    save_model_folder,
+    write_base_model,
+)
 
 # (batch, seq) shapes every model is compared on.
 SHAPES = [(1, 1), (2, 17), (3, 48)]
@@ -114,13 +122,19 @@ def _edit_config(folder, **changes):
     [
         (dict(model_type="gpt2"), "model_type 'gpt2' is not supported; expected one of llama, mistral"),
         (
-            dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
-            "rope_parameters.rope_type 'yarn' is not supported",
+            dict(rope_parameters={"rope_type": "proportional", "factor": 4.0, "rope_theta": 1e4}),
+            "rope_parameters.rope_type 'proportional' is not supported; expected one of default, linear, llama3, "
+            "yarn, dynamic, longrope",
         ),
         (
-            dict(rope_parameters=None, rope_theta=1e4, rope_scaling={"type": "dynamic", "factor": 2.0}),
-            "rope_scaling.type 'dynamic' is not supported",
+            dict(rope_parameters=None, rope_theta=1e4, rope_scaling={"type": "dynamic"}),
+            "rope_scaling.factor None: dynamic scaling needs a positive finite number",
         ),
+        (
+            dict(rope_parameters={"rope_type": "longrope", "short_factor": [1.0], "rope_theta": 1e4}),
+            "rope_parameters.short_factor: longrope scaling needs a list of 8 positive numbers",
+        ),
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported; expected 1.0"),
         (
             dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
             "rope_parameters.low_freq_factor None: llama3 scaling needs a positive finite number",
@@ -221,3 +235,125 @@ def test_a_qwen3_with_attention_biases_is_refused_naming_the_key(tmp_path):
     folder = make_hf_model(tmp_path / "base", model_type="qwen3", attention_bias=True)
     with pytest.raises(ModelLoadError, match="attention_bias true is not supported; expected false"):
         load_pretrained(folder)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CASES))
+def test_each_family_matches_transformers_with_every_feature_on_and_is_written_back_as_itself(tmp_path, family):
+    """Gemma 2 and 3, Phi-3, OLMo 2 and Granite at fp32: the logits within 1e-5 of transformers' on short and long
+    sequences (past the local window, past longrope's original context, past dynamic NTK's max_position_embeddings),
+    and a folder written from our model loads in transformers as the same family with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    folder = make_hf_model(tmp_path / "base", **FAMILY_CASES[family])
+    model = load_pretrained(folder)
+    assert model.config.model_type == family
+    for batch, seq in SHAPES:
+        tokens = _tokens(batch, seq)
+        with torch.no_grad():
+            ours = model(tokens)
+        expected = hf_logits(folder, tokens)
+        assert expected.abs().max() > 1.0
+        assert (ours - expected).abs().max().item() <= 1e-5, (family, batch, seq)
+
+    save_model_folder(tmp_path / "written", model.config, model.state_dict())
+    assert ModelConfig.load(tmp_path / "written") == model.config
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path / "written", output_loading_info=True)
+    assert type(hf).__name__ == json.loads((folder / "config.json").read_text())["architectures"][0]
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and info["mismatched_keys"] == set()
+    tokens = _tokens(2, 40)
+    with torch.no_grad():
+        assert (hf.eval()(tokens).logits - model(tokens)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3"])
+def test_packed_records_give_the_logits_each_record_has_alone(tmp_path, family):
+    """SFT packs records in one row: positions restart and attention stays in each record, local windows included."""
+    model = load_pretrained(make_hf_model(tmp_path / "base", **FAMILY_CASES[family]))
+    lengths = [13, 20, 7]
+    tokens = _tokens(1, sum(lengths))
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
+    with torch.no_grad():
+        packed = model(tokens, positions, segments)[0]
+        alone = torch.cat([model(part)[0] for part in tokens.split(lengths, dim=1)])
+    assert (packed - alone).abs().max().item() <= 1e-5
+
+
+def _hf_config(folder, **changes) -> dict:
+    _edit_config(folder, **changes)
+    return json.loads((folder / "config.json").read_text())
+
+
+def test_older_gemma_and_phi3_configs_give_the_same_models(tmp_path):
+    """What transformers 4.x wrote: Gemma 2 without layer_types (it alternates), Gemma 3 with rope_theta,
+    rope_local_base_freq, rope_scaling and sliding_window_pattern, Phi-3's longrope under its old name su."""
+    tokens = _tokens(2, 30)
+    cases = {
+        "gemma2": dict(layer_types=None, hidden_act="gelu_pytorch_tanh"),
+        "gemma3_text": dict(
+            layer_types=None,
+            sliding_window_pattern=3,
+            rope_parameters=None,
+            rope_theta=1e6,
+            rope_local_base_freq=1e4,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+        ),
+        "phi3": dict(
+            rope_parameters=None,
+            rope_scaling={
+                "type": "su",
+                **{k: FAMILY_CASES["phi3"]["rope"][k] for k in ("short_factor", "long_factor")},
+            },
+        ),
+    }
+    for family, changes in cases.items():
+        folder = make_hf_model(tmp_path / family, **FAMILY_CASES[family])
+        with torch.no_grad():
+            before = load_pretrained(folder)(tokens)
+        _edit_config(folder, **changes)
+        with torch.no_grad():
+            assert torch.equal(load_pretrained(folder)(tokens), before), family
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "message"),
+    [
+        ("gemma3_text", dict(model_type="gemma3"), "train its text model's own folder \\(model_type gemma3_text\\)"),
+        ("gemma3_text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping 50.0 is not supported for gemma3"),
+        ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention true is not supported"),
+        ("gemma2", dict(layer_types=["full_attention"]), "layer_types \\['full_attention'\\]: expected a list of 3"),
+        ("gemma2", dict(hidden_activation="relu"), "hidden_activation 'relu' is not supported; expected one of silu"),
+        ("phi3", dict(rope_parameters={"rope_type": "linear", "factor": 2.0}), "rope_type 'linear' is not supported"),
+        ("olmo2", dict(attention_bias=True), "attention_bias true is not supported; expected false"),
+        ("granite", dict(mlp_bias=True), "mlp_bias true is not supported; expected false"),
+        ("granite", dict(residual_multiplier=0), "residual_multiplier 0: expected a positive finite number"),
+    ],
+)
+def test_what_a_family_has_and_the_trainer_does_not_compute_is_refused_naming_the_key(
+    tmp_path, family, changes, message
+):
+    folder = make_hf_model(tmp_path / "m", **FAMILY_CASES[family])
+    _edit_config(folder, **changes)
+    with pytest.raises(ModelLoadError, match="config.json: .*" + message):
+        load_pretrained(folder)
+
+
+def test_the_model_line_names_the_family_and_its_features(tmp_path):
+    lines = {
+        family: describe_folder(make_hf_model(tmp_path / family, **FAMILY_CASES[family])) for family in FAMILY_CASES
+    }
+    assert lines["gemma2"].startswith(
+        "gemma2 (3 layers, dim 64, vocab 300, GQA 4/2, sliding window 8 on 1 of every 2 layers, "
+        "soft-capping attention 4, logits 6, rope yarn, tied)"
+    )
+    assert (
+        "sliding window 8 on 2 of every 3 layers, soft-capping logits 6, rope linear (global layers), "
+        in lines["gemma3_text"]
+    )
+    assert "local rope base 10000, q/k norms per head" in lines["gemma3_text"]
+    assert (
+        "phi3 (2 layers, dim 64, vocab 300, GQA 4/2, sliding window 100, rope longrope, rotary 12/16 " in lines["phi3"]
+    )
+    assert "fused qkv_proj, gate_up_proj" in lines["phi3"]
+    assert "olmo2 (2 layers, dim 64, vocab 300, GQA 4/2, rope yarn, q/k norms per projection)" in lines["olmo2"]
+    assert "multipliers embedding 3, attention 0.2, residual 0.6, logits /2.5" in lines["granite"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 from conftest import CORPUS_FILES, REPO, SMALL_RUN
-from hf_folders import ROPE_LLAMA3, make_hf_model, make_tokenizer
+from hf_folders import FAMILY_CASES, ROPE_LLAMA3, make_hf_model, make_tokenizer
 
 from astrai.common.checkpoints import latest_complete_checkpoint, list_complete_checkpoints
 from astrai.common.config import KEY_SECTION
@@ -210,9 +210,16 @@ def test_preflight_says_what_base_model_it_found_and_refuses_bad_ones(tmp_path):
         in check.detail
     )
 
-    _edit(base / "config.json", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
+    _edit(base / "config.json", rope_parameters={"rope_type": "proportional", "factor": 4.0, "rope_theta": 1e4})
     check = _preflight_line(tmp_path, base)
-    assert check.mark == preflight.FAIL and "rope_parameters.rope_type 'yarn' is not supported" in check.detail
+    assert check.mark == preflight.FAIL and "rope_parameters.rope_type 'proportional' is not supported" in check.detail
+
+    gemma = make_hf_model(tmp_path / "gemma", **FAMILY_CASES["gemma2"])
+    check = _preflight_line(tmp_path, gemma)
+    assert check.mark == preflight.PASS and check.detail.startswith(
+        f"{gemma}: gemma2 (3 layers, dim 64, vocab 300, GQA 4/2, sliding window 8 on 1 of every 2 layers, "
+        "soft-capping attention 4, logits 6, rope yarn, tied)"
+    ), check.detail
 
     _edit(base / "config.json", rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     (base / shards[1]).unlink()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from hf_folders import make_hf_model, save_peft_adapter
+from hf_folders import FAMILY_CASES, make_hf_model, save_peft_adapter
 
-from astrai.common.model_folder import ADAPTER_TARGETS
+from astrai.common.fit import SetupError
+from astrai.common.model_folder import ADAPTER_TARGETS, num_adapter_parameters, peft_modules_of
 from astrai.common.settings import LoRASettings
 from astrai.trainer import lora
 from astrai.trainer.model import load_pretrained
@@ -30,11 +33,12 @@ def _ours(folder, settings=SETTINGS, seed=0):
 
 def _peft(folder, adapters: dict[str, torch.Tensor], settings=SETTINGS):
     base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    config = peft.LoraConfig(
-        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=0.0, target_modules=list(settings.targets)
+    peft_names = {lora.peft_name(name): value for name, value in adapters.items()}
+    config = peft.LoraConfig(  # the model's own module names (a Phi-3's qkv_proj)
+        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=0.0, target_modules=list(peft_modules_of(peft_names))
     )
     model = peft.get_peft_model(base, config)
-    result = peft.set_peft_model_state_dict(model, {lora.peft_name(name): value for name, value in adapters.items()})
+    result = peft.set_peft_model_state_dict(model, peft_names)
     assert not [key for key in result.unexpected_keys if "lora" in key], result.unexpected_keys
     return model
 
@@ -201,3 +205,52 @@ def test_adapter_folders_lora_cannot_read_are_refused_naming_the_key(tmp_path):
             lora.read_peft_adapter(tmp_path)
     with pytest.raises(lora.AdapterError, match="not a PEFT adapter folder"):
         lora.read_peft_adapter(tmp_path / "base")
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma2"])
+def test_each_family_adapts_the_layers_peft_adapts_with_the_same_logits_and_step(tmp_path, family):
+    """Phi-3's fused qkv_proj and gate_up_proj get one adapter each, as PEFT gives them (named by their parts in
+    lora_targets); the adapters go both ways through a PEFT adapter folder."""
+    folder = make_hf_model(tmp_path / "base", seed=5, **FAMILY_CASES[family])
+    ours = _ours(folder)
+    _nonzero_b(ours)
+    modules = {name.split(".", 2)[2] for name in lora.adapter_layers(ours)}
+    fused = {"attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2"}
+    assert modules == (fused if family == "phi3" else set(lora.TARGETS.values()))
+    theirs = _peft(folder, lora.adapter_state_dict(ours))
+    with torch.no_grad():
+        assert (ours(TOKENS) - theirs(input_ids=TOKENS).logits).abs().max().item() <= 1e-5
+    targets = torch.roll(TOKENS, -1, dims=1)
+    for logits_of, model in ((lambda: ours(TOKENS), ours), (lambda: theirs(input_ids=TOKENS).logits, theirs)):
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        torch.nn.functional.cross_entropy(logits_of().reshape(-1, 300), targets.reshape(-1)).backward()
+        optimizer.step()
+    stepped = peft.get_peft_model_state_dict(theirs)
+    for name, value in lora.adapter_state_dict(ours).items():
+        torch.testing.assert_close(value, stepped[lora.peft_name(name)], rtol=1e-6, atol=1e-7, msg=name)
+
+    save_peft_adapter(tmp_path / "adapter", folder, lora.adapter_state_dict(ours), SETTINGS)
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    expected = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} if family == "phi3" else set(lora.TARGETS)
+    assert set(written) == expected
+    settings, tensors = lora.read_peft_adapter(tmp_path / "adapter")
+    assert set(settings.targets) == set(lora.TARGETS)  # a fused layer is named by its parts, as lora_targets says
+    again = _ours(folder, settings, seed=9)
+    lora.load_adapters(again, tensors, "adapter")
+    with torch.no_grad():
+        assert torch.equal(again(TOKENS), ours(TOKENS))
+
+
+def test_part_of_a_fused_layer_alone_is_refused_with_what_to_name(tmp_path):
+    model = load_pretrained(make_hf_model(tmp_path / "base", **FAMILY_CASES["phi3"]))
+    with pytest.raises(SetupError, match="phi3 computes q_proj, k_proj, v_proj in one layer \\(qkv_proj\\), which is"):
+        lora.add_adapters(model, LoRASettings(rank=2, alpha=2, targets=("q_proj", "v_proj")))
+    # Preflight's estimate counts the fused layer whole, and does not fail.
+    assert num_adapter_parameters(model.config, 2, ["q_proj"]) == 2 * 2 * (64 + 64 + 2 * 32)  # 2 layers, rank 2
+    adapted = lora.add_adapters(model, LoRASettings(rank=2, alpha=2, targets=("o_proj", "gate_proj", "up_proj")))
+    assert adapted == [
+        "layers.0.attention.wo",
+        "layers.0.feed_forward.w13",
+        "layers.1.attention.wo",
+        "layers.1.feed_forward.w13",
+    ]

@@ -143,8 +143,9 @@ def test_checkpoint_holds_the_weights_of_its_step(job_yaml, one_thread, make_tra
         trainer.train(steps=3)
         saved = trainer.save_checkpoint("emergency")
         live = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        config = trainer.model_config
     finally:
         trainer.close()
     assert saved.name == "epoch_0_step_3"
     weights = load_file(saved / "model.safetensors")
-    assert all(torch.equal(weights[hf_name(k)], live[k]) for k in live)
+    assert all(torch.equal(weights[hf_name(k, config)], live[k]) for k in live)

@@ -18,6 +18,7 @@ Either format resumes from a folder written in either.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -107,7 +108,7 @@ class CheckpointFormat(Protocol):
 class FullSnapshot:
     """The whole state on rank 0: FSDP gathers it into fresh CPU tensors; otherwise it is the live state itself."""
 
-    def __init__(self, model_state: dict, optimizer_state: dict, master: bool, gathered: bool, names=hf_state_dict):
+    def __init__(self, model_state: dict, optimizer_state: dict, master: bool, gathered: bool, names):
         self.model_state = model_state
         self.optimizer_state = optimizer_state
         self.writes = master
@@ -172,14 +173,16 @@ class FullFormat:
 
     def snapshot(self, model: torch.nn.Module, optimizer: Optimizers, env: DistEnv) -> FullSnapshot:
         fsdp = env.parallel_mode == "fsdp"
+        # Hugging Face's names in the model's family.
+        names = functools.partial(hf_state_dict, config=_unwrapped(model).config)
         if not fsdp:  # the live parameters and optimizer moments themselves
             state = (_unwrapped(model).state_dict(), named_optimizer_state(model, optimizer))
-            return FullSnapshot(*state, env.master_process, gathered=False)
+            return FullSnapshot(*state, env.master_process, gathered=False, names=names)
         # FSDP gathers into fresh CPU tensors on rank 0 (other ranks get empty dicts).
         model_state, optimizer_state = get_state_dict(
             model, optimizer.parts, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        return FullSnapshot(model_state, optimizer_state, env.master_process, gathered=True)
+        return FullSnapshot(model_state, optimizer_state, env.master_process, gathered=True, names=names)
 
     def restore(self, model: torch.nn.Module, optimizer: Optimizers, loaded: LoadedCheckpoint, env: DistEnv) -> None:
         _restore_whole(model, optimizer, loaded)
@@ -237,7 +240,7 @@ class ShardedFormat:
         model_state, optimizer_state = get_state_dict(
             model, optimizer.parts, options=StateDictOptions(full_state_dict=False)
         )
-        return ShardedState(model_state, optimizer_state, env.rank, env.world_size)
+        return ShardedState(model_state, optimizer_state, env.rank, env.world_size, _unwrapped(model).config)
 
     def restore(self, model: torch.nn.Module, optimizer: Optimizers, loaded: LoadedCheckpoint, env: DistEnv) -> None:
         if loaded.model_state is not None:
@@ -249,7 +252,8 @@ class ShardedFormat:
         )
         error = None
         try:
-            read_rows(loaded.checkpoint.path, loaded.optimizer_state, model_state, optimizer_state)
+            config = _unwrapped(model).config
+            read_rows(loaded.checkpoint.path, loaded.optimizer_state, model_state, optimizer_state, config)
         except Exception as failure:  # every rank learns of it below, so none waits for the others alone
             error = failure
         failed = failed_ranks(env, error is not None, env.control_group)

@@ -52,7 +52,7 @@ from astrai.trainer.checkpoint.files import (
     write_file,
 )
 from astrai.trainer.distributed import DistEnv, gather_objects
-from astrai.trainer.model import hf_name
+from astrai.trainer.model import ModelConfig, hf_name
 
 _CHUNK = 64 << 20
 """Bytes per write or read call; each written chunk is handed to the disk at once."""
@@ -94,16 +94,16 @@ class ShardedState:
     """This rank's rows of the model and optimizer state, placed in the files of a sharded checkpoint.
 
     ``model_state`` and ``optimizer_state`` are what ``get_state_dict(full_state_dict=False)`` returns:
-    DTensor shards under FSDP, whole tensors otherwise.
+    DTensor shards under FSDP, whole tensors otherwise; ``config`` names the weights as its family does.
     """
 
-    def __init__(self, model_state: dict, optimizer_state: dict, rank: int, world: int):
+    def __init__(self, model_state: dict, optimizer_state: dict, rank: int, world: int, config: ModelConfig):
         self.rank = rank
         self.world = world
         self.pieces: list[_Piece] = []
         shapes: dict[str, dict] = {WEIGHTS_FILE: {}, OPTIMIZER_TENSORS_FILE: {}}
         for name, value in model_state.items():
-            self._add(shapes, WEIGHTS_FILE, hf_name(name), value, rank, world)
+            self._add(shapes, WEIGHTS_FILE, hf_name(name, config), value, rank, world)
         rest, names = {}, {}
         for param, values in optimizer_state["state"].items():
             # Copied now: the optimizer updates its step counters in place while a periodic save is written.
@@ -243,7 +243,9 @@ def _local_target(value: torch.Tensor) -> tuple[int, torch.Tensor]:
     return 0, value
 
 
-def read_rows(folder: Path, small_optimizer: dict, model_state: dict, optimizer_state: dict) -> None:
+def read_rows(
+    folder: Path, small_optimizer: dict, model_state: dict, optimizer_state: dict, config: ModelConfig
+) -> None:
     """Fill ``model_state`` and ``optimizer_state`` (this rank's ``get_state_dict`` of the built model) in place.
 
     Each tensor gets only the rows this rank holds, from a sharded or a full checkpoint, and must have
@@ -255,7 +257,7 @@ def read_rows(folder: Path, small_optimizer: dict, model_state: dict, optimizer_
         with torch.no_grad():
             for name, value in model_state.items():
                 start, target = _local_target(value)
-                weights.read_into(hf_name(name), start, target, tuple(value.shape))
+                weights.read_into(hf_name(name, config), start, target, tuple(value.shape))
     finally:
         weights.close()
     saved = small_optimizer["state"]
