@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+from astrai.common.contract import DATA_MANIFEST_FILE
 from tests import support
 from tests.support import REPO, placeholder_checkpoint, write_config  # noqa: F401 (the benchmarks use them)
 
@@ -110,6 +113,32 @@ class Figures(dict):
     def observed(self, key: str, value, evidence) -> object:
         """A yes/no or a plain reading, with what it was read from."""
         return self._put(key, value, {"method": "observed", "value": value, "evidence": evidence})
+
+
+_TIMED_PREPARE = """
+import resource, subprocess, sys, time
+start = time.perf_counter()
+subprocess.run(sys.argv[1:], check=True, capture_output=True)
+print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
+
+
+def run_prepare(out: Path, files: list[Path], tokenizer: Path | None, workers: int) -> tuple[float, int, int]:
+    """(tokens/s, peak resident KiB of its largest process, tokens) of one `prepare` command, from outside.
+
+    The command runs as a user runs it, ``python -m astrai.data prepare``, in a fresh process: `prepare`'s worker
+    processes then import what that command imports, not the benchmark's own modules (torch among them).
+    """
+    command = [sys.executable, "-m", "astrai.data", "prepare", "--out", str(out), "--workers", str(workers)]
+    command += ["--tokenizer", str(tokenizer)] if tokenizer else []
+    result = subprocess.run(
+        [sys.executable, "-c", _TIMED_PREPARE, *command, *map(str, files)], capture_output=True, text=True, cwd=REPO
+    )
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr)
+    seconds, peak = result.stdout.split()
+    tokens = json.loads((out / DATA_MANIFEST_FILE).read_text())["num_tokens"]
+    return tokens / float(seconds), int(peak), tokens
 
 
 def invoke(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:

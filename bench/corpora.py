@@ -24,12 +24,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from astrai.common.config import DataSource
-from astrai.common.contract import DATA_MANIFEST_FILE
 from astrai.data.pipeline import prepare
 from astrai.data.sources import available_cpus
 from astrai.trainer.distributed import init_distributed
 from astrai.trainer.loop import open_trainer
-from bench.common import REPO, Figures, fix_threads
+from bench.common import REPO, Figures, fix_threads, run_prepare
 from bench.hf_io import _tokenizer
 from bench.trainer_speed import make_assets, trainer_config
 
@@ -66,13 +65,6 @@ tokens = sum(len(e.ids) for e in tokenizer.encode_batch(texts, add_special_token
 print(tokens / (time.perf_counter() - start))
 """
 
-_PREPARE = """
-import resource, subprocess, sys, time
-start = time.perf_counter()
-subprocess.run(sys.argv[1:], check=True, capture_output=True)
-print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-"""
-
 
 def _library_rate(tokenizer: Path, files: list[Path]) -> float:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "true", "RAYON_NUM_THREADS": str(available_cpus())}
@@ -84,33 +76,19 @@ def _library_rate(tokenizer: Path, files: list[Path]) -> float:
     return float(result.stdout)
 
 
-def _prepare_run(out: Path, files: list[Path], tokenizer: Path | None, workers: int) -> tuple[float, int, int]:
-    """(tokens/s, peak resident KiB of its largest process, tokens) of one `prepare` command, from outside."""
-    command = [sys.executable, "-m", "astrai.data", "prepare", "--out", str(out), "--workers", str(workers)]
-    command += ["--tokenizer", str(tokenizer)] if tokenizer else []
-    result = subprocess.run(
-        [sys.executable, "-c", _PREPARE, *command, *map(str, files)], capture_output=True, text=True, cwd=REPO
-    )
-    if result.returncode != 0:
-        raise RuntimeError(result.stderr)
-    seconds, peak = result.stdout.split()
-    tokens = json.loads((out / DATA_MANIFEST_FILE).read_text())["num_tokens"]
-    return tokens / float(seconds), int(peak), tokens
-
-
 def prepare_speed(folder: Path, quick: bool, figures: Figures) -> None:
     files = _jsonl_corpus(folder / "jsonl", 12 if quick else 24)
     tokenizer = _tokenizer(folder)
     cores = available_cpus()
     ours, library, single = [], [], []
-    _prepare_run(folder / "out", files, tokenizer, cores)  # warm the page cache and the imports
+    run_prepare(folder / "out", files, tokenizer, cores)  # warm the page cache and the imports
     for turn in range(3 if quick else 5):
         ways = [("ours", cores), ("library", None), ("single", 1)]
         for name, workers in ways if turn % 2 == 0 else ways[::-1]:
             if name == "library":
                 library.append(_library_rate(tokenizer, files))
             else:
-                rate = _prepare_run(folder / "out", files, tokenizer, workers)[0]
+                rate = run_prepare(folder / "out", files, tokenizer, workers)[0]
                 (ours if name == "ours" else single).append(rate)
     figures.ratio("prepare_jsonl_vs_tokenizers", ours, library)
     figures.ratio("prepare_parallel_speedup", ours, single)
@@ -130,7 +108,7 @@ def prepare_memory(folder: Path, quick: bool, figures: Figures) -> None:
     for turn in range(2 if quick else 3):
         for name in ("small", "large") if turn % 2 == 0 else ("large", "small"):
             files = small if name == "small" else large
-            peaks[name].append(_prepare_run(folder / f"out-{name}", files, None, cores)[1])
+            peaks[name].append(run_prepare(folder / f"out-{name}", files, None, cores)[1])
     figures.ratio("prepare_memory_10x", peaks["large"], peaks["small"])
 
 

@@ -1,9 +1,13 @@
 """Run the benchmarks, print a table, merge the figures into bench/results.json, write docs/benchmarks.md's table.
 
-    invoke bench                          # every section (about 20 minutes on 2 CPU cores)
-    invoke bench --quick                  # fewer repetitions, no `base` checkpoint run (about 6 minutes)
+    invoke bench                          # every section (about an hour on 2 CPU cores)
+    invoke bench --quick                  # fewer repetitions, no `base` checkpoint run (36 minutes, see below)
     invoke bench --only "host commands"   # some sections only; the other figures stay as measured before
     python -m bench.run --table           # rewrite the docs table from bench/results.json, measure nothing
+
+The times: a full run's sections took 58.6 minutes together in their last full runs (2026-12-01 to
+2026-12-03), and ``--quick`` took 36.5 minutes on 2026-12-04 on 2 cores shared with other work (load
+2.7 to 10.2); ``results.json``'s ``sections`` keep each section's time in the run that last measured it.
 
 Every figure is a ratio or a count measured side by side in the same run, as a
 median of repetitions: these machines are shared and noisy, so absolute

@@ -2,8 +2,10 @@
 
 Two trainers of the same `tiny` job in this one process, one thread: one reports as by default (metrics.jsonl and
 TensorBoard), the other to a real MLflow tracking server on this host (SQLite store) and to W&B offline as well.
-They train in alternating turns of 100 steps with the default log_interval of 10. A turn of the reporting trainer
-ends only once its outboxes have sent everything the turn logged, so the sending threads' CPU time is its own.
+They train in alternating turns of 100 steps (50 with --quick: a turn of 100 takes about 34 s on 2 CPU cores, so
+--quick's 14 turns took this section alone to about 8 minutes) with the default log_interval of 10. A turn
+of the reporting trainer ends only once its outboxes have sent everything the turn logged, so the sending threads'
+CPU time is its own; that one extra request per turn costs a few milliseconds against seconds of training.
 W&B's service process (wandb-core, a program of its own) is not on this process's clock.
 
 - ``tracker_overhead``: CPU time of a turn without trackers over the same turn with them (tokens per CPU-second
@@ -23,7 +25,9 @@ from bench.common import Figures, fix_threads
 from bench.trainer_speed import make_assets
 from tests.trackers_support import mlflow_server
 
-WINDOW, BATCH, STEPS, LOG_INTERVAL = 128, 16, 100, 10
+WINDOW, BATCH, LOG_INTERVAL = 128, 16, 10
+# steps per turn: (with --quick, without)
+STEPS = (50, 100)
 
 
 def _config(params: Path, data: Path, job_dir: Path, log: dict):
@@ -37,9 +41,9 @@ def _config(params: Path, data: Path, job_dir: Path, log: dict):
     )
 
 
-def _turn(trainer) -> tuple[float, float]:
+def _turn(trainer, steps: int) -> tuple[float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
-    trainer.train(steps=STEPS)
+    trainer.train(steps=steps)
     trackers = trainer.reporter.trackers
     for outbox in trackers.outboxes.values() if trackers is not None else ():
         outbox.drain()
@@ -49,7 +53,7 @@ def _turn(trainer) -> tuple[float, float]:
 def run(quick: bool) -> Figures:
     figures = Figures()
     fix_threads()
-    turns = 6 if quick else 10
+    turns, steps = (6, STEPS[0]) if quick else (10, STEPS[1])
     with (
         tempfile.TemporaryDirectory(prefix="astrai-bench-trackers-") as work,
         mlflow_server(Path(work) / "mlflow") as server,
@@ -68,7 +72,7 @@ def run(quick: bool) -> Figures:
         }
         try:
             for trainer in sides.values():
-                _turn(trainer)  # warm up; the tracker runs open
+                _turn(trainer, steps)  # warm up; the tracker runs open
             opened = sides["on"].reporter.trackers
             deadline = time.monotonic() + 120
             while len(opened.ids()) < 2 and time.monotonic() < deadline:
@@ -77,7 +81,7 @@ def run(quick: bool) -> Figures:
             times: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
             for turn in range(turns):
                 for side in ("off", "on") if turn % 2 == 0 else ("on", "off"):
-                    times[side].append(_turn(sides[side]))
+                    times[side].append(_turn(sides[side], steps))
             sent = {name: box.tracker.run.last_step for name, box in opened.outboxes.items()}
             dropped = sum(box.dropped for box in opened.outboxes.values())
         finally:

@@ -199,15 +199,27 @@ class HFTokenizer:
         A long document is encoded window by window, each with some text of its neighbours on both sides
         (``text[:low]`` and ``text[high:]``): a token near a cut is then the token the whole document gives,
         and the windows' tokens put together are ``encode`` of the whole document.
+
+        The window is encoded without character offsets (``encode_batch_fast``, as records are): with an
+        offset for every token and a Python pass over them, a 1 MiB window took 1.9 times as long. Only two
+        short stretches around the cuts are encoded with offsets, to count the window's tokens that start
+        before ``low`` and from ``high`` on; each stretch has as much text on either side of its cut as the
+        window has beyond that cut, so its tokens near the cut are the window's (and the document's).
         """
-        encoding = self.tokenizer.encode(text, add_special_tokens=False)
-        ids = array(
-            self.typecode,
-            (i for i, (begin, _) in zip(encoding.ids, encoding.offsets, strict=True) if low <= begin < high),
-        )
+        ids = self.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        before = self._split_at(text[: 2 * low], low)[0] if low else 0
+        start = max(0, 2 * high - len(text))  # the stretch around ``high`` ends where the window ends
+        after = self._split_at(text[start:], high - start)[1] if high < len(text) else 0
+        kept = array(self.typecode, ids[before : len(ids) - after])
         if sys.byteorder == "big":
-            ids.byteswap()
-        return ids.tobytes()
+            kept.byteswap()
+        return kept.tobytes()
+
+    def _split_at(self, text: str, cut: int) -> tuple[int, int]:
+        """How many tokens of ``text`` start before character ``cut``, and how many from it on."""
+        offsets = self.tokenizer.encode(text, add_special_tokens=False).offsets
+        before = sum(1 for begin, _ in offsets if begin < cut)
+        return before, len(offsets) - before
 
     @property
     def typecode(self) -> str:

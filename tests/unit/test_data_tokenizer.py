@@ -220,3 +220,35 @@ def test_a_long_document_s_ids_are_encode_of_the_whole_document_across_every_cut
     expected = tokenizer.encode(text, add_special_tokens=False).ids + [tokenizer.token_to_id("<|endoftext|>")]
     assert len(document.read_bytes()) > 8 * sources.PIECE_BYTES
     assert _tokens(tmp_path / "data") == expected
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "sentencepiece", "llama3"])
+def test_a_window_keeps_the_document_s_tokens_that_start_inside_it(tmp_path, kind):
+    from array import array
+
+    from real_chat_templates import train_tokenizer
+
+    lines = [f"Line {n} says héllo to the world.\n" + "\n" * (n % 4) + " " * (n % 3) for n in range(80)]
+    text = "".join(lines)
+    trained = train_tokenizer(kind, lines, ("<|endoftext|>",))
+    trained.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = data_module.HFTokenizer(tmp_path / "tokenizer.json")
+    whole = trained.encode(text, add_special_tokens=False)
+    cut_in_newlines = text.index("\n\n\n") + 1
+    inside_words = text.index("world", 800) + 2, text.index("héllo", 1300) + 3
+    # (low, high, context): a long window, one shorter than its context, cuts inside a run of newlines, before
+    # a word a SentencePiece tokenizer prefixes with ▁ and inside words, and windows at either end of the text.
+    for low, high, context in [
+        (700, 1900, 120),
+        (1000, 1030, 90),
+        (cut_in_newlines, cut_in_newlines + 400, 60),
+        (text.index(" says", 900), text.index(" says", 1500), 60),
+        (*inside_words, 60),
+        (0, 500, 80),
+        (len(text) - 300, len(text), 100),
+    ]:
+        start, stop = max(0, low - context), min(len(text), high + context)
+        got = array("H")
+        got.frombytes(tokenizer.encode_window(text[start:stop], low - start, high - start))
+        expected = [i for i, (begin, _) in zip(whole.ids, whole.offsets, strict=True) if low <= begin < high]
+        assert got.tolist() == expected, (low, high, context)
