@@ -360,7 +360,8 @@ def demo(c, workdir="demo", fresh=False, job_name="astrai-demo"):
 
 @task(
     help={
-        "quick": "fewer repetitions and no `base` checkpoint run (36 minutes measured on a shared 2-core machine, a full run about an hour)",
+        "quick": "fewer repetitions and no `base` checkpoint run (36 minutes measured on a shared 2-core machine; "
+        "a full run takes about an hour)",
         "only": "measure only this section (repeatable, e.g. --only 'host commands at scale'); the rest stay",
         "gpu": "the GPU section instead (one H100/H200-class GPU, at most about 8 minutes): results.json's gpu block",
     },
