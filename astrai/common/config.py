@@ -230,6 +230,9 @@ class TrainingSection:
     grpo_loss: str = GRPOSettings.loss
     """online_grpo: how token losses are averaged, as TRL names it: grpo (per completion, then over completions),
     dr_grpo (summed, over completions x max_completion_length) or dapo (over every token of the step's batch)."""
+    reward_timeout: float = 300.0
+    """online_grpo, online_dpo: seconds a reward function may take on one batch; past it, the run stops naming it.
+    A stop asked for meanwhile does not wait for it: the step is given up, and the last one completed is saved."""
     num_iterations: int = GRPOSettings.num_iterations
     """online_grpo, grpo: optimizer steps on each generation round's completions (TRL's mu); the later ones take
     their probability ratio against the policy the completions were sampled from, and no new prompts."""
@@ -352,6 +355,7 @@ class TrainingSection:
             "the others')",
         )
         _check(self.num_generations >= 1, "training.num_generations", self.num_generations, "an integer >= 1")
+        _check(self.reward_timeout > 0, "training.reward_timeout", self.reward_timeout, "a number of seconds > 0")
         _settings(self.sampling)
         _settings(self.grpo)
         _check(
@@ -401,6 +405,7 @@ REWARD_KEYS = {
     "grpo": ("grpo_epsilon", "grpo_epsilon_high", "grpo_beta", "grpo_loss", "scale_rewards", "num_iterations"),
     "online_grpo": (
         "rewards",
+        "reward_timeout",
         "num_generations",
         "max_completion_length",
         "mask_truncated_completions",
@@ -414,17 +419,30 @@ REWARD_KEYS = {
         "scale_rewards",
         "num_iterations",
     ),
-    "online_dpo": ("rewards", "max_completion_length", "temperature", "top_p", "top_k", "dpo_beta"),
+    "online_dpo": ("rewards", "reward_timeout", "max_completion_length", "temperature", "top_p", "top_k", "dpo_beta"),
 }
 """The training keys that shape a step of each type that learns from rewards (recorded in every checkpoint)."""
 
 
-def unused_reward_keys(training: TrainingSection) -> list[str]:
-    """The reward types' keys set (away from their defaults) that ``training.train_type`` does not use."""
-    used = set(REWARD_KEYS.get(training.train_type, ()))
-    every = {key for keys in REWARD_KEYS.values() for key in keys} - {"dpo_beta"}
+TYPE_KEYS = {"seq": (), "sft": (), "dpo": ("dpo_beta", "dpo_reference"), **REWARD_KEYS}
+"""The training keys that only some train types use: each type's own."""
+
+
+def ignored_keys(training: TrainingSection) -> list[str]:
+    """The training keys set (away from their defaults) that ``training.train_type`` does not use."""
+    used = set(TYPE_KEYS.get(training.train_type, ()))
+    every = {key for keys in TYPE_KEYS.values() for key in keys}
     default = TrainingSection()
     return sorted(key for key in every - used if getattr(training, key) != getattr(default, key))
+
+
+def ignored_keys_note(training: TrainingSection) -> str | None:
+    """What the trainer, --dry-run and preflight say of the keys this train type ignores; None when none is set."""
+    ignored = ignored_keys(training)
+    if not ignored:
+        return None
+    keys = ", ".join(f"training.{key}" for key in ignored)
+    return f"train_type {training.train_type} does not use {keys}; they are left as set"
 
 
 def reward_settings(training: TrainingSection) -> dict | None:

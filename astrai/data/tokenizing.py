@@ -94,7 +94,10 @@ class HFTokenizer:
 
     name = "tokenizers"
 
-    def __init__(self, path: Path, eos: str | None = None, chat_template: Path | None = None):
+    def __init__(self, path: Path, eos: str | None = None, chat_template: Path | None = None, ends: str = "a document"):
+        """``ends``: what the end-of-text token ends where this tokenizer is used (a document in ``prepare``, a
+        completion in ``generate``), as messages say it."""
+        self.ends = ends
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -143,7 +146,7 @@ class HFTokenizer:
                 listed = ", ".join(sorted(self.special_tokens)) or "none"
                 raise DataError(
                     f"--eos {eos!r} is not one of the special tokens of {self.file}: an ordinary token would "
-                    f"also end documents wherever the text holds it; choose one of: {listed}"
+                    f"also end {self.ends} wherever the text holds it; choose one of: {listed}"
                 )
             return eos
         settings = tokenizer_settings(self.file.parent) if self.file.name == TOKENIZER_FILE else {}
@@ -160,7 +163,7 @@ class HFTokenizer:
             else f"it has none of the usual end-of-text tokens ({', '.join(WELL_KNOWN_END_OF_TEXT)})"
         )
         raise DataError(
-            f"{self.file}: cannot tell which token ends a document: {why}; pass --eos TOKEN, "
+            f"{self.file}: cannot tell which token ends {self.ends}: {why}; pass --eos TOKEN, "
             f"one of its special tokens: {listed}"
         )
 

@@ -454,11 +454,18 @@ def _merged(
     recorded = lora["base"]
     if base is None:
         raise ExportError(
-            f"{source} holds LoRA adapters of the base model {recorded['path']}, not a whole model: export it from "
-            "its job (which names the base model folder), or with --adapter for a PEFT adapter folder",
+            f"{source} holds LoRA adapters of the base model {recorded['path']}, not a whole model, and that folder "
+            "is not there (moved, or on another host): give the base model folder with --base DIR, or export with "
+            "--adapter for a PEFT adapter folder",
             code=2,
         )
     base = Path(base)
+    if not (base / MODEL_CONFIG_FILE).is_file():
+        raise ExportError(
+            f"{source} holds LoRA adapters of the base model recorded as {recorded['path']}, looked for at {base}, "
+            f"which holds no model (moved?): give the base model folder with --base DIR",
+            code=2,
+        )
     found = base_digest(base)
     if found != recorded["sha256"]:
         raise ExportError(

@@ -35,6 +35,7 @@ from astrai.common.checkpoints import (
     remove_job_entry,
     scan_job_dir,
 )
+from astrai.common.config import ONLINE_TRAIN_TYPES, TrainerConfig
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import METRIC_TIME, METRICS_FILE
 from astrai.common.errors import AstraiError
@@ -42,6 +43,7 @@ from astrai.common.metrics import MetricsFile
 from astrai.common.values import local_time
 from astrai.host import compose, engine, preflight, slurm, slurm_script, timer
 from astrai.host.hostuser import make_dirs
+from astrai.host.reward_checks import import_in_image
 from astrai.host.runtime import Runtime, check_paths
 from astrai.host.trainer_config import fix_hint, read_trainer_config
 
@@ -139,10 +141,10 @@ def render_kubernetes(runtime: Runtime, trainer_args: list[str], trainjob: bool)
 # --- start, stop, restart ---------------------------------------------------------------------
 
 
-def check_trainer_config(runtime: Runtime, trainer_args: list[str]) -> None:
-    """Refuse (exit 2) what the trainer would refuse in train.yaml or the arguments after ``--``."""
+def check_trainer_config(runtime: Runtime, trainer_args: list[str]) -> TrainerConfig:
+    """Refuse (exit 2) what the trainer would refuse in train.yaml or the arguments after ``--``; else the config."""
     try:
-        read_trainer_config(runtime, list(trainer_args))
+        return read_trainer_config(runtime, list(trainer_args))
     except ConfigError as error:
         raise JobError(f"{error}\n  → {fix_hint(error, runtime)}", code=2) from None
 
@@ -218,6 +220,17 @@ def start_lock(runtime: Runtime, *, wait: bool = False):
         yield
 
 
+def _check_rewards_in_image(runtime: Runtime, trainer_args: list[str]) -> None:
+    """The reward functions imported in the image just built, before the trainer's container starts."""
+    config = check_trainer_config(runtime, trainer_args)
+    if config.training.train_type not in ONLINE_TRAIN_TYPES or not config.training.rewards:
+        return
+    failures = import_in_image(runtime, config.training.rewards)
+    if failures:
+        lines = "\n  ".join(failures)
+        raise JobError(f"the reward functions do not import in the trainer image:\n  {lines}\nthe job was not started")
+
+
 def _stop_request(runtime: Runtime) -> Path:
     return compose.state_dir(runtime) / STOP_REQUEST_NAME.format(node=runtime.node)
 
@@ -246,6 +259,7 @@ def _start_container(runtime: Runtime, trainer_args: list[str], began: float) ->
     compose.write_override(runtime, trainer_args)
     _say("building the trainer image (`invoke build` shows the build output)")
     _run_compose(runtime, "build", compose.SERVICE, what="building the trainer image", quiet=True)
+    _check_rewards_in_image(runtime, trainer_args)
     if _stop_requested_since(runtime, began):
         raise JobError(f"`{runtime.command('stop')}` was run while this start was in progress: the job was not started")
     timer.cancel(compose.state_dir(runtime))

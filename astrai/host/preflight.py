@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from astrai.common.checkpoints import estimate_checkpoint_bytes, folder_bytes, latest_complete_checkpoint
-from astrai.common.config import ONLINE_TRAIN_TYPES, REWARD_TRAIN_TYPES, TrainerConfig
+from astrai.common.config import ONLINE_TRAIN_TYPES, REWARD_TRAIN_TYPES, TrainerConfig, ignored_keys_note
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import (
     CKPT_FORMAT_LORA,
@@ -57,6 +57,7 @@ from astrai.common.values import format_bytes
 from astrai.host import compose, engine
 from astrai.host.checklist import FAIL, PASS, SKIP, WARN, Check
 from astrai.host.hostuser import host_user_ids
+from astrai.host.reward_checks import reward_checks
 from astrai.host.runtime import JOB_DIR_ROOM, Runtime, split_endpoint
 from astrai.host.tracker_checks import tracker_checks
 from astrai.host.trainer_config import fix_hint, host_path, read_trainer_config
@@ -98,6 +99,8 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = (), *, this_host: boo
             checks.append(_reference_check(runtime, config, model, data))
         if config is not None:
             checks += tracker_checks(runtime, config)
+            if this_host:
+                checks += reward_checks(runtime, config)
     checks.append(_disk_space_check(runtime, config))
     if runtime.multi_node:
         checks += node_checks(runtime)
@@ -750,7 +753,9 @@ def _trainer_config_check(runtime: Runtime, trainer_args: list[str]) -> tuple[Tr
             fix_hint(error, runtime),
         )
     given = f" with {shlex.join(trainer_args)}" if trainer_args else ""
-    return config, Check(PASS, TRAINER_CONFIG, f"model/data/parallel/training/ckpt/log sections are valid{given}")
+    note = ignored_keys_note(config.training)
+    found = f"model/data/parallel/training/ckpt/log sections are valid{given}" + (f"; note: {note}" if note else "")
+    return config, Check(PASS, TRAINER_CONFIG, found)
 
 
 def _compose_config_check(runtime: Runtime) -> Check:

@@ -22,8 +22,8 @@ from astrai.common.config import (
     ONLINE_TRAIN_TYPES,
     REWARD_TRAIN_TYPES,
     TrainerConfig,
+    ignored_keys_note,
     reward_settings,
-    unused_reward_keys,
 )
 from astrai.common.contract import GENERATION_CONFIG_FILE, TOKENIZER_FILE
 from astrai.common.data_folder import DataError, TokenData, data_digest, describe_units, training_units
@@ -43,7 +43,7 @@ from astrai.trainer.checkpoint.files import LoadedCheckpoint
 from astrai.trainer.checkpoint.manager import RunFacts
 from astrai.trainer.compiling import compile_blocks
 from astrai.trainer.decoding import DecodeEngine
-from astrai.trainer.distributed import DistEnv, broadcast_from_master, gather_objects, parallelize
+from astrai.trainer.distributed import DistEnv, GracefulStop, broadcast_from_master, gather_objects, parallelize
 from astrai.trainer.lora import (
     AdapterError,
     BaseModel,
@@ -135,6 +135,8 @@ class Start:
     """LoRA: the adapters to start from (a checkpoint's, or a PEFT adapter folder's); None: new ones."""
     base_sha256: str | None = None
     """LoRA: which base model the weights are (astrai.common.model_folder.base_digest)."""
+    adapters_from: Path | None = None
+    """LoRA: the folder the adapters to start from were read from (its name goes into a refusal)."""
 
 
 def read_start(
@@ -180,7 +182,7 @@ def _lora_start(
                 f"{recorded['sha256'][:12]}), and ckpt.param_path {base} is another model (sha256 {digest[:12]}): "
                 "adapters only fit the base they were trained on; set ckpt.param_path back to that model"
             )
-        return Start(model_config, weights, loaded.checkpoint.path, loaded.model_state, digest)
+        return Start(model_config, weights, loaded.checkpoint.path, loaded.model_state, digest, loaded.checkpoint.path)
     if config.ckpt.adapter_path is None:
         return Start(model_config, weights, base, None, digest)
     folder = Path(config.ckpt.adapter_path)
@@ -196,7 +198,7 @@ def _lora_start(
         return tensors
 
     adapters = broadcast_from_master(env, read_adapter, errors=(AdapterError,))
-    return Start(model_config, weights, base, adapters, digest)
+    return Start(model_config, weights, base, adapters, digest, folder)
 
 
 def resume_notes(loaded: LoadedCheckpoint | None, config: TrainerConfig, plan: RunPlan, digest: str) -> list[str]:
@@ -351,7 +353,7 @@ def build_model(config: TrainerConfig, plan: RunPlan, env: DistEnv, start: Start
             # The base frozen, the adapters new (A from the seed, B zero) or the start's.
             add_adapters(model, plan.lora, torch.Generator().manual_seed(config.training.random_seed))
             if start.adapters is not None:
-                load_adapters(model, start.adapters, str(start.source))
+                load_adapters(model, start.adapters, str(start.adapters_from))
             hold_base_in(model, getattr(torch, plan.base_dtype))
         model.to(env.device)
     if plan.compile:
@@ -382,6 +384,8 @@ class RunParts:
     feed: Feed
     model: torch.nn.Module
     loaded: LoadedCheckpoint | None
+    stop: GracefulStop
+    """The run's stop request: a part that waits on user code (reward functions) gives up when one comes."""
 
     @property
     def model_config(self) -> ModelConfig:
@@ -403,6 +407,9 @@ ObjectiveBuilder = Callable[[RunParts], BuiltObjective]
 def build_objective(parts: RunParts) -> BuiltObjective:
     """The objective ``training.train_type`` names, with what it needs (a reference, a rollout source)."""
     env, plan, training = parts.env, parts.plan, parts.config.training
+    note = ignored_keys_note(training)
+    if note is not None:
+        parts.log(f"note: {note}")
     if plan.train_type == "seq":
         return BuiltObjective(NextToken(env))
     if plan.train_type == "sft":
@@ -410,10 +417,6 @@ def build_objective(parts: RunParts) -> BuiltObjective:
     if plan.train_type == "dpo":
         reference, recorded = _dpo_reference(parts)
         return BuiltObjective(Preference(env, reference, training.dpo_beta), recorded)
-    unused = unused_reward_keys(training)
-    if unused:
-        keys = ", ".join(f"training.{key}" for key in unused)
-        parts.log(f"note: train_type {plan.train_type} does not use {keys}; they are left as set")
     if plan.train_type == "online_dpo":
         source = sampled_rollouts(parts)
         reference, recorded = starting_model(parts)
@@ -444,7 +447,7 @@ def sampled_rollouts(parts: RunParts) -> SampledRollouts:
     """The online types' rollout source: the policy samples (``plan.sampling``, ``plan.generations``), the reward
     functions of ``training.rewards`` score, the model's stop tokens end a completion."""
     from astrai.trainer.generate import stop_tokens
-    from astrai.trainer.objectives.rewards import load_reward
+    from astrai.trainer.objectives.rewards import RewardLimits, load_reward
 
     env, plan, training, records = parts.env, parts.plan, parts.config.training, parts.records
     rewards = [load_reward(spec) for spec in training.rewards]
@@ -472,6 +475,7 @@ def sampled_rollouts(parts: RunParts) -> SampledRollouts:
         training.random_seed,
         training.mask_truncated_completions,
         autocast_for(plan),
+        RewardLimits(training.reward_timeout, lambda: parts.stop.requested),
     )
 
 

@@ -140,7 +140,7 @@ def _tokenize(args, folder: Path) -> tuple[object, list[int]]:
             f"{source} holds no {TOKENIZER_FILE}: name the model's tokenizer with --tokenizer PATH (a tokenizer.json "
             "or a folder holding one), or --tokenizer bytes for data prepared without one"
         )
-    tokenizer = HFTokenizer(source, args.eos)
+    tokenizer = HFTokenizer(source, args.eos, ends="a completion")
     if not args.chat:  # as transformers' tokenizer(prompt): with the special tokens the tokenizer adds (a BOS, say)
         return tokenizer, tokenizer.tokenizer.encode(args.prompt, add_special_tokens=True).ids
     template = ChatTemplate.of_folder(source if source.is_dir() else source.parent)

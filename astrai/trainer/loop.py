@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from astrai.common.checkpoints import latest_complete_checkpoint
-from astrai.common.config import TrainerConfig, describe, parse_args
+from astrai.common.checkpoints import checkpoint_name, latest_complete_checkpoint
+from astrai.common.config import TrainerConfig, describe, ignored_keys_note, parse_args
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import (
     ENV_STOPPED_EXIT_CODE,
@@ -64,6 +64,7 @@ from astrai.trainer.distributed import (
 from astrai.trainer.health import Diverged, DivergenceRecord
 from astrai.trainer.lora import parameter_counts
 from astrai.trainer.model import describe_folder
+from astrai.trainer.objectives.rewards import StepAbandoned
 from astrai.trainer.optim import Schedule, apply_settings, build_optimizer, describe_changes, set_lr
 from astrai.trainer.report import ProgressReporter, ReportError, StepReport, flops_per_token, peak_tflops, print_line
 from astrai.trainer.trackers import Trackers, flat_params
@@ -167,7 +168,8 @@ class Trainer:
         self.progress = Progress()
         # Everything a checkpoint holds besides the model and the optimizer; a new part is one more entry here.
         self.autocast = build.autocast_for(plan)
-        built = objective(build.RunParts(config, plan, env, self.log, start, records, feed, self.model, loaded))
+        parts = build.RunParts(config, plan, env, self.log, start, records, feed, self.model, loaded, self.stop)
+        built = objective(parts)
         self.objective = built.objective
         self.parts = run_state(
             self.progress, self.schedule, env, training.random_seed, self.log, **self.objective.parts()
@@ -368,7 +370,12 @@ class Trainer:
         self._loss_sum.zero_()
         stopping = False
         while self.progress.step < end and not stopping:
-            lr, grad_norm = self._compiled(self.train_step)
+            try:
+                lr, grad_norm = self._compiled(self.train_step)
+            except StepAbandoned:
+                self._abandoned_step()
+                stopping = True
+                break
             if not self._warmed_up:
                 # The first step allocates, picks kernels and compiles (model.compile): a pause, not the pace.
                 self._synchronize()
@@ -396,6 +403,22 @@ class Trainer:
         steps_done = self.progress.step - first_step
         tokens = self.progress.tokens_seen - first_tokens
         return TrainStats(steps_done, tokens, time.perf_counter() - started, stopped=stopping)
+
+    def _abandoned_step(self) -> None:
+        """A stop came while the step's rewards were computed (every rank gave the step up): the weights, the
+        optimizer and the data position are still the last completed step's, which the emergency checkpoint keeps
+        (unless a checkpoint of that step is there already)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        who = self.stop.signal_name or "on another rank"
+        self.log(
+            f"stop requested ({who}) while the rewards of step {self.progress.step + 1} were computed: that step is "
+            f"given up, the run stops after step {self.progress.step}"
+        )
+        saved = self._last_checkpoint is not None and self._last_checkpoint.name == checkpoint_name(
+            self.progress.epoch, self.progress.step
+        )
+        if not saved and self.progress.step > 0:
+            self._paused(functools.partial(self.save_checkpoint, REASON_EMERGENCY))
 
     def _compiled(self, step):
         """Run ``step``; a failure of torch.compile in it (model.compile) is a CompileError naming the setting."""
@@ -545,6 +568,9 @@ def dry_run(config: TrainerConfig) -> int:
     print(f"--- run plan (device {device}) ---")
     for line in plan.lines():
         print(line)
+    note = ignored_keys_note(config.training)
+    if note is not None:
+        print(f"note: {note}")
     print(f"resume decision: {_resume_decision(config)}")
     return 0
 

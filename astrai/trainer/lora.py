@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from astrai.common.contract import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+from astrai.common.contract import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, PICKLED_ADAPTER_FILE
 from astrai.common.errors import AstraiError
 from astrai.common.fit import SetupError
 from astrai.common.model_folder import (
@@ -236,6 +236,12 @@ class AdapterError(AstraiError):
 def read_peft_adapter(folder: Path) -> tuple[LoRASettings, dict[str, torch.Tensor]]:
     """The settings and weights (by our names) of a PEFT LoRA adapter folder; AdapterError says what does not fit."""
     folder = Path(folder)
+    if not (folder / ADAPTER_WEIGHTS_FILE).exists() and (folder / PICKLED_ADAPTER_FILE).exists():
+        raise AdapterError(
+            f"{folder} holds {PICKLED_ADAPTER_FILE}: only {ADAPTER_WEIGHTS_FILE} is read (a pickle file can run code "
+            "when it is loaded); convert it with peft: PeftModel.from_pretrained(base_model, folder)"
+            ".save_pretrained(new_folder, safe_serialization=True)"
+        )
     try:
         raw = json.loads((folder / ADAPTER_CONFIG_FILE).read_text(encoding="utf-8"))
         tensors = load_file(folder / ADAPTER_WEIGHTS_FILE, device="cpu")
@@ -291,18 +297,21 @@ def load_adapters(model: nn.Module, tensors: dict[str, torch.Tensor], where: str
     """Put adapter weights (by our names) into a model that has adapters of the same shapes; AdapterError if not."""
     state = adapter_state_dict(model)
     missing, extra = sorted(set(state) - set(tensors)), sorted(set(tensors) - set(state))
-    if missing or extra:
+    if missing or extra:  # said with PEFT's names, the ones the adapter folder holds
         raise AdapterError(
             f"{where}: its adapters do not fit this model's: "
             + "; ".join(
-                f"{what} {names[0]}{' and more' if len(names) > 1 else ''}"
+                f"{what} {peft_name(names[0])}{' and more' if len(names) > 1 else ''}"
                 for what, names in (("missing", missing), ("not in the model", extra))
                 if names
             )
         )
     for name, target in state.items():  # every shape checked before any is loaded: a refusal changes nothing
         if tuple(tensors[name].shape) != tuple(target.shape):
-            raise AdapterError(f"{where}: {name} is {list(tensors[name].shape)}, this model's is {list(target.shape)}")
+            raise AdapterError(
+                f"{where}: {peft_name(name)} is {list(tensors[name].shape)}, this model's is {list(target.shape)} "
+                "(its rank or its base model is another)"
+            )
     with torch.no_grad():
         for name, target in state.items():
             target.copy_(tensors[name])

@@ -10,6 +10,7 @@ host reads back) is :mod:`astrai.common.metrics`.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import time
@@ -262,6 +263,7 @@ class ProgressReporter:
     ):
         self.job_dir = Path(job_dir)
         self.tag = tag
+        self._said_not_finite: set[str] = set()
         """Said on every progress line (LoRA's rank and trainable share)."""
         self.master = master
         self.max_steps = max_steps
@@ -274,6 +276,15 @@ class ProgressReporter:
         self.events = EventWriter(self.job_dir / TENSORBOARD_DIR, resumed_step, log) if master and tensorboard else None
         self.trackers = trackers
         """MLflow and W&B (log.report_to), global rank 0 only."""
+
+    def _nulled(self, record: dict, step: int) -> None:
+        """metrics.jsonl stays strict JSON: a value that is not finite is written as null, and said (once per key)."""
+        for key, value in record.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                record[key] = None
+                if key not in self._said_not_finite:
+                    self._said_not_finite.add(key)
+                    self.log(f"warning: {key} is {value} at step {step}: written as null in {METRICS_FILE}")
 
     def report(self, report: StepReport, steps: int, evals_left: int, seconds_per_eval: float) -> None:
         """Close the timing interval of ``steps`` steps and, on rank 0, print and record ``report``."""
@@ -304,6 +315,7 @@ class ProgressReporter:
             **(report.extra or {}),
         }
         record.update({key: value for key, value in optional.items() if value is not None})
+        self._nulled(record, report.step)
         line = f"step {report.step}/{self.max_steps} | epoch {report.epoch} | loss {report.loss:.4f}"
         line += f" | lr {report.lr:.3e}"
         if report.grad_norm is not None:
@@ -315,7 +327,7 @@ class ProgressReporter:
                 f" | margin {report.extra[METRIC_REWARDS_MARGIN]:.3f}"
                 f" | accuracy {report.extra[METRIC_REWARDS_ACCURACY]:.2f}"
             )
-        if report.extra and METRIC_REWARD in report.extra:
+        if report.extra and record.get(METRIC_REWARD) is not None:
             line += f" | reward {report.extra[METRIC_REWARD]:.3f}"
         if report.extra and METRIC_COMPLETION_LENGTH in report.extra:
             line += f" | length {report.extra[METRIC_COMPLETION_LENGTH]:.1f}"
@@ -328,7 +340,7 @@ class ProgressReporter:
         self.log(line)
         try:
             with open(self.job_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record, sort_keys=True) + "\n")
+                handle.write(json.dumps(record, sort_keys=True, allow_nan=False) + "\n")
         except OSError as error:
             raise ReportError(f"cannot append to {self.job_dir / METRICS_FILE}: {error.strerror}") from None
         if self.trackers is not None:

@@ -181,10 +181,11 @@ def test_a_peft_adapter_folder_goes_both_ways(folder, tmp_path):
         assert (again(TOKENS) - expected).abs().max().item() <= 1e-5
 
     smaller = _ours(folder, LoRASettings(rank=2, alpha=8.0))
-    with pytest.raises(lora.AdapterError, match=r"theirs: layers.0.attention.wq.lora_A.weight is \[4, 64\], this"):
+    shapes = r"q_proj.lora_A.weight is \[4, 64\], this model's is \[2, 64\] \(its rank or its base model is another\)"
+    with pytest.raises(lora.AdapterError, match=r"theirs: base_model.model.model.layers.0.self_attn." + shapes):
         lora.load_adapters(smaller, tensors, "theirs")
     fewer = _ours(folder, LoRASettings(rank=4, alpha=8.0, targets=("q_proj",)))
-    with pytest.raises(lora.AdapterError, match="do not fit this model's: not in the model layers.0"):
+    with pytest.raises(lora.AdapterError, match="do not fit this model.s: not in the model base_model.model.model"):
         lora.load_adapters(fewer, tensors, "theirs")
 
 

@@ -51,8 +51,7 @@ def test_a_file_and_a_module_load_and_their_weighted_sum_skips_what_does_not_app
         ("    return [1.0]", "reward broken returned 1 values for 3 completions"),
         ("    return 1.0", "reward broken returned float values for 3 completions"),
         ("    return [1.0, float('nan'), 0.0]", "gave nan for the completion of prompt 'What is 10 \\* 100\\?'"),
-        ("    return [1.0, True, 0.0]", "gave True for the completion of prompt"),
-        ("    return [1.0, '1', 0.0]", "gave '1' for the completion"),
+        ("    return [1.0, '1', 0.0]", "gave '1' \\(a str\\) for the completion"),
     ],
 )
 def test_a_broken_reward_function_stops_with_its_name_and_the_prompt(tmp_path, body, message):

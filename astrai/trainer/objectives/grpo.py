@@ -32,11 +32,15 @@ from astrai.common.settings import GRPOSettings
 from astrai.trainer.distributed import DistEnv
 from astrai.trainer.objectives.contract import Objective, RunningSums
 from astrai.trainer.objectives.rollouts import (
+    IDLE_FLAT,
+    IDLE_MASKED,
+    IDLE_OVERFLOW,
     CompletionsLog,
     RewardReport,
     RolloutSource,
     StepScores,
     completion_logps,
+    flat_groups,
     sample_step,
 )
 
@@ -52,8 +56,9 @@ def _nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 
 def advantages(totals: list[float | None], generations: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Each completion's advantage (in groups of ``generations`` consecutive completions), and for each one whether
-    its group's rewards were all equal (no signal)."""
-    rewards = torch.tensor([float("nan") if total is None else total for total in totals], dtype=torch.float32)
+    its group's rewards were all equal (no signal). Computed in float64; a completion whose group's statistics are
+    not finite (rewards near the float limits) gets advantage 0, as an unscored one does (:func:`overflowing`)."""
+    rewards = torch.tensor([float("nan") if total is None else total for total in totals], dtype=torch.float64)
     if rewards.numel() % generations:
         raise ValueError(f"{rewards.numel()} completions do not make groups of {generations}")
     groups = rewards.view(-1, generations)
@@ -65,7 +70,18 @@ def advantages(totals: list[float | None], generations: int, scale: str) -> tupl
     advantage = rewards - mean
     if scale != "none":
         advantage = advantage / (std + 1e-4)
-    return torch.nan_to_num(advantage, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+    advantage = torch.where(advantage.isfinite(), advantage, torch.zeros_like(advantage))
+    return advantage.float(), torch.isclose(std, torch.zeros_like(std))
+
+
+def overflowing(totals: torch.Tensor, generations: int) -> int:
+    """Groups with a scored completion whose rewards' mean or spread is not finite (float64 overflows)."""
+    groups = totals.view(-1, generations)
+    scored = ~groups.isnan()
+    mean = torch.nanmean(groups, dim=1, keepdim=True)
+    spread = torch.nansum((groups - mean) ** 2, dim=1)
+    bad = scored.any(dim=1) & (~mean.squeeze(1).isfinite() | ~spread.isfinite())
+    return int(bad.sum())
 
 
 @dataclass(frozen=True)
@@ -236,6 +252,7 @@ class GRPO(Objective):
         scores = StepScores.gather(rollouts, self.env)
         self._rewards.add(scores)
         self.tokens, self.loss_tokens = scores.tokens, scores.loss_tokens
+        self._note_idle(scores)
         totals = [None if math.isnan(value) else value for value in scores.rewards.tolist()]
         advantage, _ = advantages(totals, self.source.generations, self.settings.scale_rewards)
         mine = advantage[scores.rows_of(self.env)].to(self.env.device)
@@ -250,6 +267,17 @@ class GRPO(Objective):
         if self.iterations > 1:
             self.round = list(prepared)
         return prepared
+
+    def _note_idle(self, scores: StepScores) -> None:
+        """Why this step cannot move the weights, if it cannot (the KL penalty still moves them while grpo_beta > 0)."""
+        overflowed = overflowing(scores.rewards, self.source.generations)
+        if overflowed:
+            self._rewards.idle(IDLE_OVERFLOW, overflowed)
+        if scores.loss_tokens == 0:
+            self._rewards.idle(IDLE_MASKED)
+        elif self.settings.beta == 0 and not scores.rewards.isnan().all():
+            if flat_groups(scores.rewards, self.source.generations) == len(scores.rewards) // self.source.generations:
+                self._rewards.idle(IDLE_FLAT)
 
     def micro(self, model, batch, prepared: GRPOBatch, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
         logps, token_mask, entropy = completion_logps(model, prepared.prompts, prepared.completions)
@@ -288,16 +316,17 @@ class GRPO(Objective):
         values = self._rewards.take()
         if not values and not loss.micro_batches:
             return None
-        micros = max(loss.micro_batches, 1.0)
-        values.update(
-            {
-                METRIC_CLIP_LOW: loss.clip_low / micros,
-                METRIC_CLIP_HIGH: loss.clip_high / micros,
-                METRIC_CLIP_REGION: loss.clip_region / micros,
-                METRIC_KL: loss.kl / micros if self.settings.beta != 0 else None,
-                METRIC_ENTROPY: loss.entropy / max(loss.tokens, 1.0),
-            }
-        )
+        if loss.tokens:  # a statistic with no completion token behind it is left out, not written as 0
+            micros = max(loss.micro_batches, 1.0)
+            values.update(
+                {
+                    METRIC_CLIP_LOW: loss.clip_low / micros,
+                    METRIC_CLIP_HIGH: loss.clip_high / micros,
+                    METRIC_CLIP_REGION: loss.clip_region / micros,
+                    METRIC_KL: loss.kl / micros if self.settings.beta != 0 else None,
+                    METRIC_ENTROPY: loss.entropy / loss.tokens,
+                }
+            )
         return {key: value for key, value in values.items() if value is not None}
 
 

@@ -16,6 +16,7 @@ from astrai.trainer.distributed import DistEnv
 from astrai.trainer.objectives.contract import Objective
 from astrai.trainer.objectives.dpo import DPOMetrics, dpo_loss
 from astrai.trainer.objectives.rollouts import (
+    IDLE_TIED,
     CompletionsLog,
     RewardReport,
     RolloutSource,
@@ -68,6 +69,8 @@ class OnlineDPO(Objective):
         totals = scores.rewards.view(-1, 2)
         ranked = ~totals.isnan().any(dim=1) & (totals[:, 0] != totals[:, 1])
         self._step_pairs = int(ranked.sum())
+        if not self._step_pairs:
+            self._rewards.idle(IDLE_TIED)
         self._tied += int((~ranked).sum())
         self._offered += int(ranked.numel())
         rows = scores.rows_of(self.env)

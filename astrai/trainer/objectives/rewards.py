@@ -26,6 +26,8 @@ import importlib.util
 import math
 import numbers
 import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,15 +92,39 @@ class Scores:
     """The weighted sum of the functions that scored a completion; None where none did (TRL's NaN)."""
 
 
-def score(rewards: list[Reward], prompts: list[str], completions: list[str], fields: dict[str, list]) -> Scores:
-    """Every reward function on the batch, checked; RewardError names the function and the prompt at fault."""
+class StepAbandoned(Exception):
+    """A stop arrived while a step's rewards were being computed: the step is given up, and the run stops at the
+    last step it completed (the loop writes that step's emergency checkpoint)."""
+
+
+@dataclass(frozen=True)
+class RewardLimits:
+    """How long one reward function may run on one batch (``training.reward_timeout``), and what tells that a stop
+    was asked for meanwhile."""
+
+    timeout: float
+    stop_requested: Callable[[], bool] = lambda: False
+
+    POLL_SECONDS = 0.05
+
+
+def score(
+    rewards: list[Reward],
+    prompts: list[str],
+    completions: list[str],
+    fields: dict[str, list],
+    limits: RewardLimits | None = None,
+) -> Scores:
+    """Every reward function on the batch, checked; RewardError names the function and the prompt at fault. With
+    ``limits``, each function runs beside this thread, which gives up on it past the timeout (RewardError) or when a
+    stop is asked for (StepAbandoned)."""
     check_metric_names([reward.name for reward in rewards])
     clash = sorted({"prompts", "completions"} & set(fields))
     if clash:
         raise RewardError(f"the prompt records have a field named {clash[0]}, which reward functions take as text")
     by_function = {}
     for reward in rewards:
-        by_function[reward.name] = _call(reward, prompts, completions, fields)
+        by_function[reward.name] = _call(reward, prompts, completions, fields, limits)
     total = []
     for row in range(len(completions)):
         scored = [
@@ -110,32 +136,81 @@ def score(rewards: list[Reward], prompts: list[str], completions: list[str], fie
     return Scores(by_function, total)
 
 
-def _call(reward: Reward, prompts: list[str], completions: list[str], fields: dict[str, list]) -> list[float | None]:
+def _call(
+    reward: Reward, prompts: list[str], completions: list[str], fields: dict[str, list], limits: RewardLimits | None
+) -> list[float | None]:
     try:
-        values = reward.function(prompts=prompts, completions=completions, **fields)
+        values = _run(reward, prompts, completions, fields, limits)
+    except (StepAbandoned, RewardError):
+        raise
     except (Exception, SystemExit) as error:  # the user's code: stop the run, saying whose error it is
         raise RewardError(
             f"reward {reward.name} raised {type(error).__name__}: {error} (on a batch whose first prompt is "
             f"{_short(prompts[0] if prompts else '')})"
         ) from None
+    if hasattr(values, "tolist") and getattr(values, "ndim", 1) == 1:  # a NumPy array, a 1-D tensor
+        values = values.tolist()
     if not isinstance(values, (list, tuple)) or len(values) != len(completions):
         count = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
         raise RewardError(
             f"reward {reward.name} returned {count} values for {len(completions)} completions (first prompt "
-            f"{_short(prompts[0] if prompts else '')}): it must return one float or None per completion"
+            f"{_short(prompts[0] if prompts else '')}): it must return one float or None per completion (a list, "
+            "a tuple, a 1-D NumPy array or tensor)"
         )
-    checked = []
-    for row, value in enumerate(values):
-        if value is None:
-            checked.append(None)
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    return [_checked(reward, value, prompts[row]) for row, value in enumerate(values)]
+
+
+def _checked(reward: Reward, value, prompt: str) -> float | None:
+    """One value as TRL takes it: None, a bool (0 or 1), or a finite number (a NumPy scalar too)."""
+    if value is None:
+        return None
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # a NumPy or torch scalar
+        value = value.item()
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, numbers.Real):
+        raise RewardError(
+            f"reward {reward.name} gave {repr(value)[:80]} (a {type(value).__name__}) for the completion of prompt "
+            f"{_short(prompt)}: it must be a number, a bool, or None where it does not apply"
+        )
+    if not math.isfinite(value):
+        raise RewardError(
+            f"reward {reward.name} gave {value!r} for the completion of prompt {_short(prompt)}: it must be a finite "
+            "number, or None where it does not apply"
+        )
+    return float(value)
+
+
+def _run(reward: Reward, prompts: list[str], completions: list[str], fields: dict[str, list], limits):
+    """The function's values: called here, or with ``limits`` in a thread of its own that is given up on (a daemon:
+    a function that never returns does not keep the process from exiting)."""
+    if limits is None:
+        return reward.function(prompts=prompts, completions=completions, **fields)
+    outcome: dict = {}
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            outcome["values"] = reward.function(prompts=prompts, completions=completions, **fields)
+        except BaseException as error:  # handed to the waiting thread, which names it
+            outcome["error"] = error
+        finally:
+            done.set()
+
+    threading.Thread(target=call, name=f"reward-{reward.name}", daemon=True).start()
+    began = time.monotonic()
+    while not done.wait(RewardLimits.POLL_SECONDS):
+        if limits.stop_requested():
+            raise StepAbandoned(f"a stop was asked for while reward {reward.name} was running")
+        if time.monotonic() - began > limits.timeout:
             raise RewardError(
-                f"reward {reward.name} gave {value!r} for the completion of prompt {_short(prompts[row])}: it must "
-                "be a finite number, or None where it does not apply"
+                f"reward {reward.name} ran past training.reward_timeout ({limits.timeout:g} s) on a batch whose "
+                f"first prompt is {_short(prompts[0] if prompts else '')}: it must return; raise reward_timeout if "
+                "it needs longer"
             )
-        checked.append(float(value))
-    return checked
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["values"]
 
 
 def _short(text: str, limit: int = 80) -> str:

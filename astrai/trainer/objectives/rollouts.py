@@ -41,7 +41,7 @@ from astrai.trainer.decoding import DecodeEngine, Draws
 from astrai.trainer.distributed import DistEnv
 from astrai.trainer.model import TokenTargets
 from astrai.trainer.objectives.prompts import Prompts, ScoredGroups
-from astrai.trainer.objectives.rewards import Reward, score
+from astrai.trainer.objectives.rewards import Reward, RewardLimits, StepAbandoned, score
 
 GIVEN = "given"
 """The completions log's name for rewards the data gave (grpo)."""
@@ -108,10 +108,11 @@ class SampledRollouts:
         seed: int,
         mask_truncated: bool,
         autocast,
+        limits: RewardLimits | None = None,
     ):
         self.env, self.engine, self.prompts, self.rewards, self.sampling = env, engine, prompts, rewards, sampling
         self.generations, self.stop, self.decode, self.seed = generations, stop, decode, seed
-        self.mask_truncated, self.autocast = mask_truncated, autocast
+        self.mask_truncated, self.autocast, self.limits = mask_truncated, autocast, limits
         self.functions = tuple(reward.name for reward in rewards)
 
     def rollouts(self, model: torch.nn.Module, batches: list[list[int]], step: int) -> list[Rollouts]:
@@ -124,19 +125,32 @@ class SampledRollouts:
             draws.append(Draws(len(numbers) * G, generator))
         with self.autocast:
             completions = self.engine.generate(prompts, self.sampling, self.stop, draws)
-        made, start = [], 0
-        for numbers in batches:
-            count = len(numbers) * G
-            made.append(self._scored(numbers, prompts[start : start + count], completions[start : start + count]))
-            start += count
+        made, start, abandoned = [], 0, False
+        try:
+            for numbers in batches:
+                count = len(numbers) * G
+                made.append(self._scored(numbers, prompts[start : start + count], completions[start : start + count]))
+                start += count
+        except StepAbandoned:
+            abandoned = True
+        if self._anyone(abandoned):  # every rank gives the step up together, or none does
+            raise StepAbandoned("a stop was asked for while the step's rewards were computed")
         return made
+
+    def _anyone(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (a collective of every rank, each step)."""
+        if not self.env.distributed:
+            return flag
+        agreed = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.env.control_group)
+        return bool(agreed)
 
     def _scored(self, numbers: list[int], prompts: list[list[int]], completions: list[list[int]]) -> Rollouts:
         G = self.generations
         ended = [bool(completion) and completion[-1] in self.stop for completion in completions]
         texts = [self.decode(completion) for completion in completions]
         prompt_texts = [self.prompts.texts[number] for number in numbers for _ in range(G)]
-        scores = score(self.rewards, prompt_texts, texts, self.prompts.fields_of(numbers, G))
+        scores = score(self.rewards, prompt_texts, texts, self.prompts.fields_of(numbers, G), self.limits)
         counted = [end or not self.mask_truncated for end in ended]
         return Rollouts(
             numbers, prompts, completions, prompt_texts, texts, scores.total, scores.by_function, ended, counted
@@ -300,34 +314,43 @@ def mean_std(column: torch.Tensor) -> tuple[float | None, float | None]:
     return float(scored.mean()) if scored.numel() else None, float(scored.std()) if scored.numel() > 1 else None
 
 
+IDLE_UNSCORED = "no completion has a reward (every function gave None): check the fields the rewards read"
+IDLE_UNSCORED_GIVEN = "the data gives every completion of the step a null reward"
+IDLE_FLAT = "every group's completions scored the same: no advantage to learn from"
+IDLE_MASKED = "every completion reached max_completion_length, and mask_truncated_completions left them all out"
+IDLE_TIED = "every pair's completions scored the same (or one of them was unscored): no pair to rank"
+IDLE_OVERFLOW = "rewards too large to take a group's mean and std of (not finite): those groups count for nothing"
+
+
 class RewardReport:
     """The reward metrics of the rounds sampled since the last report: the rewards' mean and std in total and per
-    function, the groups without signal, the completions' lengths; and a warning for steps nothing scored."""
+    function, the groups without signal, the completions' lengths; and, once per cause with a count, a warning for
+    the steps that could not move the weights (:meth:`idle`)."""
 
     def __init__(self, source: RolloutSource, log):
         self.source, self.log = source, log
         self._steps: list[StepScores] = []
-        self._flat_groups = self._unscored_steps = 0
+        self._flat_groups = 0
+        self._idle: dict[str, int] = {}
 
     def add(self, scores: StepScores) -> None:
         self._steps.append(scores)
         self._flat_groups += flat_groups(scores.rewards, self.source.generations)
         if scores.rewards.isnan().all():
-            self._unscored_steps += 1
+            self.idle(IDLE_UNSCORED if self.source.functions else IDLE_UNSCORED_GIVEN)
+
+    def idle(self, cause: str, count: int = 1) -> None:
+        """Count ``count`` steps (or groups) since the last report that learned nothing for ``cause``."""
+        self._idle[cause] = self._idle.get(cause, 0) + count
 
     def take(self) -> dict[str, float]:
         """The metrics (empty when no round was sampled since the last call); counting starts again."""
+        for cause, count in self._idle.items():
+            what = "group(s)" if cause == IDLE_OVERFLOW else "step(s)"
+            self.log(f"warning: {count} {what} since the last report learned nothing: {cause}")
+        self._idle = {}
         if not self._steps:
             return {}
-        if self._unscored_steps:
-            why = (
-                "(every function gave None): those steps learn nothing; check the fields the rewards read"
-                if self.source.functions
-                else "(the data gives every one of them a null reward): those steps learn nothing"
-            )
-            self.log(
-                f"warning: no completion of {self._unscored_steps} step(s) since the last report has a reward {why}"
-            )
         scores = StepScores.concat(self._steps)
         reward, reward_std = mean_std(scores.rewards)
         values = {METRIC_REWARD: reward, METRIC_REWARD_STD: reward_std}
@@ -339,7 +362,7 @@ class RewardReport:
         values[METRIC_COMPLETION_CLIPPED] = float(1.0 - scores.ended.mean())
         groups = len(scores.rewards) // self.source.generations
         values[METRIC_FRAC_REWARD_ZERO_STD] = self._flat_groups / max(groups, 1)
-        self._steps, self._flat_groups, self._unscored_steps = [], 0, 0
+        self._steps, self._flat_groups = [], 0
         return {key: value for key, value in values.items() if value is not None}
 
 
