@@ -535,6 +535,35 @@ def pair_up(lengths: list[int], window: int, overlong: str, supervised=_always) 
     return Pairs(pairs, truncated, dropped, unsupervised)
 
 
+@dataclass(frozen=True)
+class PromptUnits:
+    """The prompts a run samples from: each kept prompt's record number and the tokens it keeps (its last ones)."""
+
+    records: list[int]
+    takes: list[int]
+    truncated: int
+    dropped: int
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+def prompt_units(lengths: list[int], limit: int, overlong: str) -> PromptUnits:
+    """Prompts longer than ``limit`` tokens keep their last ``limit`` (truncate, as TRL cuts prompts on the left)
+    or are left out (drop)."""
+    records, takes = [], []
+    truncated = dropped = 0
+    for number, length in enumerate(lengths):
+        if length > limit:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            truncated += 1
+        records.append(number)
+        takes.append(min(length, limit))
+    return PromptUnits(records, takes, truncated, dropped)
+
+
 def training_units(data: TokenData, train_type: str, window: int, overlong: str) -> Packing | Pairs:
     """What a post-training folder trains on at ``window``: SFT sequences packed into windows, or DPO pairs.
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.checkpoints import CheckpointMeta
-from astrai.common.config import reward_settings
+from astrai.common.config import ONLINE_TRAIN_TYPES, reward_settings
 from astrai.common.contract import MODEL_CONFIG_FILE, TOKENIZER_FILE
-from astrai.common.data_folder import TokenData, WindowSplit, tokenizer_digest
+from astrai.common.data_folder import TokenData, WindowSplit, prompt_units, tokenizer_digest, training_units
 from astrai.common.errors import AstraiError
-from astrai.common.model_folder import ModelConfig, check_window
+from astrai.common.model_folder import ModelConfig, adapted_modules, check_window
 from astrai.common.settings import LoRASettings
 
 
@@ -205,3 +205,76 @@ def check_resume(
             "from those the run would have seen"
         )
     return notes
+
+
+def prompt_room(model: ModelConfig, max_completion_length: int, model_source: Path) -> tuple[int, int]:
+    """(the model's context, the tokens of it a prompt may keep) for the online types, which score prompt and
+    completion in one pass; SetupError when max_completion_length leaves no room."""
+    limit = min(model.max_seq_len, model.sliding_window or model.max_seq_len)
+    room = limit - max_completion_length
+    if room < 1:
+        raise SetupError(
+            f"training.max_completion_length {max_completion_length} leaves no room for a prompt in the context of "
+            f"{limit} tokens of the model {model_source}; lower it below {limit}"
+        )
+    return limit, room
+
+
+def fit_prompts(data: TokenData, lengths: list[int], model: ModelConfig, training, overlong: str, source: Path):
+    """The prompts an online run samples from (astrai.common.data_folder.PromptUnits), each cut or left out to leave
+    room for max_completion_length; SetupError when none is left."""
+    limit, room = prompt_room(model, training.max_completion_length, source)
+    units = prompt_units(lengths, room, overlong)
+    if not len(units):
+        raise SetupError(
+            f"every prompt of {data.root} is longer than {room} tokens, the room max_completion_length "
+            f"{training.max_completion_length} leaves in the model's context of {limit}; lower max_completion_length"
+        )
+    return units
+
+
+def check_lora_targets(model: ModelConfig, training) -> None:
+    """LoRA's targets must name layers this model's family has, a fused layer whole (astrai.common.model_folder)."""
+    settings = LoRASettings.of(training)
+    if settings is None:
+        return
+    try:
+        adapted_modules(model, settings.targets)
+    except ValueError as error:
+        raise SetupError(f"training.{error}") from None
+
+
+@dataclass(frozen=True)
+class StartFit:
+    """What start_checks found: each data folder's train/validation split, and the post-training units (prompts,
+    packed windows, pairs; None for seq; grpo's count of prompts with their completions)."""
+
+    splits: list[WindowSplit]
+    units: object
+
+
+def start_checks(config, batch: BatchShape, datas: list[TokenData], model: ModelConfig, model_source: Path) -> StartFit:
+    """Every refusal the trainer makes at its start from the config, the data and the model folders alone, made the
+    same way for `invoke preflight` and `--dry-run` (SetupError): the tokenizer, the prompts' room, the LoRA targets,
+    and each data folder's fit (check_fit)."""
+    training, kind, window = config.training, config.training.train_type, config.data.window_size
+    check_model_tokenizer(datas[0], model_source)
+    check_lora_targets(model, training)
+    units = None
+    if kind in ONLINE_TRAIN_TYPES:
+        lengths = [length for shard in range(len(datas[0].shard_files)) for length in datas[0].sequence_lengths(shard)]
+        window, units = 1, fit_prompts(datas[0], lengths, model, training, config.data.overlong, model_source)
+    elif kind == "grpo":
+        units = datas[0].documents or 0
+    elif kind != "seq":
+        units = training_units(datas[0], kind, window, config.data.overlong)
+    mixed, count = config.data.sources is not None, None if units is None else _count(units)
+    splits = [
+        check_fit(data, model, model_source, window, config.data.val_fraction, batch, repeated=mixed, units=count)
+        for data in datas
+    ]
+    return StartFit(splits, units)
+
+
+def _count(units) -> int:
+    return units if isinstance(units, int) else len(units)

@@ -32,13 +32,13 @@ from astrai.common.contract import (
     WEIGHTS_INDEX_FILE,
     resolve_parallel_mode,
 )
-from astrai.common.data_folder import DataError, TokenData, data_digest, describe_units, training_units
+from astrai.common.data_folder import DataError, TokenData, data_digest, describe_units
 from astrai.common.fit import (
     SetupError,
-    check_fit,
     check_model_tokenizer,
     check_resume,
     check_same_tokenizer,
+    start_checks,
     tokenizer_hint,
 )
 from astrai.common.model_folder import (
@@ -338,26 +338,8 @@ def _fit_check(
         plan = container_plan(runtime, config)
         world, batch = plan.batch.world_size, plan.batch
         window, kind = config.data.window_size, training.train_type
-        units = None
-        check_model_tokenizer(datas[0], model[1])
-        if kind in ONLINE_TRAIN_TYPES:
-            window, units = 1, range(sum(datas[0].record_counts))  # prompts (the trainer says how many fit)
-        elif kind == "grpo":
-            units = range(datas[0].documents or 0)  # prompts with their completions (records)
-        elif kind != "seq":
-            units = training_units(datas[0], kind, window, config.data.overlong)
-        splits = [
-            check_fit(
-                data,
-                *model,
-                window,
-                config.data.val_fraction,
-                batch,
-                repeated=mixture,
-                units=None if units is None else len(units),
-            )
-            for data in datas
-        ]
+        found = start_checks(config, batch, datas, *model)
+        splits, units = found.splits, found.units
     except (SetupError, ModelLoadError, ConfigError, DataError) as error:
         return Check(FAIL, "data fits model", str(error))
     counted = "" if runtime.world_size is not None else " (world size from nvidia-smi)"
@@ -376,6 +358,10 @@ def _fit_check(
         if units is None or kind in REWARD_TRAIN_TYPES
         else f" ({describe_units(units, sum(datas[0].record_counts), window, config.data.overlong)})"
     )
+    if kind in ONLINE_TRAIN_TYPES:
+        left = units.truncated if config.data.overlong == "truncate" else units.dropped
+        room = f"{left:,} longer than the room max_completion_length leaves: {config.data.overlong}"
+        detail = f" ({room})" if left else ""
     return Check(
         PASS,
         "data fits model",

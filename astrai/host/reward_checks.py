@@ -108,7 +108,7 @@ def import_in_image(runtime: Runtime, specs: tuple[RewardSpec, ...]) -> list[str
         "--user",
         f"{uid}:{gid}",
         "--entrypoint",
-        "python",
+        "python3",
         *volumes,
         compose.image_name(runtime),
         "-c",

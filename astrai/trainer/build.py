@@ -34,6 +34,8 @@ from astrai.common.fit import (
     check_model_tokenizer,
     check_resume,
     check_same_tokenizer,
+    fit_prompts,
+    prompt_room,
     tokenizer_hint,
 )
 from astrai.common.model_folder import base_digest
@@ -59,7 +61,7 @@ from astrai.trainer.objectives.contract import Objective
 from astrai.trainer.objectives.dpo import Preference
 from astrai.trainer.objectives.grpo import GRPO, RoundShape
 from astrai.trainer.objectives.online_dpo import OnlineDPO
-from astrai.trainer.objectives.prompts import Prompts, PromptSet, ScoredGroups, prompt_units
+from astrai.trainer.objectives.prompts import Prompts, PromptSet, ScoredGroups
 from astrai.trainer.objectives.reference import check_same_reference, frozen_model, reference_table
 from astrai.trainer.objectives.rollouts import CompletionsLog, GivenRollouts, SampledRollouts
 from astrai.trainer.objectives.supervised import NextToken, Supervised
@@ -250,19 +252,8 @@ def post_training_records(
 def _prompt_units(config: TrainerConfig, plan: RunPlan, index: RecordIndex, log: Log, model: ModelConfig):
     """The prompts, each cut to leave room for max_completion_length in the model's context (or left out)."""
     training, overlong = config.training, config.data.overlong
-    limit = min(model.max_seq_len, model.sliding_window or model.max_seq_len)
-    room = limit - training.max_completion_length  # the update scores prompt and completion in one pass
-    if room < 1:
-        raise SetupError(
-            f"training.max_completion_length {training.max_completion_length} leaves no room for a prompt in the "
-            f"model's context of {limit} tokens; lower it below {limit}"
-        )
-    units = prompt_units(index.length, room, overlong)
-    if not len(units):
-        raise SetupError(
-            f"every prompt of {index.data.root} is longer than {room} tokens, the room max_completion_length "
-            f"{training.max_completion_length} leaves in the model's context of {limit}; lower max_completion_length"
-        )
+    units = fit_prompts(index.data, index.length, model, training, overlong, Path(config.ckpt.param_path))
+    room = prompt_room(model, training.max_completion_length, Path(config.ckpt.param_path))[1]
     how = f"{units.truncated:,} cut to their last {room}" if overlong == "truncate" else f"{units.dropped:,} left out"
     log(
         f"{training.train_type}: {len(units):,} prompts x {plan.generations} completions of at most "

@@ -572,7 +572,34 @@ def dry_run(config: TrainerConfig) -> int:
     if note is not None:
         print(f"note: {note}")
     print(f"resume decision: {_resume_decision(config)}")
-    return 0
+    return 2 if _start_checks(config, plan) is not None else 0
+
+
+def _start_checks(config: TrainerConfig, plan: RunPlan) -> str | None:
+    """The refusals the trainer would make at its start from the config, the data and the model folders (the same
+    function as preflight's); printed as a line, the refusal returned."""
+    from astrai.common.data_folder import DataError, TokenData
+    from astrai.common.fit import SetupError, start_checks
+    from astrai.common.model_folder import ModelConfig, ModelLoadError
+
+    latest = latest_complete_checkpoint(Path(config.ckpt.ckpt_dir))
+    source = latest.path if latest is not None and latest.meta.lora is None else Path(config.ckpt.param_path)
+    root, sources = Path(config.data.data_root_path), config.data.sources
+    try:
+        model = ModelConfig.load(source)
+        datas = [TokenData.open(root / s.path) for s in sources] if sources else [TokenData.open(root)]
+    except (ModelLoadError, DataError) as error:
+        print(f"start checks: not made ({error})")
+        return None
+    try:
+        for data in datas:
+            data.check_kind(config.training.train_type)
+        start_checks(config, plan.batch, datas, model, source)
+    except (SetupError, DataError) as error:
+        print(f"start checks: refused: {error}")
+        return str(error)
+    print(f"start checks: passed (model {source}, data {root})")
+    return None
 
 
 def _resume_decision(config: TrainerConfig) -> str:

@@ -106,7 +106,7 @@ def add_adapters(model: nn.Module, settings: LoRASettings, generator: torch.Gene
     try:
         modules = adapted_modules(model.config, settings.targets)
     except ValueError as error:  # targets that do not fit this model's layers: the run's settings, not a bug
-        raise SetupError(str(error)) from None
+        raise SetupError(f"training.{error}") from None
     for param in model.parameters():
         param.requires_grad_(False)
     adapted = []

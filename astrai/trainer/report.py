@@ -263,8 +263,8 @@ class ProgressReporter:
     ):
         self.job_dir = Path(job_dir)
         self.tag = tag
-        self._said_not_finite: set[str] = set()
         """Said on every progress line (LoRA's rank and trainable share)."""
+        self._said_not_finite: set[str] = set()
         self.master = master
         self.max_steps = max_steps
         self.tokens_per_step = tokens_per_step

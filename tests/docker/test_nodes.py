@@ -23,8 +23,10 @@ from tests.support import free_port, run_python
 
 pytestmark = pytest.mark.docker
 
+# Long enough that a stop asked for at step 12 lands well before the end on a fast machine (30 steps did not).
+GLOBAL_BATCH_STEPS = 80
 GLOBAL_BATCH = {
-    "training": {"max_steps": 30, "batch_per_device": 8, "global_batch_size": 16},
+    "training": {"max_steps": GLOBAL_BATCH_STEPS, "batch_per_device": 8, "global_batch_size": 16},
     "ckpt": {"ckpt_interval": 10},
     "log": {"log_interval": 1},
 }
@@ -123,7 +125,7 @@ def test_two_nodes_train_stop_from_node_1_and_resume_on_one_node_with_the_same_l
     job.invoke("start")
     final = job.wait_for_exit(timeout=600)
     assert final.exit_code == 0, job.logs()
-    assert job.checkpoints()[-1] == (30, "final")
+    assert job.checkpoints()[-1] == (GLOBAL_BATCH_STEPS, "final")
 
     # An uninterrupted single-node run of the same config, for reference (the trainer on the host).
     reference_dir = tmp_path / "reference"
@@ -147,7 +149,7 @@ def test_two_nodes_train_stop_from_node_1_and_resume_on_one_node_with_the_same_l
         for record in map(json.loads, (reference_dir / "metrics.jsonl").read_text().splitlines())
     }
     got = _losses(job)
-    assert sorted(got) == sorted(expected) == list(range(1, 31))
+    assert sorted(got) == sorted(expected) == list(range(1, GLOBAL_BATCH_STEPS + 1))
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-3), step
 

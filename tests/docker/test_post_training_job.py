@@ -141,3 +141,50 @@ def test_an_online_grpo_job_scores_with_a_reward_file_in_its_data_folder(make_jo
     completions = (job.job_dir / "completions.log").read_text(encoding="utf-8")
     assert completions.startswith("step 2 | prompt ") and "(digits " in completions
     assert latest_complete_checkpoint(job.job_dir).meta.train_type == "online_grpo"
+
+
+def test_preflight_refuses_a_reward_that_does_not_import_in_the_image_and_the_fixed_one_trains(make_job, tmp_path):
+    """The reward file exists and parses on the host, but imports a module the image does not have: preflight shows
+    the ✗ naming the entry (once the image is built), start refuses before the trainer's container; fixed, it trains."""
+    job = make_job(
+        trainer={
+            "data": {"window_size": 64},
+            "training": {
+                "train_type": "online_grpo",
+                "rewards": ["/data/my rewards.py:brevity"],
+                "num_generations": 2,
+                "max_completion_length": 4,
+                "batch_per_device": 2,
+                "max_steps": 3,
+            },
+            "ckpt": {"ckpt_interval": 1000},
+            "log": {"log_interval": 1},
+        }
+    )
+    records = tmp_path / "prompts.jsonl"
+    records.write_text("".join(f'{{"prompt": "n° {i} $x:"}}\n' for i in range(8)), encoding="utf-8")
+    shutil.rmtree(job.folder / "data")
+    prepare = [sys.executable, "-m", "astrai.data", "prepare", "--kind", "prompts", "--out", str(job.folder / "data")]
+    subprocess.run([*prepare, str(records)], check=True, capture_output=True)
+    reward = job.folder / "data" / "my rewards.py"
+    body = "def brevity(prompts, completions, **fields):\n    return [-len(c) / 10 for c in completions]\n"
+    reward.write_text("import not_in_the_image\n\n" + body, encoding="utf-8")
+    job.invoke("init")
+    job.invoke("build")
+
+    checked = job.invoke("preflight", check=False)
+    line = next(line for line in checked.stdout.splitlines() if line[2:].startswith("rewards"))
+    assert checked.returncode != 0 and line.startswith("✗"), checked.stdout
+    assert "/data/my rewards.py:brevity" in checked.stdout and "not_in_the_image" in checked.stdout, checked.stdout
+
+    refused = job.invoke("start", check=False)  # its preflight, with the image it built, says the same
+    assert refused.returncode != 0 and "✗ rewards" in refused.stdout and "not_in_the_image" in refused.stdout, refused
+    assert job.container() is None
+
+    reward.write_text(body, encoding="utf-8")
+    checked = job.invoke("preflight")
+    line = next(line for line in checked.stdout.splitlines() if line[2:].startswith("rewards"))
+    assert line.startswith("✓") and "brevity" in line, checked.stdout
+    job.invoke("start")
+    assert job.wait_for_exit().exit_code == 0, job.logs()
+    assert job.checkpoints()[-1] == (3, "final") and "reward" in job.logs()

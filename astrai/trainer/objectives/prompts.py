@@ -6,40 +6,9 @@ the tokens, texts and fields up here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from astrai.common.data_folder import DataError, TokenData, WindowSplit
-
-
-@dataclass(frozen=True)
-class PromptUnits:
-    """The prompts a run samples from: each kept prompt's record number and the tokens it keeps (its last ones)."""
-
-    records: list[int]
-    takes: list[int]
-    truncated: int
-    dropped: int
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-
-def prompt_units(lengths: list[int], limit: int, overlong: str) -> PromptUnits:
-    """Prompts longer than ``limit`` tokens keep their last ``limit`` (truncate, as TRL cuts prompts on the left)
-    or are left out (drop)."""
-    records, takes = [], []
-    truncated = dropped = 0
-    for number, length in enumerate(lengths):
-        if length > limit:
-            if overlong == "drop":
-                dropped += 1
-                continue
-            truncated += 1
-        records.append(number)
-        takes.append(min(length, limit))
-    return PromptUnits(records, takes, truncated, dropped)
+from astrai.common.data_folder import DataError, PromptUnits, TokenData, WindowSplit
 
 
 class PromptSet(torch.utils.data.Dataset):
