@@ -453,10 +453,10 @@ def _merged(
     in; refused when ``base`` is missing or is not the model the adapters were trained on."""
     recorded = lora["base"]
     if base is None:
+        gone = "" if Path(recorded["path"]).is_dir() else ", and that folder is not there (moved, or on another host)"
         raise ExportError(
-            f"{source} holds LoRA adapters of the base model {recorded['path']}, not a whole model, and that folder "
-            "is not there (moved, or on another host): give the base model folder with --base DIR, or export with "
-            "--adapter for a PEFT adapter folder",
+            f"{source} holds LoRA adapters of the base model {recorded['path']}, not a whole model{gone}: give the "
+            "base model folder with --base DIR, or export with --adapter for a PEFT adapter folder",
             code=2,
         )
     base = Path(base)

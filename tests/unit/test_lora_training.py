@@ -274,8 +274,13 @@ def test_export_writes_a_merged_model_and_a_peft_folder_with_the_trainers_logits
     finally:
         trainer.close()
     assert (ours - base_logits).abs().max() > 1e-2  # the adapters change what the model says
-    with pytest.raises(ExportError, match="holds LoRA adapters of the base model"):
+    with pytest.raises(ExportError, match="holds LoRA adapters of the base model .*: give the base model folder with"):
         export_checkpoint(checkpoint, tmp_path / "nowhere", None, 1 << 30)
+    (tmp_path / "moved").mkdir()  # the recorded base moved away: the folder export looks in holds no model
+    with pytest.raises(
+        ExportError, match=r"looked for at .*moved, which holds no model \(moved\?\): give .* --base DIR"
+    ):
+        export_checkpoint(checkpoint, tmp_path / "nowhere", None, 1 << 30, base=tmp_path / "moved")
     other = tmp_path / "other-base"
     write_base_model(other, PRESETS["tiny"], seed=1)
     with pytest.raises(ExportError, match=r"is another model \(sha256"):

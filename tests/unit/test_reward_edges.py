@@ -373,3 +373,41 @@ def test_reward_lines_of_preflight(tmp_path, world, tiny_model):
     checks = reward_checks(runtime, config)
     assert len(checks) == 1 and checks[0].mark == FAIL, checks
     assert "no file /data/nothere.py in the container" in checks[0].detail, checks
+
+
+# --- messages ----------------------------------------------------------------------------------------------------
+
+
+def test_a_peft_folder_with_only_a_pickle_says_what_is_read_and_how_to_convert(tmp_path):
+    from astrai.trainer.lora import AdapterError, read_peft_adapter
+
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config), encoding="utf-8")
+    (tmp_path / "adapter_model.bin").write_bytes(b"\x80\x02}q\x00.")
+    with pytest.raises(
+        AdapterError, match=r"holds adapter_model.bin: only adapter_model.safetensors is read"
+    ) as raised:
+        read_peft_adapter(tmp_path)
+    assert "save_pretrained(new_folder, safe_serialization=True)" in str(raised.value)
+
+
+@pytest.mark.slow
+def test_generate_speaks_of_a_completion_not_of_a_document(tmp_path, tiny_model):
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tok.json"))
+    for extra, said in (
+        (["--eos", "a"], "an ordinary token would also end a completion wherever the text holds it"),
+        ([], "cannot tell which token ends a completion"),
+    ):
+        command = [sys.executable, "-m", "astrai.model", "generate", str(tiny_model), "--tokenizer"]
+        run = subprocess.run(
+            [*command, str(tmp_path / "tok.json"), "--prompt", "a b", *extra], capture_output=True, text=True
+        )
+        assert run.returncode != 0 and said in run.stderr and "Traceback" not in run.stderr, run.stderr
+        assert "document" not in run.stderr, run.stderr
