@@ -442,7 +442,8 @@ def ignored_keys_note(training: TrainingSection) -> str | None:
     if not ignored:
         return None
     keys = ", ".join(f"training.{key}" for key in ignored)
-    return f"train_type {training.train_type} does not use {keys}; they are left as set"
+    left = "they are" if len(ignored) > 1 else "it is"
+    return f"train_type {training.train_type} does not use {keys}; {left} left as set"
 
 
 def reward_settings(training: TrainingSection) -> dict | None:
