@@ -114,16 +114,16 @@ def _learning(figures: Figures, root: Path) -> None:
         log_interval=1,
     )
     rollout = [0.0]
-    step_scale = grpo.objective.step_scale
+    prepare_step = grpo.objective.prepare_step
 
     def timed(*args, **kwargs):
         start = time.process_time()
         try:
-            return step_scale(*args, **kwargs)
+            return prepare_step(*args, **kwargs)
         finally:
             rollout[0] += time.process_time() - start
 
-    grpo.objective.step_scale = timed
+    grpo.objective.prepare_step = timed
     start = time.process_time()
     _train(grpo)
     total = time.process_time() - start
