@@ -10,8 +10,11 @@ device) is the trainer's, from the names here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from astrai.common.backends import BACKEND_TRANSFORMERS, describe_backend, folder_model_type, resolve_backend
 from astrai.common.config import ONLINE_TRAIN_TYPES, TrainerConfig, resolve_grad_accum_steps
+from astrai.common.configfile import ConfigError
 from astrai.common.contract import CKPT_FORMAT_FULL, CKPT_FORMAT_LORA, CKPT_FORMAT_SHARDED, resolve_parallel_mode
 from astrai.common.fit import BatchShape
 from astrai.common.settings import GRPOSettings, LoRASettings, Sampling
@@ -51,6 +54,15 @@ class RunPlan:
     auto is on CUDA only)."""
     deterministic: bool
     """Deterministic kernels only (training.deterministic)."""
+    backend: str = "native"
+    """Which code computes the model: native, or transformers (model.backend resolved for the folder's family)."""
+    model_type: str | None = None
+    """The model folder's model_type (None: not read)."""
+
+    @property
+    def model_backend(self) -> tuple[str, str | None]:
+        """(backend, model_type), as describe_backend takes them."""
+        return self.backend, self.model_type
 
     @property
     def grad_accum(self) -> int:
@@ -78,6 +90,7 @@ class RunPlan:
             f"compute: {'autocast ' + self.autocast if self.autocast else 'float32'}"
             f"{', each block compiled' if self.compile else ', eager'}"
             f"{', deterministic kernels only' if self.deterministic else ''}",
+            f"model: {describe_backend(*self.model_backend)}",
         ]
         if self.lora is not None:
             lines.append(f"lora: {self.lora.describe()}; the frozen base held in {self.base_dtype}, adapters float32")
@@ -107,12 +120,28 @@ class RunPlan:
         return "pairs" if self.train_type == "dpo" else "sequences"
 
 
-def resolve_plan(config: TrainerConfig, device_type: str, world_size: int, parallel_mode: str | None = None) -> RunPlan:
+def resolve_plan(
+    config: TrainerConfig,
+    device_type: str,
+    world_size: int,
+    parallel_mode: str | None = None,
+    model_folder: Path | None = None,
+) -> RunPlan:
     """The plan of ``config`` on ``world_size`` processes of ``device_type`` (cpu, cuda); ``parallel_mode`` as the
-    launcher resolved it (by default: the config's, ``auto`` resolved for the world size). ConfigError when the
-    world size does not fit the global batch."""
+    launcher resolved it (by default: the config's, ``auto`` resolved for the world size); ``model_folder``: where the
+    base model is read from here (by default ckpt.param_path; the host gives its own path). ConfigError when the
+    world size does not fit the global batch, or model.backend does not fit the model."""
     training = config.training
     mode = parallel_mode or resolve_parallel_mode(config.parallel.parallel_mode, world_size)
+    model_type = folder_model_type(Path(model_folder or config.ckpt.param_path))
+    try:
+        backend = resolve_backend(config.model.backend, model_type)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if backend == BACKEND_TRANSFORMERS and mode == "fsdp":
+        raise ConfigError(
+            "parallel.parallel_mode: fsdp is not supported with model.backend transformers; use none or ddp"
+        )
     batch = BatchShape(training.batch_per_device, resolve_grad_accum_steps(training, world_size), world_size)
     lora = LoRASettings.of(training)
     online = training.train_type in ONLINE_TRAIN_TYPES
@@ -133,8 +162,12 @@ def resolve_plan(config: TrainerConfig, device_type: str, world_size: int, paral
         sampling=training.sampling() if online else None,
         grpo=training.grpo() if training.train_type in ("online_grpo", "grpo") else None,
         autocast="bfloat16" if device_type == "cuda" else None,
-        compile=config.model.compile is True or (config.model.compile == "auto" and device_type == "cuda"),
+        # The transformers path runs eagerly: its blocks are the library's, not ours to compile.
+        compile=backend != BACKEND_TRANSFORMERS
+        and (config.model.compile is True or (config.model.compile == "auto" and device_type == "cuda")),
         deterministic=training.deterministic,
+        backend=backend,
+        model_type=model_type,
     )
 
 
