@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from astrai.common.backends import BACKEND_NATIVE, describe_backend
 from astrai.common.checkpoints import checkpoint_name, latest_complete_checkpoint
 from astrai.common.config import TrainerConfig, describe, ignored_keys_note, parse_args
 from astrai.common.configfile import ConfigError
@@ -43,7 +44,6 @@ from astrai.common.contract import (
     TRACKER_TENSORBOARD,
 )
 from astrai.common.errors import AstraiError
-from astrai.common.backends import BACKEND_NATIVE, describe_backend
 from astrai.common.plan import RunPlan, resolve_plan
 from astrai.trainer import build
 from astrai.trainer.checkpoint.files import SCHEDULE, LoadedCheckpoint, NonFiniteWeights, Progress

@@ -219,9 +219,7 @@ def test_online_grpo_steps_with_lora(tmp_path, train_yaml, make_trainer, neox, o
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [True, False])
-def test_a_stopped_and_resumed_run_ends_bitwise_as_an_uninterrupted_one(
-    tmp_path, train_yaml, trainer_env, neox, lora
-):
+def test_a_stopped_and_resumed_run_ends_bitwise_as_an_uninterrupted_one(tmp_path, train_yaml, trainer_env, neox, lora):
     keys = {"max_steps": 6, "ckpt_interval": 3, "param_path": str(neox), **(LORA if lora else {})}
     whole = train_yaml(tmp_path / "whole.yaml", ckpt_dir=str(tmp_path / "whole"), **keys)
     run_to_end([*TRAINER, "--config", str(whole)], trainer_env, tmp_path / "whole.log")
