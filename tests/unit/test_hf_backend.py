@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_runs import TRAINER, final_weights, run_to_end
+from trainer_runs import TRAINER, Run, final_weights, metrics_step, run_to_end, stop_gracefully
 
 from astrai.common.backends import resolve_backend
 from astrai.common.checkpoints import latest_complete_checkpoint
@@ -220,11 +220,17 @@ def test_online_grpo_steps_with_lora(tmp_path, train_yaml, make_trainer, neox, o
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [True, False])
 def test_a_stopped_and_resumed_run_ends_bitwise_as_an_uninterrupted_one(tmp_path, train_yaml, trainer_env, neox, lora):
-    keys = {"max_steps": 6, "ckpt_interval": 3, "param_path": str(neox), **(LORA if lora else {})}
+    keys = {"max_steps": 20, "ckpt_interval": 5, "log_interval": 1, "param_path": str(neox), **(LORA if lora else {})}
     whole = train_yaml(tmp_path / "whole.yaml", ckpt_dir=str(tmp_path / "whole"), **keys)
     run_to_end([*TRAINER, "--config", str(whole)], trainer_env, tmp_path / "whole.log")
     parts = train_yaml(tmp_path / "parts.yaml", ckpt_dir=str(tmp_path / "parts"), **keys)
-    run_to_end([*TRAINER, "--config", str(parts), "--max_steps", "3"], trainer_env, tmp_path / "first.log")
+    # Stopped (SIGTERM) once step 3 is logged: the run saves where it is, and the second run resumes there.
+    stop_gracefully(
+        Run([*TRAINER, "--config", str(parts)], trainer_env, tmp_path / "first.log"),
+        lambda: metrics_step(tmp_path / "parts") >= 3,
+    )
+    stopped = latest_complete_checkpoint(tmp_path / "parts")
+    assert stopped is not None and stopped.step < 20
     run = run_to_end([*TRAINER, "--config", str(parts)], trainer_env, tmp_path / "second.log")
-    assert "resumed from" in run.output()
-    assert final_weights(tmp_path / "parts", 6) == final_weights(tmp_path / "whole", 6)
+    assert f"resumed from {stopped.path}" in run.output()
+    assert final_weights(tmp_path / "parts", 20) == final_weights(tmp_path / "whole", 20)
