@@ -26,7 +26,6 @@ say so.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
@@ -42,9 +41,6 @@ from astrai.common.settings import LoRASettings, Sampling
 from astrai.trainer.decoding import Draws, _pick_rows, _until_stop
 from astrai.trainer.lora import AdapterError, LoRALinear, hold_base_in, is_adapter, load_adapters
 from astrai.trainer.model import LogitsShape, TokenScores, TokenTargets, token_scores
-
-if TYPE_CHECKING:
-    from astrai.trainer.build import Start
 
 SHAPED_LOGITS_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 """config.json keys of a family whose logits are changed after the output projection: scored from its logits."""
@@ -229,8 +225,8 @@ def transformers_state_dict(state: dict[str, torch.Tensor], config: Transformers
     return out
 
 
-def transformers_model(start: Start, plan: RunPlan, seed: int, activation_checkpointing: bool) -> TransformersModel:
-    """The model of ``start`` (its config, weights and LoRA adapters) on the CPU, as build_model builds ours: the
+def transformers_model(start, plan: RunPlan, seed: int, activation_checkpointing: bool) -> TransformersModel:
+    """The model of ``start`` (astrai.trainer.build's Start: its config, weights and LoRA adapters) on the CPU, as build_model builds ours: the
     base frozen and the adapters new (A from ``seed``, B zero) or the start's, the base held in the plan's dtype."""
     model = TransformersModel(start.model_config, activation_checkpointing)
     model.load_weights(start.weights, str(start.source))
