@@ -226,8 +226,9 @@ def transformers_state_dict(state: dict[str, torch.Tensor], config: Transformers
 
 
 def transformers_model(start, plan: RunPlan, seed: int, activation_checkpointing: bool) -> TransformersModel:
-    """The model of ``start`` (astrai.trainer.build's Start: its config, weights and LoRA adapters) on the CPU, as build_model builds ours: the
-    base frozen and the adapters new (A from ``seed``, B zero) or the start's, the base held in the plan's dtype."""
+    """The model of ``start`` (astrai.trainer.build's Start: its config, weights and LoRA adapters) on the CPU, as
+    build_model builds ours: the base frozen and the adapters new (A from ``seed``, B zero) or the start's, the base
+    held in the plan's dtype."""
     model = TransformersModel(start.model_config, activation_checkpointing)
     model.load_weights(start.weights, str(start.source))
     if plan.lora is not None:

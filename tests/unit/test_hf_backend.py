@@ -234,3 +234,27 @@ def test_a_stopped_and_resumed_run_ends_bitwise_as_an_uninterrupted_one(tmp_path
     run = run_to_end([*TRAINER, "--config", str(parts)], trainer_env, tmp_path / "second.log")
     assert f"resumed from {stopped.path}" in run.output()
     assert final_weights(tmp_path / "parts", 20) == final_weights(tmp_path / "whole", 20)
+
+
+def test_the_image_gets_transformers_only_for_a_job_that_trains_through_it(tmp_path, neox, tiny_model):
+    import shutil
+
+    import yaml
+
+    from astrai.host import compose
+    from astrai.host.runtime import resolve_runtime
+
+    def packages(model: Path, *args: str) -> str:
+        folder = tmp_path / model.name
+        shutil.copytree(model, folder / "m")
+        for name in ("d", "c"):
+            (folder / name).mkdir()
+        block = {"job_name": "hf", "gpu": {"devices": "none"}, "paths": {"data": "d", "model": "m", "checkpoints": "c"}}
+        (folder / "train.yaml").write_text(yaml.safe_dump({"runtime": block}))
+        document = compose.render_override(resolve_runtime(folder / "train.yaml"), list(args), uid=1000, gid=1000)
+        shutil.rmtree(folder)
+        return document["services"]["trainer"]["build"]["args"]["MODEL_PACKAGES"]
+
+    assert packages(neox) == "transformers==5.25.0"
+    assert packages(tiny_model) == ""
+    assert packages(tiny_model, "--backend", "transformers") == "transformers==5.25.0"
