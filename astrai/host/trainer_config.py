@@ -169,8 +169,9 @@ def model_packages_of(runtime: Runtime, user_args: list[str] | tuple[str, ...] =
     """What the image installs for this job's model: transformers when its plan trains through it (model.backend,
     resolved for the model_type of runtime.paths.model); none where the config does not read or does not fit."""
     try:
-        requested = read_trainer_config(runtime, list(user_args)).model.backend
-        backend = resolve_backend(requested, folder_model_type(runtime.model_dir))
+        config = read_trainer_config(runtime, list(user_args))
+        folder = host_path(runtime, config.ckpt.param_path) or runtime.model_dir
+        backend = resolve_backend(config.model.backend, folder_model_type(folder))
     except (ConfigError, ValueError):
         return ()
     return (TRANSFORMERS_PACKAGE,) if backend == BACKEND_TRANSFORMERS else ()

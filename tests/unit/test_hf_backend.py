@@ -258,3 +258,29 @@ def test_the_image_gets_transformers_only_for_a_job_that_trains_through_it(tmp_p
     assert packages(neox) == "transformers==5.25.0"
     assert packages(tiny_model) == ""
     assert packages(tiny_model, "--backend", "transformers") == "transformers==5.25.0"
+
+
+def test_preflight_names_the_model_type_and_says_the_path_is_slower(tmp_path, neox):
+    import shutil
+
+    import yaml
+
+    from astrai.host import preflight
+    from astrai.host.runtime import resolve_runtime
+    from astrai.host.trainer_config import read_trainer_config
+
+    shutil.copytree(neox, tmp_path / "m")
+    for name in ("d", "c"):
+        (tmp_path / name).mkdir()
+    block = {"job_name": "hf", "gpu": {"devices": "none"}, "paths": {"data": "d", "model": "m", "checkpoints": "c"}}
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump({"runtime": block, "training": LORA}))
+    runtime = resolve_runtime(tmp_path / "train.yaml")
+    config = read_trainer_config(runtime, [])
+    model, check = preflight._model_check(runtime, config)
+    assert check.mark == preflight.PASS and model[0].model_type == "gpt_neox"
+    assert "model: gpt_neox via transformers (no native implementation: slower than native families)" in check.detail
+    plan = preflight.container_plan(runtime, config, at_least_one=True)
+    assert plan.backend == "transformers"
+    refused = read_trainer_config(runtime, ["--backend", "native"])
+    _, check = preflight._model_check(runtime, refused)
+    assert check.mark == preflight.FAIL and "set model.backend: transformers" in check.detail
