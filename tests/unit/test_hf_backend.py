@@ -152,8 +152,8 @@ def test_seq_with_lora_adapts_every_block_linear_and_exports_merged_and_peft(
         assert (loaded(tokens).logits - ours).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo"])
-def test_sft_and_dpo_steps_with_lora(tmp_path, post_yaml, make_trainer, neox, one_thread, kind):
+@pytest.mark.parametrize(("kind", "lora"), [("sft", True), ("dpo", True), ("dpo", False)])
+def test_sft_and_dpo_steps(tmp_path, post_yaml, make_trainer, neox, one_thread, kind, lora):
     path = post_yaml(
         tmp_path / f"{kind}.yaml",
         kind,
@@ -162,7 +162,7 @@ def test_sft_and_dpo_steps_with_lora(tmp_path, post_yaml, make_trainer, neox, on
         max_steps=2,
         log_interval=1,
         batch_per_device=2,
-        **LORA,
+        **(LORA if lora else {}),
     )
     trainer = make_trainer(path)
     try:
@@ -171,7 +171,7 @@ def test_sft_and_dpo_steps_with_lora(tmp_path, post_yaml, make_trainer, neox, on
         trainer.close()
     first = json.loads((tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()[0])
     assert math.isfinite(first["loss"])
-    if kind == "dpo":  # the reference is the model with its adapters off: the first step's loss is ln 2
+    if kind == "dpo":  # the reference (the model with its adapters off, or a frozen copy) starts at ln 2
         assert abs(first["loss"] - math.log(2)) <= 1e-6
     assert latest_complete_checkpoint(tmp_path / "ckpt").step == 2
 
