@@ -176,7 +176,8 @@ def test_sft_and_dpo_steps(tmp_path, post_yaml, make_trainer, neox, one_thread, 
     assert latest_complete_checkpoint(tmp_path / "ckpt").step == 2
 
 
-def test_online_grpo_steps_with_lora(tmp_path, train_yaml, make_trainer, neox, one_thread):
+@pytest.mark.parametrize("kind", ["online_grpo", "online_dpo"])
+def test_online_steps_with_lora(tmp_path, train_yaml, make_trainer, neox, one_thread, kind):
     from astrai.data.pipeline import prepare
 
     records = tmp_path / "prompts.jsonl"
@@ -193,10 +194,10 @@ def test_online_grpo_steps_with_lora(tmp_path, train_yaml, make_trainer, neox, o
     )
     path = train_yaml(
         tmp_path / "grpo.yaml",
-        train_type="online_grpo",
+        train_type=kind,
         data_root_path=str(tmp_path / "data"),
         rewards=[f"{rewards}:first_code"],
-        num_generations=4,
+        **({"num_generations": 4} if kind == "online_grpo" else {}),
         max_completion_length=5,
         batch_per_device=2,
         max_steps=2,
@@ -284,3 +285,21 @@ def test_preflight_names_the_model_type_and_says_the_path_is_slower(tmp_path, ne
     refused = read_trainer_config(runtime, ["--backend", "native"])
     _, check = preflight._model_check(runtime, refused)
     assert check.mark == preflight.FAIL and "set model.backend: transformers" in check.detail
+
+
+def test_rollouts_left_padded_in_one_batch_are_what_transformers_generates_for_each_prompt(neox):
+    from astrai.common.settings import Sampling
+    from astrai.trainer.hf_model import TransformersDecoding, load_transformers_start
+
+    config, weights = load_transformers_start(neox)
+    model = TransformersModel(config)
+    model.load_weights(weights, str(neox))
+    model.eval()
+    library = transformers.AutoModelForCausalLM.from_pretrained(neox, dtype=torch.float32).eval()
+    prompts = [[5, 17, 42, 9, 100], [7, 3], [250, 1, 8]]
+    got = TransformersDecoding(model).generate(prompts, Sampling(max_new_tokens=8))
+    for prompt, completion in zip(prompts, got, strict=True):
+        expected = library.generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        assert completion == expected[0, len(prompt) :].tolist()
