@@ -89,9 +89,20 @@ def load_transformers_start(folder: Path) -> tuple[TransformersConfig, dict[str,
     library maps them to its modules'."""
     config = TransformersConfig.load(folder)
     try:
-        hf = _transformers().AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        hf, info = _transformers().AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, output_loading_info=True
+        )
     except (OSError, ValueError, KeyError, RuntimeError) as error:
         raise ModelLoadError(f"{folder}: transformers cannot load it: {error}") from None
+    # transformers starts a weight the files lack from random values and only warns: here that is an error.
+    problems = {what: sorted(info.get(what) or ()) for what in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    problems = {what: names for what, names in problems.items() if names}
+    if problems:
+        found = "; ".join(f"{what.replace('_', ' ')} {names[:3]}" for what, names in problems.items())
+        raise ModelLoadError(
+            f"{folder}: its weights do not fit its config.json's model_type {config.model_type!r} as transformers "
+            f"builds it ({found})"
+        )
     tied = _tied_names(hf)
     return config, {name: tensor for name, tensor in hf.state_dict().items() if name not in tied}
 
