@@ -17,6 +17,7 @@ from astrai.common.config import ONLINE_TRAIN_TYPES, TrainerConfig, resolve_grad
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import CKPT_FORMAT_FULL, CKPT_FORMAT_LORA, CKPT_FORMAT_SHARDED, resolve_parallel_mode
 from astrai.common.fit import BatchShape
+from astrai.common.model_folder import ADAPTER_TARGETS
 from astrai.common.settings import GRPOSettings, LoRASettings, Sampling
 
 ONLINE_DPO_GENERATIONS = 2
@@ -65,6 +66,14 @@ class RunPlan:
         return self.backend, self.model_type
 
     @property
+    def lora_description(self) -> str:
+        """LoRA's settings and the layers it adapts (on the transformers path: every linear layer of the blocks)."""
+        described = self.lora.describe()
+        if self.backend != BACKEND_TRANSFORMERS:
+            return described
+        return described.partition(" on ")[0] + " on every linear layer of each decoder block (the family's names)"
+
+    @property
     def grad_accum(self) -> int:
         return self.batch.grad_accum
 
@@ -93,7 +102,7 @@ class RunPlan:
             f"model: {describe_backend(*self.model_backend)}",
         ]
         if self.lora is not None:
-            lines.append(f"lora: {self.lora.describe()}; the frozen base held in {self.base_dtype}, adapters float32")
+            lines.append(f"lora: {self.lora_description}; the frozen base held in {self.base_dtype}, adapters float32")
         how = {
             CKPT_FORMAT_FULL: "rank 0 gathers the state and writes it",
             CKPT_FORMAT_SHARDED: "every rank writes its own rows",
@@ -141,6 +150,13 @@ def resolve_plan(
     if backend == BACKEND_TRANSFORMERS and mode == "fsdp":
         raise ConfigError(
             "parallel.parallel_mode: fsdp is not supported with model.backend transformers; use none or ddp"
+        )
+    if backend == BACKEND_TRANSFORMERS and config.ckpt.format == CKPT_FORMAT_SHARDED:
+        raise ConfigError("ckpt.format: sharded is not supported with model.backend transformers; use full")
+    if backend == BACKEND_TRANSFORMERS and tuple(training.lora_targets) != ADAPTER_TARGETS:
+        raise ConfigError(
+            f"training.lora_targets {', '.join(training.lora_targets)}: with model.backend transformers the adapters "
+            "go on every linear layer of each decoder block (the family's own names); leave lora_targets unset"
         )
     batch = BatchShape(training.batch_per_device, resolve_grad_accum_steps(training, world_size), world_size)
     lora = LoRASettings.of(training)

@@ -600,7 +600,7 @@ def describe_trainable(model: torch.nn.Module, plan: RunPlan) -> str | None:
     trainable, frozen = parameter_counts(model)
     share = trainable / (trainable + frozen)
     return (
-        f"lora: {plan.lora.describe()}: {trainable:,} trainable of {trainable + frozen:,} parameters ({share:.2%}); "
+        f"lora: {plan.lora_description}: {trainable:,} trainable of {trainable + frozen:,} parameters ({share:.2%}); "
         f"the frozen base held in {frozen_dtype(model)}"
     )
 

@@ -243,7 +243,6 @@ def transformers_model(start, plan: RunPlan, seed: int, activation_checkpointing
     model = TransformersModel(start.model_config, activation_checkpointing)
     model.load_weights(start.weights, str(start.source))
     if plan.lora is not None:
-        check_default_targets(plan.lora)
         add_transformers_adapters(model, plan.lora, torch.Generator().manual_seed(seed))
         if start.adapters is not None:
             load_adapters(model, start.adapters, str(start.adapters_from))
@@ -256,7 +255,7 @@ def add_transformers_adapters(
 ) -> list[str]:
     """Freeze every weight and put adapters on every ``nn.Linear`` inside the decoder blocks, in block order; the
     adapted layers' names (the library's). ``training.lora_targets`` names a Llama's layers: on this path it is left
-    at its default, and the rule above decides."""
+    at its default (the run plan refuses another), and the rule above decides."""
     for param in model.parameters():
         param.requires_grad_(False)
     prefix = next(name for name, module in model.named_modules() if module is model.layers)
@@ -272,15 +271,6 @@ def add_transformers_adapters(
     if not adapted:
         raise SetupError(f"{model.config.model_type}: its decoder blocks hold no nn.Linear layer for LoRA to adapt")
     return adapted
-
-
-def check_default_targets(settings: LoRASettings) -> None:
-    """The transformers path adapts every linear layer of the blocks; lora_targets naming a Llama's is refused."""
-    if settings.targets != LoRASettings.__dataclass_fields__["targets"].default:
-        raise SetupError(
-            f"training.lora_targets {', '.join(settings.targets)}: with model.backend transformers the adapters go on "
-            "every linear layer of each decoder block (the family's own names); leave lora_targets unset"
-        )
 
 
 class TransformersDecoding:

@@ -85,6 +85,17 @@ def test_native_with_a_family_it_lacks_is_refused_naming_the_key(neox, job_yaml)
     assert "set model.backend: transformers" in str(error.value)
     with pytest.raises(ConfigError, match="model.backend: expected auto | native | transformers"):
         load_trainer_config(job_yaml(), [("backend", "hf")])
+    for key, value, message in [
+        ("lora_targets", "q_proj,v_proj", "training.lora_targets q_proj, v_proj: with model.backend transformers"),
+        ("format", "sharded", "ckpt.format: sharded is not supported with model.backend transformers"),
+        ("parallel_mode", "fsdp", "parallel.parallel_mode: fsdp is not supported with model.backend transformers"),
+    ]:
+        lora = {"lora_rank": 4} if key == "lora_targets" else {}
+        config = load_trainer_config(job_yaml(param_path=str(neox), **lora), [(key, value)])
+        with pytest.raises(ConfigError, match=message):
+            resolve_plan(config, "cpu", 2, value if key == "parallel_mode" else "ddp")
+    lines = resolve_plan(load_trainer_config(job_yaml(param_path=str(neox), lora_rank=4)), "cpu", 1).lines()
+    assert any(line.startswith("lora: rank 4") and "every linear layer of each decoder block" in line for line in lines)
 
 
 def test_the_adapter_scores_as_the_library_computes_with_packed_records(neox):
