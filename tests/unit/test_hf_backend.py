@@ -314,3 +314,22 @@ def test_rollouts_left_padded_in_one_batch_are_what_transformers_generates_for_e
             torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
         )
         assert completion == expected[0, len(prompt) :].tolist()
+
+
+def test_a_full_checkpoint_is_a_folder_transformers_loads_with_the_trainers_logits(
+    tmp_path, job_yaml, make_trainer, neox, one_thread
+):
+    trainer = make_trainer(job_yaml(param_path=str(neox), max_steps=2, ckpt_interval=2))
+    try:
+        trainer.train()
+        tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+        trainer.model.eval()
+        with torch.no_grad():
+            ours = trainer.model(tokens)
+    finally:
+        trainer.close()
+    checkpoint = latest_complete_checkpoint(tmp_path / "ckpt").path
+    for folder in (checkpoint, export_checkpoint(checkpoint, tmp_path / "export", "float32", 1 << 30).out):
+        library = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            assert torch.equal(library(tokens).logits, ours)
