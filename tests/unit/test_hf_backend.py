@@ -66,7 +66,7 @@ def _neox_yaml(write, path: Path, neox: Path, **keys) -> Path:
     return write(path, **keys, param_path=str(neox))
 
 
-def test_auto_picks_native_for_llama_and_transformers_for_gpt_neox(tiny_model, neox, job_yaml):
+def test_auto_picks_native_for_llama_and_transformers_for_gpt_neox(tiny_model, neox, job_yaml, capsys):
     assert resolve_backend("auto", "llama") == "native"
     assert resolve_backend("auto", "gpt_neox") == "transformers"
     assert resolve_backend("transformers", "llama") == "transformers"
@@ -76,6 +76,12 @@ def test_auto_picks_native_for_llama_and_transformers_for_gpt_neox(tiny_model, n
     plan = resolve_plan(load_trainer_config(job_yaml(param_path=str(neox))), "cpu", 1)
     assert plan.backend == "transformers" and not plan.compile
     assert "model: gpt_neox via transformers (no native implementation: slower than native families)" in plan.lines()
+    from astrai.trainer.loop import dry_run
+
+    assert dry_run(load_trainer_config(job_yaml(param_path=str(tiny_model)), [("backend", "transformers")])) == 0
+    assert "model: llama via transformers (model.backend: transformers: slower than native families)" in (
+        capsys.readouterr().out
+    )
 
 
 def test_native_with_a_family_it_lacks_is_refused_naming_the_key(neox, job_yaml):
