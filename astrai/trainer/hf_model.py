@@ -118,7 +118,13 @@ class TransformersModel(nn.Module):
         transformers = _transformers()
         self.config = config
         hf_config = transformers.AutoConfig.for_model(**config.values)
-        hf = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
+        # Its weights are loaded next (load_weights): drawing random ones first would only cost time.
+        from transformers.initialization import no_init_weights  # not among transformers' lazy attributes
+
+        with no_init_weights():
+            hf = transformers.AutoModelForCausalLM.from_config(
+                hf_config, attn_implementation="sdpa", dtype=torch.float32
+            )
         if activation_checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The library model's children are this module's, in the same dict: a layer replaced here (LoRA, a frozen
