@@ -84,6 +84,14 @@ RUN set -eu; \
         echo "installing the tracker clients: ${TRACKER_PACKAGES}"; \
         python3 -m pip install --quiet ${TRACKER_PACKAGES}; \
     fi
+# transformers, only for a job whose model trains through it (model.backend: transformers, or auto with a family
+# the trainer does not compute); `invoke start` passes the pinned version (astrai/common/backends.py).
+ARG MODEL_PACKAGES=""
+RUN set -eu; \
+    if [ -n "${MODEL_PACKAGES}" ]; then \
+        echo "installing the model's packages: ${MODEL_PACKAGES}"; \
+        python3 -m pip install --quiet ${MODEL_PACKAGES}; \
+    fi
 # What `invoke status` and `invoke preflight` report (label names: astrai/common/contract.py).
 LABEL ai.astrai.torch="${TORCH_VERSION}" \
       ai.astrai.cuda_tag="${CUDA_TAG}"

@@ -50,6 +50,7 @@ from bench import (
     stop_latency,
     trackers,
     trainer_speed,
+    transformers_backend,
     two_nodes,
 )
 from bench.common import REPO, TORCH_THREADS, Figures, ratio_with_spread
@@ -198,6 +199,16 @@ TARGETS = {
     ),
     "tracker_overhead_wall": ("the same on wall time", None, None),
     "tracker_updates_dropped": ("tracker updates dropped over that run", "==", 0),
+    "native_vs_transformers_backend": (
+        "trainer tokens per CPU-second on the native path over model.backend transformers (Llama `small`)",
+        ">=",
+        1.2,
+    ),
+    "transformers_backend_vs_bare": (
+        "the trainer on the transformers path over a bare loop around the same transformers model (`small`)",
+        ">=",
+        0.95,
+    ),
 }
 
 
@@ -218,6 +229,7 @@ SECTIONS = {
     "generation": lambda quick, image: generation.run(quick),
     "grpo": lambda quick, image: grpo.run(quick),
     "trackers": lambda quick, image: trackers.run(quick),
+    "transformers backend": lambda quick, image: transformers_backend.run(quick),
 }
 
 

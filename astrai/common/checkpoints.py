@@ -44,6 +44,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from astrai.common.backends import load_model_config
 from astrai.common.contract import (
     CKPT_FORMAT_SHARDED,
     CKPT_FORMATS,
@@ -57,7 +58,7 @@ from astrai.common.contract import (
     SCHEDULER_FILE,
     WEIGHTS_FILE,
 )
-from astrai.common.model_folder import ADAPTER_TARGETS, ModelConfig, ModelLoadError, read_header
+from astrai.common.model_folder import ADAPTER_TARGETS, ModelLoadError, read_header
 
 STAGING_PREFIX = ".staging-"
 TRASH_PREFIX = ".trash-"
@@ -309,7 +310,7 @@ def examine(path: Path) -> Checkpoint:
     if (meta.epoch, meta.step) != parsed:
         raise DamagedCheckpoint(f"{META_FILE} says epoch {meta.epoch} step {meta.step}, the folder name disagrees")
     try:
-        ModelConfig.load(path)
+        load_model_config(path)
         read_header(path / WEIGHTS_FILE)
         if RNG_FILE in present:
             read_header(path / RNG_FILE)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from astrai.common.backends import BACKENDS
 from astrai.common.configfile import ConfigError, load_yaml, show_value, unknown
 from astrai.common.contract import (
     CKPT_FORMAT_SHARDED,
@@ -53,6 +54,10 @@ COMPILE_CHOICES = ("auto", True, False)
 class ModelSection:
     activation_checkpointing: bool = False
     """Recompute each block's activations during backward: less memory for ~30% more compute."""
+    backend: str = "auto"
+    """Which code computes the model: native (the trainer's own families), transformers (any folder
+    AutoModelForCausalLM loads, slower), or auto (the default): native for a family the trainer computes, else
+    transformers (astrai/common/backends.py)."""
     compile: bool | str = "auto"
     """Compile each transformer block (and generation's decode step) with torch.compile: true, false, or auto (the
     default): on CUDA, not on a CPU (where it needs a C++ compiler and gains little). A compile that fails stops the
@@ -60,6 +65,7 @@ class ModelSection:
 
     def __post_init__(self) -> None:
         _check(self.compile in COMPILE_CHOICES, "model.compile", self.compile, "auto, true or false")
+        _check(self.backend in BACKENDS, "model.backend", self.backend, " | ".join(BACKENDS))
 
 
 @dataclass(frozen=True)

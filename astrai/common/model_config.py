@@ -464,7 +464,8 @@ def _from_hf(values: dict) -> ModelConfig:
         )
         raise ValueError(
             f"model_type {model_type!r} is not supported; expected one of {', '.join(MODEL_TYPES)} "
-            f"(the families the trainer computes itself){hint}"
+            f"(the families the trainer computes itself){hint}; or set model.backend: transformers to train it "
+            "through transformers (slower)"
         )
     family = "llama" if model_type in ("llama", "mistral") else model_type
     _refuse_what_is_not_computed(values, model_type)

@@ -10,10 +10,14 @@ device) is the trainer's, from the names here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from astrai.common.backends import BACKEND_TRANSFORMERS, describe_backend, folder_model_type, resolve_backend
 from astrai.common.config import ONLINE_TRAIN_TYPES, TrainerConfig, resolve_grad_accum_steps
+from astrai.common.configfile import ConfigError
 from astrai.common.contract import CKPT_FORMAT_FULL, CKPT_FORMAT_LORA, CKPT_FORMAT_SHARDED, resolve_parallel_mode
 from astrai.common.fit import BatchShape
+from astrai.common.model_folder import ADAPTER_TARGETS
 from astrai.common.settings import GRPOSettings, LoRASettings, Sampling
 
 ONLINE_DPO_GENERATIONS = 2
@@ -51,6 +55,23 @@ class RunPlan:
     auto is on CUDA only)."""
     deterministic: bool
     """Deterministic kernels only (training.deterministic)."""
+    backend: str = "native"
+    """Which code computes the model: native, or transformers (model.backend resolved for the folder's family)."""
+    model_type: str | None = None
+    """The model folder's model_type (None: not read)."""
+
+    @property
+    def model_backend(self) -> tuple[str, str | None]:
+        """(backend, model_type), as describe_backend takes them."""
+        return self.backend, self.model_type
+
+    @property
+    def lora_description(self) -> str:
+        """LoRA's settings and the layers it adapts (on the transformers path: every linear layer of the blocks)."""
+        described = self.lora.describe()
+        if self.backend != BACKEND_TRANSFORMERS:
+            return described
+        return described.partition(" on ")[0] + " on every linear layer of each decoder block (the family's names)"
 
     @property
     def grad_accum(self) -> int:
@@ -78,9 +99,10 @@ class RunPlan:
             f"compute: {'autocast ' + self.autocast if self.autocast else 'float32'}"
             f"{', each block compiled' if self.compile else ', eager'}"
             f"{', deterministic kernels only' if self.deterministic else ''}",
+            f"model: {describe_backend(*self.model_backend)}",
         ]
         if self.lora is not None:
-            lines.append(f"lora: {self.lora.describe()}; the frozen base held in {self.base_dtype}, adapters float32")
+            lines.append(f"lora: {self.lora_description}; the frozen base held in {self.base_dtype}, adapters float32")
         how = {
             CKPT_FORMAT_FULL: "rank 0 gathers the state and writes it",
             CKPT_FORMAT_SHARDED: "every rank writes its own rows",
@@ -107,12 +129,35 @@ class RunPlan:
         return "pairs" if self.train_type == "dpo" else "sequences"
 
 
-def resolve_plan(config: TrainerConfig, device_type: str, world_size: int, parallel_mode: str | None = None) -> RunPlan:
+def resolve_plan(
+    config: TrainerConfig,
+    device_type: str,
+    world_size: int,
+    parallel_mode: str | None = None,
+    model_folder: Path | None = None,
+) -> RunPlan:
     """The plan of ``config`` on ``world_size`` processes of ``device_type`` (cpu, cuda); ``parallel_mode`` as the
-    launcher resolved it (by default: the config's, ``auto`` resolved for the world size). ConfigError when the
-    world size does not fit the global batch."""
+    launcher resolved it (by default: the config's, ``auto`` resolved for the world size); ``model_folder``: where the
+    base model is read from here (by default ckpt.param_path; the host gives its own path). ConfigError when the
+    world size does not fit the global batch, or model.backend does not fit the model."""
     training = config.training
     mode = parallel_mode or resolve_parallel_mode(config.parallel.parallel_mode, world_size)
+    model_type = folder_model_type(Path(model_folder or config.ckpt.param_path))
+    try:
+        backend = resolve_backend(config.model.backend, model_type)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if backend == BACKEND_TRANSFORMERS and mode == "fsdp":
+        raise ConfigError(
+            "parallel.parallel_mode: fsdp is not supported with model.backend transformers; use none or ddp"
+        )
+    if backend == BACKEND_TRANSFORMERS and config.ckpt.format == CKPT_FORMAT_SHARDED:
+        raise ConfigError("ckpt.format: sharded is not supported with model.backend transformers; use full")
+    if backend == BACKEND_TRANSFORMERS and tuple(training.lora_targets) != ADAPTER_TARGETS:
+        raise ConfigError(
+            f"training.lora_targets {', '.join(training.lora_targets)}: with model.backend transformers the adapters "
+            "go on every linear layer of each decoder block (the family's own names); leave lora_targets unset"
+        )
     batch = BatchShape(training.batch_per_device, resolve_grad_accum_steps(training, world_size), world_size)
     lora = LoRASettings.of(training)
     online = training.train_type in ONLINE_TRAIN_TYPES
@@ -133,8 +178,12 @@ def resolve_plan(config: TrainerConfig, device_type: str, world_size: int, paral
         sampling=training.sampling() if online else None,
         grpo=training.grpo() if training.train_type in ("online_grpo", "grpo") else None,
         autocast="bfloat16" if device_type == "cuda" else None,
-        compile=config.model.compile is True or (config.model.compile == "auto" and device_type == "cuda"),
+        # The transformers path runs eagerly: its blocks are the library's, not ours to compile.
+        compile=backend != BACKEND_TRANSFORMERS
+        and (config.model.compile is True or (config.model.compile == "auto" and device_type == "cuda")),
         deterministic=training.deterministic,
+        backend=backend,
+        model_type=model_type,
     )
 
 

@@ -149,6 +149,8 @@ def render_override(
                 "BASE_IMAGE": base_image(runtime),
                 "CUDA_TAG": runtime.cuda_tag,
                 "GID": str(gid),
+                # transformers joins the image only for a job whose model trains through it (model.backend).
+                "MODEL_PACKAGES": " ".join(spec.packages),
                 "TORCH_VERSION": TORCH_VERSION,
                 # The trackers' clients join the image only for a job that reports to them (log.report_to).
                 "TRACKER_PACKAGES": " ".join(TRACKER_PACKAGES[name] for name in sorted(spec.trackers)),

@@ -43,7 +43,7 @@ from astrai.common.contract import (
     TRACKER_SECRETS,
 )
 from astrai.host.runtime import INTERFACE_VARIABLES, Runtime
-from astrai.host.trainer_config import trackers_of
+from astrai.host.trainer_config import model_packages_of, trackers_of
 
 SCHEDULER_GIVEN = (ENV_NODE_RANK, ENV_RDZV_ENDPOINT, ENV_RDZV_ID)
 """What each node's container gets from the scheduler that starts it, never from the spec (and, for a GPU job,
@@ -69,6 +69,8 @@ class LaunchSpec:
     trackers: tuple[str, ...] = ()
     """The remote trackers the trainer reports to (log.report_to): the image needs their clients, and the container
     their variables (:data:`TRACKER_SECRETS`), passed by name."""
+    packages: tuple[str, ...] = ()
+    """What the image installs for the job's model: transformers when it trains through it (model.backend)."""
 
 
 def mounts(runtime: Runtime) -> tuple[Mount, ...]:
@@ -132,13 +134,13 @@ def scheduler_environment(runtime: Runtime) -> dict[str, str | None]:
 def node_spec(runtime: Runtime, trainer_args: list[str] | tuple[str, ...] = ()) -> LaunchSpec:
     trackers = trackers_of(runtime, trainer_args)
     env = {**tracker_environment(trackers), **container_environment(runtime)}
-    return LaunchSpec(mounts(runtime), env, tuple(trainer_args), trackers)
+    return LaunchSpec(mounts(runtime), env, tuple(trainer_args), trackers, model_packages_of(runtime, trainer_args))
 
 
 def scheduler_spec(runtime: Runtime, trainer_args: list[str] | tuple[str, ...] = ()) -> LaunchSpec:
     trackers = trackers_of(runtime, trainer_args)
     env = {**tracker_environment(trackers), **scheduler_environment(runtime)}
-    return LaunchSpec(mounts(runtime), env, tuple(trainer_args), trackers)
+    return LaunchSpec(mounts(runtime), env, tuple(trainer_args), trackers, model_packages_of(runtime, trainer_args))
 
 
 def tracker_environment(trackers: tuple[str, ...]) -> dict[str, None]:

@@ -19,6 +19,15 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from astrai.common.backends import (
+    BACKEND_AUTO,
+    BACKEND_TRANSFORMERS,
+    TransformersConfig,
+    describe_backend,
+    folder_model_type,
+    load_model_config,
+    resolve_backend,
+)
 from astrai.common.checkpoints import estimate_checkpoint_bytes, folder_bytes, latest_complete_checkpoint
 from astrai.common.config import ONLINE_TRAIN_TYPES, REWARD_TRAIN_TYPES, TrainerConfig, ignored_keys_note
 from astrai.common.configfile import ConfigError
@@ -49,6 +58,7 @@ from astrai.common.model_folder import (
     inspect_weights,
     num_adapter_parameters,
     num_parameters,
+    weight_files,
 )
 from astrai.common.paths import folder_problem, length_problem, nearest_existing, read_only
 from astrai.common.plan import RunPlan, lora_base_dtype, resolve_plan
@@ -280,7 +290,7 @@ def _model_check(runtime: Runtime, config: TrainerConfig | None) -> tuple[tuple[
     latest = _latest_checkpoint(runtime)
     if latest is not None and latest.meta.lora is None:
         try:
-            return (ModelConfig.load(latest.path), latest.path), Check(
+            return (load_model_config(latest.path), latest.path), Check(
                 PASS, "base model", f"not needed: the job resumes from {latest.path}"
             )
         except ModelLoadError as error:
@@ -297,6 +307,14 @@ def _model_check(runtime: Runtime, config: TrainerConfig | None) -> tuple[tuple[
         f"write one with `python -m astrai.model init {shlex.quote(str(folder))} --preset tiny`, or put a Hugging "
         "Face Llama-family model folder there (runtime.paths.model)"
     )
+    try:
+        backend = resolve_backend(
+            config.model.backend if config is not None else BACKEND_AUTO, folder_model_type(folder)
+        )
+    except ValueError as error:
+        return None, Check(FAIL, "base model", str(error))
+    if backend == BACKEND_TRANSFORMERS:
+        return _transformers_model_check(folder, init)
     # The same reading and checks as the trainer's, from the file headers alone (no weights are read).
     try:
         model = ModelConfig.load(folder)
@@ -320,6 +338,21 @@ def _model_check(runtime: Runtime, config: TrainerConfig | None) -> tuple[tuple[
                 "set ckpt.param_path (or runtime.paths.model) back to the model the adapters were trained on",
             )
         found += f"; the LoRA adapters of {latest.path.name} resume onto it"
+    return (model, folder), Check(PASS, "base model", found)
+
+
+def _transformers_model_check(folder: Path, init: str) -> tuple[tuple[TransformersConfig, Path] | None, Check]:
+    """A base model trained through transformers: its config.json and weight files (transformers reads them)."""
+    try:
+        model = TransformersConfig.load(folder)
+        files = weight_files(folder)
+    except ModelLoadError as error:
+        return None, Check(FAIL, "base model", f"{error} and no checkpoint to resume", init)
+    unreadable = _unreadable("base model", [folder / MODEL_CONFIG_FILE, *files], folder)
+    if unreadable is not None:
+        return None, unreadable
+    how = describe_backend(BACKEND_TRANSFORMERS, model.model_type)
+    found = f"{folder}: model: {how}; {model.n_layers} layers, dim {model.dim}, vocab {model.vocab_size}"
     return (model, folder), Check(PASS, "base model", found)
 
 
@@ -380,6 +413,8 @@ def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model)
     if config is None or model is None:
         return Check(SKIP, "training state", "not estimated: see the lines above")
     model_config = model[0]
+    if isinstance(model_config, TransformersConfig):
+        return Check(SKIP, "training state", "not estimated for a model trained through transformers")
     try:
         plan = container_plan(runtime, config, at_least_one=True)
     except ConfigError:
@@ -416,7 +451,8 @@ def container_plan(runtime: Runtime, config: TrainerConfig, at_least_one: bool =
     world = runtime.world_size if runtime.world_size is not None else _visible_gpus() * runtime.node_count
     world = max(1, world) if at_least_one else world
     mode = runtime.parallel_mode if runtime.parallel_mode != "auto" else resolve_parallel_mode("auto", max(1, world))
-    return resolve_plan(config, device, world, mode)
+    folder = host_path(runtime, config.ckpt.param_path) or runtime.model_dir
+    return resolve_plan(config, device, world, mode, folder)
 
 
 def _resume_check(runtime: Runtime, latest, config: TrainerConfig, datas: list[TokenData]) -> Check:
@@ -439,8 +475,9 @@ def _reference_check(
     folder = host_path(runtime, container) or runtime.model_dir
     key = "ckpt.reference_path" if config.ckpt.reference_path else "ckpt.param_path (the reference by default)"
     try:
-        reference = ModelConfig.load(folder)
-        inspect_weights(folder, reference)
+        reference = load_model_config(folder)
+        if isinstance(reference, ModelConfig):
+            inspect_weights(folder, reference)
     except ModelLoadError as error:
         return Check(FAIL, "dpo reference", f"{key}: {error}", "point it at a model folder (config.json + weights)")
     if model is not None and reference.vocab_size != model[0].vocab_size:

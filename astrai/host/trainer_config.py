@@ -15,6 +15,7 @@ from __future__ import annotations
 import posixpath
 from pathlib import Path
 
+from astrai.common.backends import BACKEND_TRANSFORMERS, TRANSFORMERS_PACKAGE, folder_model_type, resolve_backend
 from astrai.common.config import TrainerConfig, parse_args, parse_overrides, trainer_sections
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import (
@@ -162,6 +163,18 @@ def _pairs(user_args: list[str]) -> list[tuple[str, str]]:
             index += 1
         index += 1
     return [(key, value) for key, value in pairs if key != "config"]
+
+
+def model_packages_of(runtime: Runtime, user_args: list[str] | tuple[str, ...] = ()) -> tuple[str, ...]:
+    """What the image installs for this job's model: transformers when its plan trains through it (model.backend,
+    resolved for the model_type of runtime.paths.model); none where the config does not read or does not fit."""
+    try:
+        config = read_trainer_config(runtime, list(user_args))
+        folder = host_path(runtime, config.ckpt.param_path) or runtime.model_dir
+        backend = resolve_backend(config.model.backend, folder_model_type(folder))
+    except (ConfigError, ValueError):
+        return ()
+    return (TRANSFORMERS_PACKAGE,) if backend == BACKEND_TRANSFORMERS else ()
 
 
 def trackers_of(runtime: Runtime, user_args: list[str] | tuple[str, ...] = ()) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
+from astrai.common.backends import BACKEND_TRANSFORMERS
 from astrai.common.config import (
     ONLINE_TRAIN_TYPES,
     REWARD_TRAIN_TYPES,
@@ -145,24 +146,39 @@ def read_start(
     config: TrainerConfig, plan: RunPlan, env: DistEnv, data: RunData, loaded: LoadedCheckpoint | None
 ) -> Start:
     if plan.lora is not None:
-        return _lora_start(config, env, data, loaded, plan.lora)
+        return _lora_start(config, env, data, loaded, plan.lora, _base_loader(plan))
     if loaded is not None:
         source = loaded.checkpoint.path
         broadcast_from_master(env, lambda: check_model_tokenizer(data.first, source), errors=(SetupError, DataError))
         return Start(loaded.model_config, loaded.model_state, source)
     source = Path(config.ckpt.param_path)
+    load = _base_loader(plan)
 
     def read_base():
         check_model_tokenizer(data.first, source)
-        return load_base_model(source)
+        return load(source)
 
     # Only node 0 needs the base model: rank 0 reads it, the others receive it.
     model_config, weights = broadcast_from_master(env, read_base, errors=(ModelLoadError, SetupError, DataError))
     return Start(model_config, weights, source)
 
 
+def _base_loader(plan: RunPlan) -> Callable[[Path], tuple]:
+    """How the base model's config and weights are read: by the trainer, or by transformers (model.backend)."""
+    if plan.backend == BACKEND_TRANSFORMERS:
+        from astrai.trainer.hf_model import load_transformers_start
+
+        return load_transformers_start
+    return load_base_model
+
+
 def _lora_start(
-    config: TrainerConfig, env: DistEnv, data: RunData, loaded: LoadedCheckpoint | None, settings: LoRASettings
+    config: TrainerConfig,
+    env: DistEnv,
+    data: RunData,
+    loaded: LoadedCheckpoint | None,
+    settings: LoRASettings,
+    load: Callable[[Path], tuple],
 ) -> Start:
     """LoRA: the frozen base model always comes from ckpt.param_path; the adapters from the checkpoint resumed, a
     PEFT adapter folder (ckpt.adapter_path), or nowhere (new ones). A checkpoint's adapters must be of this base."""
@@ -170,7 +186,7 @@ def _lora_start(
 
     def read_base():
         check_model_tokenizer(data.first, base)
-        model_config, weights = load_base_model(base)
+        model_config, weights = load(base)
         return model_config, weights, base_digest(base)
 
     model_config, weights, digest = broadcast_from_master(
@@ -332,6 +348,11 @@ def make_loader(config: TrainerConfig, env: DistEnv, feed: Feed) -> DataLoader:
 def build_model(config: TrainerConfig, plan: RunPlan, env: DistEnv, start: Start) -> torch.nn.Module:
     """The model with the start's weights, on the device and wrapped for the parallel mode."""
     checkpointing = config.model.activation_checkpointing
+    if plan.backend == BACKEND_TRANSFORMERS:
+        from astrai.trainer.hf_model import transformers_model
+
+        model = transformers_model(start, plan, config.training.random_seed, checkpointing)
+        return parallelize(model.to(env.device), env)
     if start.weights is None:
         # Resuming a sharded run: the model is built without memory, sharded, and only then given this rank's
         # share of it, which the checkpoint's rows fill (CheckpointManager.restore). No rank holds it whole.
@@ -453,7 +474,12 @@ def sampled_rollouts(parts: RunParts) -> SampledRollouts:
     prompts = Prompts(records.index.data, records.index, records.units)
     # FSDP gathers the weights in every forward pass: its ranks generate in step, eagerly.
     together = env.control_group if plan.parallel_mode == "fsdp" else None
-    engine = DecodeEngine(parts.model, together=together, compile=plan.compile and together is None)
+    if plan.backend == BACKEND_TRANSFORMERS:
+        from astrai.trainer.hf_model import TransformersDecoding
+
+        engine = TransformersDecoding(parts.model)
+    else:
+        engine = DecodeEngine(parts.model, together=together, compile=plan.compile and together is None)
     return SampledRollouts(
         env,
         engine,
@@ -565,7 +591,7 @@ def describe_trainable(model: torch.nn.Module, plan: RunPlan) -> str | None:
     trainable, frozen = parameter_counts(model)
     share = trainable / (trainable + frozen)
     return (
-        f"lora: {plan.lora.describe()}: {trainable:,} trainable of {trainable + frozen:,} parameters ({share:.2%}); "
+        f"lora: {plan.lora_description}: {trainable:,} trainable of {trainable + frozen:,} parameters ({share:.2%}); "
         f"the frozen base held in {frozen_dtype(model)}"
     )
 

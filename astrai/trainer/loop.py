@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from astrai.common.backends import BACKEND_NATIVE, describe_backend
 from astrai.common.checkpoints import checkpoint_name, latest_complete_checkpoint
 from astrai.common.config import TrainerConfig, describe, ignored_keys_note, parse_args
 from astrai.common.configfile import ConfigError
@@ -105,7 +106,7 @@ def open_trainer(
     # Rank 0 reads the whole checkpoint and every rank receives it, or (sharded under FSDP) each rank reads its own
     # rows of the weights and moments once the model is built and sharded.
     format = FORMATS[plan.ckpt_format]
-    loaded = load_latest(Path(config.ckpt.ckpt_dir), env, _logger(env), whole=format.reads_whole(env))
+    loaded = load_latest(Path(config.ckpt.ckpt_dir), env, _logger(env), format.reads_whole(env), plan.backend)
     max_steps = config.training.max_steps
     if loaded is not None and loaded.progress.step >= max_steps:
         _logger(env)(
@@ -232,8 +233,10 @@ class Trainer:
             return
         torch.manual_seed(self.config.training.random_seed + self.env.rank)
         if self.env.master_process:  # rank 0 read the base model
+            plan = self.plan
+            what = describe_folder(source) if plan.backend == BACKEND_NATIVE else describe_backend(*plan.model_backend)
             self.log(
-                f"starting from base model {self.config.ckpt.param_path}: {describe_folder(source)} "
+                f"starting from base model {self.config.ckpt.param_path}: {what} "
                 f"(world size {self.env.world_size}, device {self.env.device})"
             )
 

@@ -202,6 +202,8 @@ def peft_name(name: str) -> str:
 
     ``layers.0.attention.wq.lora_A.weight`` -> ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``
     """
+    if not name.startswith("layers."):  # a transformers model's own module names (model.backend: transformers)
+        return f"{PEFT_PREFIX}{name}"
     layer, _, part = name.rpartition(".lora_")
     _, index, module = layer.split(".", 2)
     return f"{PEFT_PREFIX}model.layers.{index}.{PROJECTIONS[module]}.lora_{part}"

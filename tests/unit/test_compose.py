@@ -55,6 +55,7 @@ def _expected(tmp_path: Path, environment: dict, cuda_tag: str, gpu: bool) -> di
                 "GID": "1001",
                 "TORCH_VERSION": "2.13.0",
                 "TRACKER_PACKAGES": "",
+                "MODEL_PACKAGES": "",
                 "UID": "1000",
             },
             "context": str(compose.PROJECT_ROOT),

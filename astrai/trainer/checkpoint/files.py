@@ -36,6 +36,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from astrai.common.backends import BACKEND_NATIVE, BACKEND_TRANSFORMERS, load_model_config
 from astrai.common.checkpoints import (
     Checkpoint,
     CheckpointMeta,
@@ -56,6 +57,7 @@ from astrai.common.contract import (
 from astrai.common.errors import AstraiError
 from astrai.common.model_folder import inspect_weights, read_layout
 from astrai.common.safetensors_file import CODES, header
+from astrai.trainer.hf_model import read_transformers_checkpoint
 from astrai.trainer.lora import AdapterError, from_peft_names
 from astrai.trainer.model import ModelConfig, ModelLoadError, read_weights
 
@@ -379,19 +381,24 @@ def join_optimizer_tensors(optimizer_state: dict, folder: Path) -> dict:
     return optimizer_state
 
 
-def read_checkpoint(checkpoint: Checkpoint, whole: bool = True) -> LoadedCheckpoint:
+def read_checkpoint(checkpoint: Checkpoint, whole: bool = True, backend: str = BACKEND_NATIVE) -> LoadedCheckpoint:
     """Read and check every file of a checkpoint; anything damaged raises CheckpointError with the reason.
 
     The folder rule the host applies comes first (astrai.common.checkpoints.examine), so a folder
     the host does not list is never resumed; then every tensor is read and checked. With ``whole``
     false, the weights and the optimizer's parameter-shaped tensors are left out (``model_state`` is
-    None): each rank reads its own rows of them (:func:`astrai.trainer.checkpoint.sharded.read_rows`).
+    None): each rank reads its own rows of them (:func:`astrai.trainer.checkpoint.sharded.read_rows`). With
+    ``backend`` transformers, the weights and adapters are under the transformers model's own module names.
     """
     path = checkpoint.path
     try:
         found = examine(path)
-        model_config = ModelConfig.load(path)
-        if found.meta.lora is not None:
+        model_config = load_model_config(path, backend)
+        if backend == BACKEND_TRANSFORMERS:
+            model_state = read_transformers_checkpoint(path, found.meta.lora is not None)
+            optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+            names = set(model_state)
+        elif found.meta.lora is not None:
             # The adapters alone, under PEFT's names; their shapes are checked when they go into the model.
             model_state = from_peft_names(load_file(path / WEIGHTS_FILE, device="cpu"), f"{path / WEIGHTS_FILE}")
             optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from astrai.common.backends import TransformersConfig
 from astrai.common.checkpoints import SMALL_FILES_BYTES
 from astrai.common.contract import (
     CKPT_FORMAT_FULL,
@@ -54,6 +55,7 @@ from astrai.trainer.checkpoint.files import (
 )
 from astrai.trainer.checkpoint.sharded import ShardedState, check_shared_job_dir, read_rows
 from astrai.trainer.distributed import DistEnv, failed_ranks
+from astrai.trainer.hf_model import transformers_state_dict
 from astrai.trainer.lora import adapter_parameters, peft_state_dict
 from astrai.trainer.model import hf_state_dict
 from astrai.trainer.optim import Optimizers
@@ -173,8 +175,10 @@ class FullFormat:
 
     def snapshot(self, model: torch.nn.Module, optimizer: Optimizers, env: DistEnv) -> FullSnapshot:
         fsdp = env.parallel_mode == "fsdp"
-        # Hugging Face's names in the model's family.
-        names = functools.partial(hf_state_dict, config=_unwrapped(model).config)
+        # Hugging Face's names in the model's family (a transformers model's: its own).
+        config = _unwrapped(model).config
+        named = transformers_state_dict if isinstance(config, TransformersConfig) else hf_state_dict
+        names = functools.partial(named, config=config)
         if not fsdp:  # the live parameters and optimizer moments themselves
             state = (_unwrapped(model).state_dict(), named_optimizer_state(model, optimizer))
             return FullSnapshot(*state, env.master_process, gathered=False, names=names)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from astrai.common.backends import BACKEND_NATIVE
 from astrai.common.checkpoints import (
     CheckpointMeta,
     checkpoint_name,
@@ -45,23 +46,26 @@ from astrai.trainer.model import ModelConfig
 from astrai.trainer.optim import Optimizers
 
 
-def load_latest(job_dir: Path, env: DistEnv, log: Callable[[str], None], whole: bool = True) -> LoadedCheckpoint | None:
+def load_latest(
+    job_dir: Path, env: DistEnv, log: Callable[[str], None], whole: bool = True, backend: str = BACKEND_NATIVE
+) -> LoadedCheckpoint | None:
     """The newest checkpoint that loads; ones that fail are skipped with a warning. None means start fresh.
 
     Rank 0 reads it; every other rank receives it from rank 0 (in the full format only node 0 needs the
     checkpoint folder). With ``whole`` false only the small files travel: each rank then reads its own rows
-    of the weights and the optimizer's moments (:meth:`CheckpointManager.restore`).
+    of the weights and the optimizer's moments (:meth:`CheckpointManager.restore`). ``backend``: which code computes
+    the model (model.backend resolved), which decides how its weights are named.
     """
-    return broadcast_from_master(env, lambda: _read_latest(Path(job_dir), log, whole))
+    return broadcast_from_master(env, lambda: _read_latest(Path(job_dir), log, whole, backend))
 
 
-def _read_latest(job_dir: Path, log: Callable[[str], None], whole: bool) -> LoadedCheckpoint | None:
+def _read_latest(job_dir: Path, log: Callable[[str], None], whole: bool, backend: str) -> LoadedCheckpoint | None:
     scan = scan_job_dir(job_dir)
     for folder in scan.damaged:
         log(f"warning: skipping {folder.path}: not a checkpoint ({folder.reason})")
     for checkpoint in reversed(scan.complete):
         try:
-            return read_checkpoint(checkpoint, whole)
+            return read_checkpoint(checkpoint, whole, backend)
         except CheckpointError as error:
             log(f"warning: skipping {checkpoint.path}: {error}")
     return None

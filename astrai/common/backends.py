@@ -1,0 +1,147 @@
+"""Which code computes a model: the trainer's own (``native``), or ``transformers`` for the families it lacks.
+
+``model.backend: auto`` (the default) is ``native`` when the model folder's ``model_type`` is one of the families
+the trainer computes itself (:data:`astrai.common.model_config.MODEL_TYPES`), else ``transformers``: any folder
+``transformers.AutoModelForCausalLM`` loads trains through :mod:`astrai.trainer.hf_model`, slower than a native
+family. ``native`` with another family is refused, naming ``model.backend: transformers`` as the way to train it.
+
+A folder trained through transformers is described by :class:`TransformersConfig`: its ``config.json`` as it is
+(written back unchanged into every checkpoint), and the few sizes the trainer checks a run against. Torch-free:
+the host (preflight, ``--dry-run``, the image) and the trainer decide the backend with the same function.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from astrai.common.contract import MODEL_CONFIG_FILE
+from astrai.common.model_config import MODEL_TYPES, ModelConfig
+from astrai.common.safetensors_file import ModelLoadError
+
+BACKEND_AUTO, BACKEND_NATIVE, BACKEND_TRANSFORMERS = "auto", "native", "transformers"
+BACKENDS = (BACKEND_AUTO, BACKEND_NATIVE, BACKEND_TRANSFORMERS)
+"""What ``model.backend`` takes."""
+TRANSFORMERS_PACKAGE = "transformers==5.25.0"
+"""What the trainer image installs for a job whose plan trains through transformers (the version the tests run)."""
+
+
+def read_config_json(folder: Path) -> dict:
+    """``folder/config.json`` as a dict; ModelLoadError naming the file for anything unreadable."""
+    path = Path(folder) / MODEL_CONFIG_FILE
+    try:
+        with open(path, encoding="utf-8") as handle:
+            values = json.load(handle)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: not found") from None
+    except PermissionError:
+        raise ModelLoadError(f"{path}: cannot be read by uid {os.getuid()}; check its permissions") from None
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"{path}: {error}") from None
+    if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
+        raise ModelLoadError(f"{path}: expected a JSON object with a model_type")
+    return values
+
+
+def folder_model_type(folder: Path) -> str | None:
+    """The ``model_type`` of a model folder's config.json; None when there is none to read (the run says why)."""
+    try:
+        return read_config_json(folder)["model_type"]
+    except ModelLoadError:
+        return None
+
+
+def resolve_backend(requested: str, model_type: str | None) -> str:
+    """``native`` or ``transformers`` for ``model.backend`` and the folder's ``model_type`` (None: unknown, which
+    ``auto`` takes as native, whose loader then says what is wrong with the folder). ValueError for ``native`` with a
+    family the trainer does not compute."""
+    if requested == BACKEND_TRANSFORMERS:
+        return BACKEND_TRANSFORMERS
+    native = model_type is None or model_type in MODEL_TYPES
+    if requested == BACKEND_NATIVE and not native:
+        raise ValueError(
+            f"model.backend: native, but model_type {model_type!r} has no native implementation (native families: "
+            f"{', '.join(MODEL_TYPES)}); set model.backend: transformers (or auto) to train it through transformers"
+        )
+    return BACKEND_NATIVE if native else BACKEND_TRANSFORMERS
+
+
+def describe_backend(backend: str, model_type: str | None) -> str:
+    """One line saying which code computes the model, as preflight and ``--dry-run`` print it."""
+    name = model_type or "the model"
+    if backend == BACKEND_NATIVE:
+        return f"{name} native"
+    why = "no native implementation" if model_type not in MODEL_TYPES else "model.backend: transformers"
+    return f"{name} via transformers ({why}: slower than native families)"
+
+
+@dataclass(frozen=True)
+class TransformersConfig:
+    """A model trained through transformers: its ``config.json`` (``values``) and the sizes a run is checked
+    against, read with the names transformers' configs commonly use."""
+
+    model_type: str
+    vocab_size: int
+    max_seq_len: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden_dim: int
+    tie_embeddings: bool
+    bos_token_id: object = None
+    eos_token_id: object = None
+    pad_token_id: object = None
+    values: dict = field(default_factory=dict, compare=False, repr=False)
+    sliding_window: int | None = None
+    rope_depends_on_length: bool = False
+
+    @classmethod
+    def from_dict(cls, values: dict, where: str = MODEL_CONFIG_FILE) -> TransformersConfig:
+        def number(*keys, default=None) -> int:
+            for key in keys:
+                value = values.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+            if default is not None:
+                return default
+            raise ModelLoadError(f"{where}: {' or '.join(keys)} must be a positive integer")
+
+        dim = number("hidden_size", "n_embd", "d_model")
+        heads = number("num_attention_heads", "n_head")
+        return cls(
+            model_type=values["model_type"],
+            vocab_size=number("vocab_size"),
+            max_seq_len=number("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"),
+            dim=dim,
+            n_layers=number("num_hidden_layers", "n_layer"),
+            n_heads=heads,
+            n_kv_heads=number("num_key_value_heads", "multi_query_group_num", default=heads),
+            ffn_hidden_dim=number("intermediate_size", "n_inner", "ffn_hidden_size", default=4 * dim),
+            tie_embeddings=bool(values.get("tie_word_embeddings", False)),
+            bos_token_id=values.get("bos_token_id"),
+            eos_token_id=values.get("eos_token_id"),
+            pad_token_id=values.get("pad_token_id"),
+            values=values,
+        )
+
+    @classmethod
+    def load(cls, folder: Path) -> TransformersConfig:
+        return cls.from_dict(read_config_json(folder), str(Path(folder) / MODEL_CONFIG_FILE))
+
+    @property
+    def head_size(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_json(self) -> str:
+        """config.json as the folder had it: a checkpoint loads in transformers as its base model does."""
+        return json.dumps(self.values, indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+def load_model_config(folder: Path, backend: str | None = None) -> ModelConfig | TransformersConfig:
+    """A model folder's config for ``backend`` (native or transformers; None: by its model_type, as ``auto``)."""
+    if backend is None:
+        backend = resolve_backend(BACKEND_AUTO, folder_model_type(folder))
+    return TransformersConfig.load(folder) if backend == BACKEND_TRANSFORMERS else ModelConfig.load(folder)
