@@ -236,7 +236,7 @@ def fit_prompts(data: TokenData, lengths: list[int], model: ModelConfig, trainin
 def check_lora_targets(model: ModelConfig, training) -> None:
     """LoRA's targets must name layers this model's family has, a fused layer whole (astrai.common.model_folder)."""
     settings = LoRASettings.of(training)
-    if settings is None:
+    if settings is None or not isinstance(model, ModelConfig):  # the transformers path: its plan checks the targets
         return
     try:
         adapted_modules(model, settings.targets)

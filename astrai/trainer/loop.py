@@ -581,15 +581,16 @@ def dry_run(config: TrainerConfig) -> int:
 def _start_checks(config: TrainerConfig, plan: RunPlan) -> str | None:
     """The refusals the trainer would make at its start from the config, the data and the model folders (the same
     function as preflight's); printed as a line, the refusal returned."""
+    from astrai.common.backends import load_model_config
     from astrai.common.data_folder import DataError, TokenData
     from astrai.common.fit import SetupError, start_checks
-    from astrai.common.model_folder import ModelConfig, ModelLoadError
+    from astrai.common.model_folder import ModelLoadError
 
     latest = latest_complete_checkpoint(Path(config.ckpt.ckpt_dir))
     source = latest.path if latest is not None and latest.meta.lora is None else Path(config.ckpt.param_path)
     root, sources = Path(config.data.data_root_path), config.data.sources
     try:
-        model = ModelConfig.load(source)
+        model = load_model_config(source, plan.backend)
         datas = [TokenData.open(root / s.path) for s in sources] if sources else [TokenData.open(root)]
     except (ModelLoadError, DataError) as error:
         print(f"start checks: not made ({error})")
