@@ -94,14 +94,15 @@ class MixtureOfExperts(nn.Module):
         self.normalize = config.normalize_top_k
         self.gelu = config.activation == "gelu_pytorch_tanh"
         self.router_logits: torch.Tensor | None = None
-        """This layer's router logits (tokens, E) of the last forward pass under grad mode (None otherwise): what
-        the load-balancing loss is computed from. Each forward pass replaces them, so no graph outlives the next."""
+        """This layer's router logits (tokens, E) of the last forward pass under grad mode: what the load-balancing
+        loss is computed from (which clears them). Each such pass replaces them, so no graph outlives the next."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.router(x)
-        self.router_logits = logits if torch.is_grad_enabled() else None
+        if torch.is_grad_enabled():  # a pass without grad (evaluation, a reference model) leaves them
+            self.router_logits = logits
         weights, chosen = route(logits, self.top_k, self.normalize)
         return self.experts(x, weights.to(x.dtype), chosen).reshape(shape)
 
@@ -160,8 +161,10 @@ class RouterBalance:
         self.layers = layers
         self.coef = coef
         self.top_k = layers[0].top_k
-        self._aux: list[float] = []
+        self._aux: torch.Tensor | None = None
+        self._count = 0
         self._load: torch.Tensor | None = None
+        """Summed on the device, read at a report: a micro-batch never waits for it."""
 
     def loss(self, accumulation: int) -> torch.Tensor | None:
         logits = [layer.router_logits for layer in self.layers if layer.router_logits is not None]
@@ -170,18 +173,18 @@ class RouterBalance:
         if not logits:
             return None
         aux, load = load_balancing_loss(logits, self.top_k)
-        self._aux.append(float(aux.detach()))
-        load = load.detach().cpu()
+        self._aux = aux.detach() if self._aux is None else self._aux + aux.detach()
         self._load = load if self._load is None else self._load + load
+        self._count += 1
         return aux * (self.coef / accumulation) if self.coef else None
 
     def report(self) -> dict[str, float]:
-        if not self._aux:
+        if not self._count:
             return {}
-        shares = self._load / self._load.sum()
-        values = {METRIC_ROUTER_AUX_LOSS: sum(self._aux) / len(self._aux)}
-        values.update({f"{METRIC_EXPERT_LOAD}/{e}": float(share) for e, share in enumerate(shares)})
-        self._aux, self._load = [], None
+        shares = (self._load / self._load.sum()).tolist()
+        values = {METRIC_ROUTER_AUX_LOSS: float(self._aux) / self._count}
+        values.update({f"{METRIC_EXPERT_LOAD}/{e}": share for e, share in enumerate(shares)})
+        self._aux, self._load, self._count = None, None, 0
         return values
 
 

@@ -17,6 +17,8 @@ HF_CLASSES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
 """transformers' config and model classes of each model_type."""
 ROPE_LLAMA3 = {
@@ -243,6 +245,39 @@ FAMILY_CASES = {
         logits_scaling=2.5,
         rope={"rope_type": "dynamic", "factor": 2.0},
         max_positions=32,
+    ),
+}
+
+
+# Tiny mixtures of experts with every feature on: more experts than each token uses, Qwen3-MoE's normalised top-k
+# and a dense layer among the sparse ones (mlp_only_layers), Mixtral's sliding window and a RoPE scaling; a
+# load-balancing loss weighted enough to change the training.
+MOE_CASES = {
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        layers=3,
+        heads=4,
+        kv_heads=2,
+        head_dim=24,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=40,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        router_aux_loss_coef=0.05,
+        rope={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64},
+    ),
+    "mixtral": dict(
+        model_type="mixtral",
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        intermediate_size=48,
+        sliding_window=200,
+        router_aux_loss_coef=0.05,
+        rope={"rope_type": "linear", "factor": 2.0},
     ),
 }
 

@@ -1,0 +1,242 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral) computed natively as transformers computes them: folders read in either
+layout of the experts, logits and gradients equal to transformers', the router's load-balancing loss equal to
+transformers' own function, checkpoints that transformers loads, the experts' grouped products equal to a loop, and
+the arithmetic preflight and MFU do with the experts (the real models' config.json values)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hf_folders import MOE_CASES, hf_logits, make_hf_model
+from safetensors.torch import load_file, save_file
+
+from astrai.common.model_config import ModelConfig
+from astrai.common.model_folder import ModelLoadError, describe, inspect_weights, num_active_parameters, num_parameters
+from astrai.trainer import experts
+from astrai.trainer.model import hf_name, load_base_model, load_pretrained, save_model_folder
+from astrai.trainer.report import matmul_params
+
+transformers = pytest.importorskip("transformers")
+
+QWEN3_30B_A3B = {
+    # Qwen/Qwen3-30B-A3B's config.json (the keys that shape the model)
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "rms_norm_eps": 1e-06,
+    "router_aux_loss_coef": 0.001,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+MIXTRAL_8X7B = {
+    # mistralai/Mixtral-8x7B-v0.1's config.json
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1e6,
+    "rms_norm_eps": 1e-05,
+    "router_aux_loss_coef": 0.02,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_CASES))
+def moe_folder(request, tmp_path_factory):
+    name = request.param
+    return name, make_hf_model(tmp_path_factory.mktemp(name) / "base", **MOE_CASES[name])
+
+
+def _tokens(seed: int = 0, length: int = 48) -> torch.Tensor:
+    return torch.randint(0, 300, (3, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_logits_equal_transformers(moe_folder):
+    name, folder = moe_folder
+    tokens = _tokens()
+    with torch.no_grad():
+        ours = load_pretrained(folder)(tokens)
+    diff = (ours - hf_logits(folder, tokens)).abs().max().item()
+    assert diff <= 1e-5, f"{name}: max logit difference {diff}"
+
+
+def test_saved_folder_is_what_save_pretrained_writes_and_loads_in_transformers(moe_folder, tmp_path):
+    _, folder = moe_folder
+    config, state = load_base_model(folder)
+    save_model_folder(tmp_path, config, state)
+    assert set(load_file(tmp_path / "model.safetensors")) == set(load_file(folder / "model.safetensors"))
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and info["mismatched_keys"] == set()
+    tokens = _tokens(1)
+    with torch.no_grad():
+        assert (hf.eval()(tokens).logits - load_pretrained(folder)(tokens)).abs().max().item() <= 1e-5
+
+
+def test_stacked_experts_of_transformers_5_read_the_same(moe_folder, tmp_path):
+    """The 5.x layout (``mlp.experts.gate_up_proj``, ``down_proj``) holds the same model: the sharded checkpoints
+    write it, and transformers loads it as well."""
+    _, folder = moe_folder
+    config, state = load_base_model(folder)
+    save_file({hf_name(n, config): t.contiguous() for n, t in state.items()}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(config.to_json())
+    again = load_base_model(tmp_path)[1]
+    assert all(torch.equal(again[name], state[name]) for name in state)
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+
+
+def test_an_expert_stored_twice_or_missing_is_refused(moe_folder, tmp_path):
+    name, folder = moe_folder
+    config, state = load_base_model(folder)
+    tensors = load_file(folder / "model.safetensors")
+    (tmp_path / "config.json").write_text(config.to_json())
+    expert = next(key for key in tensors if ".experts.1." in key)
+    save_file({k: v for k, v in tensors.items() if k != expert}, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="missing"):
+        inspect_weights(tmp_path, config)
+    stacked = {hf_name(n, config): t.contiguous() for n, t in state.items() if n.endswith("feed_forward.down")}
+    save_file({**tensors, **stacked}, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="stored twice"):
+        inspect_weights(tmp_path, config)
+
+
+def test_gradients_equal_transformers(moe_folder):
+    name, folder = moe_folder
+    tokens = _tokens(2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+    ours = load_pretrained(folder).train()
+    config = ours.config
+    hf_loss = hf(tokens, labels=tokens).loss
+    logits = ours(tokens)
+    vocab = logits.shape[-1]
+    our_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+    assert abs(hf_loss.item() - our_loss.item()) <= 1e-5
+    hf_loss.backward()
+    our_loss.backward()
+    hf_params = dict(hf.named_parameters())
+    for param_name, param in ours.named_parameters():
+        reference = hf_params[hf_name(param_name, config)].grad
+        scale = reference.abs().max().item()
+        assert (param.grad - reference).abs().max().item() <= 1e-5 * max(scale, 1.0), (name, param_name)
+
+
+def test_router_loss_equals_transformers_load_balancing_loss(moe_folder):
+    name, folder = moe_folder
+    module = transformers.models.qwen3_moe.modeling_qwen3_moe
+    tokens = _tokens(3)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = load_pretrained(folder)
+    config = ours.config
+    balance = experts.router_balance(ours)
+    ours(tokens)
+    ours_aux = balance.loss(accumulation=4)
+    with torch.no_grad():
+        out = hf(tokens, output_router_logits=True)
+    reference = module.load_balancing_loss_func(out.router_logits, config.n_experts, config.experts_per_token)
+    expected = config.router_aux_loss_coef * reference / 4
+    assert abs(ours_aux.item() - expected.item()) <= 1e-6 * expected.item()
+    report = balance.report()
+    assert abs(report["router_aux_loss"] - reference.item()) <= 1e-6 * reference.item()
+    loads = [report[f"expert_load/{e}"] for e in range(config.n_experts)]
+    assert abs(sum(loads) - 1) < 1e-6 and min(loads) >= 0
+    # Taken once: the logits go with it; a pass without grad records nothing.
+    assert balance.loss(1) is None
+    with torch.no_grad():
+        ours(tokens)
+    assert balance.loss(1) is None
+
+
+def test_grouped_products_equal_padded_bmm_and_a_loop_forward_and_backward():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(5, 12, 16, generator=generator, requires_grad=True)
+    counts = torch.tensor([7, 0, 11, 9, 3])  # an expert no token chose among them
+    upstream = torch.randn(30, 12, generator=generator)
+    results = []
+    for grouped in ([True] if experts.grouped_mm_runs("cpu", torch.float32, 16, 12) else []) + [False]:
+        x.grad = weight.grad = None
+        out = experts.grouped_linear(x, weight, counts, grouped)
+        (out * upstream).sum().backward()
+        results.append((out.detach(), x.grad.clone(), weight.grad.clone()))
+    x.grad = weight.grad = None
+    group_of = torch.repeat_interleave(torch.arange(5), counts)
+    loop = torch.cat([x[group_of == g] @ weight[g].T for g in range(5)])
+    (loop * upstream).sum().backward()
+    for out, grad_x, grad_w in results:
+        assert torch.allclose(out, loop, atol=1e-5) and torch.allclose(grad_x, x.grad, atol=1e-5)
+        assert torch.allclose(grad_w, weight.grad, atol=1e-5)
+
+
+def test_real_configs_count_every_expert_and_the_active_parameters():
+    qwen, mixtral = ModelConfig.from_dict(QWEN3_30B_A3B), ModelConfig.from_dict(MIXTRAL_8X7B)
+    assert round(num_parameters(qwen) / 1e9, 2) == 30.53 and round(num_active_parameters(qwen) / 1e9, 2) == 3.35
+    assert round(num_parameters(mixtral) / 1e9, 1) == 46.7 and round(num_active_parameters(mixtral) / 1e9, 1) == 12.9
+    # MFU counts what a token is multiplied by: the active parameters but the embedding lookup and the norms.
+    norms = 48 * (2 * 2048 + 2 * 128) + 2048
+    assert matmul_params(qwen) == num_active_parameters(qwen) - 151936 * 2048 - norms
+    assert qwen.sparse_layers == tuple(range(48)) and qwen.normalize_top_k and not qwen.dense_layers
+
+
+def test_the_model_line_names_the_experts_and_the_active_parameters(moe_folder):
+    name, folder = moe_folder
+    config = ModelConfig.load(folder)
+    line = describe(folder, config, inspect_weights(folder, config))
+    assert f"{config.n_experts} experts, {config.experts_per_token} per token" in line
+    assert "active parameters per token" in line
+    if name == "qwen3_moe":
+        assert "1 dense layers" in line and config.dense_layers == (1,)
+
+
+@pytest.mark.parametrize(
+    "values, key",
+    [
+        ({**MIXTRAL_8X7B, "router_jitter_noise": 0.1}, "router_jitter_noise 0.1"),
+        ({**QWEN3_30B_A3B, "use_sliding_window": True}, "use_sliding_window true"),
+        ({**QWEN3_30B_A3B, "attention_bias": True}, "attention_bias true"),
+        ({**QWEN3_30B_A3B, "num_experts_per_tok": 200}, "num_experts_per_tok 200"),
+        ({**QWEN3_30B_A3B, "mlp_only_layers": "all"}, "mlp_only_layers"),
+        ({**QWEN3_30B_A3B, "decoder_sparse_step": 0}, "decoder_sparse_step 0"),
+    ],
+)
+def test_what_is_not_computed_is_refused_naming_the_key(values, key):
+    with pytest.raises(ValueError, match=key):
+        ModelConfig.from_dict(values)
+
+
+def test_decoder_sparse_step_makes_the_skipped_layers_dense():
+    config = ModelConfig.from_dict({**QWEN3_30B_A3B, "num_hidden_layers": 6, "decoder_sparse_step": 2})
+    assert config.dense_layers == (0, 2, 4) and config.sparse_layers == (1, 3, 5)
+    written = json.loads(config.to_json())
+    assert ModelConfig.from_dict(written) == config
+    assert transformers.Qwen3MoeConfig(**written).mlp_only_layers == [0, 2, 4]
