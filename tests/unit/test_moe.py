@@ -5,15 +5,24 @@ the arithmetic preflight and MFU do with the experts (the real models' config.js
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
+from chat_data import sft_records
+from conftest import CORPUS_FILES
 from hf_folders import MOE_CASES, hf_logits, make_hf_model
+from real_chat_templates import make_family_folder
 from safetensors.torch import load_file, save_file
+from trainer_runs import final_weights
 
+from astrai.common.checkpoints import latest_complete_checkpoint
+from astrai.common.contract import METRIC_EXPERT_LOAD, METRIC_ROUTER_AUX_LOSS, METRICS_FILE
 from astrai.common.model_config import ModelConfig
 from astrai.common.model_folder import ModelLoadError, describe, inspect_weights, num_active_parameters, num_parameters
+from astrai.data.pipeline import prepare
+from astrai.data.tokenizing import HFTokenizer
 from astrai.trainer import experts
 from astrai.trainer.model import hf_name, load_base_model, load_pretrained, save_model_folder
 from astrai.trainer.report import matmul_params
@@ -240,3 +249,109 @@ def test_decoder_sparse_step_makes_the_skipped_layers_dense():
     written = json.loads(config.to_json())
     assert ModelConfig.from_dict(written) == config
     assert transformers.Qwen3MoeConfig(**written).mlp_only_layers == [0, 2, 4]
+
+
+# --- Training, as the trainer trains (conftest's run_trainer and make_trainer, one thread) -----------------------
+
+TEMPLATES = {"qwen3_moe": "chatml", "mixtral": "llama2"}
+"""The chat template (real_chat_templates.py) of each family's instruction-tuned models' kind."""
+RUN = {"max_steps": 4, "ckpt_interval": 2, "log_interval": 1, "val_fraction": 0.0}
+SFT = {"train_type": "sft", "window_size": 96}
+LORA = {"lora_rank": 4, "lora_alpha": 8}
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_CASES))
+def family(request, tmp_path_factory):
+    """(family, base model folder, seq data, sft data)."""
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    records = sft_records(40)
+    texts = [path.read_text() for path in CORPUS_FILES] + [m["content"] for r in records for m in r["messages"]]
+    tokenizer = HFTokenizer(make_family_folder(root / "tokenizer", TEMPLATES[name], texts * 3))
+    assert tokenizer.vocab_size <= 1024
+    base = make_hf_model(root / "base", **{**MOE_CASES[name], "vocab_size": 1024, "max_positions": 256, "seed": 2})
+    seq, sft = root / "seq", root / "sft"
+    prepare(seq, CORPUS_FILES, tokenizer=tokenizer)
+    sft_file = root / "sft.jsonl"
+    sft_file.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+    prepare(sft, [sft_file], tokenizer=tokenizer, kind="sft")
+    return name, base, seq, sft
+
+
+def _whole_and_resumed(tmp_path, train_yaml, run_trainer, make_trainer, **keys):
+    """Train max_steps at once, and again stopped at half and resumed: the same final checkpoint; its folder."""
+
+    whole = train_yaml(tmp_path / "whole.yaml", ckpt_dir=str(tmp_path / "whole"), **RUN, **keys)
+    run_trainer(whole)
+    parts = train_yaml(tmp_path / "parts.yaml", ckpt_dir=str(tmp_path / "parts"), **RUN, **keys)
+    assert run_trainer(parts, steps=2).steps == 2
+    resumed = make_trainer(parts)
+    try:
+        assert resumed.progress.step == 2
+        resumed.train()
+    finally:
+        resumed.close()
+    assert final_weights(tmp_path / "parts", 4) == final_weights(tmp_path / "whole", 4)
+    return latest_complete_checkpoint(tmp_path / "whole").path
+
+
+def _loads_in_transformers_with_our_logits(checkpoint, base) -> None:
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and info["mismatched_keys"] == set()
+    tokens = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours = load_pretrained(checkpoint)(tokens)
+        assert (hf.eval()(tokens).logits - ours).abs().max().item() <= 1e-5
+        assert (load_pretrained(base)(tokens) - ours).abs().max().item() > 1e-3  # training changed the model
+
+
+def _metrics(ckpt_dir) -> list[dict]:
+
+    return [json.loads(line) for line in (ckpt_dir / METRICS_FILE).read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_pretraining_stops_resumes_exactly_logs_the_routers_and_loads_in_transformers(
+    tmp_path, family, train_yaml, run_trainer, make_trainer, one_thread
+):
+    name, base, seq, _ = family
+    keys = dict(param_path=str(base), data_root_path=str(seq))
+    checkpoint = _whole_and_resumed(tmp_path, train_yaml, run_trainer, make_trainer, **keys)
+    assert json.loads((checkpoint / "config.json").read_text())["model_type"] == name
+    _loads_in_transformers_with_our_logits(checkpoint, base)
+    records = [record for record in _metrics(tmp_path / "whole") if METRIC_ROUTER_AUX_LOSS in record]
+    assert len(records) == 4 and all(record[METRIC_ROUTER_AUX_LOSS] > 0.5 for record in records)
+    loads = [records[0][f"{METRIC_EXPERT_LOAD}/{e}"] for e in range(MOE_CASES[name].get("num_experts", 6))]
+    assert abs(sum(loads) - 1) < 1e-6
+
+
+@pytest.mark.slow
+def test_the_router_loss_weight_changes_the_training_and_zero_turns_it_off(
+    tmp_path, family, train_yaml, run_trainer, one_thread
+):
+    """Weighted by the config's router_aux_loss_coef: a run whose base says 0 trains otherwise than one that says
+    0.05 (the loss is still logged)."""
+
+    name, base, seq, _ = family
+    off = tmp_path / "off"
+    config, state = load_base_model(base)
+    save_model_folder(off, dataclasses.replace(config, router_aux_loss_coef=0.0), state)
+    for folder, job in ((base, "on"), (off, "off")):
+        path = train_yaml(
+            tmp_path / f"{job}.yaml",
+            ckpt_dir=str(tmp_path / job),
+            param_path=str(folder),
+            data_root_path=str(seq),
+            **{**RUN, "max_steps": 2},
+        )
+        run_trainer(path)
+    assert final_weights(tmp_path / "on", 2) != final_weights(tmp_path / "off", 2)
+    assert all(METRIC_ROUTER_AUX_LOSS in record for record in _metrics(tmp_path / "off") if "loss" in record)
+
+
+@pytest.mark.slow
+def test_sft_stops_resumes_exactly(tmp_path, family, train_yaml, run_trainer, make_trainer, one_thread):
+    _, base, _, sft = family
+    keys = dict(param_path=str(base), data_root_path=str(sft), **SFT)
+    checkpoint = _whole_and_resumed(tmp_path, train_yaml, run_trainer, make_trainer, **keys)
+    _loads_in_transformers_with_our_logits(checkpoint, base)
