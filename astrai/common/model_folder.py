@@ -151,7 +151,8 @@ class ExpertPiece:
         halves = ("gate", "up") if self.name.endswith("gate_up") and self.half is None else (self.half,)
         return {(e, h) for e in experts for h in halves}
 
-    def shape(self, config: ModelConfig, whole: tuple[int, ...]) -> tuple[int, ...]:
+    def shape(self, whole: tuple[int, ...]) -> tuple[int, ...]:
+        """The stored shape of this piece of a tensor of shape ``whole``."""
         shape = whole if self.expert is None else whole[1:]
         if self.half is not None:
             shape = (shape[0] // 2, *shape[1:])
@@ -449,7 +450,7 @@ def inspect_weights(folder: Path, config: ModelConfig) -> WeightsSummary:
                 raise ModelLoadError(f"{path}: unexpected tensor {stored!r} (not in the architecture of config.json)")
             if piece is not None:
                 name = piece.name
-            expected = shapes[name] if piece is None else piece.shape(config, shapes[name])
+            expected = shapes[name] if piece is None else piece.shape(shapes[name])
             for unit in piece.units(config) if piece is not None else (None,):
                 if (name, unit) in found:
                     other = found[(name, unit)].name

@@ -46,7 +46,6 @@ from astrai.common.model_folder import (
     ModelLoadError,
     describe,
     expert_pieces,
-    hf_name,  # noqa: F401  (the checkpoint writers name tensors with it)
     inspect_weights,
     saved_name,
     tensor_shapes,

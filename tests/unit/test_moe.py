@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import sys
 
 import pytest
 import torch
@@ -15,16 +17,23 @@ from conftest import CORPUS_FILES
 from hf_folders import MOE_CASES, hf_logits, make_hf_model
 from real_chat_templates import make_family_folder
 from safetensors.torch import load_file, save_file
-from trainer_runs import final_weights
+from trainer_runs import Run, final_weights
 
-from astrai.common.checkpoints import latest_complete_checkpoint
-from astrai.common.contract import METRIC_EXPERT_LOAD, METRIC_ROUTER_AUX_LOSS, METRICS_FILE
+from astrai.common.checkpoints import latest_complete_checkpoint, list_complete_checkpoints
+from astrai.common.contract import METRIC_EXPERT_LOAD, METRIC_ROUTER_AUX_LOSS, METRICS_FILE, TORCHRUN_MODULE
 from astrai.common.model_config import ModelConfig
-from astrai.common.model_folder import ModelLoadError, describe, inspect_weights, num_active_parameters, num_parameters
+from astrai.common.model_folder import (
+    ModelLoadError,
+    describe,
+    hf_name,
+    inspect_weights,
+    num_active_parameters,
+    num_parameters,
+)
 from astrai.data.pipeline import prepare
 from astrai.data.tokenizing import HFTokenizer
 from astrai.trainer import experts
-from astrai.trainer.model import hf_name, load_base_model, load_pretrained, save_model_folder
+from astrai.trainer.model import load_base_model, load_pretrained, save_model_folder
 from astrai.trainer.report import matmul_params
 
 transformers = pytest.importorskip("transformers")
@@ -295,10 +304,10 @@ def _whole_and_resumed(tmp_path, train_yaml, run_trainer, make_trainer, **keys):
     return latest_complete_checkpoint(tmp_path / "whole").path
 
 
-def _loads_in_transformers_with_our_logits(checkpoint, base) -> None:
+def _loads_in_transformers_with_our_logits(checkpoint, base, vocab: int = 1024) -> None:
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, output_loading_info=True)
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and info["mismatched_keys"] == set()
-    tokens = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(4))
+    tokens = torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         ours = load_pretrained(checkpoint)(tokens)
         assert (hf.eval()(tokens).logits - ours).abs().max().item() <= 1e-5
@@ -355,3 +364,34 @@ def test_sft_stops_resumes_exactly(tmp_path, family, train_yaml, run_trainer, ma
     keys = dict(param_path=str(base), data_root_path=str(sft), **SFT)
     checkpoint = _whole_and_resumed(tmp_path, train_yaml, run_trainer, make_trainer, **keys)
     _loads_in_transformers_with_our_logits(checkpoint, base)
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_processes_saves_sharded_checkpoints_that_resume_bit_for_bit(tmp_path, train_yaml, trainer_env):
+    """torchrun, 2 CPU processes under FSDP (the experts sharded by expert), the sharded format: each rank writes
+    the matrices of its experts as save_pretrained names them; the step-2 checkpoint resumed ends on the very
+    weights of the uninterrupted run, and the folder is the full format's, tensor for tensor."""
+    base = make_hf_model(tmp_path / "base", **{**MOE_CASES["qwen3_moe"], "vocab_size": 320, "seed": 3})
+    keys = {**RUN, "param_path": str(base), "global_batch_size": 8}
+    launcher = [sys.executable, "-m", TORCHRUN_MODULE, "--standalone", "--nproc-per-node", "2"]
+
+    def train(config, format: str) -> None:
+        command = [*launcher, "-m", "astrai.train", "--config", str(config), "--parallel_mode", "fsdp"]
+        run = Run([*command, "--format", format], trainer_env, tmp_path / f"{config.stem}.log")
+        assert run.wait() == 0, run.output()
+
+    for format in ("sharded", "full"):
+        train(train_yaml(tmp_path / f"{format}.yaml", ckpt_dir=str(tmp_path / format), **keys), format)
+    sharded, full = latest_complete_checkpoint(tmp_path / "sharded"), latest_complete_checkpoint(tmp_path / "full")
+    assert sharded.step == full.step == 4 and sharded.meta.format == "sharded"
+    ours, theirs = load_file(sharded.path / "model.safetensors"), load_file(full.path / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
+    assert "model.layers.0.mlp.experts.7.up_proj.weight" in ours
+    _loads_in_transformers_with_our_logits(sharded.path, base, vocab=320)
+
+    resumed = tmp_path / "resumed"
+    step_2 = next(c.path for c in list_complete_checkpoints(tmp_path / "sharded") if c.step == 2)
+    resumed.mkdir()
+    shutil.copytree(step_2, resumed / step_2.name)
+    train(train_yaml(tmp_path / "resumed.yaml", ckpt_dir=str(resumed), **keys), "sharded")
+    assert final_weights(resumed, 4) == final_weights(tmp_path / "sharded", 4)
