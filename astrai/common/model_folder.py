@@ -226,6 +226,8 @@ ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 """The linear layers of a block LoRA adapts, by PEFT's (Hugging Face's) module names. A layer that computes several
 of them at once (Phi-3's ``qkv_proj``, ``gate_up_proj``) is named by its parts: FUSED_TARGETS."""
 FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
+"""The targets that are a mixture of experts' experts (and its dense layers' MLPs)."""
 PEFT_MODULES = {hf.rpartition(".")[2]: ours for ours, hf in PROJECTIONS.items()}
 """PEFT's name of each linear layer of a block (every family's), and ours."""
 PEFT_PREFIX = "base_model.model."
@@ -247,6 +249,12 @@ def adapted_modules(config: ModelConfig, targets) -> tuple[str, ...]:
     is named; ValueError for some of its parts without the others, which one matrix cannot give.
     """
     wanted = canonical_targets(targets)
+    experts = [target for target in wanted if target in EXPERT_TARGETS]
+    if config.n_experts and experts:
+        raise ValueError(
+            f"lora_targets {', '.join(wanted)}: adapters on a mixture of experts' MLPs ({', '.join(experts)}) are "
+            f"not trained here yet; name the attention's only: lora_targets [q_proj, k_proj, v_proj, o_proj]"
+        )
     if not config.fused_projections:
         return tuple(PEFT_MODULES[target] for target in wanted)
     modules: list[str] = []
@@ -271,8 +279,21 @@ def num_adapter_parameters(config: ModelConfig, rank: int, targets) -> int:
     """What LoRA of ``rank`` on ``targets`` (PEFT's names) trains: rank * (in + out) for each adapted matrix. An
     estimate for any targets: a fused layer named in part counts whole (the trainer refuses such targets)."""
     wanted = canonical_targets(targets)
-    whole = [part for parts in FUSED_TARGETS.values() if set(parts) & set(wanted) for part in parts]
     shapes = tensor_shapes(config)
+    if config.n_experts:
+        # The experts: one A and B per expert and projection (gate and up as one, of twice the rank, as PEFT does).
+        mlp = {target for target in wanted if target in EXPERT_TARGETS}
+        d, h = config.dim, config.expert_hidden_dim
+        per_expert = (2 * rank * (d + 2 * h) if mlp & {"gate_proj", "up_proj"} else 0) + (
+            rank * (h + d) if "down_proj" in mlp else 0
+        )
+        return len(config.sparse_layers) * config.n_experts * per_expert + sum(
+            rank * sum(shapes[f"layers.{index}.{PEFT_MODULES[target]}.weight"])
+            for index in range(config.n_layers)
+            for target in wanted
+            if target not in mlp or index in config.dense_layers
+        )
+    whole = [part for parts in FUSED_TARGETS.values() if set(parts) & set(wanted) for part in parts]
     return sum(
         rank * sum(shapes[f"layers.{index}.{module}.weight"])
         for index in range(config.n_layers)

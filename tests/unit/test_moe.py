@@ -19,8 +19,9 @@ from real_chat_templates import make_family_folder
 from safetensors.torch import load_file, save_file
 from trainer_runs import Run, final_weights
 
-from astrai.common.checkpoints import latest_complete_checkpoint, list_complete_checkpoints
+from astrai.common.checkpoints import CheckpointMeta, latest_complete_checkpoint, list_complete_checkpoints
 from astrai.common.contract import METRIC_EXPERT_LOAD, METRIC_ROUTER_AUX_LOSS, METRICS_FILE, TORCHRUN_MODULE
+from astrai.common.fit import SetupError
 from astrai.common.model_config import ModelConfig
 from astrai.common.model_folder import (
     ModelLoadError,
@@ -30,13 +31,16 @@ from astrai.common.model_folder import (
     num_active_parameters,
     num_parameters,
 )
+from astrai.common.settings import LoRASettings
 from astrai.data.pipeline import prepare
 from astrai.data.tokenizing import HFTokenizer
-from astrai.trainer import experts
+from astrai.host.export import export_checkpoint
+from astrai.trainer import experts, lora
 from astrai.trainer.model import load_base_model, load_pretrained, save_model_folder
 from astrai.trainer.report import matmul_params
 
 transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
 
 QWEN3_30B_A3B = {
     # Qwen/Qwen3-30B-A3B's config.json (the keys that shape the model)
@@ -395,3 +399,40 @@ def test_fsdp_on_two_processes_saves_sharded_checkpoints_that_resume_bit_for_bit
     shutil.copytree(step_2, resumed / step_2.name)
     train(train_yaml(tmp_path / "resumed.yaml", ckpt_dir=str(resumed), **keys), "sharded")
     assert final_weights(resumed, 4) == final_weights(tmp_path / "sharded", 4)
+
+
+@pytest.mark.slow
+def test_lora_on_the_attention_stops_resumes_exactly_and_exports_merged_and_as_a_peft_adapter(
+    tmp_path, family, train_yaml, run_trainer, make_trainer, one_thread
+):
+    name, base, _, sft = family
+    targets = "q_proj,k_proj,v_proj,o_proj"
+    keys = dict(param_path=str(base), data_root_path=str(sft), lora_targets=targets, **SFT, **LORA)
+    checkpoint = _whole_and_resumed(tmp_path, train_yaml, run_trainer, make_trainer, **keys)
+    model = load_pretrained(base)
+    record = CheckpointMeta.read(checkpoint).lora
+    lora.add_adapters(model, LoRASettings(record["rank"], record["alpha"], record["dropout"], tuple(record["targets"])))
+    lora.load_adapters(model, lora.from_peft_names(load_file(checkpoint / "model.safetensors"), "ckpt"), "ckpt")
+    tokens = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = model(tokens)
+
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    export_checkpoint(checkpoint, merged, "float32", 1 << 30, base=base)
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    export_checkpoint(checkpoint, adapter, None, 1 << 30, adapter=True)
+    assert set(json.loads((adapter / "adapter_config.json").read_text())["target_modules"]) == set(targets.split(","))
+    loaded = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter
+    ).eval()
+    with torch.no_grad():
+        assert (hf.eval()(tokens).logits - ours).abs().max().item() <= 1e-4
+        assert (loaded(tokens).logits - ours).abs().max().item() <= 1e-5
+        assert (load_pretrained(base)(tokens) - ours).abs().max().item() > 1e-4  # the adapters trained
+
+
+def test_lora_on_the_experts_is_refused_naming_the_targets_that_work(moe_folder):
+    _, folder = moe_folder
+    with pytest.raises(SetupError, match=r"lora_targets \[q_proj, k_proj, v_proj, o_proj\]"):
+        lora.add_adapters(load_pretrained(folder), LoRASettings(4, 8.0, 0.0, ("q_proj", "gate_proj", "up_proj")))
