@@ -57,10 +57,11 @@ def grouped_mm_runs(device: str, dtype: torch.dtype, width_in: int, width_out: i
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        x = torch.ones(4, width_in, device=device, dtype=dtype, requires_grad=True)
-        w = torch.ones(2, width_out, width_in, device=device, dtype=dtype, requires_grad=True)
-        ends = torch.tensor([1, 4], device=device, dtype=torch.int32)
-        _GroupedLinear.apply(x, w, ends).sum().backward()
+        with torch.enable_grad():  # the first call may come from a pass without grad
+            x = torch.ones(4, width_in, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, width_out, width_in, device=device, dtype=dtype, requires_grad=True)
+            ends = torch.tensor([1, 4], device=device, dtype=torch.int32)
+            _GroupedLinear.apply(x, w, ends).sum().backward()
     except (RuntimeError, NotImplementedError):
         return False
     return True

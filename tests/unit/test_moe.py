@@ -199,6 +199,12 @@ def test_router_loss_equals_transformers_load_balancing_loss(moe_folder):
     assert balance.loss(1) is None
 
 
+def test_grouped_mm_is_found_to_run_on_cpu_float32_even_when_first_asked_without_grad():
+    experts.grouped_mm_runs.cache_clear()
+    with torch.no_grad():
+        assert experts.grouped_mm_runs("cpu", torch.float32, 24, 40)
+
+
 def test_grouped_products_equal_padded_bmm_and_a_loop_forward_and_backward():
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(30, 16, generator=generator, requires_grad=True)
