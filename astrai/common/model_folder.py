@@ -227,7 +227,14 @@ ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 of them at once (Phi-3's ``qkv_proj``, ``gate_up_proj``) is named by its parts: FUSED_TARGETS."""
 FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
-"""The targets that are a mixture of experts' experts (and its dense layers' MLPs)."""
+"""The targets that are a mixture of experts' experts. Its dense layers' MLPs (Qwen3-MoE's mlp_only_layers) are not
+adapted: PEFT, given these targets on such a model, adapts the experts' stacked parameters alone."""
+EXPERT_ADAPTERS = ("feed_forward.gate_up", "feed_forward.down")
+"""Our stacked expert parameters LoRA adapts, in the order PEFT's target_parameters name them (PEFT_EXPERT_PARAMETERS):
+one A (rank * experts, in) and one B (out, rank * experts) each, PEFT's 3-D layout."""
+PEFT_EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+PEFT_EXPERT_MODULES = {"feed_forward.gate_up": "mlp.experts.base_layer", "feed_forward.down": "mlp.experts"}
+"""Where PEFT keeps each expert adapter: it wraps the experts once per target parameter, the first innermost."""
 PEFT_MODULES = {hf.rpartition(".")[2]: ours for ours, hf in PROJECTIONS.items()}
 """PEFT's name of each linear layer of a block (every family's), and ours."""
 PEFT_PREFIX = "base_model.model."
@@ -251,10 +258,15 @@ def adapted_modules(config: ModelConfig, targets) -> tuple[str, ...]:
     wanted = canonical_targets(targets)
     experts = [target for target in wanted if target in EXPERT_TARGETS]
     if config.n_experts and experts:
-        raise ValueError(
-            f"lora_targets {', '.join(wanted)}: adapters on a mixture of experts' MLPs ({', '.join(experts)}) are "
-            f"not trained here yet; name the attention's only: lora_targets [q_proj, k_proj, v_proj, o_proj]"
-        )
+        left_out = [target for target in EXPERT_TARGETS if target not in experts]
+        if left_out:
+            raise ValueError(
+                f"lora_targets {', '.join(wanted)}: a mixture of experts' experts are adapted whole (one A and B per "
+                f"expert on gate and up together, one on down, as PEFT adapts transformers' stacked experts); name "
+                f"{', '.join(left_out)} too, or none of {', '.join(EXPERT_TARGETS)}"
+            )
+        attention = tuple(PEFT_MODULES[target] for target in wanted if target not in EXPERT_TARGETS)
+        return attention + EXPERT_ADAPTERS
     if not config.fused_projections:
         return tuple(PEFT_MODULES[target] for target in wanted)
     modules: list[str] = []
@@ -281,17 +293,15 @@ def num_adapter_parameters(config: ModelConfig, rank: int, targets) -> int:
     wanted = canonical_targets(targets)
     shapes = tensor_shapes(config)
     if config.n_experts:
-        # The experts: one A and B per expert and projection (gate and up as one, of twice the rank, as PEFT does).
+        # The experts: one A and B per expert on gate and up together, one on down (a part counts them all).
         mlp = {target for target in wanted if target in EXPERT_TARGETS}
         d, h = config.dim, config.expert_hidden_dim
-        per_expert = (2 * rank * (d + 2 * h) if mlp & {"gate_proj", "up_proj"} else 0) + (
-            rank * (h + d) if "down_proj" in mlp else 0
-        )
+        per_expert = rank * (d + 2 * h) + rank * (h + d) if mlp else 0
         return len(config.sparse_layers) * config.n_experts * per_expert + sum(
             rank * sum(shapes[f"layers.{index}.{PEFT_MODULES[target]}.weight"])
             for index in range(config.n_layers)
             for target in wanted
-            if target not in mlp or index in config.dense_layers
+            if target not in mlp
         )
     whole = [part for parts in FUSED_TARGETS.values() if set(parts) & set(wanted) for part in parts]
     return sum(
@@ -301,9 +311,10 @@ def num_adapter_parameters(config: ModelConfig, rank: int, targets) -> int:
     )
 
 
-def peft_adapter_config(rank: int, alpha: float, dropout: float, modules, base_model: str = "") -> str:
+def peft_adapter_config(rank: int, alpha: float, dropout: float, modules, base_model: str = "", parameters=()) -> str:
     """adapter_config.json of a plain LoRA adapter (no bias, DoRA or rsLoRA), as PEFT writes and reads it;
-    ``modules``: the PEFT names of the layers it adapts (the model's own: ``qkv_proj`` in a Phi-3)."""
+    ``modules``: the PEFT names of the layers it adapts (the model's own: ``qkv_proj`` in a Phi-3); ``parameters``:
+    the stacked expert parameters it adapts (PEFT's target_parameters)."""
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -320,6 +331,8 @@ def peft_adapter_config(rank: int, alpha: float, dropout: float, modules, base_m
         "use_rslora": False,
         "use_dora": False,
     }
+    if parameters:
+        config["target_parameters"] = list(parameters)
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
@@ -335,9 +348,23 @@ def peft_target(name: str) -> tuple[str, str] | None:
 
 
 def peft_modules_of(names) -> tuple[str, ...]:
-    """The PEFT module names (``q_proj``, ``qkv_proj``) an adapter file's tensors (PEFT's names) adapt, sorted."""
-    found = {peft_target(name) for name in names}
+    """The PEFT module names (``q_proj``, ``qkv_proj``) an adapter file's tensors (PEFT's names) adapt, sorted (the
+    experts' adapters left out: PEFT_EXPERT_PARAMETERS)."""
+    found = {peft_target(name) for name in names if not peft_expert_adapter(name)}
     return tuple(sorted({weight.rsplit(".", 2)[-2] for weight, _ in found - {None}}))
+
+
+def peft_expert_adapter(name: str) -> tuple[str, str] | None:
+    """(our stacked expert parameter, "A" or "B") an adapter tensor of PEFT's name belongs to, or None.
+
+    ``base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight`` -> (``layers.0.feed_forward.gate_up``, A)
+    """
+    head, found, part = name.removeprefix(PEFT_PREFIX + "model.layers.").partition(".lora_")
+    index, _, module = head.partition(".")
+    if not name.startswith(PEFT_PREFIX) or not found or not index.isdigit() or part not in ("A.weight", "B.weight"):
+        return None
+    ours = next((ours for ours, peft in PEFT_EXPERT_MODULES.items() if peft == module), None)
+    return None if ours is None else (f"layers.{index}.{ours}", part[0])
 
 
 def _ignored(hf: str, config: ModelConfig) -> bool:

@@ -24,6 +24,7 @@ the loss and each expert's share of the assignments.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -67,10 +68,14 @@ def grouped_mm_runs(device: str, dtype: torch.dtype, width_in: int, width_out: i
     return True
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None
+) -> torch.Tensor:
     """Each group of rows of ``x`` (N, in) times its matrix of ``weight`` (G, out, in) transposed, the rows sorted by
-    group (``counts`` (G,) rows each): one grouped product, or with ``grouped`` False the groups padded to the
-    largest and multiplied by ``torch.bmm``."""
+    group (``counts`` (G,) rows each): one grouped product where it runs (``grouped`` None: as grouped_mm_runs
+    finds), else the groups padded to the largest and multiplied by ``torch.bmm``."""
+    if grouped is None:
+        grouped = grouped_mm_runs(str(x.device), x.dtype, weight.shape[2], weight.shape[1])
     if grouped:
         return _GroupedLinear.apply(x, weight, counts.cumsum(0).to(torch.int32))
     groups, rows = weight.shape[0], x.shape[0]
@@ -80,6 +85,36 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
     padded = x.new_zeros(groups, int(counts.max()) if rows else 0, x.shape[1])
     padded = padded.index_put((group_of, slot), x)
     return torch.bmm(padded, weight.transpose(1, 2))[group_of, slot]
+
+
+class ExpertLoRA(nn.Module):
+    """Low-rank adapters on a stacked expert parameter (E, out, in), one A and one B per expert, held in PEFT's 3-D
+    layout (its ``target_parameters``): ``lora_A.weight`` (rank * E, in), expert e's A its rows e * rank ... ; and
+    ``lora_B.weight`` (out, rank * E), expert e's B the columns e, e + E, e + 2E, ... Expert e's weight is
+    ``W_e + scaling * B_e @ A_e``; the update is computed on the sorted rows with the same grouped products."""
+
+    def __init__(self, experts: int, width_in: int, width_out: int, rank: int, scaling: float, device=None):
+        super().__init__()
+        self.experts, self.rank, self.scaling = experts, rank, scaling
+        self.lora_A = nn.Linear(width_in, rank * experts, bias=False, device=device, dtype=torch.float32)
+        self.lora_B = nn.Linear(rank * experts, width_out, bias=False, device=device, dtype=torch.float32)
+        self.adapters_on = True
+
+    def reset(self, generator: torch.Generator | None) -> None:
+        """As PEFT starts it: A Kaiming-uniform (a = sqrt(5)) over the whole (rank * E, in) matrix, B zero."""
+        with torch.no_grad():
+            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5), generator=generator)
+            nn.init.zeros_(self.lora_B.weight)
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A (E, rank, in), B (E, out, rank)) of every expert."""
+        a = self.lora_A.weight.view(self.experts, self.rank, -1)
+        b = self.lora_B.weight.view(-1, self.rank, self.experts).permute(2, 0, 1).contiguous()
+        return a, b
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        a, b = self.factors()
+        return grouped_linear(grouped_linear(x, a.to(x.dtype), counts), b.to(x.dtype), counts) * self.scaling
 
 
 class MixtureOfExperts(nn.Module):
@@ -94,6 +129,9 @@ class MixtureOfExperts(nn.Module):
         self.top_k = config.experts_per_token
         self.normalize = config.normalize_top_k
         self.gelu = config.activation == "gelu_pytorch_tanh"
+        self.gate_up_lora: ExpertLoRA | None = None
+        self.down_lora: ExpertLoRA | None = None
+        """LoRA's adapters on the experts (:func:`astrai.trainer.lora.add_adapters`), or None."""
         self.router_logits: torch.Tensor | None = None
         """This layer's router logits (tokens, E) of the last forward pass under grad mode: what the load-balancing
         loss is computed from (which clears them). Each such pass replaces them, so no graph outlives the next."""
@@ -115,13 +153,19 @@ class MixtureOfExperts(nn.Module):
         order = flat.argsort(stable=True)
         token = order // self.top_k
         counts = torch.bincount(flat, minlength=gate_up.shape[0])
-        grouped = grouped_mm_runs(str(x.device), dtype, x.shape[1], gate_up.shape[1]) and grouped_mm_runs(
-            str(x.device), dtype, down.shape[2], down.shape[1]
-        )
-        gate, up = grouped_linear(x[token], gate_up, counts, grouped).chunk(2, dim=-1)
+        rows = x[token]
+        gate, up = _adapted(grouped_linear(rows, gate_up, counts), self.gate_up_lora, rows, counts).chunk(2, dim=-1)
         hidden = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
-        out = grouped_linear(hidden, down, counts, grouped) * weights.reshape(-1)[order, None].to(dtype)
+        out = _adapted(grouped_linear(hidden, down, counts), self.down_lora, hidden, counts)
+        out = out * weights.reshape(-1)[order, None].to(dtype)
         return torch.zeros_like(x).index_add_(0, token, out)
+
+
+def _adapted(out: torch.Tensor, adapter: ExpertLoRA | None, rows, counts):
+    """A projection's output with its adapters' update added (while they are on)."""
+    if adapter is not None and adapter.adapters_on:
+        out = out + adapter(rows, counts)
+    return out
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

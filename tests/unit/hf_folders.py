@@ -288,16 +288,18 @@ def save_peft_adapter(folder: Path, base: Path, adapters: dict[str, torch.Tensor
     import peft
     import transformers
 
-    from astrai.common.model_folder import peft_modules_of
+    from astrai.common.model_folder import PEFT_EXPERT_PARAMETERS, peft_expert_adapter, peft_modules_of
     from astrai.trainer.lora import peft_name
 
     tensors = {peft_name(name): value for name, value in adapters.items()}
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    experts = any(peft_expert_adapter(name) for name in tensors)  # a mixture of experts' stacked experts
     config = peft.LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=list(peft_modules_of(tensors)),  # a fused layer (Phi-3's qkv_proj) by its own name
+        **({"target_parameters": list(PEFT_EXPERT_PARAMETERS)} if experts else {}),
     )
     model = peft.get_peft_model(model, config)
     result = peft.set_peft_model_state_dict(model, tensors)

@@ -408,12 +408,13 @@ def test_fsdp_on_two_processes_saves_sharded_checkpoints_that_resume_bit_for_bit
 
 
 @pytest.mark.slow
-def test_lora_on_the_attention_stops_resumes_exactly_and_exports_merged_and_as_a_peft_adapter(
+def test_lora_on_the_attention_and_every_expert_stops_resumes_exactly_and_exports_merged_and_as_a_peft_adapter(
     tmp_path, family, train_yaml, run_trainer, make_trainer, one_thread
 ):
+    """The default targets (all seven): q, k, v, o and the experts (one A and B per expert on gate and up
+    together, one on down, PEFT's target_parameters), the dense layer's MLP left as PEFT leaves it."""
     name, base, _, sft = family
-    targets = "q_proj,k_proj,v_proj,o_proj"
-    keys = dict(param_path=str(base), data_root_path=str(sft), lora_targets=targets, **SFT, **LORA)
+    keys = dict(param_path=str(base), data_root_path=str(sft), **SFT, **LORA)
     checkpoint = _whole_and_resumed(tmp_path, train_yaml, run_trainer, make_trainer, **keys)
     model = load_pretrained(base)
     record = CheckpointMeta.read(checkpoint).lora
@@ -428,7 +429,9 @@ def test_lora_on_the_attention_stops_resumes_exactly_and_exports_merged_and_as_a
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, output_loading_info=True)
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
     export_checkpoint(checkpoint, adapter, None, 1 << 30, adapter=True)
-    assert set(json.loads((adapter / "adapter_config.json").read_text())["target_modules"]) == set(targets.split(","))
+    written = json.loads((adapter / "adapter_config.json").read_text())
+    assert set(written["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert written["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     loaded = peft.PeftModel.from_pretrained(
         transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter
     ).eval()
@@ -438,7 +441,48 @@ def test_lora_on_the_attention_stops_resumes_exactly_and_exports_merged_and_as_a
         assert (load_pretrained(base)(tokens) - ours).abs().max().item() > 1e-4  # the adapters trained
 
 
-def test_lora_on_the_experts_is_refused_naming_the_targets_that_work(moe_folder):
+def test_lora_on_part_of_the_experts_or_with_dropout_is_refused_naming_what_to_change(moe_folder):
     _, folder = moe_folder
-    with pytest.raises(SetupError, match=r"lora_targets \[q_proj, k_proj, v_proj, o_proj\]"):
+    with pytest.raises(SetupError, match="name down_proj too"):
         lora.add_adapters(load_pretrained(folder), LoRASettings(4, 8.0, 0.0, ("q_proj", "gate_proj", "up_proj")))
+    with pytest.raises(SetupError, match="lora_dropout 0.1"):
+        lora.add_adapters(load_pretrained(folder), LoRASettings(4, 8.0, 0.1, ("gate_proj", "up_proj", "down_proj")))
+    lora.add_adapters(load_pretrained(folder), LoRASettings(4, 8.0, 0.1, ("q_proj", "v_proj")))  # attention may
+
+
+def test_expert_adapters_compute_what_peft_computes_on_transformers(moe_folder, tmp_path):
+    """Random adapters everywhere (B not zero), ours against PEFT's on transformers' model, the same tensors."""
+    from hf_folders import save_peft_adapter
+
+    _, folder = moe_folder
+    settings = LoRASettings(3, 6.0, 0.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    model = load_pretrained(folder)
+    lora.add_adapters(model, settings, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for param in lora.adapter_parameters(model).values():
+            param.normal_(0.0, 0.1)
+    tokens = _tokens(6)
+    with torch.no_grad():
+        ours = model(tokens)
+    save_peft_adapter(tmp_path / "adapter", folder, lora.adapter_state_dict(model), settings)
+    loaded = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), tmp_path / "adapter"
+    ).eval()
+    with torch.no_grad():
+        assert (loaded(tokens).logits - ours).abs().max().item() <= 1e-5
+
+
+def test_export_folds_an_expert_adapter_into_either_layout_of_the_experts():
+    """PEFT's 3-D layout folded into every expert at once (5.x's stacked weights) or one matrix, one half at a time
+    (save_pretrained's), as B_e @ A_e of each expert."""
+    from astrai.common.model_folder import ExpertPiece
+    from astrai.host.export import _expert_delta
+
+    experts, rank, width_in, width_out = 3, 2, 5, 8
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(rank * experts, width_in, generator=generator), torch.randn(width_out, rank * experts)
+    each = torch.stack([b[:, e::experts] @ a[e * rank : (e + 1) * rank] for e in range(experts)])
+    stacked = _expert_delta(a.numpy(), b.numpy(), ExpertPiece("gate_up", None, None), experts)
+    assert torch.allclose(torch.from_numpy(stacked), each, atol=1e-5)
+    up = _expert_delta(a.numpy(), b.numpy(), ExpertPiece("gate_up", 1, "up"), experts)
+    assert torch.allclose(torch.from_numpy(up), each[1, 4:], atol=1e-5)
