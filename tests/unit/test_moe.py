@@ -470,6 +470,11 @@ def test_expert_adapters_compute_what_peft_computes_on_transformers(moe_folder, 
     ).eval()
     with torch.no_grad():
         assert (loaded(tokens).logits - ours).abs().max().item() <= 1e-5
+    # And back: the folder PEFT wrote is read as the same adapters (a run may start from it).
+    read, tensors = lora.read_peft_adapter(tmp_path / "adapter")
+    assert set(read.targets) == set(settings.targets) and read.rank == 3
+    mine = lora.adapter_state_dict(model)
+    assert tensors.keys() == mine.keys() and all(torch.equal(tensors[k], mine[k]) for k in mine)
 
 
 def test_export_folds_an_expert_adapter_into_either_layout_of_the_experts():
