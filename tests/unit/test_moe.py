@@ -9,6 +9,7 @@ import dataclasses
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,6 +235,13 @@ def test_real_configs_count_every_expert_and_the_active_parameters():
     norms = 48 * (2 * 2048 + 2 * 128) + 2048
     assert matmul_params(qwen) == num_active_parameters(qwen) - 151936 * 2048 - norms
     assert qwen.sparse_layers == tuple(range(48)) and qwen.normalize_top_k and not qwen.dense_layers
+    # The model line preflight and the trainer print (its weights as they would be found).
+    weights = WeightsSummary((Path("model.safetensors"),), {}, {}, ("bfloat16",), num_parameters(qwen))
+    line = describe(Path("Qwen3-30B-A3B"), qwen, weights)
+    assert "30.53B parameters" in line and "128 experts, 8 per token, 3.35B active parameters per token" in line
+    weights = dataclasses.replace(weights, num_parameters=num_parameters(mixtral))
+    line = describe(Path("Mixtral-8x7B"), mixtral, weights)
+    assert "46.70B parameters" in line and "8 experts, 2 per token, 12.88B active parameters per token" in line
 
 
 def test_the_model_line_names_the_experts_and_the_active_parameters(moe_folder):
@@ -491,3 +499,21 @@ def test_export_folds_an_expert_adapter_into_either_layout_of_the_experts():
     assert torch.allclose(torch.from_numpy(stacked), each, atol=1e-5)
     up = _expert_delta(a.numpy(), b.numpy(), ExpertPiece("gate_up", 1, "up"), experts)
     assert torch.allclose(torch.from_numpy(up), each[1, 4:], atol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 7])
+def test_greedy_generation_equals_transformers_and_is_never_a_captured_graph(moe_folder, batch):
+    import random
+
+    from astrai.common.settings import Sampling
+    from astrai.trainer.decoding import DecodeEngine
+    from tests.support import transformers_generate
+
+    _, folder = moe_folder
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(1, 300) for _ in range(rng.randrange(1, 12))] for _ in range(batch)]
+    engine = DecodeEngine(load_pretrained(folder))
+    assert engine.graphs is False
+    ours = engine.generate(prompts, Sampling(max_new_tokens=9))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert ours == transformers_generate(theirs, prompts, 9)
