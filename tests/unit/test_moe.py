@@ -26,6 +26,7 @@ from astrai.common.fit import SetupError
 from astrai.common.model_config import ModelConfig
 from astrai.common.model_folder import (
     ModelLoadError,
+    WeightsSummary,
     describe,
     hf_name,
     inspect_weights,
