@@ -518,3 +518,24 @@ def test_greedy_generation_equals_transformers_and_is_never_a_captured_graph(moe
     ours = engine.generate(prompts, Sampling(max_new_tokens=9))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     assert ours == transformers_generate(theirs, prompts, 9)
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_trains_the_same_steps(tmp_path, family, train_yaml, run_trainer, one_thread):
+    """Each block's activations recomputed in the backward pass, the router's too: the same weights after the same
+    steps, and the router loss still taken."""
+    _, base, seq, _ = family
+    for job, checkpointing in (("plain", False), ("recomputed", True)):
+        path = train_yaml(
+            tmp_path / f"{job}.yaml",
+            ckpt_dir=str(tmp_path / job),
+            param_path=str(base),
+            data_root_path=str(seq),
+            activation_checkpointing=checkpointing,
+            **{**RUN, "max_steps": 2},
+        )
+        run_trainer(path)
+    assert final_weights(tmp_path / "recomputed", 2) == final_weights(tmp_path / "plain", 2)
+    assert [r[METRIC_ROUTER_AUX_LOSS] for r in _metrics(tmp_path / "recomputed") if METRIC_ROUTER_AUX_LOSS in r] == [
+        r[METRIC_ROUTER_AUX_LOSS] for r in _metrics(tmp_path / "plain") if METRIC_ROUTER_AUX_LOSS in r
+    ]
