@@ -10,7 +10,8 @@ The experts of a layer are held stacked (``gate_up`` (E, 2H, D): gate rows then 
 computed without a Python loop over experts: the (token, expert) pairs are sorted by expert, and each projection is
 one ``torch._grouped_mm`` over the sorted rows (its own autograd function, so the backward pass is two more grouped
 products per projection). Where ``_grouped_mm`` cannot run (an old torch, a dtype or shape its kernels refuse on the
-device: probed once per kind) the groups are padded to the busiest expert and multiplied with ``torch.bmm``.
+device: probed once per kind; under torch.compile, anything but bfloat16) the groups are padded to the busiest expert
+and multiplied with ``torch.bmm``.
 
 The router's load-balancing loss is transformers' ``load_balancing_loss_func`` (the Switch Transformer's), over the
 sparse layers of one forward pass taken together (R rows in all, L layers of N tokens)::
@@ -75,7 +76,9 @@ def grouped_linear(
     group (``counts`` (G,) rows each): one grouped product where it runs (``grouped`` None: as grouped_mm_runs
     finds), else the groups padded to the largest and multiplied by ``torch.bmm``."""
     if grouped is None:
-        grouped = grouped_mm_runs(str(x.device), x.dtype, weight.shape[2], weight.shape[1])
+        # torch.compile traces _grouped_mm in bfloat16 only (as transformers, which falls back there too).
+        traced = torch.compiler.is_compiling() and x.dtype != torch.bfloat16
+        grouped = not traced and grouped_mm_runs(str(x.device), x.dtype, weight.shape[2], weight.shape[1])
     if grouped:
         return _GroupedLinear.apply(x, weight, counts.cumsum(0).to(torch.int32))
     groups, rows = weight.shape[0], x.shape[0]
