@@ -539,3 +539,28 @@ def test_activation_checkpointing_trains_the_same_steps(tmp_path, family, train_
     assert [r[METRIC_ROUTER_AUX_LOSS] for r in _metrics(tmp_path / "recomputed") if METRIC_ROUTER_AUX_LOSS in r] == [
         r[METRIC_ROUTER_AUX_LOSS] for r in _metrics(tmp_path / "plain") if METRIC_ROUTER_AUX_LOSS in r
     ]
+
+
+@pytest.mark.slow
+def test_fsdp_lora_on_the_experts_resumes_bit_for_bit(tmp_path, train_yaml, trainer_env):
+    """The same two FSDP processes training LoRA on the attention and the experts (the adapters' A and B sharded as
+    every parameter is; a LoRA checkpoint is the adapters, written whole): stopped at step 2 and resumed, the same
+    adapters as the uninterrupted run."""
+    base = make_hf_model(tmp_path / "base", **{**MOE_CASES["mixtral"], "vocab_size": 320, "seed": 3})
+    keys = {**RUN, "param_path": str(base), "global_batch_size": 8, **LORA}
+    launcher = [sys.executable, "-m", TORCHRUN_MODULE, "--standalone", "--nproc-per-node", "2"]
+
+    def train(config) -> None:
+        command = [*launcher, "-m", "astrai.train", "--config", str(config), "--parallel_mode", "fsdp"]
+        run = Run(command, trainer_env, tmp_path / f"{config.stem}.log")
+        assert run.wait() == 0, run.output()
+
+    train(train_yaml(tmp_path / "whole.yaml", ckpt_dir=str(tmp_path / "whole"), **keys))
+    resumed = tmp_path / "resumed"
+    step_2 = next(c.path for c in list_complete_checkpoints(tmp_path / "whole") if c.step == 2)
+    resumed.mkdir()
+    shutil.copytree(step_2, resumed / step_2.name)
+    train(train_yaml(tmp_path / "resumed.yaml", ckpt_dir=str(resumed), **keys))
+    assert final_weights(resumed, 4) == final_weights(tmp_path / "whole", 4)
+    adapters = load_file(latest_complete_checkpoint(resumed).path / "model.safetensors")
+    assert "base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight" in adapters
