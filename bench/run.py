@@ -38,6 +38,7 @@ from bench import (
     checkpoint_cost,
     chunked_loss,
     corpora,
+    experts,
     faults,
     generation,
     grpo,
@@ -209,12 +210,28 @@ TARGETS = {
         ">=",
         0.95,
     ),
+    "moe_step_vs_transformers": (
+        "one mixture-of-experts layer's forward and backward, transformers' block (grouped_mm) over ours, CPU time "
+        "(worse of Qwen3-30B-A3B's and Mixtral-8x7B's shapes scaled down)",
+        ">=",
+        1.5,
+    ),
+    "qwen3_moe_step_vs_transformers": ("the same at Qwen3-30B-A3B's shape (128 experts, 8 per token)", None, None),
+    "mixtral_step_vs_transformers": ("the same at Mixtral-8x7B's shape (8 experts, 2 per token)", None, None),
+    "moe_step_vs_transformers_eager": (
+        "the same against transformers' eager experts (a loop over experts), worse of the two shapes",
+        None,
+        None,
+    ),
+    "qwen3_moe_step_vs_transformers_eager": ("eager, Qwen3-30B-A3B's shape", None, None),
+    "mixtral_step_vs_transformers_eager": ("eager, Mixtral-8x7B's shape", None, None),
 }
 
 
 SECTIONS = {
     "trainer overhead": lambda quick, image: trainer_speed.run(quick),
     "chunked loss": lambda quick, image: chunked_loss.run(quick),
+    "mixture of experts": lambda quick, image: experts.run(quick),
     "checkpoint cost": lambda quick, image: checkpoint_cost.run(quick),
     "host commands at scale": lambda quick, image: host_commands.run(quick),
     "image rebuild": lambda quick, image: image_build.run(quick, image),

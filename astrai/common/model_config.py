@@ -19,7 +19,11 @@ What each family adds to the Llama block (``ModelConfig``'s fields and propertie
 - ``phi3`` (Phi-3, Phi-4): q, k and v computed by one matrix (``qkv_proj``), gate and up by one
   (``gate_up_proj``), longrope scaling, RoPE over a part of each head (``partial_rotary_factor``);
 - ``olmo2``: norms after attention and the MLP instead of before, RMSNorms over the whole query and key projections;
-- ``granite``: the embedding, attention, residual multipliers and the logits' divisor.
+- ``granite``: the embedding, attention, residual multipliers and the logits' divisor;
+- ``qwen3_moe``, ``mixtral``: a mixture of experts in place of the MLP (``n_experts`` gated MLPs of
+  ``expert_hidden_dim``, a router that sends each token to ``experts_per_token`` of them); Qwen3-MoE normalises each
+  query and key head as Qwen3 does and may keep a plain MLP in some layers (``mlp_only_layers``,
+  ``decoder_sparse_step``: ``dense_layers``); Mixtral may have a sliding window as Mistral does.
 
 Anything else (another ``model_type``, biases a family does not have, a setting the trainer does not compute)
 is refused, naming the key, its value and what is allowed. Torch-free: preflight and the trainer read folders
@@ -48,10 +52,14 @@ FAMILIES = {
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 """Each ``model_type`` the trainer computes itself, and the transformers class its folders name."""
 MODEL_TYPES = tuple(FAMILIES)
 GEMMA = ("gemma2", "gemma3_text")
+MIXTURES = ("qwen3_moe", "mixtral")
+"""The families whose MLP is a mixture of experts."""
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 """The MLP gates: SiLU (SwiGLU) and GELU's tanh approximation (GeGLU), by transformers' names."""
@@ -69,6 +77,12 @@ _FAMILY_FIELDS = {
     "embedding_multiplier": ("granite",),
     "residual_multiplier": ("granite",),
     "logits_scaling": ("granite",),
+    "n_experts": MIXTURES,
+    "experts_per_token": MIXTURES,
+    "expert_hidden_dim": MIXTURES,
+    "dense_layers": ("qwen3_moe",),
+    "normalize_top_k": ("qwen3_moe",),
+    "router_aux_loss_coef": MIXTURES,
 }
 FAMILY_FIELDS = (*_FAMILY_FIELDS, "pad_token_id")
 """ModelConfig fields read from a family's config.json rather than set by hand."""
@@ -183,6 +197,21 @@ class ModelConfig:
     """Gemma 3: the RoPE base of the local layers, which are never scaled; None: the same RoPE as the others."""
     partial_rotary_factor: float = 1.0
     """Phi-3 family: the share of each head the rotary embedding turns (the first ``rotary_dim`` dimensions)."""
+    n_experts: int = 0
+    """Mixture of experts: how many gated MLPs (experts) each sparse layer holds; 0 for a plain MLP everywhere."""
+    experts_per_token: int = 0
+    """Mixture of experts: how many experts each token goes to (the top-k of the router's probabilities)."""
+    expert_hidden_dim: int | None = None
+    """Mixture of experts: the hidden width of one expert (``moe_intermediate_size``; Mixtral's
+    ``intermediate_size``)."""
+    dense_layers: tuple[int, ...] = ()
+    """Qwen3-MoE: the layers that keep a plain MLP of ``ffn_hidden_dim`` (``mlp_only_layers`` and those
+    ``decoder_sparse_step`` skips)."""
+    normalize_top_k: bool = True
+    """Mixture of experts: the chosen experts' probabilities are divided by their sum (Mixtral always; Qwen3-MoE's
+    ``norm_topk_prob``)."""
+    router_aux_loss_coef: float = 0.0
+    """Mixture of experts: the weight of the router's load-balancing loss in training; 0 turns it off."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len"):
@@ -209,7 +238,9 @@ class ModelConfig:
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         object.__setattr__(self, "local_layers", tuple(self.local_layers))
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
         self._check_choices()
+        self._check_experts()
         self._check_rotary()
         self._check_family_fields()
 
@@ -227,6 +258,29 @@ class ModelConfig:
             )
         if self.local_layers and self.local_window is None:
             raise ValueError("local_layers need a local_window")
+
+    def _check_experts(self) -> None:
+        if self.n_experts == 0:
+            return
+        _check_positive_int("n_experts", self.n_experts)
+        _check_positive_int("experts_per_token", self.experts_per_token)
+        _check_positive_int("expert_hidden_dim", self.expert_hidden_dim)
+        if self.experts_per_token > self.n_experts:
+            raise ValueError(f"experts_per_token({self.experts_per_token}) must not exceed n_experts({self.n_experts})")
+        if any(not isinstance(i, int) or not 0 <= i < self.n_layers for i in self.dense_layers):
+            raise ValueError(
+                f"dense_layers: expected layer numbers below n_layers({self.n_layers}), got {self.dense_layers}"
+            )
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < math.inf:
+            raise ValueError(f"router_aux_loss_coef: expected a finite number >= 0, got {coef!r}")
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts."""
+        if self.n_experts == 0:
+            return ()
+        return tuple(i for i in range(self.n_layers) if i not in self.dense_layers)
 
     def _check_rotary(self) -> None:
         factor = self.partial_rotary_factor
@@ -247,6 +301,8 @@ class ModelConfig:
             raise ValueError(f"family {self.family} needs query_pre_attn_scalar")
         if self.family == "granite" and self.attention_multiplier is None:
             raise ValueError("family granite needs attention_multiplier")
+        if self.family in MIXTURES and self.n_experts == 0:
+            raise ValueError(f"family {self.family} needs n_experts")
 
     @property
     def head_size(self) -> int:
@@ -414,6 +470,34 @@ def _phi3_keys(config: ModelConfig, values: dict) -> None:
         values["original_max_position_embeddings"] = scaling.original_max_position_embeddings
 
 
+def _qwen3_moe_keys(config: ModelConfig, values: dict) -> None:
+    del values["mlp_bias"]
+    sparse = set(config.sparse_layers)
+    values.update(
+        use_sliding_window=False,
+        sliding_window=None,
+        num_experts=config.n_experts,
+        num_experts_per_tok=config.experts_per_token,
+        moe_intermediate_size=config.expert_hidden_dim,
+        norm_topk_prob=config.normalize_top_k,
+        router_aux_loss_coef=config.router_aux_loss_coef,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(config.n_layers) if i not in sparse],
+    )
+
+
+def _mixtral_keys(config: ModelConfig, values: dict) -> None:
+    del values["mlp_bias"], values["attention_bias"]
+    values.update(
+        intermediate_size=config.expert_hidden_dim,
+        num_local_experts=config.n_experts,
+        num_experts_per_tok=config.experts_per_token,
+        router_aux_loss_coef=config.router_aux_loss_coef,
+        router_jitter_noise=0.0,
+    )
+    values.setdefault("sliding_window", None)
+
+
 def _olmo2_keys(config: ModelConfig, values: dict) -> None:
     del values["mlp_bias"]
 
@@ -435,6 +519,8 @@ _FAMILY_KEYS = {
     "phi3": _phi3_keys,
     "olmo2": _olmo2_keys,
     "granite": _granite_keys,
+    "qwen3_moe": _qwen3_moe_keys,
+    "mixtral": _mixtral_keys,
 }
 
 
@@ -442,8 +528,12 @@ _FAMILY_KEYS = {
 
 _DEFAULTS = {
     # What each family's transformers config assumes for a key config.json leaves out (else the last value).
-    "max_position_embeddings": ({"gemma2": 8192, "gemma3_text": 131072, "phi3": 4096}, 2048),
-    "rms_norm_eps": ({"phi3": 1e-5, "olmo2": 1e-5}, 1e-6),
+    "max_position_embeddings": (
+        {"gemma2": 8192, "gemma3_text": 131072, "phi3": 4096, "qwen3_moe": 32768, "mixtral": 131072},
+        2048,
+    ),
+    "rms_norm_eps": ({"phi3": 1e-5, "olmo2": 1e-5, "mixtral": 1e-5}, 1e-6),
+    "rope_theta": ({"mixtral": 1e6}, 10000.0),
     "tie_word_embeddings": ({"gemma2": True, "gemma3_text": True}, False),
     "head_dim": ({"gemma2": 256, "gemma3_text": 256}, None),
 }
@@ -490,10 +580,18 @@ def _refuse_what_is_not_computed(values: dict, model_type: str) -> None:
     # Qwen2 always has biases on q, k and v (its config has no key for them); no other family here does.
     if model_type != "qwen2" and values.get("attention_bias", False) is not False:
         raise ValueError(f"attention_bias {json.dumps(values['attention_bias'])} is not supported; expected false")
-    refused = {"use_sliding_window": ("qwen2", "qwen3"), "use_bidirectional_attention": GEMMA}
+    refused = {
+        "use_sliding_window": ("qwen2", "qwen3", "qwen3_moe"),
+        "use_bidirectional_attention": GEMMA,
+    }
     for key, types in refused.items():
         if model_type in types and values.get(key) not in (None, False):
             raise ValueError(f"{key} {json.dumps(values[key])} is not supported; expected false")
+    if model_type == "mixtral" and values.get("router_jitter_noise", 0.0) not in (0, None):
+        raise ValueError(
+            f"router_jitter_noise {json.dumps(values['router_jitter_noise'])} is not supported; expected 0 "
+            "(the router's inputs are not jittered)"
+        )
     if model_type == "gemma3_text" and values.get("attn_logit_softcapping") is not None:
         raise ValueError(
             f"attn_logit_softcapping {values['attn_logit_softcapping']!r} is not supported for gemma3_text "
@@ -558,7 +656,9 @@ def _family_fields(values: dict, model_type: str, n_layers: int) -> dict:
         fields["sliding_window"] = _hf_int_or_none("sliding_window", values.get("sliding_window"))
     elif model_type == "qwen2":
         fields["attention_bias"] = True
-    elif model_type in ("qwen3", "gemma3_text"):
+    elif model_type == "mixtral":
+        fields["sliding_window"] = _hf_int_or_none("sliding_window", values.get("sliding_window"))
+    elif model_type in ("qwen3", "gemma3_text", "qwen3_moe"):
         fields["qk_norm"] = "head"
     elif model_type == "olmo2":
         fields["qk_norm"] = "projection"
@@ -567,6 +667,42 @@ def _family_fields(values: dict, model_type: str, n_layers: int) -> dict:
             fields[key] = _hf_number(key, values.get(key, 1.0))
     if model_type in GEMMA:
         fields.update(_gemma_fields(values, model_type, n_layers))
+    if model_type in MIXTURES:
+        fields.update(_expert_fields(values, model_type, n_layers))
+    return fields
+
+
+def _expert_fields(values: dict, model_type: str, n_layers: int) -> dict:
+    """The mixture of experts, as Qwen3MoeConfig and MixtralConfig read it (their defaults for what is left out)."""
+    qwen = model_type == "qwen3_moe"
+    # Both configs call the count num_local_experts; Qwen3MoeConfig also takes num_experts for it.
+    count_key = "num_experts" if qwen and "num_local_experts" not in values else "num_local_experts"
+    fields = {"n_experts": values.get(count_key, 128 if qwen else 8)}
+    _check_hf_int(count_key, fields["n_experts"])
+    fields["experts_per_token"] = values.get("num_experts_per_tok", 8 if qwen else 2)
+    _check_hf_int("num_experts_per_tok", fields["experts_per_token"])
+    if fields["experts_per_token"] > fields["n_experts"]:
+        raise ValueError(f"num_experts_per_tok {fields['experts_per_token']} exceeds {count_key} {fields['n_experts']}")
+    width_key = "moe_intermediate_size" if qwen else "intermediate_size"
+    fields["expert_hidden_dim"] = values.get(width_key, 768 if qwen else 14336)
+    _check_hf_int(width_key, fields["expert_hidden_dim"])
+    coef = values.get("router_aux_loss_coef", 0.001)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < math.inf:
+        raise ValueError(f"router_aux_loss_coef {coef!r}: expected a finite number >= 0")
+    fields["router_aux_loss_coef"] = float(coef)
+    if not qwen:
+        return fields
+    norm = values.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise ValueError(f"norm_topk_prob {norm!r}: expected true or false")
+    fields["normalize_top_k"] = norm
+    step = values.get("decoder_sparse_step", 1)
+    _check_hf_int("decoder_sparse_step", step)
+    only = values.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ValueError(f"mlp_only_layers {only!r}: expected a list of layer numbers")
+    # transformers' Qwen3MoeDecoderLayer: a layer is sparse unless listed, and only every decoder_sparse_step-th.
+    fields["dense_layers"] = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
     return fields
 
 
@@ -662,23 +798,23 @@ _SCALING_KEYS = {
 }
 
 
-def _rope_source(values: dict) -> tuple[str, dict, object]:
+def _rope_source(values: dict, default_theta: float = 10000.0) -> tuple[str, dict, object]:
     """Where the RoPE settings are: (its key, the settings, the base) of 5.x ``rope_parameters`` or 4.x
     ``rope_theta`` + ``rope_scaling``."""
     if isinstance(values.get("rope_parameters"), dict):
         params = values["rope_parameters"]
-        return "rope_parameters", params, params.get("rope_theta", values.get("rope_theta", 10000.0))
+        return "rope_parameters", params, params.get("rope_theta", values.get("rope_theta", default_theta))
     if values.get("rope_parameters") is not None:
         raise ValueError(f"rope_parameters {values['rope_parameters']!r}: expected an object")
     params = values.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ValueError(f"rope_scaling {params!r}: expected an object or null")
-    return "rope_scaling", params, values.get("rope_theta", 10000.0)
+    return "rope_scaling", params, values.get("rope_theta", default_theta)
 
 
 def _rope_from_hf(values: dict, family: str, head_size: int) -> dict:
     """rope_theta, rope_scaling and partial_rotary_factor from either spelling."""
-    key, params, theta = _rope_source(values)
+    key, params, theta = _rope_source(values, _default("rope_theta", family))
     partial = params.get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))
     if family != "phi3" and partial != 1.0:
         raise ValueError(f"partial_rotary_factor {partial!r} is not supported; expected 1.0")

@@ -7,10 +7,18 @@ MODEL_TYPES). Weights are ``model.safetensors``, or shards listed in ``model.saf
 family's Hugging Face tensor names (``model.layers.0.self_attn.q_proj.weight``); :func:`hf_name` maps ours
 (``layers.0.attention.wq.weight``) onto them, family by family: the norms of a block are named by where they sit,
 and Phi-3's fused projections (``qkv_proj``, ``gate_up_proj``) are matrices of their own.
+
+A mixture of experts (``qwen3_moe``, ``mixtral``) holds each sparse layer's experts stacked: ``feed_forward.gate_up``
+(experts, 2 * expert_hidden_dim, dim), gate rows then up rows, and ``feed_forward.down`` (experts, dim,
+expert_hidden_dim), beside the router ``feed_forward.router.weight`` (experts, dim). A folder may store them as
+transformers 5.x holds them (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) or one matrix per expert and
+projection, as ``save_pretrained`` writes them (``mlp.experts.{e}.gate_proj.weight``; Mixtral's
+``block_sparse_moe.experts.{e}.w1.weight``, w3 the up projection, w2 the down one): :class:`ExpertPiece`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -22,6 +30,7 @@ from pathlib import Path
 from astrai.common.contract import META_FILE, MODEL_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from astrai.common.model_config import (  # noqa: F401  (the names model folders are read with)
     FAMILIES,
+    MIXTURES,
     MODEL_TYPES,
     ROPE_TYPES,
     ModelConfig,
@@ -64,6 +73,7 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     d, f = config.dim, config.ffn_hidden_dim
     q, kv = config.n_heads * config.head_size, config.n_kv_heads * config.head_size
     norms = _BLOCK_NORMS[config.block_norms]
+    sparse = set(config.sparse_layers)
     shapes = {"tok_embeddings.weight": (config.vocab_size, d)}
     for i in range(config.n_layers):
         block = {}
@@ -83,11 +93,16 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             block.update({"attention.k_norm.weight": (config.head_size if head else kv,)})
         block["attention.wo.weight"] = (d, q)
         block.update({f"{norm}.weight": (d,) for norm in ("attention_post_norm", "ffn_norm") if norm in norms})
-        if config.fused_projections:
+        if i in sparse:
+            e, h = config.n_experts, config.expert_hidden_dim
+            block["feed_forward.router.weight"] = (e, d)
+            block.update({"feed_forward.gate_up": (e, 2 * h, d), "feed_forward.down": (e, d, h)})
+        elif config.fused_projections:
             block["feed_forward.w13.weight"] = (2 * f, d)
+            block["feed_forward.w2.weight"] = (d, f)
         else:
             block.update({"feed_forward.w1.weight": (f, d), "feed_forward.w3.weight": (f, d)})
-        block["feed_forward.w2.weight"] = (d, f)
+            block["feed_forward.w2.weight"] = (d, f)
         if "ffn_post_norm" in norms:
             block["ffn_post_norm.weight"] = (d,)
         shapes.update({f"layers.{i}.{name}": shape for name, shape in block.items()})
@@ -101,6 +116,79 @@ def num_parameters(config: ModelConfig) -> int:
     return sum(math.prod(shape) for shape in tensor_shapes(config).values())
 
 
+def num_active_parameters(config: ModelConfig) -> int:
+    """The parameters one token is computed with: all of them but the experts the router does not choose for it."""
+    unused = config.n_experts - config.experts_per_token
+    per_expert = 3 * config.dim * (config.expert_hidden_dim or 0)
+    return num_parameters(config) - len(config.sparse_layers) * unused * per_expert
+
+
+# Experts
+
+_EXPERT_HF = {
+    # the stacked tensors (ours -> transformers 5.x's names), and each expert's matrices as save_pretrained writes
+    # them: (name, rows of the stacked expert it is: "gate" the first half, "up" the second, None all)
+    "gate_up": ("experts.gate_up_proj", {"qwen3_moe": (("gate_proj", "gate"), ("up_proj", "up"))}),
+    "down": ("experts.down_proj", {"qwen3_moe": (("down_proj", None),)}),
+}
+_MIXTRAL_EXPERTS = {"gate_up": (("w1", "gate"), ("w3", "up")), "down": (("w2", None),)}
+_PER_EXPERT_PARENT = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
+"""Where save_pretrained writes each layer's experts and router (Mixtral keeps its 4.x names)."""
+
+
+@dataclass(frozen=True)
+class ExpertPiece:
+    """What a stored tensor holds of a stacked expert tensor: ``expert`` e's matrix (None: every expert's, the 5.x
+    stacked layout), its ``half`` of the rows (gate or up of gate_up; None: all)."""
+
+    name: str
+    expert: int | None
+    half: str | None
+
+    def units(self, config: ModelConfig) -> set[tuple[int, str | None]]:
+        """The (expert, half) parts of our tensor this piece fills."""
+        experts = range(config.n_experts) if self.expert is None else (self.expert,)
+        halves = ("gate", "up") if self.name.endswith("gate_up") and self.half is None else (self.half,)
+        return {(e, h) for e in experts for h in halves}
+
+    def shape(self, whole: tuple[int, ...]) -> tuple[int, ...]:
+        """The stored shape of this piece of a tensor of shape ``whole``."""
+        shape = whole if self.expert is None else whole[1:]
+        if self.half is not None:
+            shape = (shape[0] // 2, *shape[1:])
+        return shape
+
+    def select(self, stacked):
+        """The part of ``stacked`` (our tensor) this piece is: a view of it."""
+        part = stacked if self.expert is None else stacked[self.expert]
+        if self.half is None:
+            return part
+        rows = part.shape[-2] // 2
+        return part[..., :rows, :] if self.half == "gate" else part[..., rows:, :]
+
+
+def expert_pieces(config: ModelConfig, per_expert: bool) -> dict[str, ExpertPiece]:
+    """Stored name -> the piece of our stacked tensors it holds: each expert's matrices as save_pretrained writes
+    them (``per_expert``), else transformers 5.x's stacked ones."""
+    pieces = {}
+    for i in config.sparse_layers:
+        for ours, (stacked, by_family) in _EXPERT_HF.items():
+            name = f"layers.{i}.feed_forward.{ours}"
+            if not per_expert:
+                pieces[f"model.layers.{i}.mlp.{stacked}"] = ExpertPiece(name, None, None)
+                continue
+            parent = _PER_EXPERT_PARENT[config.family]
+            matrices = _MIXTRAL_EXPERTS[ours] if config.family == "mixtral" else by_family["qwen3_moe"]
+            for e in range(config.n_experts):
+                for matrix, half in matrices:
+                    pieces[f"model.layers.{i}.{parent}.experts.{e}.{matrix}.weight"] = ExpertPiece(name, e, half)
+    return pieces
+
+
+def _is_expert_tensor(name: str) -> bool:
+    return name.endswith(("feed_forward.gate_up", "feed_forward.down"))
+
+
 def hf_name(name: str, config: ModelConfig) -> str:
     """Hugging Face's name for one of our tensor names, in ``config``'s family.
 
@@ -109,14 +197,27 @@ def hf_name(name: str, config: ModelConfig) -> str:
     module, _, leaf = name.rpartition(".")
     if module in _TOP_PARTS:
         return f"{_TOP_PARTS[module]}.{leaf}"
+    if _is_expert_tensor(name):  # transformers 5.x's stacked experts
+        return f"model.{module.replace('feed_forward', 'mlp')}.{_EXPERT_HF[leaf][0]}"
+    if module.endswith("feed_forward.router"):
+        return f"model.{module.replace('feed_forward.router', 'mlp.gate')}.{leaf}"
     _, index, part = module.split(".", 2)
     hf = PROJECTIONS.get(part) or _QK_NORMS.get(part) or _BLOCK_NORMS[config.block_norms][part]
     return f"model.layers.{index}.{hf}.{leaf}"
 
 
 def hf_names(config: ModelConfig) -> dict[str, str]:
-    """Hugging Face name -> our name, for every tensor of the architecture."""
+    """Hugging Face name -> our name, for every tensor of the architecture (experts: 5.x's stacked names)."""
     return {hf_name(name, config): name for name in tensor_shapes(config)}
+
+
+def saved_name(name: str, config: ModelConfig) -> str:
+    """The name save_pretrained gives one of our tensors other than the experts (Mixtral's router keeps its 4.x
+    name)."""
+    hf = hf_name(name, config)
+    if config.family == "mixtral" and name.endswith("feed_forward.router.weight"):
+        return hf.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+    return hf
 
 
 # LoRA targets
@@ -125,6 +226,15 @@ ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 """The linear layers of a block LoRA adapts, by PEFT's (Hugging Face's) module names. A layer that computes several
 of them at once (Phi-3's ``qkv_proj``, ``gate_up_proj``) is named by its parts: FUSED_TARGETS."""
 FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
+"""The targets that are a mixture of experts' experts. Its dense layers' MLPs (Qwen3-MoE's mlp_only_layers) are not
+adapted: PEFT, given these targets on such a model, adapts the experts' stacked parameters alone."""
+EXPERT_ADAPTERS = ("feed_forward.gate_up", "feed_forward.down")
+"""Our stacked expert parameters LoRA adapts, in the order PEFT's target_parameters name them (PEFT_EXPERT_PARAMETERS):
+one A (rank * experts, in) and one B (out, rank * experts) each, PEFT's 3-D layout."""
+PEFT_EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+PEFT_EXPERT_MODULES = {"feed_forward.gate_up": "mlp.experts.base_layer", "feed_forward.down": "mlp.experts"}
+"""Where PEFT keeps each expert adapter: it wraps the experts once per target parameter, the first innermost."""
 PEFT_MODULES = {hf.rpartition(".")[2]: ours for ours, hf in PROJECTIONS.items()}
 """PEFT's name of each linear layer of a block (every family's), and ours."""
 PEFT_PREFIX = "base_model.model."
@@ -146,6 +256,17 @@ def adapted_modules(config: ModelConfig, targets) -> tuple[str, ...]:
     is named; ValueError for some of its parts without the others, which one matrix cannot give.
     """
     wanted = canonical_targets(targets)
+    experts = [target for target in wanted if target in EXPERT_TARGETS]
+    if config.n_experts and experts:
+        left_out = [target for target in EXPERT_TARGETS if target not in experts]
+        if left_out:
+            raise ValueError(
+                f"lora_targets {', '.join(wanted)}: a mixture of experts' experts are adapted whole (one A and B per "
+                f"expert on gate and up together, one on down, as PEFT adapts transformers' stacked experts); name "
+                f"{', '.join(left_out)} too, or none of {', '.join(EXPERT_TARGETS)}"
+            )
+        attention = tuple(PEFT_MODULES[target] for target in wanted if target not in EXPERT_TARGETS)
+        return attention + EXPERT_ADAPTERS
     if not config.fused_projections:
         return tuple(PEFT_MODULES[target] for target in wanted)
     modules: list[str] = []
@@ -170,8 +291,19 @@ def num_adapter_parameters(config: ModelConfig, rank: int, targets) -> int:
     """What LoRA of ``rank`` on ``targets`` (PEFT's names) trains: rank * (in + out) for each adapted matrix. An
     estimate for any targets: a fused layer named in part counts whole (the trainer refuses such targets)."""
     wanted = canonical_targets(targets)
-    whole = [part for parts in FUSED_TARGETS.values() if set(parts) & set(wanted) for part in parts]
     shapes = tensor_shapes(config)
+    if config.n_experts:
+        # The experts: one A and B per expert on gate and up together, one on down (a part counts them all).
+        mlp = {target for target in wanted if target in EXPERT_TARGETS}
+        d, h = config.dim, config.expert_hidden_dim
+        per_expert = rank * (d + 2 * h) + rank * (h + d) if mlp else 0
+        return len(config.sparse_layers) * config.n_experts * per_expert + sum(
+            rank * sum(shapes[f"layers.{index}.{PEFT_MODULES[target]}.weight"])
+            for index in range(config.n_layers)
+            for target in wanted
+            if target not in mlp
+        )
+    whole = [part for parts in FUSED_TARGETS.values() if set(parts) & set(wanted) for part in parts]
     return sum(
         rank * sum(shapes[f"layers.{index}.{module}.weight"])
         for index in range(config.n_layers)
@@ -179,9 +311,10 @@ def num_adapter_parameters(config: ModelConfig, rank: int, targets) -> int:
     )
 
 
-def peft_adapter_config(rank: int, alpha: float, dropout: float, modules, base_model: str = "") -> str:
+def peft_adapter_config(rank: int, alpha: float, dropout: float, modules, base_model: str = "", parameters=()) -> str:
     """adapter_config.json of a plain LoRA adapter (no bias, DoRA or rsLoRA), as PEFT writes and reads it;
-    ``modules``: the PEFT names of the layers it adapts (the model's own: ``qkv_proj`` in a Phi-3)."""
+    ``modules``: the PEFT names of the layers it adapts (the model's own: ``qkv_proj`` in a Phi-3); ``parameters``:
+    the stacked expert parameters it adapts (PEFT's target_parameters)."""
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -198,6 +331,8 @@ def peft_adapter_config(rank: int, alpha: float, dropout: float, modules, base_m
         "use_rslora": False,
         "use_dora": False,
     }
+    if parameters:
+        config["target_parameters"] = list(parameters)
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
@@ -213,9 +348,23 @@ def peft_target(name: str) -> tuple[str, str] | None:
 
 
 def peft_modules_of(names) -> tuple[str, ...]:
-    """The PEFT module names (``q_proj``, ``qkv_proj``) an adapter file's tensors (PEFT's names) adapt, sorted."""
-    found = {peft_target(name) for name in names}
+    """The PEFT module names (``q_proj``, ``qkv_proj``) an adapter file's tensors (PEFT's names) adapt, sorted (the
+    experts' adapters left out: PEFT_EXPERT_PARAMETERS)."""
+    found = {peft_target(name) for name in names if not peft_expert_adapter(name)}
     return tuple(sorted({weight.rsplit(".", 2)[-2] for weight, _ in found - {None}}))
+
+
+def peft_expert_adapter(name: str) -> tuple[str, str] | None:
+    """(our stacked expert parameter, "A" or "B") an adapter tensor of PEFT's name belongs to, or None.
+
+    ``base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight`` -> (``layers.0.feed_forward.gate_up``, A)
+    """
+    head, found, part = name.removeprefix(PEFT_PREFIX + "model.layers.").partition(".lora_")
+    index, _, module = head.partition(".")
+    if not name.startswith(PEFT_PREFIX) or not found or not index.isdigit() or part not in ("A.weight", "B.weight"):
+        return None
+    ours = next((ours for ours, peft in PEFT_EXPERT_MODULES.items() if peft == module), None)
+    return None if ours is None else (f"layers.{index}.{ours}", part[0])
 
 
 def _ignored(hf: str, config: ModelConfig) -> bool:
@@ -239,6 +388,8 @@ class WeightsSummary:
     dtypes: tuple[str, ...]
     """torch dtype names found, e.g. ('bfloat16',)."""
     num_parameters: int
+    pieces: dict[str, ExpertPiece] = dataclasses.field(default_factory=dict)
+    """The stored tensors that hold a part of a stacked expert tensor (``names`` gives which), and which part."""
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -331,46 +482,62 @@ def inspect_weights(folder: Path, config: ModelConfig) -> WeightsSummary:
     """Check, from the file headers alone, that a folder's weights are exactly what its config implies."""
     _refuse_adapters_only(Path(folder))
     files = weight_files(folder)
-    shapes, from_hf = _expected(config)
+    shapes, from_hf, pieces = _expected(config)
     names: dict[Path, dict[str, str]] = {}
-    found: dict[str, Path] = {}
+    found: dict[tuple[str, object], Path] = {}
     dtypes = set()
     layouts = {}
     for path in files:
         names[path] = in_file = {}
         layouts[path] = layout = read_layout(path)
         for stored, (dtype, shape, _) in layout[1].items():
-            name = from_hf.get(stored)
-            if name is None:
+            name, piece = from_hf.get(stored), pieces.get(stored)
+            if name is None and piece is None:
                 if _ignored(stored, config):
                     continue
                 raise ModelLoadError(f"{path}: unexpected tensor {stored!r} (not in the architecture of config.json)")
-            if name in found:
-                raise ModelLoadError(f"{path}: tensor {stored!r} is stored twice (also in {found[name].name})")
-            if shape != shapes[name]:
+            if piece is not None:
+                name = piece.name
+            expected = shapes[name] if piece is None else piece.shape(shapes[name])
+            for unit in piece.units(config) if piece is not None else (None,):
+                if (name, unit) in found:
+                    other = found[(name, unit)].name
+                    raise ModelLoadError(f"{path}: tensor {stored!r} holds weights stored twice (also in {other})")
+                found[(name, unit)] = path
+            if shape != expected:
                 raise ModelLoadError(
-                    f"{path}: tensor {stored!r} has shape {list(shape)}, config.json expects {list(shapes[name])}"
+                    f"{path}: tensor {stored!r} has shape {list(shape)}, config.json expects {list(expected)}"
                 )
             if dtype not in FLOAT_DTYPES:
                 raise ModelLoadError(
                     f"{path}: tensor {stored!r} has dtype {dtype}, expected one of {', '.join(FLOAT_DTYPES.values())}"
                 )
             in_file[stored] = name
-            found[name] = path
             dtypes.add(FLOAT_DTYPES[dtype])
-    if len(found) < len(shapes):
-        name = next(name for name in shapes if name not in found)
-        raise ModelLoadError(
-            f"{Path(folder)}: tensor {hf_name(name, config)!r} is missing from the weights "
-            f"(config.json expects shape {list(shapes[name])})"
-        )
-    return WeightsSummary(tuple(files), names, layouts, tuple(sorted(dtypes)), num_parameters(config))
+    for name in shapes:
+        units = ExpertPiece(name, None, None).units(config) if _is_expert_tensor(name) else {None}
+        if any((name, unit) not in found for unit in units):
+            raise ModelLoadError(
+                f"{Path(folder)}: tensor {hf_name(name, config)!r} is missing from the weights "
+                f"(config.json expects shape {list(shapes[name])}, or each expert's matrices)"
+            )
+    return WeightsSummary(
+        tuple(files),
+        names,
+        layouts,
+        tuple(sorted(dtypes)),
+        num_parameters(config),
+        {stored: piece for stored, piece in pieces.items() if any(stored in n for n in names.values())},
+    )
 
 
 @functools.lru_cache(maxsize=8)
-def _expected(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+def _expected(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, str], dict[str, ExpertPiece]]:
     # Computed once per architecture: the loader looks every stored tensor up in these.
-    return tensor_shapes(config), hf_names(config)
+    shapes = tensor_shapes(config)
+    from_hf = {hf: name for hf, name in hf_names(config).items() if not _is_expert_tensor(name)}
+    from_hf.update({saved_name(name, config): name for name in shapes if not _is_expert_tensor(name)})
+    return shapes, from_hf, {**expert_pieces(config, True), **expert_pieces(config, False)}
 
 
 def check_window(config: ModelConfig, window_size: int, source: Path | str) -> None:
@@ -422,6 +589,12 @@ def _features(config: ModelConfig) -> list[str]:
         found.append("fused qkv_proj, gate_up_proj")
     if config.qk_norm is not None:
         found.append(f"q/k norms per {config.qk_norm}")
+    if config.n_experts:
+        dense = f", {len(config.dense_layers)} dense layers" if config.dense_layers else ""
+        found.append(
+            f"{config.n_experts} experts, {config.experts_per_token} per token{dense}, "
+            f"{_count(num_active_parameters(config))} active parameters per token"
+        )
     if config.family == "granite":
         found.append(
             f"multipliers embedding {config.embedding_multiplier:g}, attention {config.attention_multiplier:g}, "

@@ -47,9 +47,14 @@ from astrai.common.contract import (
 )
 from astrai.common.errors import AstraiError
 from astrai.common.model_folder import (
+    PEFT_EXPERT_PARAMETERS,
+    ExpertPiece,
+    ModelConfig,
     ModelLoadError,
     base_digest,
+    expert_pieces,
     peft_adapter_config,
+    peft_expert_adapter,
     peft_modules_of,
     peft_target,
     read_layout,
@@ -165,8 +170,11 @@ class _Tensor:
     """Where its bytes begin in ``file``."""
     nbytes: int
     out_dtype: str
-    merge: tuple[_Tensor, _Tensor, float] | None = None
-    """LoRA: the adapter's (A, B, scaling), folded into this weight as it is written (W + scaling * B @ A)."""
+    merge: tuple[_Tensor, _Tensor, float, tuple[ExpertPiece, int] | None] | None = None
+    """LoRA: the adapter's (A, B, scaling, piece), folded into this weight as it is written (W + scaling * B @ A);
+    for a mixture of experts' stacked adapters (PEFT's 3-D layout: A (rank * E, in), B (out, rank * E)), the piece
+    of the experts this weight is (every expert, or one expert's matrix, or its gate or up half) and how many
+    experts there are."""
 
     @property
     def out_nbytes(self) -> int:
@@ -424,8 +432,9 @@ def _config_file(config: dict, dtype: str | None, adapter: dict | None, tensors:
             json.dumps(updated_config(config, dtype), indent=2, ensure_ascii=False) + "\n"
         ).encode()
     modules = peft_modules_of(t.name for t in tensors)
+    experts = PEFT_EXPERT_PARAMETERS if any(peft_expert_adapter(t.name) for t in tensors) else ()
     settings = (adapter["rank"], adapter["alpha"], adapter.get("dropout", 0.0), modules)
-    return ADAPTER_CONFIG_FILE, peft_adapter_config(*settings, adapter["base"]["path"]).encode()
+    return ADAPTER_CONFIG_FILE, peft_adapter_config(*settings, adapter["base"]["path"], experts).encode()
 
 
 def _index_text(names: list[str], shards: list[list[_Tensor]]) -> bytes:
@@ -475,20 +484,43 @@ def _merged(
     config, tensors, weights = _read_source(base, dtype)
     by_name = {t.name: t for t in tensors}
     pairs: dict[str, dict[str, _Tensor]] = {}
+    expert_pairs: dict[str, dict[str, _Tensor]] = {}
     for tensor in adapters:
-        target = peft_target(tensor.name)
+        target, expert = peft_target(tensor.name), peft_expert_adapter(tensor.name)
+        if expert is not None:
+            expert_pairs.setdefault(expert[0], {})[expert[1]] = tensor
+            continue
         if target is None or target[0] not in by_name:
             raise ExportError(f"{source}: {tensor.name} is not an adapter of a weight of {base}")
         pairs.setdefault(target[0], {})[target[1]] = tensor
     scaling = float(lora["alpha"]) / int(lora["rank"])
+    if expert_pairs:
+        _merge_experts(source, ModelConfig.from_dict(config), expert_pairs, by_name, scaling)
     for name, pair in pairs.items():
         if set(pair) != {"A", "B"}:
             raise ExportError(f"{source}: the adapter of {name} lacks its {'B' if 'A' in pair else 'A'} matrix")
         weight = by_name[name]
         if (pair["B"].shape[0], pair["A"].shape[1]) != tuple(weight.shape):
             raise ExportError(f"{source}: the adapter of {name} does not fit its shape {list(weight.shape)}")
-        by_name[name] = dataclasses.replace(weight, merge=(pair["A"], pair["B"], scaling))
+        by_name[name] = dataclasses.replace(weight, merge=(pair["A"], pair["B"], scaling, None))
     return config, list(by_name.values()), weights
+
+
+def _merge_experts(
+    source: Path, config: ModelConfig, pairs: dict[str, dict[str, _Tensor]], by_name: dict, scaling: float
+) -> None:
+    """Fold each stacked expert adapter into the base weights that hold its experts (one matrix per expert and
+    projection, or transformers 5.x's stacked ones), as the weights are written."""
+    pieces = {**expert_pieces(config, per_expert=True), **expert_pieces(config, per_expert=False)}
+    for ours, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            raise ExportError(f"{source}: the adapter of {ours} lacks its {'B' if 'A' in pair else 'A'} matrix")
+        held = [stored for stored, piece in pieces.items() if piece.name == ours and stored in by_name]
+        if not held:
+            raise ExportError(f"{source}: the adapters of {ours} adapt no weight of the base model")
+        for stored in held:
+            merge = (pair["A"], pair["B"], scaling, (pieces[stored], config.n_experts))
+            by_name[stored] = dataclasses.replace(by_name[stored], merge=merge)
 
 
 def _check_out(source: Path, out: Path) -> None:
@@ -591,11 +623,30 @@ def _merged_bytes(tensor: _Tensor, readers: dict, buffer: bytearray) -> bytes:
         convert = _converter(part.dtype, "F32")
         return np.frombuffer(data if convert is None else convert(data), dtype="<f4").reshape(part.shape)
 
-    a, b, scaling = tensor.merge
-    merged = f32(tensor) + np.float32(scaling) * (f32(b) @ f32(a))
+    a, b, scaling, piece = tensor.merge
+    delta = f32(b) @ f32(a) if piece is None else _expert_delta(f32(a), f32(b), *piece)
+    merged = f32(tensor) + np.float32(scaling) * delta
     data = merged.astype("<f4").tobytes()
     convert = _converter("F32", tensor.out_dtype)
     return data if convert is None else convert(data)
+
+
+def _expert_delta(a, b, piece: ExpertPiece, experts: int):
+    """B @ A of the experts ``piece`` is (every expert's (E, out, in), or one's (out, in), or its gate or up rows),
+    from PEFT's 3-D layout: expert e's A the rows e * rank ..., its B the columns e, e + E, e + 2E, ..."""
+    import numpy as np
+
+    rank = a.shape[0] // experts
+    a3 = a.reshape(experts, rank, a.shape[1])
+    b3 = b.reshape(b.shape[0], rank, experts)
+    if piece.expert is None:
+        delta = np.einsum("ore,eri->eoi", b3, a3)
+    else:
+        delta = b3[:, :, piece.expert] @ a3[piece.expert]
+    if piece.half is None:
+        return delta
+    rows = delta.shape[-2] // 2
+    return delta[..., :rows, :] if piece.half == "gate" else delta[..., rows:, :]
 
 
 def _pieces(reader, tensor: _Tensor, buffer: bytearray):

@@ -15,10 +15,11 @@ How a call runs (:meth:`DecodeEngine.generate`):
 2. Each part's prompts go through one batched forward pass (the prefill) into a cache of fixed capacity.
 3. Each new token is one decode step (:meth:`astrai.trainer.model.Transformer.decode_step`): device work on the same
    buffers every time. On CUDA (one process, or DDP) the step is captured once as a CUDA graph per batch size and
-   capacity, and replayed: a step costs one launch, not one per kernel. With ``compile`` the step is compiled with
-   ``torch.compile`` first (fused kernels). The next token is chosen on the device (:func:`pick`); finished rows
-   are tracked there too, and the host asks whether every row has ended only every :data:`STOP_CHECK_EVERY`
-   tokens.
+   capacity, and replayed: a step costs one launch, not one per kernel (not a mixture of experts, whose shapes
+   depend on the routing, nor a RoPE that changes with the length: those steps run eagerly). With ``compile`` the
+   step is compiled with ``torch.compile`` first (fused kernels). The next token is chosen on the device
+   (:func:`pick`); finished rows are tracked there too, and the host asks whether every row has ended only every
+   :data:`STOP_CHECK_EVERY` tokens.
 4. Under autocast with float32 weights (full fine-tuning on a GPU), the steps read a copy of the weights in the
    autocast dtype, refreshed at each call, instead of casting every weight at every step.
 
@@ -106,13 +107,15 @@ class DecodeEngine:
         self.together = together
         self.device = self.inner.norm.weight.device
         cuda = self.device.type == "cuda"
-        # A RoPE that changes with the length (dynamic NTK, longrope) reads the longest row at every step.
-        capturable = cuda and together is None and not self.inner.config.rope_depends_on_length
+        # A RoPE that changes with the length (dynamic NTK, longrope) reads the longest row at every step; a
+        # mixture of experts' groups of tokens per expert have sizes known only on the device.
+        config = self.inner.config
+        capturable = cuda and together is None and not config.rope_depends_on_length and not config.n_experts
         self.graphs = capturable if graphs is None else graphs
         if self.graphs and not capturable:
             raise ValueError(
-                "CUDA graphs need a CUDA model that is not sharded (FSDP generates eagerly) and whose RoPE does not "
-                "change with the length"
+                "CUDA graphs need a CUDA model that is not sharded (FSDP generates eagerly), whose RoPE does not "
+                "change with the length and that has no mixture of experts"
             )
         self.compile = compile
         self._copy: torch.nn.Module | None = None

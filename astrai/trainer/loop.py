@@ -62,6 +62,7 @@ from astrai.trainer.distributed import (
     shutdown_distributed,
     world_from_environment,
 )
+from astrai.trainer.experts import router_balance
 from astrai.trainer.health import Diverged, DivergenceRecord
 from astrai.trainer.lora import parameter_counts
 from astrai.trainer.model import describe_folder
@@ -159,6 +160,8 @@ class Trainer:
             data.names,
         )
         self.model = build.build_model(config, plan, env, start)
+        self.router_balance = router_balance(self.model)
+        """A mixture of experts' load-balancing loss and metrics; None for a dense model."""
         start = dataclasses.replace(start, weights=None, adapters=None)  # in the model now: not held twice
         release_freed_memory()
         trainable = build.describe_trainable(self.model, plan)
@@ -345,6 +348,9 @@ class Trainer:
             set_gradient_sync(self.model, self.env, micro == accum - 1)
             with self.autocast:
                 loss, reported = self.objective.micro(self.model, batch, extra, accum)
+                balance = self.router_balance.loss(accum) if self.router_balance is not None else None
+                if balance is not None:
+                    loss = loss + balance
             loss.backward()
             self._step_loss += reported
         grad_norm = None
@@ -465,6 +471,13 @@ class Trainer:
         self.reporter.clock.pause(seconds)
         return result, seconds
 
+    def _extra_metrics(self) -> dict | None:
+        """The objective's own metrics, and the routers' of a mixture of experts."""
+        extra = self.objective.metrics()
+        if self.router_balance is None:
+            return extra
+        return {**(extra or {}), **self.router_balance.report()}
+
     def _report(self, lr: float, grad_norm: torch.Tensor | None, val_loss: float | None) -> None:
         """A progress report: the divergence check first, so a diverged step never reaches metrics.jsonl."""
         steps = self.progress.step - self._report_step
@@ -486,7 +499,7 @@ class Trainer:
             val_loss=val_loss,
             max_allocated_gib=memory,
             tokens_per_source=self.tokens_per_source(),
-            extra=self.objective.metrics(),
+            extra=self._extra_metrics(),
         )
         try:
             self.reporter.report(

@@ -38,13 +38,19 @@ from astrai.common.errors import AstraiError
 from astrai.common.fit import SetupError
 from astrai.common.model_folder import (
     ADAPTER_TARGETS,
+    EXPERT_ADAPTERS,
+    EXPERT_TARGETS,
+    PEFT_EXPERT_MODULES,
+    PEFT_EXPERT_PARAMETERS,
     PEFT_MODULES,
     PEFT_PREFIX,
     PROJECTIONS,
     adapted_modules,
     canonical_targets,
+    peft_expert_adapter,
 )
 from astrai.common.settings import LoRASettings, SettingError
+from astrai.trainer.experts import ExpertLoRA, MixtureOfExperts
 from astrai.trainer.model import frozen_linear
 
 TARGETS = {name: PEFT_MODULES[name] for name in ADAPTER_TARGETS}
@@ -107,6 +113,12 @@ def add_adapters(model: nn.Module, settings: LoRASettings, generator: torch.Gene
         modules = adapted_modules(model.config, settings.targets)
     except ValueError as error:  # targets that do not fit this model's layers: the run's settings, not a bug
         raise SetupError(f"training.{error}") from None
+    if settings.dropout > 0 and set(modules) & set(EXPERT_ADAPTERS):
+        raise SetupError(
+            f"training.lora_dropout {settings.dropout}: adapters on the experts cannot drop out (PEFT refuses it "
+            "too: the update is computed on the experts' stacked weights); set lora_dropout 0, or leave gate_proj, "
+            "up_proj and down_proj out of lora_targets"
+        )
     for param in model.parameters():
         param.requires_grad_(False)
     adapted = []
@@ -114,12 +126,27 @@ def add_adapters(model: nn.Module, settings: LoRASettings, generator: torch.Gene
         for module in modules:
             owner_name, _, leaf = module.partition(".")
             owner = getattr(block, owner_name)
+            if module in EXPERT_ADAPTERS:
+                if isinstance(owner, MixtureOfExperts):  # a dense layer's MLP is not adapted (as PEFT does)
+                    _adapt_experts(owner, leaf, settings, generator)
+                    adapted.append(f"layers.{index}.{module}")
+                continue
             base = getattr(owner, leaf)
             if isinstance(base, LoRALinear):
                 raise ValueError(f"layers.{index}.{module} already has adapters")
             setattr(owner, leaf, LoRALinear(base, settings, generator))
             adapted.append(f"layers.{index}.{module}")
     return adapted
+
+
+def _adapt_experts(owner: MixtureOfExperts, leaf: str, settings: LoRASettings, generator) -> None:
+    stacked = getattr(owner, leaf)
+    if getattr(owner, f"{leaf}_lora") is not None:
+        raise ValueError(f"{leaf} already has adapters")
+    experts, width_out, width_in = stacked.shape
+    adapter = ExpertLoRA(experts, width_in, width_out, settings.rank, settings.scaling, stacked.device)
+    adapter.reset(generator)
+    setattr(owner, f"{leaf}_lora", adapter)
 
 
 def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:
@@ -143,8 +170,8 @@ def frozen_dtype(model: nn.Module) -> str:
     return "-"
 
 
-def adapter_layers(model: nn.Module) -> dict[str, LoRALinear]:
-    return {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+def adapter_layers(model: nn.Module) -> dict[str, LoRALinear | ExpertLoRA]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, (LoRALinear, ExpertLoRA))}
 
 
 def is_adapter(name: str) -> bool:
@@ -206,6 +233,8 @@ def peft_name(name: str) -> str:
         return f"{PEFT_PREFIX}{name}"
     layer, _, part = name.rpartition(".lora_")
     _, index, module = layer.split(".", 2)
+    if module.endswith("_lora"):  # an expert adapter: layers.0.feed_forward.gate_up_lora
+        return f"{PEFT_PREFIX}model.layers.{index}.{PEFT_EXPERT_MODULES[module.removesuffix('_lora')]}.lora_{part}"
     return f"{PEFT_PREFIX}model.layers.{index}.{PROJECTIONS[module]}.lora_{part}"
 
 
@@ -263,8 +292,17 @@ def read_peft_adapter(folder: Path) -> tuple[LoRASettings, dict[str, torch.Tenso
             f"{unsupported or {'bias': raw.get('bias'), 'modules_to_save': raw.get('modules_to_save')}}"
         )
     targets = raw.get("target_modules")
-    targets = [targets] if isinstance(targets, str) else targets
-    unknown = sorted(set(targets or ()) - set(PEFT_MODULES))
+    targets = [targets] if isinstance(targets, str) else list(targets or ())
+    parameters = raw.get("target_parameters") or []
+    if parameters:
+        # PEFT's stacked experts (transformers 5.x): both of them, in its order, adapted whole.
+        if list(parameters) != list(PEFT_EXPERT_PARAMETERS):
+            raise AdapterError(
+                f"{folder / ADAPTER_CONFIG_FILE}: target_parameters {parameters} are not read; expected "
+                f"{list(PEFT_EXPERT_PARAMETERS)} (a mixture of experts' experts, adapted whole)"
+            )
+        targets += list(EXPERT_TARGETS)
+    unknown = sorted(set(targets) - set(PEFT_MODULES))
     if not targets or unknown:
         raise AdapterError(
             f"{folder / ADAPTER_CONFIG_FILE}: target_modules {unknown or targets} are not among "
@@ -291,6 +329,9 @@ def _our_name(peft: str) -> str | None:
     index, _, module = head.partition(".")
     if not peft.startswith(PEFT_PREFIX) or not found or not index.isdigit() or part not in ("A.weight", "B.weight"):
         return None
+    expert = peft_expert_adapter(peft)
+    if expert is not None:
+        return f"{expert[0]}_lora.lora_{part}"
     ours = _OURS_BY_HF.get(module)
     return None if ours is None else f"layers.{index}.{ours}.lora_{part}"
 

@@ -45,8 +45,10 @@ from astrai.common.model_folder import (
     ModelConfig,
     ModelLoadError,
     describe,
-    hf_name,
+    expert_pieces,
     inspect_weights,
+    saved_name,
+    tensor_shapes,
 )
 from astrai.common.model_folder import (
     check_window as check_window,
@@ -55,6 +57,7 @@ from astrai.common.model_folder import model_digest as model_digest
 from astrai.common.model_folder import num_parameters as num_parameters
 from astrai.common.paths import PathError, output_folder
 from astrai.common.safetensors_file import FLOAT_DTYPES
+from astrai.trainer.experts import MixtureOfExperts
 
 PRESETS = {
     # About 0.9M parameters: fast enough for tests on one CPU thread.
@@ -475,17 +478,18 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Attention then the MLP, each added to the residual stream; RMSNorms before them (Llama), after them (OLMo 2)
-    or both (Gemma), their outputs scaled by Granite's residual multiplier."""
+    """Attention then the MLP (a mixture of experts in a sparse layer: :mod:`astrai.trainer.experts`), each added to
+    the residual stream; RMSNorms before them (Llama), after them (OLMo 2) or both (Gemma), their outputs scaled by
+    Granite's residual multiplier."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, sparse: bool = False):
         super().__init__()
         before, after = config.block_norms in ("pre", "both"), config.block_norms in ("post", "both")
         self.attention_norm = rms_norm(config, config.dim) if before else None
         self.attention = Attention(config)
         self.attention_post_norm = rms_norm(config, config.dim) if after else None
         self.ffn_norm = rms_norm(config, config.dim) if before else None
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = MixtureOfExperts(config) if sparse else FeedForward(config)
         self.ffn_post_norm = rms_norm(config, config.dim) if after else None
         self.residual_multiplier = config.residual_multiplier
         self.plain = config.block_norms == "pre" and config.residual_multiplier == 1.0
@@ -623,7 +627,8 @@ class Transformer(nn.Module):
         # Recompute each block's activations in backward instead of storing them: less memory, ~30% more compute.
         self.activation_checkpointing = activation_checkpointing
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        sparse = set(config.sparse_layers)
+        self.layers = nn.ModuleList(Block(config, i in sparse) for i in range(config.n_layers))
         self.norm = rms_norm(config, config.dim)
         # A tied model has no separate output tensor, so the state dict never holds two names for one tensor
         # (which safetensors refuses to save).
@@ -640,7 +645,7 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith(".bias"):
                 nn.init.zeros_(param)
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.down")):
                 nn.init.normal_(param, std=residual_std, generator=generator)
             elif param.dim() >= 2:
                 nn.init.normal_(param, std=0.02, generator=generator)
@@ -823,6 +828,7 @@ def read_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     """
     summary = inspect_weights(folder, config)
     state = {}
+    pieces: dict[str, list] = {}
     for path, names in summary.names.items():
         start, layout = summary.layouts[path]
         try:
@@ -837,7 +843,17 @@ def read_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
                 state[ours] = torch.empty(shape, dtype=kind)
                 continue
             count = (end - begin) // kind.itemsize
-            state[ours] = torch.frombuffer(mapped, dtype=kind, count=count, offset=start + begin).view(shape)
+            tensor = torch.frombuffer(mapped, dtype=kind, count=count, offset=start + begin).view(shape)
+            if stored in summary.pieces:
+                pieces.setdefault(ours, []).append((summary.pieces[stored], tensor))
+            else:
+                state[ours] = tensor
+    shapes = tensor_shapes(config)
+    for ours, parts in pieces.items():
+        # An expert tensor stored in parts (each expert's matrices) is put together here: a copy.
+        state[ours] = stacked = torch.empty(shapes[ours], dtype=parts[0][1].dtype)
+        for piece, tensor in parts:
+            piece.select(stacked).copy_(tensor)
     return state
 
 
@@ -850,8 +866,18 @@ def _size(handle) -> int:
 
 
 def hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The same tensors under Hugging Face's names in ``config``'s family, as written to ``model.safetensors``."""
-    return {hf_name(name, config): tensor.contiguous() for name, tensor in state.items()}
+    """The same tensors under Hugging Face's names in ``config``'s family, as written to ``model.safetensors``: as
+    transformers' ``save_pretrained`` writes them (the experts one matrix per expert and projection)."""
+    tensors = {}
+    pieces: dict[str, list] = {}
+    for stored, piece in expert_pieces(config, per_expert=True).items():
+        pieces.setdefault(piece.name, []).append((stored, piece))
+    for name, tensor in state.items():
+        if name in pieces:
+            tensors.update({stored: piece.select(tensor).contiguous() for stored, piece in pieces[name]})
+        else:
+            tensors[saved_name(name, config)] = tensor.contiguous()
+    return tensors
 
 
 def load_base_model(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -88,12 +88,16 @@ def matmul_params(model) -> int:
     """Weights that take part in a matrix multiply per token: attention, MLP and the output head.
 
     The input embedding is a lookup, not a multiply, and norm weights are negligible; with tied
-    embeddings the output head is the embedding matrix, counted once here.
+    embeddings the output head is the embedding matrix, counted once here. In a mixture of experts'
+    sparse layer a token is multiplied by the router and the experts it goes to only (active parameters).
     """
-    head_dim = model.dim // model.n_heads
+    head_dim = model.head_size
     attention = model.dim * model.n_heads * head_dim * 2 + model.dim * model.n_kv_heads * head_dim * 2
     mlp = 3 * model.dim * model.ffn_hidden_dim
-    return model.n_layers * (attention + mlp) + model.vocab_size * model.dim
+    sparse = len(model.sparse_layers)
+    experts = model.dim * model.n_experts + model.experts_per_token * 3 * model.dim * (model.expert_hidden_dim or 0)
+    head = model.vocab_size * model.dim
+    return model.n_layers * attention + (model.n_layers - sparse) * mlp + sparse * experts + head
 
 
 def flops_per_token(model, seq_len: int) -> int:
@@ -103,7 +107,7 @@ def flops_per_token(model, seq_len: int) -> int:
     token and layer forward, three times that with backward: 12·n_layers·n_heads·head_dim·seq_len.
     The causal mask is not discounted, as in the PaLM paper's MFU, so figures compare across tools.
     """
-    head_dim = model.dim // model.n_heads
+    head_dim = model.head_size
     return 6 * matmul_params(model) + 12 * model.n_layers * model.n_heads * head_dim * seq_len
 
 

@@ -17,6 +17,8 @@ HF_CLASSES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
 """transformers' config and model classes of each model_type."""
 ROPE_LLAMA3 = {
@@ -247,22 +249,57 @@ FAMILY_CASES = {
 }
 
 
+# Tiny mixtures of experts with every feature on: more experts than each token uses, Qwen3-MoE's normalised top-k
+# and a dense layer among the sparse ones (mlp_only_layers), Mixtral's sliding window and a RoPE scaling; a
+# load-balancing loss weighted enough to change the training.
+MOE_CASES = {
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        layers=3,
+        heads=4,
+        kv_heads=2,
+        head_dim=24,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=40,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        router_aux_loss_coef=0.05,
+        rope={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64},
+    ),
+    "mixtral": dict(
+        model_type="mixtral",
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        intermediate_size=48,
+        sliding_window=200,
+        router_aux_loss_coef=0.05,
+        rope={"rope_type": "linear", "factor": 2.0},
+    ),
+}
+
+
 def save_peft_adapter(folder: Path, base: Path, adapters: dict[str, torch.Tensor], settings) -> None:
     """Our adapters (by our names) written by PEFT itself as an adapter folder of the model folder ``base``: an
     adapter as a user brings one."""
     import peft
     import transformers
 
-    from astrai.common.model_folder import peft_modules_of
+    from astrai.common.model_folder import PEFT_EXPERT_PARAMETERS, peft_expert_adapter, peft_modules_of
     from astrai.trainer.lora import peft_name
 
     tensors = {peft_name(name): value for name, value in adapters.items()}
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    experts = any(peft_expert_adapter(name) for name in tensors)  # a mixture of experts' stacked experts
     config = peft.LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=list(peft_modules_of(tensors)),  # a fused layer (Phi-3's qkv_proj) by its own name
+        **({"target_parameters": list(PEFT_EXPERT_PARAMETERS)} if experts else {}),
     )
     model = peft.get_peft_model(model, config)
     result = peft.set_peft_model_state_dict(model, tensors)

@@ -28,6 +28,7 @@ any world size and in either format.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import secrets
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from astrai.common.contract import OPTIMIZER_FILE, OPTIMIZER_TENSORS_FILE, SHARED_FS_CHECK_PREFIX, WEIGHTS_FILE
+from astrai.common.model_folder import expert_pieces, hf_name, saved_name
 from astrai.common.safetensors_file import FLOAT_DTYPES, read_layout
 from astrai.trainer.checkpoint.files import (
     OPTIMIZER_TENSORS_KEY,
@@ -52,10 +54,19 @@ from astrai.trainer.checkpoint.files import (
     write_file,
 )
 from astrai.trainer.distributed import DistEnv, gather_objects
-from astrai.trainer.model import ModelConfig, hf_name
+from astrai.trainer.model import ModelConfig
 
 _CHUNK = 64 << 20
 """Bytes per write or read call; each written chunk is handed to the disk at once."""
+
+
+def _expert_pieces(config: ModelConfig) -> dict[str, list]:
+    """Our stacked expert tensors -> [(stored name, ExpertPiece)], each expert's matrices as save_pretrained
+    writes them."""
+    pieces: dict[str, list] = {}
+    for stored, piece in expert_pieces(config, per_expert=True).items():
+        pieces.setdefault(piece.name, []).append((stored, piece))
+    return pieces
 
 
 def row_range(rows: int, rank: int, world: int) -> tuple[int, int]:
@@ -102,8 +113,12 @@ class ShardedState:
         self.world = world
         self.pieces: list[_Piece] = []
         shapes: dict[str, dict] = {WEIGHTS_FILE: {}, OPTIMIZER_TENSORS_FILE: {}}
+        experts = _expert_pieces(config)
         for name, value in model_state.items():
-            self._add(shapes, WEIGHTS_FILE, hf_name(name, config), value, rank, world)
+            if name in experts:
+                self._add_experts(shapes, experts[name], value, rank, world)
+            else:
+                self._add(shapes, WEIGHTS_FILE, saved_name(name, config), value, rank, world)
         rest, names = {}, {}
         for param, values in optimizer_state["state"].items():
             # Copied now: the optimizer updates its step counters in place while a periodic save is written.
@@ -134,6 +149,17 @@ class ShardedState:
         start, rows = _held_rows(value, rank, world)
         row_bytes = math.prod(value.shape[1:]) * value.dtype.itemsize
         self.pieces.append(_Piece(file, name, start, rows, row_bytes))
+
+    def _add_experts(self, shapes: dict, pieces: list, value: torch.Tensor, rank: int, world: int) -> None:
+        """A stacked expert tensor as save_pretrained writes it, one matrix per expert and projection: each rank
+        writes the matrices of the experts (rows) it holds."""
+        start, rows = _held_rows(value, rank, world)
+        for stored, piece in pieces:
+            shape = piece.shape(tuple(value.shape))
+            shapes[WEIGHTS_FILE][stored] = (value.dtype, shape)
+            if start <= piece.expert < start + rows.shape[0]:
+                held = dataclasses.replace(piece, expert=piece.expert - start).select(rows)
+                self.pieces.append(_Piece(WEIGHTS_FILE, stored, 0, held, math.prod(shape[1:]) * value.dtype.itemsize))
 
     writes = True
     """Every rank writes its own rows (a Snapshot of astrai.trainer.checkpoint.formats)."""
@@ -253,11 +279,20 @@ def read_rows(
     ``small_optimizer`` (:func:`small_optimizer_state`).
     """
     weights = _RowReader(folder / WEIGHTS_FILE)
+    experts = _expert_pieces(config)
     try:
         with torch.no_grad():
             for name, value in model_state.items():
                 start, target = _local_target(value)
-                weights.read_into(hf_name(name, config), start, target, tuple(value.shape))
+                if name in experts and hf_name(name, config) not in weights.layout:
+                    # One matrix per expert (as save_pretrained writes them): those of the experts held here.
+                    for stored, piece in experts[name]:
+                        if start <= piece.expert < start + target.shape[0]:
+                            part = dataclasses.replace(piece, expert=piece.expert - start).select(target)
+                            weights.read_into(stored, 0, part, piece.shape(tuple(value.shape)))
+                    continue
+                stored = hf_name(name, config) if hf_name(name, config) in weights.layout else saved_name(name, config)
+                weights.read_into(stored, start, target, tuple(value.shape))
     finally:
         weights.close()
     saved = small_optimizer["state"]
