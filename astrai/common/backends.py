@@ -135,6 +135,13 @@ class TransformersConfig:
     def head_size(self) -> int:
         return self.dim // self.n_heads
 
+    # What a mixture of experts would add to the FLOP count (astrai.trainer.report.matmul_params): counted as
+    # dense here, the estimate this path's MFU already is.
+    sparse_layers: tuple[int, ...] = ()
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_hidden_dim: int | None = None
+
     def to_json(self) -> str:
         """config.json as the folder had it: a checkpoint loads in transformers as its base model does."""
         return json.dumps(self.values, indent=2, sort_keys=True, allow_nan=False) + "\n"
