@@ -125,6 +125,7 @@ class TransformersModel(nn.Module):
             hf = transformers.AutoModelForCausalLM.from_config(
                 hf_config, attn_implementation="sdpa", dtype=torch.float32
             )
+        hf.tie_weights()  # what the skipped initialisation would have done: a tied output projection shares its tensor
         if activation_checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The library model's children are this module's, in the same dict: a layer replaced here (LoRA, a frozen

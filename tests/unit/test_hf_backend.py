@@ -339,3 +339,34 @@ def test_a_full_checkpoint_is_a_folder_transformers_loads_with_the_trainers_logi
         library = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         with torch.no_grad():
             assert torch.equal(library(tokens).logits, ours)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "tied llama"])
+def test_a_tied_output_projection_trains_once_and_loads_back(tmp_path, job_yaml, make_trainer, tiny_model, family):
+    """GPT-2 (and the tiny preset through transformers) tie the output projection to the embedding: the folder holds
+    it once, the model built for it shares the tensor, the checkpoint loads with the trainer's logits. GPT-2's
+    blocks compute with Conv1D, no nn.Linear: LoRA is refused saying so."""
+    folder = tiny_model
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=320, n_embd=32, n_layer=2, n_head=4, n_positions=128)
+        torch.manual_seed(0)
+        folder = tmp_path / "gpt2 é"
+        transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    trainer = make_trainer(job_yaml(param_path=str(folder), max_steps=2, backend="transformers"))
+    try:
+        trainer.train()
+        tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+        trainer.model.eval()
+        with torch.no_grad():
+            ours = trainer.model(tokens)
+    finally:
+        trainer.close()
+    checkpoint = latest_complete_checkpoint(tmp_path / "ckpt").path
+    library = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(library(tokens).logits, ours)
+    if family == "gpt2":
+        from astrai.common.fit import SetupError
+
+        with pytest.raises(SetupError, match="gpt2: its decoder blocks hold no nn.Linear layer for LoRA to adapt"):
+            make_trainer(job_yaml(param_path=str(folder), backend="transformers", **LORA), ckpt_dir=tmp_path / "lora")
