@@ -15,7 +15,7 @@ from astrai.common.config import ONLINE_TRAIN_TYPES, reward_settings
 from astrai.common.contract import MODEL_CONFIG_FILE, TOKENIZER_FILE
 from astrai.common.data_folder import TokenData, WindowSplit, prompt_units, tokenizer_digest, training_units
 from astrai.common.errors import AstraiError
-from astrai.common.model_folder import ModelConfig, adapted_modules, check_window
+from astrai.common.model_folder import EXPERT_ADAPTERS, ModelConfig, adapted_modules, check_window
 from astrai.common.settings import LoRASettings
 
 
@@ -238,10 +238,23 @@ def check_lora_targets(model: ModelConfig, training) -> None:
     settings = LoRASettings.of(training)
     if settings is None or not isinstance(model, ModelConfig):  # the transformers path: its plan checks the targets
         return
+    lora_modules(model, settings)
+
+
+def lora_modules(model: ModelConfig, settings: LoRASettings) -> tuple[str, ...]:
+    """The layers of each block LoRA of ``settings`` adapts in ``model``'s family; SetupError naming the key for
+    targets it cannot take, and for dropout on a mixture of experts' adapters (they have none, as in PEFT)."""
     try:
-        adapted_modules(model, settings.targets)
+        modules = adapted_modules(model, settings.targets)
     except ValueError as error:
         raise SetupError(f"training.{error}") from None
+    if settings.dropout > 0 and set(modules) & set(EXPERT_ADAPTERS):
+        raise SetupError(
+            f"training.lora_dropout {settings.dropout}: adapters on the experts cannot drop out (PEFT refuses it "
+            "too: the update is computed on the experts' stacked weights); set lora_dropout 0, or leave gate_proj, "
+            "up_proj and down_proj out of lora_targets"
+        )
+    return modules
 
 
 @dataclass(frozen=True)

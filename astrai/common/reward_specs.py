@@ -61,6 +61,11 @@ def parse_rewards(value) -> tuple[RewardSpec, ...]:
         head, colon, name = str(function).rpartition(":")
         if not isinstance(function, str) or not colon or not head or not name.isidentifier():
             raise ValueError(f"{where}: function must be 'FILE.py:function' or 'module:function', got {function!r}")
+        if isinstance(weight, str):  # YAML reads 1e-3 as text, as the other number keys are taken from it
+            try:
+                weight = float(weight)
+            except ValueError:
+                pass
         if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
             raise ValueError(f"{where}: weight must be a finite number, got {weight!r}")
         specs.append(RewardSpec(function, float(weight)))

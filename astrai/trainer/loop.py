@@ -606,8 +606,11 @@ def _start_checks(config: TrainerConfig, plan: RunPlan) -> str | None:
         model = load_model_config(source, plan.backend)
         datas = [TokenData.open(root / s.path) for s in sources] if sources else [TokenData.open(root)]
     except (ModelLoadError, DataError) as error:
-        print(f"start checks: not made ({error})")
-        return None
+        if not source.exists() or not root.exists():  # a container's paths, read elsewhere: nothing to check here
+            print(f"start checks: not made ({error})")
+            return None
+        print(f"start checks: refused: {error}")
+        return str(error)
     try:
         for data in datas:
             data.check_kind(config.training.train_type)

@@ -35,7 +35,7 @@ from torch import nn
 
 from astrai.common.contract import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, PICKLED_ADAPTER_FILE
 from astrai.common.errors import AstraiError
-from astrai.common.fit import SetupError
+from astrai.common.fit import lora_modules
 from astrai.common.model_folder import (
     ADAPTER_TARGETS,
     EXPERT_ADAPTERS,
@@ -45,7 +45,6 @@ from astrai.common.model_folder import (
     PEFT_MODULES,
     PEFT_PREFIX,
     PROJECTIONS,
-    adapted_modules,
     canonical_targets,
     peft_expert_adapter,
 )
@@ -109,16 +108,7 @@ def add_adapters(model: nn.Module, settings: LoRASettings, generator: torch.Gene
 
     ``generator`` makes the adapters' start a function of the seed (one A per layer, in layer order).
     """
-    try:
-        modules = adapted_modules(model.config, settings.targets)
-    except ValueError as error:  # targets that do not fit this model's layers: the run's settings, not a bug
-        raise SetupError(f"training.{error}") from None
-    if settings.dropout > 0 and set(modules) & set(EXPERT_ADAPTERS):
-        raise SetupError(
-            f"training.lora_dropout {settings.dropout}: adapters on the experts cannot drop out (PEFT refuses it "
-            "too: the update is computed on the experts' stacked weights); set lora_dropout 0, or leave gate_proj, "
-            "up_proj and down_proj out of lora_targets"
-        )
+    modules = lora_modules(model.config, settings)  # the same refusals as preflight's and --dry-run's
     for param in model.parameters():
         param.requires_grad_(False)
     adapted = []
@@ -295,8 +285,9 @@ def read_peft_adapter(folder: Path) -> tuple[LoRASettings, dict[str, torch.Tenso
     targets = [targets] if isinstance(targets, str) else list(targets or ())
     parameters = raw.get("target_parameters") or []
     if parameters:
-        # PEFT's stacked experts (transformers 5.x): both of them, in its order, adapted whole.
-        if list(parameters) != list(PEFT_EXPERT_PARAMETERS):
+        # PEFT's stacked experts (transformers 5.x): both of them, adapted whole; in any order (PEFT keeps them in a
+        # set, so a folder it writes lists them in an order that changes from one process to the next).
+        if sorted(parameters) != sorted(PEFT_EXPERT_PARAMETERS):
             raise AdapterError(
                 f"{folder / ADAPTER_CONFIG_FILE}: target_parameters {parameters} are not read; expected "
                 f"{list(PEFT_EXPERT_PARAMETERS)} (a mixture of experts' experts, adapted whole)"

@@ -457,6 +457,13 @@ def test_lora_on_part_of_the_experts_or_with_dropout_is_refused_naming_what_to_c
     with pytest.raises(SetupError, match="lora_dropout 0.1"):
         lora.add_adapters(load_pretrained(folder), LoRASettings(4, 8.0, 0.1, ("gate_proj", "up_proj", "down_proj")))
     lora.add_adapters(load_pretrained(folder), LoRASettings(4, 8.0, 0.1, ("q_proj", "v_proj")))  # attention may
+    # preflight and --dry-run make the same refusal from the folder's config alone (astrai.common.fit.start_checks)
+    from astrai.common.config import TrainingSection
+    from astrai.common.fit import check_lora_targets
+
+    training = TrainingSection(lora_rank=4, lora_dropout=0.1)
+    with pytest.raises(SetupError, match="training.lora_dropout 0.1: adapters on the experts cannot drop out"):
+        check_lora_targets(ModelConfig.load(folder), training)
 
 
 def test_expert_adapters_compute_what_peft_computes_on_transformers(moe_folder, tmp_path):

@@ -119,6 +119,16 @@ def test_reward_names_whose_metrics_collide_are_refused_saying_why(names, messag
         parse_rewards(entries)
 
 
+def test_a_weight_yaml_reads_as_text_is_taken_as_the_number_it_spells(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text("training:\n  rewards: [{function: /data/r.py:f, weight: 1e-3}]\n", encoding="utf-8")
+    document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    assert document["training"]["rewards"][0]["weight"] == "1e-3"  # YAML 1.1's reading
+    assert parse_rewards(document["training"]["rewards"])[0].weight == 0.001
+    with pytest.raises(ValueError, match="weight must be a finite number, got 'x'"):
+        parse_rewards([{"function": "/data/r.py:f", "weight": "x"}])
+
+
 def test_names_that_only_look_alike_are_kept():
     check_metric_names(["X", "Y_std", "std_X", "Xstd", "reward"])
 
@@ -362,6 +372,13 @@ def test_preflight_and_dry_run_make_the_trainers_start_checks(tmp_path, world, t
     assert main(["--config", str(path), "--dry-run"]) == 2
     assert not (tmp_path / "c").exists()
     path = _yaml(train_yaml, tmp_path / "u.yaml", world, ckpt_dir=str(tmp_path / "c"))
+    assert main(["--config", str(path), "--dry-run"]) == 0
+    # A model folder that is there but refused is a refusal (exit 2); one that is not there is not checked here.
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "llama"}', encoding="utf-8")
+    path = _yaml(train_yaml, tmp_path / "v.yaml", world, param_path=str(tmp_path / "broken"))
+    assert main(["--config", str(path), "--dry-run"]) == 2
+    path = _yaml(train_yaml, tmp_path / "w.yaml", world, param_path=str(tmp_path / "nowhere"))
     assert main(["--config", str(path), "--dry-run"]) == 0
 
 
