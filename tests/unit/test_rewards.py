@@ -22,7 +22,7 @@ def test_entries_parse_as_text_or_objects_and_bad_ones_say_which_and_why():
         ("astrai.rewards:exact_answer", "expected a list"),
         (["exact_answer"], "entry 0: function must be 'FILE.py:function'"),
         (["m:not-a-name"], "entry 0: function must be"),
-        ([{"function": "m:f", "weight": "1"}], "entry 0: weight must be a finite number"),
+        ([{"function": "m:f", "weight": "one"}], "entry 0: weight must be a finite number, got .one."),
         ([{"function": "m:f", "weight": math.nan}], "weight must be a finite number"),
         ([{"function": "m:f", "scale": 2}], "entry 0: expected 'FILE.py:function'"),
         (["a:f", "b:f"], "two reward functions named f"),
