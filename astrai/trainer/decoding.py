@@ -134,20 +134,9 @@ class DecodeEngine:
         draws: list[Draws] | None = None,
     ) -> list[list[int]]:
         """The completion of each prompt; ``draws`` say which generator draws for which rows (in order)."""
-        if not prompts or any(not prompt for prompt in prompts):
-            raise ValueError("every prompt needs at least one token")
-        draws = draws or [Draws(len(prompts))]
-        if sum(draw.rows for draw in draws) != len(prompts):
-            raise ValueError(f"the draws cover {sum(d.rows for d in draws)} rows, not the {len(prompts)} prompts")
-        longest = max(len(prompt) for prompt in prompts)
-        capacity = longest + sampling.max_new_tokens - 1  # the last new token is never fed back
         config = self.inner.config
         limit = min(config.max_seq_len, config.sliding_window or config.max_seq_len)
-        if capacity > limit:
-            raise ValueError(
-                f"the longest prompt ({longest} tokens) and max_new_tokens ({sampling.max_new_tokens}) need "
-                f"{capacity} positions; the model takes at most {limit}"
-            )
+        draws, capacity = checked_round(prompts, sampling, draws, limit)
         sized = min(limit, -(-capacity // CAPACITY_STEP) * CAPACITY_STEP)
         model = self._decoding_model()
         completions, start = [], 0
@@ -159,12 +148,8 @@ class DecodeEngine:
         return completions
 
     def _generate_part(self, model, prompts, sampling: Sampling, stop, draws: list[Draws], capacity: int):
-        batch, longest = len(prompts), max(len(prompt) for prompt in prompts)
-        tokens = torch.zeros(batch, longest, dtype=torch.long)
-        real = torch.zeros(batch, longest, dtype=torch.bool)
-        for row, prompt in enumerate(prompts):
-            tokens[row, longest - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            real[row, longest - len(prompt) :] = True
+        batch = len(prompts)
+        tokens, real = left_padded(prompts)
         step = self._step(model, batch, capacity)
         step.cache.reset()
         logits = model(tokens.to(self.device), cache=step.cache, real=real.to(self.device))
@@ -173,7 +158,7 @@ class DecodeEngine:
         made = torch.empty(batch, sampling.max_new_tokens, dtype=torch.long, device=self.device)
         count = 0
         while True:
-            chosen = _pick_rows(logits, sampling, draws).masked_fill(done, 0)
+            chosen = pick_rows(logits, sampling, draws).masked_fill(done, 0)
             made[:, count] = chosen
             count += 1
             done = done | torch.isin(chosen, stops)
@@ -182,7 +167,7 @@ class DecodeEngine:
             if count % STOP_CHECK_EVERY == 0 and _all_done(done, self.together):
                 break
             logits = step.run(chosen)
-        return [_until_stop(row, stop) for row in made[:, :count].tolist()]
+        return [until_stop(row, stop) for row in made[:, :count].tolist()]
 
     # What a call builds -------------------------------------------------------------------------------------
 
@@ -323,7 +308,39 @@ def _blocks_uncompiled(model: torch.nn.Module):
             module._compiled_call_impl = compiled
 
 
-def _pick_rows(logits: torch.Tensor, sampling: Sampling, draws: list[Draws]) -> torch.Tensor:
+def checked_round(
+    prompts: list[list[int]], sampling: Sampling, draws: list[Draws] | None, limit: int
+) -> tuple[list[Draws], int]:
+    """(the draws, one for all rows when none are given; the positions the round needs: the longest prompt and
+    every new token but the last, which is never fed back); ValueError for prompts and draws that cannot make one
+    round in a context of ``limit`` positions."""
+    if not prompts or any(not prompt for prompt in prompts):
+        raise ValueError("every prompt needs at least one token")
+    draws = draws or [Draws(len(prompts))]
+    if sum(draw.rows for draw in draws) != len(prompts):
+        raise ValueError(f"the draws cover {sum(d.rows for d in draws)} rows, not the {len(prompts)} prompts")
+    longest = max(len(prompt) for prompt in prompts)
+    capacity = longest + sampling.max_new_tokens - 1
+    if capacity > limit:
+        raise ValueError(
+            f"the longest prompt ({longest} tokens) and max_new_tokens ({sampling.max_new_tokens}) need "
+            f"{capacity} positions; the model takes at most {limit}"
+        )
+    return draws, capacity
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, which positions are real) of the prompts as one batch padded on the left, on the CPU."""
+    longest = max(len(prompt) for prompt in prompts)
+    tokens = torch.zeros(len(prompts), longest, dtype=torch.long)
+    real = torch.zeros(len(prompts), longest, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        tokens[row, longest - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        real[row, longest - len(prompt) :] = True
+    return tokens, real
+
+
+def pick_rows(logits: torch.Tensor, sampling: Sampling, draws: list[Draws]) -> torch.Tensor:
     """The next token of every row, each group of rows drawn with its own generator."""
     if sampling.temperature == 0 or len(draws) == 1:
         return pick(logits, sampling, draws[0].generator)
@@ -343,7 +360,7 @@ def _all_done(done: torch.Tensor, together) -> bool:
     return bool(finished)
 
 
-def _until_stop(row: list[int], stop) -> list[int]:
+def until_stop(row: list[int], stop) -> list[int]:
     for index, token in enumerate(row):
         if token in stop:
             return row[: index + 1]

@@ -38,7 +38,7 @@ from astrai.common.model_folder import PEFT_PREFIX, weight_files
 from astrai.common.plan import RunPlan
 from astrai.common.safetensors_file import ModelLoadError
 from astrai.common.settings import LoRASettings, Sampling
-from astrai.trainer.decoding import Draws, _pick_rows, _until_stop
+from astrai.trainer.decoding import Draws, checked_round, left_padded, pick_rows, until_stop
 from astrai.trainer.lora import AdapterError, LoRALinear, hold_base_in, is_adapter, load_adapters
 from astrai.trainer.model import LogitsShape, TokenScores, TokenTargets, token_scores
 
@@ -299,24 +299,11 @@ class TransformersDecoding:
         stop: set[int] | frozenset[int] = frozenset(),
         draws: list[Draws] | None = None,
     ) -> list[list[int]]:
-        if not prompts or any(not prompt for prompt in prompts):
-            raise ValueError("every prompt needs at least one token")
-        draws = draws or [Draws(len(prompts))]
-        longest = max(len(prompt) for prompt in prompts)
-        capacity = longest + sampling.max_new_tokens - 1
-        if capacity > self.inner.config.max_seq_len:
-            raise ValueError(
-                f"the longest prompt ({longest} tokens) and max_new_tokens ({sampling.max_new_tokens}) need "
-                f"{capacity} positions; the model takes at most {self.inner.config.max_seq_len}"
-            )
+        draws, _ = checked_round(prompts, sampling, draws, self.inner.config.max_seq_len)
         device = next(self.inner.parameters()).device
         batch = len(prompts)
-        tokens = torch.zeros(batch, longest, dtype=torch.long)
-        real = torch.zeros(batch, longest, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            tokens[row, longest - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            real[row, longest - len(prompt) :] = 1
-        tokens, real = tokens.to(device), real.to(device)
+        tokens, real = left_padded(prompts)
+        tokens, real = tokens.to(device), real.long().to(device)
         positions = (real.cumsum(-1) - 1).clamp(min=0)
         hf = self.inner.library_model
         out = hf(input_ids=tokens, attention_mask=real, position_ids=positions, use_cache=True)
@@ -326,7 +313,7 @@ class TransformersDecoding:
         made = []
         position = positions[:, -1:]
         while True:
-            chosen = _pick_rows(logits, sampling, draws).masked_fill(done, 0)
+            chosen = pick_rows(logits, sampling, draws).masked_fill(done, 0)
             made.append(chosen)
             done = done | torch.isin(chosen, stops)
             if len(made) == sampling.max_new_tokens or bool(done.all()):
@@ -342,4 +329,4 @@ class TransformersDecoding:
             )
             cache, logits = out.cache, out.logits[:, -1]
         rows = torch.stack(made, dim=1).tolist()
-        return [_until_stop(row, stop) for row in rows]
+        return [until_stop(row, stop) for row in rows]

@@ -322,10 +322,8 @@ def test_rollouts_left_padded_in_one_batch_are_what_transformers_generates_for_e
         assert completion == expected[0, len(prompt) :].tolist()
 
 
-def test_a_full_checkpoint_is_a_folder_transformers_loads_with_the_trainers_logits(
-    tmp_path, job_yaml, make_trainer, neox, one_thread
-):
-    trainer = make_trainer(job_yaml(param_path=str(neox), max_steps=2, ckpt_interval=2))
+def _trained(trainer) -> tuple[torch.Tensor, torch.Tensor, Path]:
+    """Train ``trainer`` to its end: (tokens, the trained model's logits of them, its last checkpoint)."""
     try:
         trainer.train()
         tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
@@ -334,7 +332,13 @@ def test_a_full_checkpoint_is_a_folder_transformers_loads_with_the_trainers_logi
             ours = trainer.model(tokens)
     finally:
         trainer.close()
-    checkpoint = latest_complete_checkpoint(tmp_path / "ckpt").path
+    return tokens, ours, latest_complete_checkpoint(Path(trainer.config.ckpt.ckpt_dir)).path
+
+
+def test_a_full_checkpoint_is_a_folder_transformers_loads_with_the_trainers_logits(
+    tmp_path, job_yaml, make_trainer, neox, one_thread
+):
+    tokens, ours, checkpoint = _trained(make_trainer(job_yaml(param_path=str(neox), max_steps=2, ckpt_interval=2)))
     for folder in (checkpoint, export_checkpoint(checkpoint, tmp_path / "export", "float32", 1 << 30).out):
         library = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         with torch.no_grad():
@@ -352,16 +356,9 @@ def test_a_tied_output_projection_trains_once_and_loads_back(tmp_path, job_yaml,
         torch.manual_seed(0)
         folder = tmp_path / "gpt2 é"
         transformers.GPT2LMHeadModel(config).save_pretrained(folder)
-    trainer = make_trainer(job_yaml(param_path=str(folder), max_steps=2, backend="transformers"))
-    try:
-        trainer.train()
-        tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
-        trainer.model.eval()
-        with torch.no_grad():
-            ours = trainer.model(tokens)
-    finally:
-        trainer.close()
-    checkpoint = latest_complete_checkpoint(tmp_path / "ckpt").path
+    tokens, ours, checkpoint = _trained(
+        make_trainer(job_yaml(param_path=str(folder), max_steps=2, backend="transformers"))
+    )
     library = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(library(tokens).logits, ours)
