@@ -17,7 +17,8 @@ from astrai.common.config import ONLINE_TRAIN_TYPES, TrainerConfig, resolve_grad
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import CKPT_FORMAT_FULL, CKPT_FORMAT_LORA, CKPT_FORMAT_SHARDED, resolve_parallel_mode
 from astrai.common.fit import BatchShape
-from astrai.common.model_folder import ADAPTER_TARGETS
+from astrai.common.memory import GenerationCache, generation_cache, training_state_bytes
+from astrai.common.model_folder import ADAPTER_TARGETS, num_adapter_parameters, num_parameters
 from astrai.common.settings import GRPOSettings, LoRASettings, Sampling
 
 ONLINE_DPO_GENERATIONS = 2
@@ -85,6 +86,32 @@ class RunPlan:
     def tokens_per_step(self) -> int:
         """Tokens of a step of the window-based types (DPO trains each pair as two rows)."""
         return self.global_batch * self.window_size * (2 if self.train_type == "dpo" else 1)
+
+    @property
+    def rollout_rows(self) -> int:
+        """The rows one round of generation samples on a rank: every micro-batch of a step, each prompt
+        ``generations`` times."""
+        return self.batch.batch_per_device * self.grad_accum * (self.generations or 1)
+
+    def state_bytes(self, model) -> int:
+        """What the training state of ``model`` (a ModelConfig) takes per rank, before activations: weights,
+        gradients and AdamW's moments (FSDP shards them), and for generation under autocast a copy of float32 weights
+        in the autocast dtype."""
+        adapters = 0 if self.lora is None else num_adapter_parameters(model, self.lora.rank, self.lora.targets)
+        parameters = num_parameters(model)
+        held = training_state_bytes(parameters, adapters, self.base_dtype)
+        if self.parallel_mode == "fsdp":
+            held //= self.batch.world_size
+        elif self.generations and self.autocast and self.base_dtype != self.autocast:
+            held += parameters * 2  # the decode steps' copy of the weights (astrai.trainer.decoding)
+        return held
+
+    def generation_cache(self, model, context: int, longest_prompt: int) -> GenerationCache:
+        """The key/value caches of the online types' rounds of generation on a rank, at the largest capacity the run
+        reaches (its longest prompt and max_completion_length)."""
+        return generation_cache(
+            model, context, self.rollout_rows, longest_prompt, self.sampling.max_new_tokens, self.autocast
+        )
 
     def lines(self) -> list[str]:
         """The plan as ``--dry-run`` prints it, a decision a line."""

@@ -42,10 +42,11 @@ from astrai.common.fit import (
 from astrai.common.model_folder import base_digest
 from astrai.common.plan import RunPlan
 from astrai.common.settings import LoRASettings
+from astrai.common.values import format_bytes
 from astrai.trainer.checkpoint.files import LoadedCheckpoint
 from astrai.trainer.checkpoint.manager import RunFacts
 from astrai.trainer.compiling import compile_blocks
-from astrai.trainer.decoding import DecodeEngine
+from astrai.trainer.decoding import DecodeEngine, total_memory
 from astrai.trainer.distributed import DistEnv, GracefulStop, broadcast_from_master, gather_objects, parallelize
 from astrai.trainer.lora import (
     AdapterError,
@@ -472,14 +473,12 @@ def sampled_rollouts(parts: RunParts) -> SampledRollouts:
         f"top_k {sampling.top_k}; stop tokens {sorted(stop)}"
     )
     prompts = Prompts(records.index.data, records.index, records.units)
-    # FSDP gathers the weights in every forward pass: its ranks generate in step, eagerly.
-    together = env.control_group if plan.parallel_mode == "fsdp" else None
     if plan.backend == BACKEND_TRANSFORMERS:
         from astrai.trainer.hf_model import TransformersDecoding
 
         engine = TransformersDecoding(parts.model)
     else:
-        engine = DecodeEngine(parts.model, together=together, compile=plan.compile and together is None)
+        engine = decode_engine(parts, max(records.units.takes))
     return SampledRollouts(
         env,
         engine,
@@ -494,6 +493,26 @@ def sampled_rollouts(parts: RunParts) -> SampledRollouts:
         autocast_for(plan),
         RewardLimits(training.reward_timeout, lambda: parts.stop.requested),
     )
+
+
+def decode_engine(parts: RunParts, longest_prompt: int) -> DecodeEngine:
+    """The native generation engine of the online types, its caches sized by the plan: one decode step per batch size
+    at the largest capacity the run reaches, and rounds split into parts of a size that depends on the model's shape,
+    the rows, that capacity and the device's total memory only, so that a resumed run splits them (and samples) as the
+    uninterrupted one did."""
+    plan, env, model = parts.plan, parts.env, parts.model_config
+    context, _ = prompt_room(model, plan.sampling.max_new_tokens, parts.start.source)
+    cache = plan.generation_cache(model, context, longest_prompt)
+    device_total = total_memory(env.device)
+    rows = cache.rows_per_part(device_total, plan.state_bytes(model))
+    parts.log(
+        f"generation: key/value caches of {cache.capacity} positions, {rows} of a round's {cache.rows} rows at once "
+        f"({format_bytes(rows * cache.row_bytes)}; the device has {format_bytes(device_total)})"
+    )
+    # FSDP gathers the weights in every forward pass: its ranks generate in step, eagerly.
+    together = env.control_group if plan.parallel_mode == "fsdp" else None
+    compiled = plan.compile and together is None
+    return DecodeEngine(parts.model, together=together, compile=compiled, capacity=cache.capacity, rows_per_part=rows)
 
 
 def given_rollouts(parts: RunParts) -> GivenRollouts:

@@ -9,19 +9,26 @@ A row ends at any of the ``stop`` tokens (which it keeps), or at ``max_new_token
 
 How a call runs (:meth:`DecodeEngine.generate`):
 
-1. The rows are split only where the device's free memory cannot hold the key/value cache of them all (measured,
-   with the cache's size worked out from the model's shape), and only between groups of rows that draw from one
-   generator, so the split never changes what is drawn.
+1. The rows are split into parts of at most ``rows_per_part`` rows, a number the run's plan fixes from the model's
+   shape, the rows, the cache's capacity and the device's total memory (:mod:`astrai.common.memory`), never from
+   the memory free at the moment: a resumed run splits its rounds as the uninterrupted one did, so its batches, and
+   with them its tokens, are the same. Parts are cut only between groups of rows that draw from one generator, so
+   the split never changes what is drawn.
 2. Each part's prompts go through one batched forward pass (the prefill) into a cache of fixed capacity.
 3. Each new token is one decode step (:meth:`astrai.trainer.model.Transformer.decode_step`): device work on the same
-   buffers every time. On CUDA (one process, or DDP) the step is captured once as a CUDA graph per batch size and
-   capacity, and replayed: a step costs one launch, not one per kernel (not a mixture of experts, whose shapes
-   depend on the routing, nor a RoPE that changes with the length: those steps run eagerly). With ``compile`` the
-   step is compiled with ``torch.compile`` first (fused kernels). The next token is chosen on the device
-   (:func:`pick`); finished rows are tracked there too, and the host asks whether every row has ended only every
-   :data:`STOP_CHECK_EVERY` tokens.
-4. Under autocast with float32 weights (full fine-tuning on a GPU), the steps read a copy of the weights in the
-   autocast dtype, refreshed at each call, instead of casting every weight at every step.
+   buffers every time. There is one step per batch size, made at the largest capacity the run reaches (``capacity``,
+   from the plan: the longest prompt and ``max_new_tokens``) and reused by every shorter call, so the memory the
+   steps hold is bounded, and a compiled step compiles once per batch size. On CUDA (one process, or DDP) the step is
+   captured once as a CUDA graph and replayed: a step costs one launch, not one per kernel (not a mixture of experts,
+   whose shapes depend on the routing, nor a RoPE that changes with the length: those steps run eagerly). With
+   ``compile`` the step is compiled with ``torch.compile`` first (fused kernels). The next token is chosen on the
+   device (:func:`pick`), without a host read; finished rows are tracked there too, and the host asks whether every
+   row has ended only every :data:`STOP_CHECK_EVERY` tokens.
+4. A captured step reads only tensors that live as long as it: its cache's buffers and rotary tables, the weights
+   (updated in place), and what the step itself computes. So generation runs with autocast's cache of cast weights
+   off (those casts are freed when the caller's autocast ends), and under autocast with float32 weights (full
+   fine-tuning on a GPU) the steps read a copy of the weights in the autocast dtype, refreshed in place at each call,
+   instead of casting every weight at every step.
 
 Under FSDP every rank holds a shard of the weights and gathers them in each forward pass: the ranks generate in
 step (``together``: they agree when to stop, and on how many parts), in eager mode.
@@ -41,34 +48,46 @@ from dataclasses import dataclass
 
 import torch
 
+from astrai.common.memory import decode_capacity, decode_rows_per_part, kv_cache_bytes
 from astrai.common.settings import Sampling
 from astrai.trainer.compiling import failed_in_compiler
 from astrai.trainer.model import KVCache
 
 STOP_CHECK_EVERY = 16
 """Tokens between two host reads of whether every row has ended (the only host synchronisation of a decode)."""
-CAPACITY_STEP = 64
-"""Caches (and captured steps) are sized in steps of this many positions, so calls of nearby lengths share them."""
-MEMORY_HEADROOM = 0.8
-"""The share of the measured free memory the caches of one part may take."""
 
 
 def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
-    """The next token of each row (B,) from its logits (B, vocab)."""
+    """The next token of each row (B,) from its logits (B, vocab), on the device, with no host read.
+
+    ``top_k`` keeps the k most likely tokens (and any tied with the k-th, as transformers does); ``top_p`` then keeps
+    the most likely tokens whose probability before them is below ``top_p`` (any tied with the last one kept too). With
+    ``top_k`` set only its k logits are sorted, never the whole vocabulary."""
     if sampling.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / sampling.temperature
-    if 0 < sampling.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    vocab = logits.shape[-1]
+    top_k = sampling.top_k if 0 < sampling.top_k < vocab else 0
+    if top_k:
+        ordered = torch.topk(logits, top_k, dim=-1).values  # descending
+        logits = logits.masked_fill(logits < ordered[:, -1:], float("-inf"))
     if sampling.top_p < 1:
-        ordered, order = torch.sort(logits, dim=-1, descending=True)
-        probabilities = ordered.softmax(dim=-1)
-        # Drop a token once the more likely ones before it already reach top_p (the most likely always stays).
-        before = probabilities.cumsum(dim=-1) - probabilities
-        ordered = ordered.masked_fill(before >= sampling.top_p, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+        if not top_k:
+            ordered = torch.sort(logits, dim=-1, descending=True).values
+        probabilities = (ordered - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+        # Keep a token while the more likely ones before it stay below top_p (the most likely always stays).
+        kept = probabilities.cumsum(dim=-1) - probabilities < sampling.top_p
+        lowest = ordered.masked_fill(~kept, float("inf")).amin(dim=-1, keepdim=True)
+        logits = logits.masked_fill(logits < lowest, float("-inf"))
+    return draw(logits.softmax(dim=-1), generator)
+
+
+def draw(probabilities: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row (B,) drawn with the given probabilities (B, N): ``torch.multinomial(probabilities, 1)``'s
+    own one-sample draw (the exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)``), the same numbers from the same
+    generator, without multinomial's checks of its input, which read from the device every call."""
+    race = torch.empty_like(probabilities).exponential_(1, generator=generator)
+    return (probabilities / race).argmax(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -94,14 +113,27 @@ def generate(
 
 
 class DecodeEngine:
-    """Generation with one model, keeping what it builds (caches, captured steps, the weights' copy) for the next
-    call: an ``online_grpo`` run makes one and calls it every step.
+    """Generation with one model, keeping what it builds (a decode step per batch size with its cache, the weights'
+    copy) for the next call: an ``online_grpo`` run makes one and calls it every step.
 
     ``together``: the process group of ranks that generate in step (FSDP). ``graphs``: capture decode steps as CUDA
     graphs (None: on CUDA unless ``together``). ``compile``: compile the decode step with torch.compile first.
+    ``capacity``: the positions the longest call of the run needs (:func:`astrai.common.memory.decode_capacity`);
+    None: each batch size's step grows to the longest call so far. ``rows_per_part``: the most rows generated at once
+    (:func:`astrai.common.memory.decode_rows_per_part`); None: worked out from the device's total memory and the
+    weights alone.
     """
 
-    def __init__(self, model: torch.nn.Module, *, together=None, graphs: bool | None = None, compile: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        together=None,
+        graphs: bool | None = None,
+        compile: bool = False,
+        capacity: int | None = None,
+        rows_per_part: int | None = None,
+    ):
         self.model = model
         self.inner = getattr(model, "module", model)  # DDP's wrapped model; FSDP's is the model itself
         self.together = together
@@ -118,8 +150,11 @@ class DecodeEngine:
                 "change with the length and that has no mixture of experts"
             )
         self.compile = compile
+        self.capacity = capacity
+        self.rows_per_part = rows_per_part
         self._copy: torch.nn.Module | None = None
-        self._steps: dict[tuple[int, int, torch.dtype | None], _Step] = {}
+        self._steps: dict[tuple[int, torch.dtype], _Step] = {}
+        """One decode step per (batch size, cache dtype), at the largest capacity asked of it."""
         self.capture_seconds = 0.0
         """Time spent compiling and capturing decode steps so far (the first call of each shape pays it)."""
 
@@ -136,15 +171,19 @@ class DecodeEngine:
         """The completion of each prompt; ``draws`` say which generator draws for which rows (in order)."""
         config = self.inner.config
         limit = min(config.max_seq_len, config.sliding_window or config.max_seq_len)
-        draws, capacity = checked_round(prompts, sampling, draws, limit)
-        sized = min(limit, -(-capacity // CAPACITY_STEP) * CAPACITY_STEP)
-        model = self._decoding_model()
+        draws, needed = checked_round(prompts, sampling, draws, limit)
+        capacity = decode_capacity(max(len(prompt) for prompt in prompts), sampling.max_new_tokens, limit)
+        if self.capacity is not None and needed <= self.capacity:
+            capacity = self.capacity  # the run's largest: one step per batch size serves every call
         completions, start = [], 0
-        with _blocks_uncompiled(model):  # the training's compiled blocks would recompile for every decode shape
-            for part in self._parts(draws, sized):
-                rows = sum(draw.rows for draw in part)
-                completions += self._generate_part(model, prompts[start : start + rows], sampling, stop, part, sized)
-                start += rows
+        with _uncached_autocast(self.device.type):
+            model = self._decoding_model()
+            with _blocks_uncompiled(model):  # the training's compiled blocks would recompile for every decode shape
+                for part in self._parts(draws, capacity):
+                    rows = sum(draw.rows for draw in part)
+                    part_prompts = prompts[start : start + rows]
+                    completions += self._generate_part(model, part_prompts, sampling, stop, part, capacity)
+                    start += rows
         return completions
 
     def _generate_part(self, model, prompts, sampling: Sampling, stop, draws: list[Draws], capacity: int):
@@ -172,12 +211,14 @@ class DecodeEngine:
     # What a call builds -------------------------------------------------------------------------------------
 
     def _decoding_model(self) -> torch.nn.Module:
-        """The model the steps run: under autocast with float32 linear weights (and not sharded), a copy of it in
-        the autocast dtype, refreshed from the model now; else the model itself."""
+        """The model the steps run: under autocast with float32 matrices that are not LoRA's adapters (and not
+        sharded), a copy of it in the autocast dtype, refreshed from the model now; else the model itself (LoRA's
+        float32 adapters are cast at each step, with autocast's cache off: they are small)."""
         dtype = torch.get_autocast_dtype(self.device.type) if torch.is_autocast_enabled(self.device.type) else None
-        weight = next(param for param in self.inner.layers[0].parameters() if param.dim() >= 2)
-        if dtype is None or weight.dtype == dtype or self.together is not None:
-            return self.model if self.together is not None else self.inner
+        if self.together is not None:
+            return self.model
+        if dtype is None or all(param.dtype == dtype for _, param in _base_matrices(self.inner)):
+            return self.inner
         if self._copy is None:
             with _blocks_uncompiled(self.inner):  # a compiled block's wrapper is not copied
                 self._copy = _inference_copy(self.inner, dtype)
@@ -186,18 +227,20 @@ class DecodeEngine:
         return self._copy
 
     def _step(self, model, batch: int, capacity: int) -> _Step:
-        """The decode step of ``batch`` rows and ``capacity`` positions: made (and captured) once, then reused."""
+        """The decode step of ``batch`` rows: made (and captured) once at ``capacity``, reused by calls that need no
+        more; a call that needs more replaces it (freeing the old one's cache and graph)."""
         dtype = self._cache_dtype()
-        key = (batch, capacity, dtype)
+        key = (batch, dtype)
         step = self._steps.get(key)
-        if step is None:
-            cache = KVCache(self.inner.config, batch, capacity, self.device, dtype)
-            self.inner.prepare_decode(capacity, self.device)
-            if self._copy is not None:
-                self._copy.prepare_decode(capacity, self.device)
-            step = _Step(model, cache, self.graphs, self.compile)
-            self.capture_seconds += step.capture_seconds
-            self._steps[key] = step
+        if step is not None and step.cache.capacity >= capacity and step.model is model:
+            return step
+        if step is not None:
+            capacity = max(capacity, step.cache.capacity)
+            del self._steps[key], step  # its cache and graph go before the larger ones are allocated
+        _check_fits(kv_cache_bytes(self.inner.config, batch, capacity, dtype.itemsize), batch, capacity, self.device)
+        cache = KVCache(self.inner.config, batch, capacity, self.device, dtype)
+        step = self._steps[key] = _Step(model, cache, self.graphs, self.compile)
+        self.capture_seconds += step.capture_seconds
         return step
 
     def _cache_dtype(self) -> torch.dtype:
@@ -207,26 +250,60 @@ class DecodeEngine:
         return self.inner.norm.weight.dtype
 
     def _parts(self, draws: list[Draws], capacity: int) -> list[list[Draws]]:
-        """The draws split into parts whose caches fit the free memory (under FSDP, as many parts on every rank)."""
-        config = self.inner.config
-        itemsize = self._cache_dtype().itemsize
-        per_row = 2 * config.n_layers * config.n_kv_heads * config.head_size * capacity * itemsize
-        rows = sum(draw.rows for draw in draws)
-        free = free_memory(self.device) * MEMORY_HEADROOM
-        parts = max(1, min(len(draws), -(-int(per_row * rows) // max(int(free), 1))))
+        """The draws split into parts of at most ``rows_per_part`` rows (under FSDP, as many parts on every rank)."""
+        widest = max(draw.rows for draw in draws)
+        limit = self.rows_per_part or self._default_rows_per_part(capacity)
+        if widest > limit:
+            raise MemoryError(
+                f"a group of {widest} rows drawn by one generator does not fit a part of {limit} rows, the most the "
+                f"key/value cache of {capacity} positions may take on {self.device}; lower batch_per_device, "
+                "num_generations or max_completion_length"
+            )
+        per_part = limit // widest  # whole groups a part takes at most (groups of one round have one size)
+        parts = -(-len(draws) // per_part)
         if self.together is not None:
             agreed = torch.tensor([parts], dtype=torch.int64)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=self.together)
             parts = int(agreed)
-        if parts > len(draws) or per_row * max(draw.rows for draw in draws) > free:
-            raise MemoryError(
-                f"a key/value cache of {max(d.rows for d in draws)} rows x {capacity} positions "
-                f"({per_row * max(d.rows for d in draws) / 2**30:.2f} GiB) does not fit the "
-                f"{free / MEMORY_HEADROOM / 2**30:.2f} GiB free on {self.device}; lower batch_per_device, "
-                "num_generations or max_completion_length"
-            )
         size = -(-len(draws) // parts)
         return [draws[index : index + size] for index in range(0, len(draws), size)]
+
+    def _default_rows_per_part(self, capacity: int) -> int:
+        """Without a plan's figure: what the device's total memory leaves after the weights (and their copy)."""
+        held = sum(p.numel() * p.element_size() for p in self.inner.parameters())
+        if self._copy is not None:
+            held += sum(p.numel() * p.element_size() for p in self._copy.parameters())
+        row = kv_cache_bytes(self.inner.config, 1, capacity, self._cache_dtype().itemsize)
+        return decode_rows_per_part(total_memory(self.device), held, row)
+
+
+def _base_matrices(model: torch.nn.Module):
+    """The model's floating-point matrices that are not LoRA's adapters: (name, parameter)."""
+    for name, param in model.named_parameters():
+        if param.dim() >= 2 and param.is_floating_point() and ".lora_" not in name:
+            yield name, param
+
+
+@contextlib.contextmanager
+def _uncached_autocast(device_type: str):
+    """Autocast as the caller set it, with its cache of cast weights off: a cast it caches is freed when the caller's
+    autocast ends, and a captured step would go on reading its memory."""
+    if not torch.is_autocast_enabled(device_type):
+        yield
+        return
+    with torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False):
+        yield
+
+
+def _check_fits(size: int, batch: int, capacity: int, device: torch.device) -> None:
+    """MemoryError, naming the keys that shrink it, when a cache of ``size`` bytes does not fit what is free now."""
+    free = free_memory(device)
+    if size > free:
+        raise MemoryError(
+            f"a key/value cache of {batch} rows x {capacity} positions ({size / 2**30:.2f} GiB) does not fit the "
+            f"{free / 2**30:.2f} GiB free on {device}; lower batch_per_device, num_generations or "
+            "max_completion_length"
+        )
 
 
 class _Step:
@@ -271,9 +348,18 @@ class _Step:
         torch.cuda.current_stream().wait_stream(side)
         self.cache.reset()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: another thread's CUDA calls (the DataLoader's pin-memory thread) cannot void the capture.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.logits = self.forward()
         self.cache.reset()
+
+    def owned(self) -> list[torch.Tensor]:
+        """Every tensor the step reads that it does not compute itself: its cache's buffers and rotary tables, its
+        token buffer, and the model's parameters and buffers (updated in place, never replaced, while it lives)."""
+        cache = self.cache
+        tables = [table for pair in (cache.rotary or {}).values() for table in pair]
+        state = [cache.visible, cache.slot, cache.positions, cache._slots, self.tokens]
+        return [*cache.keys, *cache.values, *tables, *state, *self.model.parameters(), *self.model.buffers()]
 
     def run(self, chosen: torch.Tensor) -> torch.Tensor:
         """The logits after feeding each row its chosen token (B,)."""
@@ -373,11 +459,22 @@ def free_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return _meminfo("MemAvailable") or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def total_memory(device: torch.device) -> int:
+    """Bytes of memory ``device`` has in all (a GPU's, or the host's): the same on every run on such a device."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return _meminfo("MemTotal") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _meminfo(field: str) -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as handle:
             for line in handle:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None

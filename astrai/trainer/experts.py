@@ -85,7 +85,10 @@ def grouped_linear(
     starts = counts.cumsum(0) - counts
     group_of = torch.repeat_interleave(torch.arange(groups, device=x.device), counts, output_size=rows)
     slot = torch.arange(rows, device=x.device) - starts[group_of]
-    padded = x.new_zeros(groups, int(counts.max()) if rows else 0, x.shape[1])
+    # The busiest group's rows: read from the device in eager mode; under torch.compile every row (the most a group
+    # can hold), so that the graph has no host read.
+    widest = rows if torch.compiler.is_compiling() else int(counts.max()) if rows else 0
+    padded = x.new_zeros(groups, widest, x.shape[1])
     padded = padded.index_put((group_of, slot), x)
     return torch.bmm(padded, weight.transpose(1, 2))[group_of, slot]
 
@@ -146,22 +149,31 @@ class MixtureOfExperts(nn.Module):
         if torch.is_grad_enabled():  # a pass without grad (evaluation, a reference model) leaves them
             self.router_logits = logits
         weights, chosen = route(logits, self.top_k, self.normalize)
-        return self.experts(x, weights.to(x.dtype), chosen).reshape(shape)
+        return self.experts(x, weights, chosen).reshape(shape)
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """sum_j weights_j * expert_{chosen_j}(x) for each row of x (N, D); weights and chosen (N, k)."""
+        """sum_j weights_j * expert_{chosen_j}(x) for each row of x (N, D); weights and chosen (N, k).
+
+        No host read (a compiled graph and a captured step take it whole): the rows per expert are counted on the
+        device. The k outputs of each row are put back in the rows' order and summed in float32 (not added into
+        the rows one by one in the compute dtype, with atomics whose order varies)."""
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x, gate_up, down = x.to(dtype), self.gate_up.to(dtype), self.down.to(dtype)
         flat = chosen.reshape(-1)
         order = flat.argsort(stable=True)
-        token = order // self.top_k
-        counts = torch.bincount(flat, minlength=gate_up.shape[0])
-        rows = x[token]
+        counts = expert_counts(flat, gate_up.shape[0])
+        rows = x[order // self.top_k]
         gate, up = _adapted(grouped_linear(rows, gate_up, counts), self.gate_up_lora, rows, counts).chunk(2, dim=-1)
         hidden = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
         out = _adapted(grouped_linear(hidden, down, counts), self.down_lora, hidden, counts)
-        out = out * weights.reshape(-1)[order, None].to(dtype)
-        return torch.zeros_like(x).index_add_(0, token, out)
+        each = out[order.argsort()].view(-1, self.top_k, out.shape[-1])  # (N, k, D): row n's k experts' outputs
+        return (each.float() * weights.float().unsqueeze(-1)).sum(dim=1).to(dtype)
+
+
+def expert_counts(chosen: torch.Tensor, experts: int) -> torch.Tensor:
+    """How many of the (token, expert) pairs go to each expert (E,), counted on the device (``bincount`` reads the
+    largest index back to the host to size its output)."""
+    return torch.zeros(experts, dtype=torch.long, device=chosen.device).scatter_add_(0, chosen, torch.ones_like(chosen))
 
 
 def _adapted(out: torch.Tensor, adapter: ExpertLoRA | None, rows, counts):
@@ -191,7 +203,7 @@ def load_balancing_loss(logits: list[torch.Tensor], top_k: int) -> tuple[torch.T
     for layer in logits:
         probs = F.softmax(layer, dim=-1)
         chosen = torch.topk(probs, top_k, dim=-1).indices
-        counts = counts + torch.bincount(chosen.reshape(-1), minlength=experts).float()
+        counts = counts + expert_counts(chosen.reshape(-1), experts).float()
         prob_sum = prob_sum + probs.float().sum(dim=0)
         rows += layer.shape[0]
     aux = experts * torch.sum((counts / rows) * (prob_sum / rows))

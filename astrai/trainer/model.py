@@ -541,6 +541,13 @@ class KVCache:
         """Slots filled, as the eager path (:meth:`begin`) counts them; a decode step counts on the device."""
         self.local_window = config.local_window if config.local_layers else None
         """Gemma's local layers see the last local_window tokens only."""
+        self.rotary: dict[bool, tuple[torch.Tensor, torch.Tensor]] | None = None
+        """The rotary tables (cos, sin) of every position of the cache, by layer kind (local or not), owned by the
+        cache so that they live as long as the decode step that reads them (a captured step keeps their addresses);
+        None for a RoPE that changes with the length, whose tables each step computes (such steps are not captured)."""
+        if not config.rope_depends_on_length:
+            kinds = {False, bool(config.local_layers)}
+            self.rotary = {local: rotary_tables(config, capacity, device, None, local) for local in kinds}
         self._slots = torch.arange(capacity, device=device)
         self._step = False
 
@@ -778,15 +785,13 @@ class Transformer(nn.Module):
         cache.advance()
         return x
 
-    def prepare_decode(self, capacity: int, device: torch.device) -> None:
-        """Compute the rotary tables for ``capacity`` positions now, so no decode step allocates them."""
-        for local in {False, bool(self._local)}:
-            self._rotary(capacity, device, None, local)
-
     def _decode_layers(self, tokens, positions, masks, cache: KVCache, longest: int | None) -> torch.Tensor:
         rotary = {}
         for local in {False, bool(self._local)}:
-            cos, sin = self._rotary(cache.capacity, tokens.device, longest, local)
+            if cache.rotary is not None:  # the cache's own tables: a captured step reads nothing the model replaces
+                cos, sin = cache.rotary[local]
+            else:
+                cos, sin = self._rotary(cache.capacity, tokens.device, longest, local)
             rotary[local] = (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
         x = self._embed(tokens)
         for index, layer in enumerate(self.layers):

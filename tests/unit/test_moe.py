@@ -228,6 +228,37 @@ def test_grouped_products_equal_padded_bmm_and_a_loop_forward_and_backward():
         assert torch.allclose(grad_w, weight.grad, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_a_sparse_forward_compiles_whole_and_an_expert_without_tokens_gets_zero_gradients(moe_folder):
+    """No host read in a sparse layer (the rows per expert are counted on the device): a model's forward and backward
+    compile as one graph (fullgraph) and give the eager pass's loss and gradients; an expert that gets no token has
+    zero gradients, not missing or stale ones, eager and compiled."""
+    name, folder = moe_folder
+    tokens = _tokens(4, length=6)
+    eager, compiled = load_pretrained(folder).train(), load_pretrained(folder).train()
+    torch._dynamo.reset()
+    losses = []
+    for run in (eager, torch.compile(compiled, fullgraph=True, backend="aot_eager")):
+        logits = run(tokens)
+        targets = tokens[:, 1:].reshape(-1)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets)
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) <= 1e-5, name
+    for (param_name, ours), theirs in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        assert torch.allclose(ours.grad, theirs.grad, atol=1e-6), (name, param_name)
+    layer = next(module for module in eager.modules() if isinstance(module, experts.MixtureOfExperts))
+    k = layer.top_k
+    x = torch.randn(5, layer.gate_up.shape[2], generator=torch.Generator().manual_seed(0))
+    chosen = (torch.arange(5 * k).view(5, k) % (layer.gate_up.shape[0] - 1)) + 1  # expert 0 is never chosen
+    weights = torch.full((5, k), 1.0 / k)
+    for run in (layer.experts, torch.compile(layer.experts, fullgraph=True, backend="aot_eager")):
+        layer.zero_grad(set_to_none=False)
+        run(x, weights, chosen).square().sum().backward()
+        assert layer.gate_up.grad[0].abs().max() == 0 and layer.down.grad[0].abs().max() == 0
+        assert layer.gate_up.grad[1:].abs().max() > 0 and layer.down.grad[1:].abs().max() > 0
+
+
 def test_real_configs_count_every_expert_and_the_active_parameters():
     qwen, mixtral = ModelConfig.from_dict(QWEN3_30B_A3B), ModelConfig.from_dict(MIXTRAL_8X7B)
     assert round(num_parameters(qwen) / 1e9, 2) == 30.53 and round(num_active_parameters(qwen) / 1e9, 2) == 3.35

@@ -35,6 +35,7 @@ from astrai.common.data_folder import DataError, TokenData
 from astrai.common.settings import GRPOSettings
 from astrai.data.pipeline import prepare
 from astrai.host.status import _grpo_summary
+from astrai.trainer.model import KVCache
 from astrai.trainer.objectives.grpo import advantages, grpo_loss
 from astrai.trainer.objectives.rewards import RewardError
 from astrai.trainer.objectives.rollouts import completion_logps, flat_groups
@@ -490,3 +491,37 @@ def test_a_resume_with_other_reward_settings_names_each_change(
     out = capsys.readouterr().out
     assert "note: training.grpo_loss dapo -> grpo since epoch_0_step_3" in out, out
     assert "note: training.num_generations 4 -> 2 since epoch_0_step_3" in out, out
+
+
+def test_prompts_of_changing_lengths_hold_one_cache_per_batch_size_at_the_plans_capacity(
+    tmp_path, train_yaml, make_trainer, one_thread, monkeypatch
+):
+    """Generation's memory is bounded: the engine makes one decode step (and one key/value cache) per batch size, at
+    the largest capacity the run reaches (its longest prompt and max_completion_length), and every round reuses it,
+    whatever its own prompts' lengths."""
+    from astrai.common.memory import CAPACITY_STEP
+    from astrai.trainer import decoding
+
+    records = tmp_path / "prompts.jsonl"
+    lengths = [3 + (number * 37) % 150 for number in range(16)]  # a round's longest prompt changes every step
+    with open(records, "w", encoding="utf-8") as handle:
+        for length in lengths:
+            handle.write(json.dumps({"prompt": "x" * length, "digit": "1"}) + "\n")
+    prepare(tmp_path / "data", [records], kind="prompts")
+    (tmp_path / "r.py").write_text(REWARDS, encoding="utf-8")
+    made = []
+    monkeypatch.setattr(decoding, "KVCache", lambda *args: made.append(args[1:3]) or KVCache(*args))
+    path = train_yaml(
+        tmp_path / "t.yaml",
+        **{**ONLINE, "max_steps": 5, "num_generations": 2},
+        data_root_path=str(tmp_path / "data"),
+        rewards=[f"{tmp_path / 'r.py'}:first_code"],
+        ckpt_dir=str(tmp_path / "ckpt"),
+    )
+    trainer = make_trainer(path)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    capacity = -(-(max(lengths) + ONLINE["max_completion_length"] - 1) // CAPACITY_STEP) * CAPACITY_STEP
+    assert made == [(4, capacity)]  # 2 prompts x 2 generations a round, every round
