@@ -47,9 +47,11 @@ from astrai.common.fit import (
     check_model_tokenizer,
     check_resume,
     check_same_tokenizer,
+    prompt_room,
     start_checks,
     tokenizer_hint,
 )
+from astrai.common.memory import training_state_bytes
 from astrai.common.model_folder import (
     ModelConfig,
     ModelLoadError,
@@ -100,8 +102,9 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = (), *, this_host: boo
     model, check = _model_check(runtime, config)
     checks.append(check)
     if runtime.node == 0:
-        checks.append(_fit_check(runtime, config, data, model))
-        checks.append(_training_state_check(runtime, config, model))
+        units, check = _fit_check(runtime, config, data, model)
+        checks.append(check)
+        checks.append(_training_state_check(runtime, config, model, units))
         latest = _latest_checkpoint(runtime)
         if latest is not None and config is not None and data is not None:
             checks.append(_resume_check(runtime, latest, config, data))
@@ -361,10 +364,11 @@ def _fit_check(
     config: TrainerConfig | None,
     datas: list[TokenData] | None,
     model: tuple[ModelConfig, Path] | None,
-) -> Check:
-    """Data, model and batch fit together: the trainer's own checks (vocabulary, window, one global batch)."""
+) -> tuple[object, Check]:
+    """Data, model and batch fit together: the trainer's own checks (vocabulary, window, one global batch); and the
+    units the run trains on (None when not checked)."""
     if config is None or datas is None or model is None:
-        return Check(SKIP, "data fits model", "not checked: see the lines above")
+        return None, Check(SKIP, "data fits model", "not checked: see the lines above")
     training = config.training
     mixture = config.data.sources is not None
     try:
@@ -374,7 +378,7 @@ def _fit_check(
         found = start_checks(config, batch, datas, *model)
         splits, units = found.splits, found.units
     except (SetupError, ModelLoadError, ConfigError, DataError) as error:
-        return Check(FAIL, "data fits model", str(error))
+        return None, Check(FAIL, "data fits model", str(error))
     counted = "" if runtime.world_size is not None else " (world size from nvidia-smi)"
     windows = sum(split.num_train for split in splits)
     steps = "" if mixture else f", {windows // batch.global_batch:,} steps per epoch"
@@ -395,21 +399,16 @@ def _fit_check(
         left = units.truncated if config.data.overlong == "truncate" else units.dropped
         room = f"{left:,} longer than the room max_completion_length leaves: {config.data.overlong}"
         detail = f" ({room})" if left else ""
-    return Check(
+    return units, Check(
         PASS,
         "data fits model",
         f"{windows:,} training {what}{steps} at world size {world}{counted}{detail}",
     )
 
 
-TRAINING_BYTES_PER_PARAMETER = 16
-"""An fp32 weight that trains, its gradient and AdamW's two moments."""
-FROZEN_BYTES_PER_PARAMETER = {"float32": 4, "bfloat16": 2}
-"""A weight that does not train (LoRA's base), by the dtype it is held in (training.lora_base_dtype)."""
-
-
-def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model) -> Check:
-    """What the training state takes per rank, for full fine-tuning and for LoRA: why LoRA fits where full does not."""
+def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model, units=None) -> Check:
+    """What the training state takes per rank, for full fine-tuning and for LoRA: why LoRA fits where full does not;
+    for the online types, generation's key/value caches beside it (``units``: the prompts the run samples)."""
     if config is None or model is None:
         return Check(SKIP, "training state", "not estimated: see the lines above")
     model_config = model[0]
@@ -428,18 +427,24 @@ def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model)
     adapters = num_adapter_parameters(model_config, rank, training.lora_targets)
     # With LoRA off, what it would hold its base in on this device: the comparison says why LoRA fits.
     base_dtype = plan.base_dtype or lora_base_dtype(training.lora_base_dtype, plan.device_type)
-    full = total * TRAINING_BYTES_PER_PARAMETER / share
-    lora = (total * FROZEN_BYTES_PER_PARAMETER[base_dtype] + adapters * TRAINING_BYTES_PER_PARAMETER) / share
+    full = training_state_bytes(total, 0, None) / share
+    lora = training_state_bytes(total, adapters, base_dtype) / share
     chosen = "LoRA" if plan.lora is not None else "full fine-tuning"
     per = f" per rank ({world} under FSDP)" if sharded else " per process"
-    return Check(
-        PASS,
-        "training state",
+    found = (
         f"{chosen} (this config){per}, weights + gradients + AdamW moments before activations: full fine-tuning "
         f"{format_bytes(full)} ({total:,} trainable); LoRA rank {rank} on {len(training.lora_targets)} projections "
         f"{format_bytes(lora)} ({adapters:,} trainable, {adapters / (total + adapters):.2%}, {total:,} frozen in "
-        f"{base_dtype})",
+        f"{base_dtype})"
     )
+    if plan.sampling is not None and units is not None and len(units):
+        context, _ = prompt_room(model_config, plan.sampling.max_new_tokens, model[1])
+        cache = plan.generation_cache(model_config, context, max(units.takes))
+        found += (
+            f"; generation's key/value caches {format_bytes(cache.bytes)} ({cache.rows} rows of a round x "
+            f"{cache.capacity} positions, split in parts where the device's memory calls for it)"
+        )
+    return Check(PASS, "training state", found)
 
 
 def container_plan(runtime: Runtime, config: TrainerConfig, at_least_one: bool = False) -> RunPlan:

@@ -18,11 +18,26 @@ import os
 import torch
 
 from astrai.common.contract import deterministic_environment
+from astrai.common.errors import AstraiError
+
+
+class TooLate(AstraiError):
+    """Deterministic mode asked for in a process whose CUDA started without cuBLAS's setting."""
 
 
 def make_deterministic() -> None:
-    """Deterministic kernels only, from now on in this process (call it before CUDA starts)."""
-    os.environ.update(deterministic_environment(os.environ))
+    """Deterministic kernels only, from now on in this process (call it before CUDA starts: cuBLAS reads its
+    workspace setting once, when CUDA starts). After CUDA started without that setting it changes nothing and raises
+    TooLate: half of deterministic mode is not deterministic."""
+    missing = deterministic_environment(os.environ)
+    if missing and torch.cuda.is_initialized():
+        setting = ", ".join(f"{name}={value}" for name, value in missing.items())
+        raise TooLate(
+            f"training.deterministic: CUDA started in this process before deterministic mode was set up, and cuBLAS "
+            f"reads its setting only then; set {setting} in the environment before the process starts (the "
+            "entrypoint and `python -m astrai.train` do), or set up deterministic mode before anything touches CUDA"
+        )
+    os.environ.update(missing)
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False

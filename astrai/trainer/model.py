@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import mmap
 import os
@@ -237,6 +238,10 @@ LOGITS_CHUNK_BYTES = 128 << 20
 LOGITS_KEEP_BYTES = 1 << 30
 """Logits (in the head's compute dtype) of at most this many bytes in all are kept from the forward pass for the
 backward; larger ones are computed again there, a chunk at a time."""
+LOGITS_BACKWARD_CHUNK_BYTES = 512 << 20
+"""The float32 logits of at most this many bytes exist at once in the backward pass of an output projection that
+trains: each chunk adds its share of the projection's gradient (vocabulary x dim, float32) in one read and write of
+it, so larger chunks spread that traffic over more rows."""
 
 
 class TokenTargets(NamedTuple):
@@ -295,28 +300,33 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
+def _chunk_rows(vocab: int, budget: int) -> int:
+    return max(1, budget // (4 * vocab))
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, head, targets, entropy: bool, shape: LogitsShape):
         dtype = _compute_dtype(hidden)
         weight = head.to(dtype)
         count, vocab = hidden.shape[0], head.shape[0]
-        rows = max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
-        keep = count * vocab * dtype.itemsize <= LOGITS_KEEP_BYTES
+        rows = _chunk_rows(vocab, LOGITS_CHUNK_BYTES)
+        kept = None
+        if count * vocab * dtype.itemsize <= LOGITS_KEEP_BYTES:
+            kept = torch.empty(count, vocab, dtype=dtype, device=hidden.device)
         logps = torch.empty(count, dtype=torch.float32, device=hidden.device)
         entropies = torch.empty_like(logps) if entropy else None
-        kept = []
         for start in range(0, count, rows):
             chunk = F.linear(hidden[start : start + rows].to(dtype), weight)
-            if keep:
-                kept.append(chunk)
+            if kept is not None:
+                kept[start : start + rows] = chunk
             logits = shape.apply(chunk).float()
             total = torch.logsumexp(logits, dim=-1)
             logps[start : start + rows] = logits.gather(-1, targets[start : start + rows, None]).squeeze(-1) - total
             if entropy:
                 entropies[start : start + rows] = total - (logits.softmax(dim=-1) * logits).sum(dim=-1)
-        ctx.save_for_backward(hidden, head, targets, *kept)
-        ctx.dtype, ctx.rows, ctx.shape = dtype, rows, shape
+        ctx.save_for_backward(hidden, head, targets, *([] if kept is None else [kept]))
+        ctx.dtype, ctx.shape = dtype, shape
         if entropies is not None:
             ctx.mark_non_differentiable(entropies)
         return logps, entropies
@@ -324,15 +334,17 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy):
         hidden, head, targets, *kept = ctx.saved_tensors
-        dtype, rows, shape = ctx.dtype, ctx.rows, ctx.shape
+        dtype, shape = ctx.dtype, ctx.shape
         weight = head.to(dtype)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_head = None
         if ctx.needs_input_grad[1]:
             grad_head = torch.zeros(head.shape, dtype=torch.float32, device=head.device)
-        for index, start in enumerate(range(0, hidden.shape[0], rows)):
+        budget = LOGITS_CHUNK_BYTES if grad_head is None else LOGITS_BACKWARD_CHUNK_BYTES
+        rows = _chunk_rows(head.shape[0], budget)
+        for start in range(0, hidden.shape[0], rows):
             chunk = hidden[start : start + rows].to(dtype)
-            logits = shape.apply(kept[index] if kept else F.linear(chunk, weight)).float()
+            logits = shape.apply(kept[0][start : start + rows] if kept else F.linear(chunk, weight)).float()
             grad = grad_logps[start : start + rows].float().unsqueeze(-1)
             # d log p(t) / d logits = onehot(t) - softmax(logits), then through the shaping of the logits.
             grad_logits = (-logits.softmax(dim=-1) * grad).scatter_add_(-1, targets[start : start + rows, None], grad)
@@ -340,8 +352,34 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start : start + rows] = (grad_logits @ weight).to(hidden.dtype)
             if grad_head is not None:
-                grad_head += (grad_logits.transpose(0, 1) @ chunk).float()
+                add_product(grad_head, grad_logits.transpose(0, 1), chunk)
         return grad_hidden, None if grad_head is None else grad_head.to(head.dtype), None, None, None
+
+
+def add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``total += a @ b`` for a float32 ``total``, as one matrix product that accumulates into it: for bfloat16 or
+    float16 ``a`` and ``b``, the products are summed in float32 by the kernel itself where the device has such a kernel
+    (CUDA's ``out_dtype``), so no narrow product, float32 copy and separate addition pass over ``total``."""
+    if a.dtype == total.dtype:
+        total.addmm_(a, b)
+    elif widening_addmm_runs(str(total.device), a.dtype):
+        torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
+    else:
+        total += (a @ b).to(total.dtype)
+
+
+@functools.cache
+def widening_addmm_runs(device: str, dtype: torch.dtype) -> bool:
+    """Whether ``addmm`` with ``out_dtype`` float32 accumulates ``dtype`` products into its float32 input in place
+    here (tried once on a tiny case, and checked against the widened product)."""
+    try:
+        a = torch.arange(12, dtype=torch.float32, device=device).view(3, 4).to(dtype)
+        b = torch.ones(4, 2, dtype=dtype, device=device)
+        total = torch.full((3, 2), 0.5, device=device)
+        torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return bool(torch.equal(total, a.float() @ b.float() + 0.5))
 
 
 class OffsetRMSNorm(nn.Module):

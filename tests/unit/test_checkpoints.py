@@ -441,3 +441,50 @@ def test_the_optimizer_state_a_save_takes_is_torchs_own_by_parameter_name(kind):
             assert torch.equal(ours["state"][name][key], value), (name, key)
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     assert list(weights) == list(model.state_dict())  # the full format's weights: the model's own state dict
+
+
+def test_a_periodic_saves_host_copies_take_the_states_own_size_in_one_arena(tmp_path, training_state):
+    """The copies a save writes while training goes on live in one host allocation of the state's size (each tensor
+    a view at an aligned offset), reused by the next saves: no block rounded up to a power of two."""
+    manager = _manager(tmp_path, training_state)
+    model, optimizer, _ = training_state
+    state = [*model.state_dict().values()]
+    state += [value for values in optimizer.state.values() for value in values.values()]
+    state_bytes = sum(t.numel() * t.element_size() for t in state if isinstance(t, torch.Tensor))
+    _save(manager, 1, wait=False)
+    manager.wait()
+    held = manager.host_copy_bytes()
+    assert state_bytes <= held <= 1.01 * state_bytes
+    arena = manager._host_copy.arena
+    _save(manager, 2, wait=False)
+    manager.wait()
+    assert manager._host_copy.arena is arena and manager.host_copy_bytes() == held
+
+
+def test_on_cuda_the_arena_is_pinned_once_at_its_exact_size_and_released_when_the_state_changes(monkeypatch):
+    """Pinned by registering the arena with the driver (no GPU here: the calls are recorded), so its size is exact."""
+    from astrai.trainer.checkpoint import manager as manager_module
+
+    calls = []
+
+    class Runtime:
+        def cudaHostRegister(self, pointer, size, flags):
+            calls.append(("register", pointer, size))
+            return 0
+
+        def cudaHostUnregister(self, pointer):
+            calls.append(("unregister", pointer))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    host = manager_module._HostCopy(pin=True)
+    tree = {"a": torch.ones(3, dtype=torch.bfloat16), "b": [torch.arange(5), torch.zeros(2, 2)], "step": 7}
+    copied = host.copy(tree)
+    assert torch.equal(copied["b"][0], tree["b"][0]) and copied["step"] == 7 and copied["a"].dtype == torch.bfloat16
+    assert calls == [("register", host.arena.data_ptr(), 64 + 64 + 16)]  # 6 bytes, 40, 16: each at 64-byte offsets
+    host.copy({"a": torch.full((3,), 2.0, dtype=torch.bfloat16), "b": [torch.arange(5), torch.ones(2, 2)], "step": 8})
+    assert len(calls) == 1 and float(host.views[("a",)][0]) == 2.0
+    first = host.arena.data_ptr()
+    host.copy({"a": torch.ones(4)})
+    assert calls[1:] == [("unregister", first), ("register", host.arena.data_ptr(), 16)]

@@ -30,9 +30,11 @@ def model(request):
 
 @pytest.fixture(autouse=True, params=["kept", "computed again"])
 def small_chunks(monkeypatch, request):
-    """Chunks of 5 positions: every loss here spans several of them, and a last one that is not full; their logits
-    kept from the forward pass for the backward, or computed again there."""
+    """Chunks of 5 positions (7 in the backward pass of a head that trains): every loss here spans several of them,
+    and a last one that is not full; their logits kept from the forward pass for the backward, or computed again
+    there."""
     monkeypatch.setattr(model_module, "LOGITS_CHUNK_BYTES", 5 * 4 * VOCAB)
+    monkeypatch.setattr(model_module, "LOGITS_BACKWARD_CHUNK_BYTES", 7 * 4 * VOCAB)
     if request.param == "computed again":
         monkeypatch.setattr(model_module, "LOGITS_KEEP_BYTES", 0)
 

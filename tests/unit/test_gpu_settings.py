@@ -89,3 +89,18 @@ def test_periodic_saves_and_deterministic_mode_leave_a_cpu_run_bitwise_unchanged
         run_trainer(train_yaml(tmp_path / f"{name}.yaml", ckpt_dir=str(tmp_path / name), max_steps=8, **keys))
     weights = {name: final_weights(tmp_path / name, 8) for name in runs}
     assert weights["saved"] == weights["plain"] == weights["deterministic"]
+
+
+def test_deterministic_mode_after_cuda_started_without_cublas_setting_refuses_and_changes_nothing(
+    monkeypatch, restore_determinism
+):
+    from astrai.trainer import determinism
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(determinism.TooLate, match="CUDA started in this process before deterministic mode"):
+        determinism.make_deterministic()
+    assert not torch.are_deterministic_algorithms_enabled() and ENV_CUBLAS_WORKSPACE_CONFIG not in os.environ
+    # With cuBLAS's setting there before CUDA started, the rest can still be switched on.
+    monkeypatch.setenv(ENV_CUBLAS_WORKSPACE_CONFIG, DETERMINISTIC_CUBLAS_WORKSPACE)
+    determinism.make_deterministic()
+    assert torch.are_deterministic_algorithms_enabled()

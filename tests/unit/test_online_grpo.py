@@ -32,10 +32,12 @@ from astrai.common.config import load_trainer_config
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import COMPLETIONS_LOG, METRICS_FILE
 from astrai.common.data_folder import DataError, TokenData
+from astrai.common.memory import kv_cache_bytes
 from astrai.common.settings import GRPOSettings
+from astrai.common.values import format_bytes
 from astrai.data.pipeline import prepare
 from astrai.host.status import _grpo_summary
-from astrai.trainer.model import KVCache
+from astrai.trainer.model import KVCache, load_pretrained
 from astrai.trainer.objectives.grpo import advantages, grpo_loss
 from astrai.trainer.objectives.rewards import RewardError
 from astrai.trainer.objectives.rollouts import completion_logps, flat_groups
@@ -478,6 +480,13 @@ def test_preflight_counts_the_prompts_of_the_reward_types(tmp_path, tiny_model, 
     result = invoke("preflight", "--config", str(config), check=False)
     line = next(line for line in result.stdout.splitlines() if "data fits model" in line)
     assert line.startswith("✓") and said in line, result.stdout
+    state = next(line for line in result.stdout.splitlines() if "training state" in line)
+    if train_type == "online_grpo":  # 2 prompts x 8 generations, the longest prompt (13 bytes) and 256 new tokens
+        config = load_pretrained(tiny_model).config
+        cache = kv_cache_bytes(config, 16, 320, 4)
+        assert f"generation's key/value caches {format_bytes(cache)} (16 rows of a round x 320 positions" in state
+    else:
+        assert "generation" not in state
 
 
 def test_a_resume_with_other_reward_settings_names_each_change(
