@@ -12,25 +12,32 @@ window 512, as when the trainer was first measured on a GPU). Each figure is mea
   alike, plain cross-entropy on the whole logits, fused AdamW, batches already on the GPU);
   ``trainer_vs_transformers``: over transformers' ``LlamaForCausalLM`` (sdpa, bf16 autocast, the same batches);
   ``compile_speedup``: compiled over eager; ``activation_checkpointing_vs_default``: tokens/s with it over without.
-- ``chunked_loss_peak_mem_vs_plain``: the peak memory of one forward and backward with the vocabulary of Qwen
-  (151,936), the loss in chunks over the plain loss on the whole logits.
+- ``chunked_loss_peak_mem_vs_plain``, ``chunked_loss_tokens_per_s_vs_plain``: the peak memory and the speed of one
+  forward and backward with the vocabulary of Qwen (151,936), the loss in chunks over the plain loss on the whole
+  logits.
 - ``lora_tokens_per_s_vs_full``, ``lora_peak_mem_vs_full``, ``lora_ckpt_bytes_vs_full``: LoRA r16 (its base in
   bf16) against full fine-tuning, on the same batches.
 - ``generate_vs_transformers``: new tokens/s of the generation engine over transformers' ``generate`` (64 prompts
-  of 16-64 tokens, 256 new tokens each, greedy, the model in bf16); ``decode_vs_roofline``: one decode step's time
-  over one read of the weights and the key/value cache at the bandwidth a device-to-device copy reaches here;
-  ``generate_same_rows``: the share of rows whose greedy tokens equal transformers', with why the others differ.
+  of 16-64 tokens, 256 new tokens each, greedy, the model in bf16); ``generate_sampled_vs_transformers``: the same,
+  sampled as online_grpo samples (temperature 1, top_p 0.95); ``decode_vs_roofline``: one decode step's time over
+  one read of the weights and the key/value cache at the bandwidth a device-to-device copy reaches here (the step
+  replayed on a cache filled again, never past its capacity); ``generate_same_rows``: the share of rows whose greedy
+  tokens equal transformers', with why the others differ.
 - ``rollout_share``: the share of an ``online_grpo`` step spent sampling its completions (8 prompts x 8
   generations x 256 tokens).
 - ``ckpt_save_vs_disk``: a checkpoint's write over the disk's own durable write of its bytes;
-  ``ckpt_stall_vs_sync``: the pause of a periodic save over a synchronous save.
-- ``deterministic_bitwise``: with training.deterministic, two runs, a run with a periodic save, a stop and resume
-  and a kill and resume all end on bitwise equal weights; ``default_save_max_abs_diff``: in the default mode, how
-  far a run with a periodic save ends from one without, beside ``default_two_runs_max_abs_diff``, two runs' own
-  distance; ``deterministic_tokens_per_s_vs_default``: what deterministic mode costs.
+  ``ckpt_stall_vs_sync``: the pause of a periodic save over a synchronous save; ``ckpt_peak_host_mem_vs_state``: the
+  host memory a periodic save's copy takes at its peak over the state's bytes.
+- ``deterministic_bitwise``: with training.deterministic, compiled as CUDA's default is, two runs, a run with a
+  periodic save, a stop and resume and a kill and resume all end on bitwise equal weights (``..._eager``: the same
+  with model.compile false); ``default_save_max_abs_diff``: in the default mode, how far a run with a periodic save
+  ends from one without, beside ``default_two_runs_max_abs_diff``, two runs' own distance;
+  ``deterministic_tokens_per_s_vs_default``: what deterministic mode costs.
 
-A part that fails is recorded with its error (``errors``) and the others still run. Without CUDA (and without
-``--device cpu``) it says so and exits 0.
+Each part runs in a process of its own within its time budget (:data:`BUDGET_S`, 8 minutes in all): a crash, an
+out-of-memory, a sticky CUDA error or an overrun costs only that part, recorded under ``errors`` with the part's
+wall time under ``part_seconds``, and the block is written after every part. Without CUDA (and without ``--device
+cpu``) it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,7 +57,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import REPO, Figures
+from bench.common import REPO, Figures, status_kib
 
 RESULTS = REPO / "bench" / "results.json"
 GPU_BLOCK = "gpu"
@@ -105,8 +113,30 @@ CPU_SIZES = Sizes(
 )
 
 
+CORPUS_BYTES = {"cuda": 8 << 20, "cpu": 256 << 10}
+"""The benchmark corpus (byte-level: a token a byte): enough that no timed run of the GPU's reaches the end of an
+epoch (13 steps of 8 x 2,049 tokens take 0.2M tokens a run)."""
+
+
+def make_assets(device: str, work: Path) -> None:
+    """The base model (the 0.63B configuration on a GPU) and the corpus, made once for every part."""
+    from astrai.common.model_folder import ModelConfig
+    from astrai.data.pipeline import prepare
+    from astrai.trainer.model import write_base_model
+
+    sizes = GPU_SIZES if device == "cuda" else CPU_SIZES
+    write_base_model(work / "params", ModelConfig(**sizes.model, max_seq_len=max(sizes.window, 2048)), seed=0)
+    texts = [path.read_text(encoding="utf-8") for path in sorted((REPO / "examples" / "corpus").glob("*.txt"))]
+    corpus, written = work / "corpus.txt", 0
+    with open(corpus, "w", encoding="utf-8") as handle:
+        while written < CORPUS_BYTES[device]:
+            for text in texts:
+                written += handle.write(f"{written}: {text}\n")
+    prepare(work / "data", [corpus])
+
+
 class Bench:
-    """One run of the GPU section: the device, the sizes, a scratch folder, and the figures measured so far."""
+    """One part of the GPU section: the device, the sizes, the scratch folder with the assets, the part's figures."""
 
     def __init__(self, device: str, work: Path):
         import torch
@@ -115,39 +145,9 @@ class Bench:
         self.cuda = self.device.type == "cuda"
         self.sizes = GPU_SIZES if self.cuda else CPU_SIZES
         self.work = work
+        self.params, self.data = work / "params", work / "data"
         self.figures = Figures()
         self.errors: dict[str, str] = {}
-        self.seconds: dict[str, float] = {}
-        self.params, self.data = self._assets()
-
-    def _assets(self) -> tuple[Path, Path]:
-        from astrai.common.model_folder import ModelConfig
-        from astrai.data.pipeline import prepare
-        from astrai.trainer.model import write_base_model
-
-        params, data = self.work / "params", self.work / "data"
-        config = ModelConfig(**self.sizes.model, max_seq_len=max(self.sizes.window, 2048))
-        write_base_model(params, config, seed=0)
-        prepare(data, sorted((REPO / "examples" / "corpus").glob("*.txt")))
-        return params, data
-
-    def part(self, name: str, measure) -> None:
-        """Run one part; its failure is recorded and the next part runs."""
-        import torch
-
-        began = time.perf_counter()
-        print(f"== gpu: {name}", flush=True)
-        try:
-            measure(self)
-        except Exception as error:  # a part that fails must not cost the others their figures
-            self.errors[name] = f"{type(error).__name__}: {error}"
-            traceback.print_exc()
-        finally:
-            if self.cuda:
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-            self.seconds[name] = round(time.perf_counter() - began, 1)
-            print(f"   {name}: {self.seconds[name]} s", flush=True)
 
     def config(self, job: str, **keys):
         """The trainer's config of a throughput run on the 0.63B model (flat keys override)."""
@@ -306,7 +306,8 @@ def _transformers_rate(bench: Bench, batches) -> float:
 
 
 def chunked_loss(bench: Bench) -> None:
-    """Peak memory of one forward and backward with Qwen's vocabulary: the loss in chunks over on the whole logits."""
+    """Peak memory and speed of one forward and backward with Qwen's vocabulary: the loss in chunks over the plain
+    loss on the whole logits."""
     import contextlib
 
     import torch
@@ -346,6 +347,25 @@ def chunked_loss(bench: Bench) -> None:
     if bench.cuda:
         bench.figures.fraction("chunked_loss_peak_mem_vs_plain", peaks["chunked"], peaks["plain"], inputs=peaks)
 
+    def seconds(loss_of) -> float:
+        model.zero_grad(set_to_none=True)
+
+        def step():
+            with autocast:
+                loss = loss_of()
+            loss.backward()
+
+        return _timed(bench, step)
+
+    times = {"plain": [], "chunked": []}
+    for turn in range(4):  # alternating turns; the first warms both up
+        for name, loss_of in (("plain", plain), ("chunked", chunked)):
+            took = seconds(loss_of)
+            if turn:
+                times[name].append(took)
+    # Tokens/s of the chunked loss over the plain one's: the plain one's time over the chunked one's, turn by turn.
+    bench.figures.ratio("chunked_loss_tokens_per_s_vs_plain", times["plain"], times["chunked"])
+
 
 def lora(bench: Bench) -> None:
     """LoRA r16 with its base in bf16 against full fine-tuning: tokens/s, peak memory, checkpoint bytes."""
@@ -382,12 +402,13 @@ def _prompts(bench: Bench, count: int, vocab: int) -> list[list[int]]:
 
 
 def generation(bench: Bench) -> None:
-    """The generation engine against transformers' generate, its decode step against the bandwidth bound."""
+    """The generation engine against transformers' generate, greedy and sampled as online_grpo samples; its decode
+    step against the bandwidth bound."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from astrai.common.settings import Sampling
-    from astrai.trainer.decoding import DecodeEngine
+    from astrai.trainer.decoding import DecodeEngine, Draws
     from astrai.trainer.model import load_pretrained
     from tests.support import transformers_generate
 
@@ -396,6 +417,7 @@ def generation(bench: Bench) -> None:
     config = model.config
     prompts = _prompts(bench, bench.sizes.prompts, config.vocab_size)
     sampling = Sampling(max_new_tokens=bench.sizes.new_tokens)
+    sampled = Sampling(max_new_tokens=bench.sizes.new_tokens, temperature=1.0, top_p=0.95)
     new_tokens = len(prompts) * bench.sizes.new_tokens
     runs = {}
     for name, compiled in (("graphs", False), ("compiled", bench.cuda)):
@@ -408,18 +430,28 @@ def generation(bench: Bench) -> None:
             traceback.print_exc()
     best = "compiled" if "compiled" in runs else "graphs"
     engine, ours, ours_s = runs[best]
+
+    def draw_sampled():
+        return engine.generate(prompts, sampled, draws=[Draws(len(prompts), _generator(bench))])
+
+    ours_sampled_s = _timed(bench, draw_sampled)
     theirs_model = AutoModelForCausalLM.from_pretrained(bench.params, dtype=dtype).to(bench.device).eval()
     transformers_generate(theirs_model, prompts[:4], 4)  # warm-up
     theirs_s = _timed(bench, lambda: transformers_generate(theirs_model, prompts, bench.sizes.new_tokens))
+    sample = {"temperature": 1.0, "top_p": 0.95}
+    theirs_sampled_s = _timed(
+        bench, lambda: transformers_generate(theirs_model, prompts, bench.sizes.new_tokens, sample=sample)
+    )
     theirs = transformers_generate(theirs_model, prompts, bench.sizes.new_tokens) if not bench.cuda else None
     figures = bench.figures
     figures.ratio("generate_vs_transformers", [theirs_s], [ours_s])
+    figures.ratio("generate_sampled_vs_transformers", [theirs_sampled_s], [ours_sampled_s])
     figures.median("generate_new_tokens_per_s", [new_tokens / ours_s])
     figures.observed("generate_engine", best, {name: run[2] for name, run in runs.items()})
     if len(runs) == 2:
         figures.ratio("generate_compiled_vs_graphs", [runs["graphs"][2]], [runs["compiled"][2]])
     figures.observed("generate_capture_s", round(engine.capture_seconds, 2), "the first call's compile and capture")
-    _roofline(bench, engine, model, len(prompts))
+    _roofline(bench, engine, len(prompts))
     for run in runs.values():
         run[0]._steps.clear()  # captured steps and caches: memory the reference below needs
     if theirs is None:
@@ -427,6 +459,14 @@ def generation(bench: Bench) -> None:
     same = sum(a == b for a, b in zip(ours, theirs, strict=True))
     why = _why_rows_differ(bench, prompts, ours, theirs)
     figures.fraction("generate_same_rows", same, len(prompts), inputs=why)
+
+
+def _generator(bench: Bench):
+    import torch
+
+    generator = torch.Generator(device=bench.device)
+    generator.manual_seed(0)
+    return generator
 
 
 def _timed(bench: Bench, run) -> float:
@@ -460,34 +500,40 @@ def _why_rows_differ(bench: Bench, prompts, ours, theirs) -> dict:
     return {"rows_differing": len(gaps), "float32_logit_gaps_at_first_difference": sorted(gaps)[:16]}
 
 
-def _roofline(bench: Bench, engine, model, rows: int) -> None:
-    """One decode step's time over one read of the weights and the key/value cache at the copy bandwidth."""
+def _roofline(bench: Bench, engine, rows: int) -> None:
+    """One decode step's time over one read of the weights and the key/value cache at the copy bandwidth: the step of
+    ``rows`` rows replayed on a cache filled again with a prompt, never past its capacity."""
     import torch
 
     if not bench.cuda:
         return
-    step = next(iter(engine._steps.values()))
+    step = next(step for (batch, _), step in engine._steps.items() if batch == rows)
     if step.graph is None:
         return
-    step.run(torch.zeros(rows, dtype=torch.long, device=bench.device))  # warm
-    replays = 50
-    _sync(bench)
-    began = time.perf_counter()
-    for _ in range(replays):
-        step.graph.replay()
-    _sync(bench)
+    cache, prompt = step.cache, 16
+    replays = min(50, cache.capacity - prompt - 1)
+    with torch.no_grad():
+        cache.reset()
+        tokens = torch.ones(rows, prompt, dtype=torch.long, device=bench.device)
+        step.model(tokens, cache=cache, real=torch.ones_like(tokens, dtype=torch.bool))
+        step.run(torch.zeros(rows, dtype=torch.long, device=bench.device))  # warm
+        _sync(bench)
+        began = time.perf_counter()
+        for _ in range(replays):
+            step.graph.replay()  # each replay writes the next slot: prompt + 1 + replays <= capacity
+        _sync(bench)
     step_s = (time.perf_counter() - began) / replays
-    weights = sum(param.numel() * param.element_size() for param in model.parameters())
-    cache = sum(tensor.numel() * tensor.element_size() for tensor in (*step.cache.keys, *step.cache.values))
+    weights = sum(param.numel() * param.element_size() for param in step.model.parameters())
+    cache_bytes = sum(tensor.numel() * tensor.element_size() for tensor in (*cache.keys, *cache.values))
     bandwidth = _copy_bandwidth(bench)
-    bound = (weights + cache) / bandwidth
+    bound = (weights + cache_bytes) / bandwidth
     bench.figures.fraction(
         "decode_vs_roofline",
         step_s,
         bound,
-        inputs={"step_s": step_s, "weight_bytes": weights, "cache_bytes": cache, "copy_bytes_per_s": bandwidth},
+        inputs={"step_s": step_s, "weight_bytes": weights, "cache_bytes": cache_bytes, "copy_bytes_per_s": bandwidth},
     )
-    bench.figures.observed("generate_cache_gib", round(cache / 2**30, 3), "the key/value cache of the timed step")
+    bench.figures.observed("generate_cache_gib", round(cache_bytes / 2**30, 3), "the key/value cache of the timed step")
 
 
 def _copy_bandwidth(bench: Bench) -> float:
@@ -569,7 +615,10 @@ def _rollout_share(bench: Bench, config) -> tuple[tuple[float, float], list[floa
 
 
 def checkpoints(bench: Bench) -> None:
-    """A checkpoint's write over the disk's own durable write of its bytes; a periodic save's pause over a sync one."""
+    """A checkpoint's write over the disk's own durable write of its bytes; a periodic save's pause over a sync one;
+    the host memory a periodic save's copy of the state takes at its peak over the state's bytes."""
+    import torch
+
     from astrai.common.checkpoints import folder_bytes, latest_complete_checkpoint
     from astrai.trainer.distributed import init_distributed
     from astrai.trainer.loop import open_trainer
@@ -588,15 +637,24 @@ def checkpoints(bench: Bench) -> None:
             _clear_job(trainer.job_dir)
             os.sync()
             disk_s = _timed(bench, lambda size=size: stream_to_disk(bench.work / "stream", size, direct=False))
+            Path("/proc/self/clear_refs").write_text("5")  # the peak resident size starts again from now
+            resident = status_kib("VmRSS")
             pause_s = _timed(bench, lambda: trainer.save_checkpoint("periodic"))
             trainer.checkpointer.wait()
+            if not repeat:  # the first periodic save allocates the host copy: its peak
+                peak = (status_kib("VmHWM") - resident) * 1024
             _clear_job(trainer.job_dir)
             if repeat:  # the first repetition warms up (buffers, page cache)
                 times["save"].append(sync_s)
                 times["disk"].append(disk_s)
                 times["pause"].append(pause_s)
+        state = [*trainer.model.state_dict().values()]
+        state += [value for values in trainer.optimizer.state.values() for value in values.values()]
+        state_bytes = sum(t.numel() * t.element_size() for t in state if isinstance(t, torch.Tensor))
     finally:
         trainer.close()
+    sizes = {"peak_growth_bytes": peak, "state_bytes": state_bytes}
+    bench.figures.fraction("ckpt_peak_host_mem_vs_state", peak, state_bytes, inputs=sizes)
     bench.figures.ratio("ckpt_save_vs_disk", times["save"], times["disk"])
     bench.figures.ratio("ckpt_stall_vs_sync", times["pause"], times["save"])
 
@@ -619,59 +677,64 @@ def _exact_params(bench: Bench) -> Path:
     return folder
 
 
+EXACTNESS_RUNS = (("default", "auto"), ("deterministic", "auto"), ("deterministic", "false"))
+"""(mode, model.compile) of each exactness worker: both modes as the defaults run (compiled on CUDA), and
+deterministic mode eagerly too."""
+
+
 def exactness(bench: Bench) -> None:
-    """Default and deterministic mode, each in a fresh process (cuBLAS reads its workspace setting once)."""
+    """Default and deterministic mode, compiled (CUDA's default) and eager, each in a fresh process (cuBLAS reads its
+    workspace setting once)."""
     figures = bench.figures
     params = _exact_params(bench)
     outcome = {}
-    for mode in ("default", "deterministic"):
-        out = bench.work / f"exact-{mode}.json"
-        command = [sys.executable, "-m", "bench.gpu", "--exactness-worker", mode, "--device", bench.device.type]
-        command += ["--work", str(bench.work), "--params", str(params), "--out", str(out)]
+    for mode, compiled in EXACTNESS_RUNS:
+        out = bench.work / f"exact-{mode}-{compiled}.json"
+        command = [sys.executable, "-m", "bench.gpu", "--exactness-worker", mode, "--compile", compiled]
+        command += ["--device", bench.device.type, "--work", str(bench.work), "--params", str(params)]
+        command += ["--out", str(out)]
         done = subprocess.run(command, cwd=REPO, timeout=900)
         if done.returncode != 0:
-            raise RuntimeError(f"the {mode} exactness worker exited {done.returncode}")
-        outcome[mode] = json.loads(out.read_text())
-    det = outcome["deterministic"]
-    checks = {name: det["max_abs_diff"][name] == 0.0 for name in ("two_runs", "periodic_save", "stop_resume", "kill")}
-    figures.observed("deterministic_bitwise", all(checks.values()), {"checks": checks, **det})
-    default = outcome["default"]["max_abs_diff"]
-    figures.observed("default_save_max_abs_diff", default["periodic_save"], outcome["default"])
-    figures.observed("default_two_runs_max_abs_diff", default["two_runs"], outcome["default"])
-    figures.observed("default_stop_resume_max_abs_diff", default["stop_resume"], outcome["default"])
+            raise RuntimeError(f"the {mode} exactness worker (compile {compiled}) exited {done.returncode}")
+        outcome[(mode, compiled)] = json.loads(out.read_text())
+    for (mode, compiled), name in ((("deterministic", "auto"), ""), (("deterministic", "false"), "_eager")):
+        det = outcome[(mode, compiled)]
+        checks = {key: det["max_abs_diff"][key] == 0.0 for key in ("two_runs", "periodic_save", "stop_resume", "kill")}
+        figures.observed(f"deterministic_bitwise{name}", all(checks.values()), {"checks": checks, **det})
+    default = outcome[("default", "auto")]
+    figures.observed("default_save_max_abs_diff", default["max_abs_diff"]["periodic_save"], default)
+    figures.observed("default_two_runs_max_abs_diff", default["max_abs_diff"]["two_runs"], default)
+    figures.observed("default_stop_resume_max_abs_diff", default["max_abs_diff"]["stop_resume"], default)
     figures.ratio(
         "deterministic_tokens_per_s_vs_default",
-        [det["tokens_per_s"]],
-        [outcome["default"]["tokens_per_s"]],
+        [outcome[("deterministic", "auto")]["tokens_per_s"]],
+        [default["tokens_per_s"]],
     )
 
 
-def exactness_worker(mode: str, device: str, work: Path, params: Path, out: Path) -> None:
+def exactness_worker(mode: str, compiled: str, device: str, work: Path, params: Path, out: Path) -> None:
     """Runs of one mode in this process: two plain ones, one with a periodic save, one stopped (SIGTERM's way) and
     resumed, one whose process 'dies' after a periodic save (SIGKILL's way: no emergency save) and resumes. Their
     final weights' distances from the first run, and the first run's tokens/s."""
-    import torch
 
     from astrai.common.checkpoints import latest_complete_checkpoint
     from astrai.trainer.distributed import GracefulStop, init_distributed
     from astrai.trainer.loop import open_trainer
     from astrai.trainer.model import load_base_model
 
-    bench = Bench.__new__(Bench)
-    bench.device, bench.cuda = torch.device(device), device == "cuda"
-    bench.sizes, bench.work, bench.params = GPU_SIZES if bench.cuda else CPU_SIZES, work, params
-    bench.data = work / "data"
+    bench = Bench(device, work)
+    bench.params = params
     steps, half = bench.sizes.exact_steps, bench.sizes.exact_steps // 2
     env = init_distributed("none", device)
-    # Eager (model.compile false): these runs compare weights, and compiling each of them again would cost minutes.
+    # model.compile as given (auto: compiled on CUDA); the runs of one process share what the compiler made.
     keys = {"window_size": bench.sizes.exact_window, "max_steps": steps, "deterministic": mode == "deterministic"}
-    keys["compile"] = False
+    keys["compile"] = False if compiled == "false" else "auto"
 
     def run(job: str, *, stop_at: int | None = None, die_at: int | None = None, **extra) -> float:
         stop = _StopAt(stop_at) if stop_at is not None else GracefulStop()
-        trainer = open_trainer(bench.config(f"{mode}-{job}", **keys, **extra), env, stop)
+        trainer = open_trainer(bench.config(f"{mode}-{compiled}-{job}", **keys, **extra), env, stop)
         if trainer is None:
-            raise RuntimeError(f"{mode}-{job} is at its last step already")
+            raise RuntimeError(f"{mode}-{compiled}-{job} is at its last step already")
         stop.trainer = trainer
         try:
             warm = trainer.train(steps=3)  # the first steps allocate and pick kernels: not the pace
@@ -692,7 +755,7 @@ def exactness_worker(mode: str, device: str, work: Path, params: Path, out: Path
     run("killed", ckpt_interval=half)
 
     def weights(job: str) -> dict:
-        checkpoint = latest_complete_checkpoint(work / f"{mode}-{job}")
+        checkpoint = latest_complete_checkpoint(work / f"{mode}-{compiled}-{job}")
         assert checkpoint.step == steps, (job, checkpoint.step)
         return load_base_model(checkpoint.path)[1]
 
@@ -704,6 +767,7 @@ def exactness_worker(mode: str, device: str, work: Path, params: Path, out: Path
 
     result = {
         "mode": mode,
+        "compile": compiled,
         "steps": steps,
         "tokens_per_s": rate,
         "max_abs_diff": {
@@ -747,35 +811,123 @@ PARTS = {
     "checkpoints": checkpoints,
     "exactness": exactness,
 }
+BUDGET_S = {
+    "throughput": 100,
+    "chunked loss": 30,
+    "lora": 60,
+    "generation": 70,
+    "rollouts": 50,
+    "checkpoints": 30,
+    "exactness": 140,
+}
+"""Each part's wall-time budget (its own process, its start included): together 8 minutes, the section's limit."""
+FAULTS = ("raise", "kill")
 
 
-def run(device: str, out: Path, only: list[str] | None = None) -> dict:
-    """Measure every part (or ``only`` those) on ``device``; write the block into ``out`` (a results.json, whose
-    other figures stay as they are) and return it."""
+def run(device: str, out: Path, only: list[str] | None = None, faults: dict[str, str] | None = None) -> dict:
+    """Measure every part (or ``only`` those) on ``device``, each in its own process within its budget, and write the
+    block into ``out`` (a results.json, whose other figures stay as they are) after each part; return the block.
 
+    A part's crash, out-of-memory, sticky CUDA error or overrun costs only that part: it is recorded under ``errors``
+    and the next part starts in a fresh process. ``faults`` (tests): make a part raise, or kill its own process."""
     began = time.perf_counter()
+    block = Block()
     with tempfile.TemporaryDirectory(prefix="astrai-bench-gpu-") as work:
-        bench = Bench(device, Path(work))
-        for name, measure in PARTS.items():
+        make_assets(device, Path(work))
+        for name in PARTS:
             if only is None or name in only:
-                bench.part(name, measure)
-                _write(out, _block(bench, began))  # after every part: a run cut short keeps what it measured
-    return _block(bench, began)
+                block.add(name, *_run_part(name, device, Path(work), (faults or {}).get(name)))
+                _write(out, block.render(began))  # after every part: a run cut short keeps what it measured
+    return block.render(began)
 
 
-def _block(bench: Bench, began: float) -> dict:
+class Block:
+    """The gpu block as the parts report it: every part's figures and samples, errors and wall time."""
+
+    def __init__(self):
+        self.figures = Figures()
+        self.errors: dict[str, str] = {}
+        self.seconds: dict[str, float] = {}
+        self.device = None
+        self.torch = None
+
+    def add(self, name: str, report: dict, seconds: float) -> None:
+        self.figures.update(report.get("figures", {}))
+        self.figures.samples.update(report.get("samples", {}))
+        self.errors.update(report.get("errors", {}))
+        self.device = self.device or report.get("device")
+        self.torch = self.torch or report.get("torch")
+        self.seconds[name] = round(seconds, 1)
+
+    def render(self, began: float) -> dict:
+        return {
+            "device": self.device,
+            "torch": self.torch,
+            "date": time.strftime("%Y-%m-%d"),
+            "seconds": round(time.perf_counter() - began, 1),
+            "part_seconds": self.seconds,
+            "errors": self.errors,
+            **self.figures,
+            "samples": self.figures.samples,
+        }
+
+
+def _run_part(name: str, device: str, work: Path, fault: str | None) -> tuple[dict, float]:
+    """(what the part reported, its wall time): the part run in a fresh process of its own within its budget."""
+    report_file = work / f"part-{name.replace(' ', '-')}.json"
+    command = [sys.executable, "-m", "bench.gpu", "--part", name, "--device", device, "--work", str(work)]
+    command += ["--out", str(report_file)] + (["--fault", f"{name}={fault}"] if fault else [])
+    print(f"== gpu: {name} (budget {BUDGET_S[name]} s)", flush=True)
+    began = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=REPO, timeout=BUDGET_S[name], stderr=subprocess.PIPE, text=True)
+        failure = _exit_failure(done.returncode, done.stderr)
+        sys.stderr.write(done.stderr[-20000:])
+    except subprocess.TimeoutExpired as expired:  # subprocess.run has killed it
+        failure = f"stopped after its budget of {BUDGET_S[name]} s"
+        sys.stderr.write((expired.stderr or b"").decode(errors="replace")[-20000:])
+    seconds = time.perf_counter() - began
+    report = json.loads(report_file.read_text()) if report_file.exists() else {}
+    if failure is not None and name not in report.get("errors", {}):
+        report.setdefault("errors", {})[name] = failure
+    print(f"   {name}: {seconds:.1f} s{'' if failure is None else ' -- ' + failure}", flush=True)
+    return report, seconds
+
+
+def _exit_failure(code: int, stderr: str) -> str | None:
+    """None for a part that exited 0; else what its exit says (a signal's name, or the code and its last line)."""
+    if code == 0:
+        return None
+    if code < 0:
+        return f"its process was killed by {signal.Signals(-code).name}"
+    last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
+    return f"its process exited {code}: {last}"
+
+
+def part_main(name: str, device: str, work: Path, out: Path, fault: str | None) -> int:
+    """One part in this process: its figures, samples and errors into ``out`` (written also when it fails)."""
     import torch
 
-    return {
-        "device": torch.cuda.get_device_name(bench.device) if bench.cuda else "cpu (tiny sizes: a check of the code)",
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "seconds": round(time.perf_counter() - began, 1),
-        "part_seconds": bench.seconds,
-        "errors": bench.errors,
-        **bench.figures,
-        "samples": bench.figures.samples,
-    }
+    bench = Bench(device, work)
+    device_name = torch.cuda.get_device_name(bench.device) if bench.cuda else CPU_DEVICE
+    report = {"device": device_name, "torch": torch.__version__}
+    code = 0
+    try:
+        if fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "raise":
+            raise RuntimeError(f"a fault asked for in {name}")
+        PARTS[name](bench)
+    except Exception as error:  # recorded with what the part measured before it
+        bench.errors[name] = f"{type(error).__name__}: {error}"
+        traceback.print_exc()
+        code = 1
+    report.update(figures=dict(bench.figures), samples=bench.figures.samples, errors=bench.errors)
+    out.write_text(json.dumps(report), encoding="utf-8")
+    return code
+
+
+CPU_DEVICE = "cpu (tiny sizes: a check of the code)"
 
 
 def _write(out: Path, block: dict) -> None:
@@ -791,23 +943,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="the results file to write the gpu block into")
     parser.add_argument("--only", action="append", choices=sorted(PARTS), help="measure only this part (repeatable)")
+    parser.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)  # PART=raise|kill (tests)
+    parser.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--exactness-worker", choices=("default", "deterministic"), help=argparse.SUPPRESS)
+    parser.add_argument("--compile", choices=("auto", "false"), default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--params", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    faults = dict(fault.split("=", 1) for fault in args.fault)
+    if args.part:
+        return part_main(args.part, args.device, args.work, args.out, faults.get(args.part))
     if args.exactness_worker:
         if args.exactness_worker == "deterministic":
             from astrai.trainer.determinism import make_deterministic
 
             make_deterministic()
-        exactness_worker(args.exactness_worker, args.device, args.work, args.params, args.out)
+        exactness_worker(args.exactness_worker, args.compile, args.device, args.work, args.params, args.out)
         return 0
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("invoke bench --gpu: no GPU found (torch sees no CUDA device); nothing measured", flush=True)
         return 0
-    block = run(args.device, args.out, args.only)
+    block = run(args.device, args.out, args.only, faults)
     print(json.dumps({key: value for key, value in block.items() if key != "samples"}, indent=2, sort_keys=True))
     return 0
 

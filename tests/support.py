@@ -119,9 +119,12 @@ def placeholder_checkpoint(
     return folder
 
 
-def transformers_generate(model, prompts: list[list[int]], max_new_tokens: int, eos: int | None = None) -> list:
+def transformers_generate(
+    model, prompts: list[list[int]], max_new_tokens: int, eos: int | None = None, sample: dict | None = None
+) -> list:
     """transformers' greedy ``generate`` of a loaded model on prompts of any lengths (left-padded with 0, with their
-    attention mask): each row's new tokens, up to and with ``eos`` when given (else all ``max_new_tokens``)."""
+    attention mask): each row's new tokens, up to and with ``eos`` when given (else all ``max_new_tokens``);
+    ``sample``: sample instead, with these settings (temperature, top_p, top_k)."""
     import torch
 
     longest = max(len(prompt) for prompt in prompts)
@@ -132,7 +135,8 @@ def transformers_generate(model, prompts: list[list[int]], max_new_tokens: int, 
         attention_mask=mask,
         max_new_tokens=max_new_tokens,
         min_new_tokens=None if eos is not None else max_new_tokens,
-        do_sample=False,
+        do_sample=sample is not None,
+        **(sample or {}),
         eos_token_id=eos,
         pad_token_id=0,
     )

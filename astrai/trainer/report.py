@@ -62,14 +62,21 @@ class ReportError(AstraiError):
 # --- FLOPs and MFU ---------------------------------------------------------------------------------
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets, matched against
-# torch.cuda.get_device_name() in this order, so "H100 PCIe" wins over "H100" and "L40S" over "L4".
+# torch.cuda.get_device_name() in this order, so "H100 NVL" and "H100 PCIe" win over "H100" (the SXM part) and
+# "L40S" over "L4".
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    (r"\bGB200\b", 2500.0),
     (r"\bB200\b", 2250.0),
+    (r"\bB100\b", 1750.0),
     (r"\bGH200\b", 989.0),
+    (r"\bH200\b.*\bNVL\b", 835.0),
     (r"\bH200\b", 989.0),
+    (r"\bH100\b.*\bNVL\b", 835.0),
     (r"\bH100\b.*\bPCIe\b", 756.0),
     (r"\bH100\b", 989.0),
+    (r"\bH800\b.*\bPCIe\b", 756.0),
     (r"\bH800\b", 989.0),
+    (r"\bH20\b", 148.0),
     (r"\bA100\b", 312.0),
     (r"\bA800\b", 312.0),
     (r"\bL40S\b", 362.0),

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from bench import checkpoint_cost, run, trainer_speed
+from bench import checkpoint_cost, gpu, run, trainer_speed
 from bench.common import Figures
 from tests.support import REPO
 
@@ -125,14 +125,45 @@ def test_the_gpu_section_runs_on_a_cpu_at_tiny_sizes(tmp_path):
         "compile_speedup",
         "lora_tokens_per_s_vs_full",
         "lora_peak_mem_vs_full",
+        "chunked_loss_tokens_per_s_vs_plain",
         "generate_vs_transformers",
+        "generate_sampled_vs_transformers",
         "rollout_share",
         "ckpt_save_vs_disk",
         "ckpt_stall_vs_sync",
+        "ckpt_peak_host_mem_vs_state",
         "deterministic_bitwise",
+        "deterministic_bitwise_eager",
         "default_save_max_abs_diff",
     ):
         assert key in block and key in block["samples"], key
     # On a CPU every run is bitwise equal to every other, in either mode.
     assert block["deterministic_bitwise"] is True and block["default_save_max_abs_diff"] == 0.0
     assert block["generate_same_rows"] == 1.0
+    assert set(block["part_seconds"]) == set(gpu.PARTS) and block["device"] == gpu.CPU_DEVICE
+
+
+@pytest.mark.slow
+def test_a_gpu_part_that_raises_or_kills_its_process_costs_only_its_own_figures(tmp_path):
+    """Each part runs in a process of its own: one that raises and one whose process dies (as an out-of-memory kill
+    or a sticky CUDA error would end it) are recorded under errors, and the other part's figures are still written."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "results.json"
+    command = [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--out", str(out)]
+    for part in ("chunked loss", "lora", "checkpoints"):
+        command += ["--only", part]
+    command += ["--fault", "chunked loss=raise", "--fault", "lora=kill"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    block = json.loads(out.read_text())["gpu"]
+    assert block["errors"] == {
+        "chunked loss": "RuntimeError: a fault asked for in chunked loss",
+        "lora": "its process was killed by SIGKILL",
+    }
+    for key in ("ckpt_save_vs_disk", "ckpt_stall_vs_sync", "ckpt_peak_host_mem_vs_state"):
+        assert key in block and key in block["samples"], key
+    assert not any(key.startswith(("lora_", "chunked_loss_")) for key in block)
+    assert set(block["part_seconds"]) == {"chunked loss", "lora", "checkpoints"}
