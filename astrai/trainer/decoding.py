@@ -172,6 +172,8 @@ class DecodeEngine:
         config = self.inner.config
         limit = min(config.max_seq_len, config.sliding_window or config.max_seq_len)
         draws, needed = checked_round(prompts, sampling, draws, limit)
+        if sampling.temperature == 0:  # nothing is drawn: any row may go in any part
+            draws = [Draws(1) for _ in prompts]
         capacity = decode_capacity(max(len(prompt) for prompt in prompts), sampling.max_new_tokens, limit)
         if self.capacity is not None and needed <= self.capacity:
             capacity = self.capacity  # the run's largest: one step per batch size serves every call

@@ -92,6 +92,11 @@ def test_groups_of_rows_draw_from_their_own_generators_and_a_split_in_parts_chan
     assert len(engine._steps) == 1
     with pytest.raises(MemoryError, match="a group of 2 rows drawn by one generator does not fit a part of 1 rows"):
         DecodeEngine(model, rows_per_part=1).generate(prompts, sampling, draws=draws())
+    # Greedy draws nothing: its rows go in parts of any size.
+    greedy = Sampling(6)
+    assert DecodeEngine(model, rows_per_part=1).generate(prompts, greedy) == DecodeEngine(model).generate(
+        prompts, greedy
+    )
     # A cache that does not fit what the device has free now is refused, naming the keys that shrink it.
     monkeypatch.setattr(decoding, "free_memory", lambda device: 1000)
     with pytest.raises(MemoryError, match="does not fit the 0.00 GiB free on cpu; lower batch_per_device"):
