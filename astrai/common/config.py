@@ -37,11 +37,11 @@ from astrai.common.contract import (
     TRACKER_WANDB,
     container_job_dir,
 )
-from astrai.common.data_folder import TRAIN_TYPES
 from astrai.common.model_folder import ADAPTER_TARGETS
 from astrai.common.reward_specs import RewardSpec, parse_rewards
 from astrai.common.safetensors_file import DTYPE_ALIASES
-from astrai.common.settings import MIN_TEMPERATURE, GRPOSettings, LoRASettings, Sampling, SettingError
+from astrai.common.settings import GRPOSettings, LoRASettings, Sampling, SettingError
+from astrai.common.train_types import TRAIN_TYPES, TYPE_KEYS, TrainType
 
 HOST_SECTION = "runtime"
 """The section the host reads (astrai/host/runtime.py); the trainer ignores it."""
@@ -178,10 +178,6 @@ SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
 OVERLONG = ("truncate", "drop")
 DPO_REFERENCES = ("precomputed", "live")
-ONLINE_TRAIN_TYPES = ("online_grpo", "online_dpo")
-"""The train types that sample completions of prompts and score them with training.rewards."""
-REWARD_TRAIN_TYPES = ("grpo", *ONLINE_TRAIN_TYPES)
-"""The train types that learn from rewards (no validation loss to hold data out for)."""
 LORA_BASE_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -343,44 +339,24 @@ class TrainingSection:
         _check(self.device in DEVICES, "training.device", self.device, " | ".join(DEVICES))
 
     def _check_online(self) -> None:
-        """The sampling and GRPO settings (checked by building them), after the limits of this train type, so that
-        the first message about a key states the limit that applies."""
-        online = self.train_type in ONLINE_TRAIN_TYPES
-        _check(
-            not online or self.temperature >= MIN_TEMPERATURE,
-            "training.temperature",
-            self.temperature,
-            f"a number >= {MIN_TEMPERATURE:g} with train_type {self.train_type} (greedy sampling, 0, gives every "
-            "completion of a prompt the same tokens)",
-        )
-        _check(
-            self.train_type != "online_grpo" or self.num_generations >= 2,
-            "training.num_generations",
-            self.num_generations,
-            "an integer >= 2 with train_type online_grpo (a group's advantages are each completion's reward against "
-            "the others')",
-        )
+        """The train type's limits on the shared keys, then the sampling and GRPO settings (checked by building them),
+        so that the first message about a key states the limit that applies."""
+        for key, value, allowed in self.kind.problems(self):
+            _check(False, f"training.{key}", value, allowed)
         _check(self.num_generations >= 1, "training.num_generations", self.num_generations, "an integer >= 1")
         _check(self.reward_timeout > 0, "training.reward_timeout", self.reward_timeout, "a number of seconds > 0")
         _settings(self.sampling)
         _settings(self.grpo)
-        _check(
-            self.train_type != "online_dpo" or self.num_iterations == 1,
-            "training.num_iterations",
-            self.num_iterations,
-            "1 with online_dpo (each step ranks new completions)",
-        )
-        _check(
-            self.train_type != "online_dpo" or not self.mask_truncated_completions,
-            "training.mask_truncated_completions",
-            self.mask_truncated_completions,
-            "false with online_dpo (a pair is ranked by its completions' rewards, cut or not)",
-        )
-        if online and not self.rewards:
+        if self.kind.online and not self.rewards:
             raise ConfigError(
                 f"training.rewards: training.train_type {self.train_type} scores completions with reward functions; "
                 "list at least one, such as [astrai.rewards:exact_answer] or ['/data/my_rewards.py:brevity']"
             )
+
+    @property
+    def kind(self) -> TrainType:
+        """The train type's entry (astrai.common.train_types)."""
+        return TRAIN_TYPES[self.train_type]
 
     def sampling(self) -> Sampling:
         """How the online types sample their completions."""
@@ -407,39 +383,11 @@ def _settings(build) -> None:
         raise ConfigError(error.under("training.", Sampling.CONFIG_KEYS)) from None
 
 
-REWARD_KEYS = {
-    "grpo": ("grpo_epsilon", "grpo_epsilon_high", "grpo_beta", "grpo_loss", "scale_rewards", "num_iterations"),
-    "online_grpo": (
-        "rewards",
-        "reward_timeout",
-        "num_generations",
-        "max_completion_length",
-        "mask_truncated_completions",
-        "temperature",
-        "top_p",
-        "top_k",
-        "grpo_epsilon",
-        "grpo_epsilon_high",
-        "grpo_beta",
-        "grpo_loss",
-        "scale_rewards",
-        "num_iterations",
-    ),
-    "online_dpo": ("rewards", "reward_timeout", "max_completion_length", "temperature", "top_p", "top_k", "dpo_beta"),
-}
-"""The training keys that shape a step of each type that learns from rewards (recorded in every checkpoint)."""
-
-
-TYPE_KEYS = {"seq": (), "sft": (), "dpo": ("dpo_beta", "dpo_reference"), **REWARD_KEYS}
-"""The training keys that only some train types use: each type's own."""
-
-
 def ignored_keys(training: TrainingSection) -> list[str]:
     """The training keys set (away from their defaults) that ``training.train_type`` does not use."""
-    used = set(TYPE_KEYS.get(training.train_type, ()))
-    every = {key for keys in TYPE_KEYS.values() for key in keys}
+    used = set(training.kind.keys)
     default = TrainingSection()
-    return sorted(key for key in every - used if getattr(training, key) != getattr(default, key))
+    return sorted(key for key in TYPE_KEYS if key not in used and getattr(training, key) != getattr(default, key))
 
 
 def ignored_keys_note(training: TrainingSection) -> str | None:
@@ -450,17 +398,6 @@ def ignored_keys_note(training: TrainingSection) -> str | None:
     keys = ", ".join(f"training.{key}" for key in ignored)
     left = "they are" if len(ignored) > 1 else "it is"
     return f"train_type {training.train_type} does not use {keys}; {left} left as set"
-
-
-def reward_settings(training: TrainingSection) -> dict | None:
-    """What checkpoints record of a reward type's settings (None for the other types), in plain JSON values."""
-    keys = REWARD_KEYS.get(training.train_type)
-    if keys is None:
-        return None
-    values = {key: getattr(training, key) for key in keys}
-    if "rewards" in values:
-        values["rewards"] = [f"{spec.function} x{spec.weight:g}" for spec in training.rewards]
-    return values
 
 
 def resolve_grad_accum_steps(training: TrainingSection, world_size: int) -> int:
@@ -597,12 +534,12 @@ class TrainerConfig:
     log: LogSection = field(default_factory=LogSection)
 
     def __post_init__(self) -> None:
-        if self.data.sources is not None and self.training.train_type != "seq":
+        if self.data.sources is not None and not self.training.kind.mixtures:
             raise ConfigError(
                 f"data.sources: mixtures are for pre-training data; training.train_type {self.training.train_type} "
                 "trains on one data folder (data_root_path)"
             )
-        if self.training.train_type in REWARD_TRAIN_TYPES and self.data.val_fraction > 0:
+        if self.training.kind.learns_from_rewards and self.data.val_fraction > 0:
             raise ConfigError(
                 f"data.val_fraction: training.train_type {self.training.train_type} has no validation loss to hold "
                 "prompts out for; set it to 0 (the rewards in metrics.jsonl say how training goes)"

@@ -19,6 +19,7 @@ import json
 import mmap
 import sys
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,21 +42,52 @@ class DataError(AstraiError):
     """A data folder that cannot be trained on; the message says what to do."""
 
 
-KINDS = ("seq", "sft", "dpo", "prompts", "grpo")
+@dataclass(frozen=True)
+class DataKind:
+    """What a data folder holds (``prepare --kind``): its name, what it holds and counts, and what a run trains on."""
+
+    name: str
+    holds: str
+    """What the folder holds, as messages say it."""
+    counts: str
+    """What `prepare` and `info` count of it (documents, records, pairs, prompts, groups)."""
+    fields: bool = False
+    """Each record's fields are kept beside its shard (what reward functions receive)."""
+    units: Callable[[TokenData, int, str], object] | None = None
+    """What a run trains on at a window (data, window, overlong): packed windows, pairs, a count of prompts; None
+    where the trainer reads windows of the token stream (seq) or the model decides (prompts)."""
+
+
+def _documents(data: TokenData, window: int, overlong: str) -> int:
+    return data.documents or 0
+
+
+def _packed(data: TokenData, window: int, overlong: str) -> Packing:
+    return _supervised_units(data, window, overlong, pairs=False)
+
+
+def _paired(data: TokenData, window: int, overlong: str) -> Pairs:
+    return _supervised_units(data, window, overlong, pairs=True)
+
+
+DATA_KINDS: dict[str, DataKind] = {
+    kind.name: kind
+    for kind in (
+        DataKind("seq", "pre-training text", "documents"),
+        DataKind("sft", "SFT examples", "records", units=_packed),
+        DataKind("dpo", "DPO pairs", "pairs", units=_paired),
+        DataKind("prompts", "prompts", "prompts", fields=True),
+        DataKind("grpo", "scored completions", "groups", fields=True, units=_documents),
+    )
+}
 """What a data folder holds: a token stream (pre-training), supervised sequences (SFT), pairs of them (DPO), or
 prompts with their records' other fields (what the online train types sample completions for), or prompts with
 completions scored elsewhere (offline GRPO: each completion a sequence, its reward beside it)."""
+KINDS = tuple(DATA_KINDS)
 
-KIND_OF_TRAIN_TYPE = {
-    "seq": "seq",
-    "sft": "sft",
-    "dpo": "dpo",
-    "grpo": "grpo",
-    "online_grpo": "prompts",
-    "online_dpo": "prompts",
-}
-"""The kind of data folder each ``training.train_type`` trains on."""
-TRAIN_TYPES = tuple(KIND_OF_TRAIN_TYPE)
+
+def data_kind(name: str) -> DataKind:
+    return DATA_KINDS[name]
 
 
 def mask_file_name(shard: str) -> str:
@@ -349,7 +381,7 @@ class TokenData:
                     found = path.stat().st_size if path.is_file() else None
                     if found != size:
                         raise DataError(f"{path}: expected {size} bytes, found {found}; {how}")
-        if data.kind in ("prompts", "grpo"):
+        if DATA_KINDS[data.kind].fields:
             for index in range(len(data.shard_files)):
                 if not data.fields_file(index).is_file():
                     raise DataError(f"{data.fields_file(index)}: missing (the manifest lists it); {how}")
@@ -363,22 +395,15 @@ class TokenData:
             lengths.byteswap()
         return lengths.tolist()
 
-    def check_kind(self, train_type: str, tokenizer_hint: str = "--tokenizer MODEL") -> None:
-        """Refuse data of another kind than the training type, naming the command that prepares the right one."""
-        kind = KIND_OF_TRAIN_TYPE[train_type]
+    def check_kind(self, kind: str, train_type: str, tokenizer_hint: str = "--tokenizer MODEL") -> None:
+        """Refuse data of another kind than ``kind``, which ``train_type`` trains on, naming the command that prepares
+        the right one."""
         if self.kind == kind:
             return
-        flag = "" if kind == "seq" else f" --kind {kind}"
-        holds = {
-            "seq": "pre-training text",
-            "sft": "SFT examples",
-            "dpo": "DPO pairs",
-            "prompts": "prompts",
-            "grpo": "scored completions",
-        }
+        flag = "" if kind == KINDS[0] else f" --kind {kind}"
         raise DataError(
-            f"data folder {self.root} holds {holds[self.kind]} (kind {self.kind}) but training.train_type is "
-            f"{train_type}; prepare it with `python -m astrai.data prepare{flag} {tokenizer_hint} --out DIR FILE...`"
+            f"data folder {self.root} holds {DATA_KINDS[self.kind].holds} (kind {self.kind}) but training.train_type "
+            f"is {train_type}; prepare it with `python -m astrai.data prepare{flag} {tokenizer_hint} --out DIR FILE...`"
         )
 
     def fingerprint(self) -> str:
@@ -564,7 +589,7 @@ def prompt_units(lengths: list[int], limit: int, overlong: str) -> PromptUnits:
     return PromptUnits(records, takes, truncated, dropped)
 
 
-def training_units(data: TokenData, train_type: str, window: int, overlong: str) -> Packing | Pairs:
+def _supervised_units(data: TokenData, window: int, overlong: str, pairs: bool) -> Packing | Pairs:
     """What a post-training folder trains on at ``window``: SFT sequences packed into windows, or DPO pairs.
 
     A record the window would cut to its prompt alone is left out (it would train on nothing); when that
@@ -573,14 +598,14 @@ def training_units(data: TokenData, train_type: str, window: int, overlong: str)
     per_shard = [data.sequence_lengths(shard) for shard in range(len(data.shard_files))]
     lengths = [length for shard in per_shard for length in shard]
     with _Masks(data, per_shard) as masks:
-        if train_type == "sft":
+        if not pairs:
             units = pack(lengths, window, overlong, masks.supervised)
             records = len(lengths)
         else:
             units = pair_up(lengths, window, overlong, masks.supervised)
             records = len(lengths) // 2
         if units.unsupervised and (not len(units) or 2 * units.unsupervised > records):
-            what = "records" if train_type == "sft" else "pairs"
+            what = "pairs" if pairs else "records"
             raise DataError(
                 f"{data.root}: data.window_size {window} cuts {units.unsupervised:,} of {records:,} {what} before "
                 f"their first supervised token (their prompts are longer than the window): they would train on "

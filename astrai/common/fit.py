@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.checkpoints import CheckpointMeta
-from astrai.common.config import ONLINE_TRAIN_TYPES, reward_settings
 from astrai.common.contract import MODEL_CONFIG_FILE, TOKENIZER_FILE
-from astrai.common.data_folder import TokenData, WindowSplit, prompt_units, tokenizer_digest, training_units
+from astrai.common.data_folder import TokenData, WindowSplit, data_kind, prompt_units, tokenizer_digest
 from astrai.common.errors import AstraiError
 from astrai.common.model_folder import EXPERT_ADAPTERS, ModelConfig, adapted_modules, check_window
 from astrai.common.settings import LoRASettings
@@ -194,7 +193,7 @@ def check_resume(
     held, wanted = (meta.lora or {}).get("base_dtype", "float32"), base_dtype or training.lora_base_dtype
     if meta.lora is not None and wanted != "auto" and held != wanted:
         notes.append(f"lora_base_dtype {held} -> {wanted} since {folder.name}: the frozen base is held differently")
-    now = reward_settings(training) or {}
+    now = training.kind.recorded_settings(training) or {}
     for key, before in (meta.rewards or {}).items():
         if key in now and now[key] != before:
             notes.append(f"training.{key} {_shown(before)} -> {_shown(now[key])} since {folder.name}")
@@ -270,17 +269,15 @@ def start_checks(config, batch: BatchShape, datas: list[TokenData], model: Model
     """Every refusal the trainer makes at its start from the config, the data and the model folders alone, made the
     same way for `invoke preflight` and `--dry-run` (SetupError): the tokenizer, the prompts' room, the LoRA targets,
     and each data folder's fit (check_fit)."""
-    training, kind, window = config.training, config.training.train_type, config.data.window_size
+    training, window = config.training, config.data.window_size
     check_model_tokenizer(datas[0], model_source)
     check_lora_targets(model, training)
     units = None
-    if kind in ONLINE_TRAIN_TYPES:
+    if training.kind.online:
         lengths = [length for shard in range(len(datas[0].shard_files)) for length in datas[0].sequence_lengths(shard)]
         window, units = 1, fit_prompts(datas[0], lengths, model, training, config.data.overlong, model_source)
-    elif kind == "grpo":
-        units = datas[0].documents or 0
-    elif kind != "seq":
-        units = training_units(datas[0], kind, window, config.data.overlong)
+    elif (count_units := data_kind(training.kind.data_kind).units) is not None:
+        units = count_units(datas[0], window, config.data.overlong)
     mixed, count = config.data.sources is not None, None if units is None else _count(units)
     splits = [
         check_fit(data, model, model_source, window, config.data.val_fraction, batch, repeated=mixed, units=count)

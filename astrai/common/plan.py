@@ -13,16 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.backends import BACKEND_TRANSFORMERS, describe_backend, folder_model_type, resolve_backend
-from astrai.common.config import ONLINE_TRAIN_TYPES, TrainerConfig, resolve_grad_accum_steps
+from astrai.common.config import TrainerConfig, resolve_grad_accum_steps
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import CKPT_FORMAT_FULL, CKPT_FORMAT_LORA, CKPT_FORMAT_SHARDED, resolve_parallel_mode
 from astrai.common.fit import BatchShape
 from astrai.common.memory import GenerationCache, generation_cache, training_state_bytes
 from astrai.common.model_folder import ADAPTER_TARGETS, num_adapter_parameters, num_parameters
 from astrai.common.settings import GRPOSettings, LoRASettings, Sampling
-
-ONLINE_DPO_GENERATIONS = 2
-"""online_dpo samples two completions of each prompt and ranks them."""
+from astrai.common.train_types import TRAIN_TYPES, TrainType
 
 
 @dataclass(frozen=True)
@@ -83,9 +81,14 @@ class RunPlan:
         return self.batch.global_batch
 
     @property
+    def kind(self) -> TrainType:
+        """The train type's entry (astrai.common.train_types)."""
+        return TRAIN_TYPES[self.train_type]
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens of a step of the window-based types (DPO trains each pair as two rows)."""
-        return self.global_batch * self.window_size * (2 if self.train_type == "dpo" else 1)
+        return self.global_batch * self.window_size * self.kind.rows_per_unit
 
     @property
     def rollout_rows(self) -> int:
@@ -151,9 +154,7 @@ class RunPlan:
         return lines
 
     def _unit(self) -> str:
-        if self.train_type in (*ONLINE_TRAIN_TYPES, "grpo"):
-            return "prompts"
-        return "pairs" if self.train_type == "dpo" else "sequences"
+        return self.kind.unit
 
 
 def resolve_plan(
@@ -187,10 +188,7 @@ def resolve_plan(
         )
     batch = BatchShape(training.batch_per_device, resolve_grad_accum_steps(training, world_size), world_size)
     lora = LoRASettings.of(training)
-    online = training.train_type in ONLINE_TRAIN_TYPES
-    generations = None
-    if online:
-        generations = ONLINE_DPO_GENERATIONS if training.train_type == "online_dpo" else training.num_generations
+    kind = training.kind
     return RunPlan(
         train_type=training.train_type,
         device_type=device_type,
@@ -201,9 +199,9 @@ def resolve_plan(
         lora=lora,
         base_dtype=None if lora is None else lora_base_dtype(training.lora_base_dtype, device_type),
         ckpt_format=CKPT_FORMAT_LORA if lora is not None else ckpt_format(config.ckpt.format, mode),
-        generations=generations,
-        sampling=training.sampling() if online else None,
-        grpo=training.grpo() if training.train_type in ("online_grpo", "grpo") else None,
+        generations=kind.completions_per_prompt(training),
+        sampling=training.sampling() if kind.online else None,
+        grpo=training.grpo() if kind.grpo_settings else None,
         autocast="bfloat16" if device_type == "cuda" else None,
         # The transformers path runs eagerly: its blocks are the library's, not ours to compile.
         compile=backend != BACKEND_TRANSFORMERS

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from astrai.common.contract import DATA_MANIFEST_FILE, TOKENIZER_FILES
 from astrai.common.data_folder import (
+    DATA_KINDS,
     DTYPES,
     KINDS,
     SHARD_PATTERN,
@@ -185,7 +186,6 @@ def prepare(
     return manifest
 
 
-FIELD_KINDS = ("prompts", "grpo")
 """The kinds that keep a line of text and fields beside each sequence (a fields file per shard)."""
 
 
@@ -204,7 +204,7 @@ def _prepare_into(
     chosen = tokenizer or ByteTokenizer()
     dtype = token_dtype(chosen.vocab_size)
     group = {"seq": 0, "dpo": 2}.get(kind, 1)
-    shards = _ShardWriter(staging, shard_tokens, DTYPES[dtype], group, fields=kind in FIELD_KINDS)
+    shards = _ShardWriter(staging, shard_tokens, DTYPES[dtype], group, fields=DATA_KINDS[kind].fields)
     stats = [SourceEntry(source.name, source.size) for source in sources]
     checksums = _Checksums(sources)
     meter = _Progress(total_bytes(sources)) if progress else None
@@ -435,7 +435,7 @@ def _run_records(piece: Piece) -> PieceResult:
     out = _WORKER["staging"] / f".piece-{piece.index:09d}.bin"
     records = skipped = tokens = 0
     first_bad = None
-    with_fields = encoder.kind in FIELD_KINDS
+    with_fields = DATA_KINDS[encoder.kind].fields
     with (
         open(out, "wb") as ids_file,
         open(_mask_of(out), "wb") as mask_file,
@@ -714,7 +714,6 @@ def _supervised(folder: Path) -> int:
     return sum(data.mask_file(shard).read_bytes().count(1) for shard in range(len(data.shard_files)))
 
 
-UNIT_OF_KIND = {"seq": "documents", "sft": "records", "dpo": "pairs", "prompts": "prompts", "grpo": "groups"}
 """What one of a data folder's "documents" is, by its kind."""
 
 
@@ -725,7 +724,7 @@ def describe_folder(folder: Path) -> str:
     documents = manifest.documents
     lines = [
         f"{folder}: {data.num_tokens:,} tokens"
-        + (f" in {documents:,} {UNIT_OF_KIND[data.kind]}" if isinstance(documents, int) else "")
+        + (f" in {documents:,} {DATA_KINDS[data.kind].counts}" if isinstance(documents, int) else "")
         + f", {len(data.shard_files)} shard(s) of {data.dtype}",
         f"tokenizer   {data.tokenizer_description}, vocabulary {data.vocab_size}, end of text "
         f"{manifest.end_of_text_shown!r}",

@@ -35,7 +35,7 @@ from astrai.common.checkpoints import (
     remove_job_entry,
     scan_job_dir,
 )
-from astrai.common.config import ONLINE_TRAIN_TYPES, TrainerConfig
+from astrai.common.config import TrainerConfig
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import METRIC_TIME, METRICS_FILE
 from astrai.common.errors import AstraiError
@@ -223,7 +223,7 @@ def start_lock(runtime: Runtime, *, wait: bool = False):
 def _check_rewards_in_image(runtime: Runtime, trainer_args: list[str]) -> None:
     """The reward functions imported in the image just built, before the trainer's container starts."""
     config = check_trainer_config(runtime, trainer_args)
-    if config.training.train_type not in ONLINE_TRAIN_TYPES or not config.training.rewards:
+    if not config.training.kind.online or not config.training.rewards:
         return
     failures = import_in_image(runtime, config.training.rewards)
     if failures:

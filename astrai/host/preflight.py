@@ -29,7 +29,7 @@ from astrai.common.backends import (
     resolve_backend,
 )
 from astrai.common.checkpoints import estimate_checkpoint_bytes, folder_bytes, latest_complete_checkpoint
-from astrai.common.config import ONLINE_TRAIN_TYPES, REWARD_TRAIN_TYPES, TrainerConfig, ignored_keys_note
+from astrai.common.config import TrainerConfig, ignored_keys_note
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import (
     CKPT_FORMAT_LORA,
@@ -108,7 +108,7 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = (), *, this_host: boo
         latest = _latest_checkpoint(runtime)
         if latest is not None and config is not None and data is not None:
             checks.append(_resume_check(runtime, latest, config, data))
-        if config is not None and config.training.train_type == "dpo":
+        if config is not None and config.training.kind.reference:
             checks.append(_reference_check(runtime, config, model, data))
         if config is not None:
             checks += tracker_checks(runtime, config)
@@ -210,7 +210,9 @@ def _data_check(runtime: Runtime, config: TrainerConfig | None) -> tuple[list[To
         try:
             data = TokenData.open(folder)
             if config is not None:
-                data.check_kind(config.training.train_type, tokenizer_hint(runtime.model_dir))
+                data.check_kind(
+                    config.training.kind.data_kind, config.training.train_type, tokenizer_hint(runtime.model_dir)
+                )
             datas.append(data)
         except DataError as error:
             return None, Check(
@@ -374,7 +376,7 @@ def _fit_check(
     try:
         plan = container_plan(runtime, config)
         world, batch = plan.batch.world_size, plan.batch
-        window, kind = config.data.window_size, training.train_type
+        window, kind = config.data.window_size, training.kind
         found = start_checks(config, batch, datas, *model)
         splits, units = found.splits, found.units
     except (SetupError, ModelLoadError, ConfigError, DataError) as error:
@@ -382,20 +384,13 @@ def _fit_check(
     counted = "" if runtime.world_size is not None else " (world size from nvidia-smi)"
     windows = sum(split.num_train for split in splits)
     steps = "" if mixture else f", {windows // batch.global_batch:,} steps per epoch"
-    what = {
-        "seq": f"windows of {window}+1 tokens",
-        "sft": f"packed windows of {window}",
-        "dpo": "pairs",
-        "online_grpo": "prompts",
-        "online_dpo": "prompts",
-        "grpo": "prompts with their scored completions",
-    }[kind]
+    what = kind.trains_on.format(window=window)
     detail = (
         ""
-        if units is None or kind in REWARD_TRAIN_TYPES
+        if units is None or kind.learns_from_rewards
         else f" ({describe_units(units, sum(datas[0].record_counts), window, config.data.overlong)})"
     )
-    if kind in ONLINE_TRAIN_TYPES:
+    if kind.online:
         left = units.truncated if config.data.overlong == "truncate" else units.dropped
         room = f"{left:,} longer than the room max_completion_length leaves: {config.data.overlong}"
         detail = f" ({room})" if left else ""
@@ -475,20 +470,27 @@ def _resume_check(runtime: Runtime, latest, config: TrainerConfig, datas: list[T
 def _reference_check(
     runtime: Runtime, config: TrainerConfig, model: tuple[ModelConfig, Path] | None, datas: list[TokenData] | None
 ) -> Check:
-    """DPO's frozen reference model: readable, with the vocabulary of the model it trains and the data's tokenizer."""
+    """The frozen reference model a train type scores against (DPO's): readable, with the vocabulary of the model it
+    trains and the data's tokenizer."""
     container = config.ckpt.reference_path or config.ckpt.param_path
     folder = host_path(runtime, container) or runtime.model_dir
     key = "ckpt.reference_path" if config.ckpt.reference_path else "ckpt.param_path (the reference by default)"
+    name = f"{config.training.train_type} reference"
     try:
         reference = load_model_config(folder)
         if isinstance(reference, ModelConfig):
             inspect_weights(folder, reference)
     except ModelLoadError as error:
-        return Check(FAIL, "dpo reference", f"{key}: {error}", "point it at a model folder (config.json + weights)")
+        return Check(
+            FAIL,
+            name,
+            f"{key}: {error}",
+            "point it at a model folder (config.json + weights)",
+        )
     if model is not None and reference.vocab_size != model[0].vocab_size:
         return Check(
             FAIL,
-            "dpo reference",
+            name,
             f"{key}: {folder} has a vocabulary of {reference.vocab_size}, the trained model {model[0].vocab_size}: "
             "the reference must score the same tokens",
         )
@@ -496,8 +498,8 @@ def _reference_check(
         try:
             check_model_tokenizer(datas[0], folder)
         except (SetupError, DataError) as error:
-            return Check(FAIL, "dpo reference", f"{key}: {error}")
-    return Check(PASS, "dpo reference", f"{folder}, frozen, beta {config.training.dpo_beta}")
+            return Check(FAIL, name, f"{key}: {error}")
+    return Check(PASS, name, f"{folder}, frozen, beta {config.training.dpo_beta}")
 
 
 def _visible_gpus() -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import PurePosixPath
 
-from astrai.common.config import ONLINE_TRAIN_TYPES, TrainerConfig
+from astrai.common.config import TrainerConfig
 from astrai.common.reward_specs import RewardSpec
 from astrai.host import compose, engine
 from astrai.host.checklist import FAIL, PASS, SKIP, Check
@@ -44,7 +44,7 @@ print(json.dumps(found))
 def reward_checks(runtime: Runtime, config: TrainerConfig) -> list[Check]:
     """The rewards' lines of the checklist (none for a train type that takes no reward functions)."""
     specs = config.training.rewards
-    if config.training.train_type not in ONLINE_TRAIN_TYPES or not specs:
+    if not config.training.kind.online or not specs:
         return []
     problems = [problem for spec in specs if (problem := file_problem(runtime, spec)) is not None]
     if problems:

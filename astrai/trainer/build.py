@@ -19,15 +19,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from astrai.common.backends import BACKEND_TRANSFORMERS
-from astrai.common.config import (
-    ONLINE_TRAIN_TYPES,
-    REWARD_TRAIN_TYPES,
-    TrainerConfig,
-    ignored_keys_note,
-    reward_settings,
-)
+from astrai.common.config import TrainerConfig, ignored_keys_note
 from astrai.common.contract import GENERATION_CONFIG_FILE, TOKENIZER_FILE
-from astrai.common.data_folder import DataError, TokenData, data_digest, describe_units, training_units
+from astrai.common.data_folder import DataError, TokenData, WindowSplit, data_digest, data_kind, describe_units
 from astrai.common.fit import (
     BatchShape,
     SetupError,
@@ -242,28 +236,45 @@ class Records:
 def post_training_records(
     config: TrainerConfig, plan: RunPlan, data: RunData, log: Log, model: ModelConfig
 ) -> Records | None:
-    train_type, window = config.training.train_type, config.data.window_size
+    """What the run trains on besides the token stream (its train type's records: packed windows, pairs, prompts),
+    after checking that every data folder is of the kind the type trains on."""
+    kind = config.training.kind
     for folder in data.datas:
-        folder.check_kind(train_type, tokenizer_hint(Path(config.ckpt.param_path)))
-    if train_type == "seq":
-        return None
+        folder.check_kind(kind.data_kind, kind.name, tokenizer_hint(Path(config.ckpt.param_path)))
+    return TRAINER_TYPES[kind.name].records(config, plan, data, log, model)
+
+
+def _no_records(config: TrainerConfig, plan: RunPlan, data: RunData, log: Log, model: ModelConfig) -> None:
+    return None
+
+
+def _supervised_records(config: TrainerConfig, plan: RunPlan, data: RunData, log: Log, model: ModelConfig):
+    """SFT's packed windows, DPO's pairs: the data kind's units at the window."""
+    window, overlong = config.data.window_size, config.data.overlong
     index = RecordIndex(data.first)
-    overlong = config.data.overlong
-    if train_type in ONLINE_TRAIN_TYPES:
-        return Records(index, _prompt_units(config, plan, index, log, model))
-    if train_type == "grpo":
-        groups = ScoredGroups(data.first, index, config.data.window_size, overlong)
-        how = f"{groups.truncated:,} cut to it" if overlong == "truncate" else "their groups left out"
-        log(
-            f"grpo: {len(groups):,} prompts x {groups.size} scored completions ({groups.dropped:,} prompts left out); "
-            f"completions longer than data.window_size {config.data.window_size} with their prompt: {how}"
-        )
-        if not len(groups):
-            raise DataError(f"{data.first.root}: no prompt is left to train on; raise data.window_size")
-        return Records(index, groups)
-    units = training_units(data.first, train_type, window, overlong)
-    log(f"{train_type}: {describe_units(units, len(index), window, overlong)}")
+    units = data_kind(data.first.kind).units(data.first, window, overlong)
+    log(f"{config.training.train_type}: {describe_units(units, len(index), window, overlong)}")
     return Records(index, units)
+
+
+def _scored_records(config: TrainerConfig, plan: RunPlan, data: RunData, log: Log, model: ModelConfig):
+    """grpo's prompts with the completions and rewards the data gives."""
+    index, overlong = RecordIndex(data.first), config.data.overlong
+    groups = ScoredGroups(data.first, index, config.data.window_size, overlong)
+    how = f"{groups.truncated:,} cut to it" if overlong == "truncate" else "their groups left out"
+    log(
+        f"{config.training.train_type}: {len(groups):,} prompts x {groups.size} scored completions "
+        f"({groups.dropped:,} prompts left out); completions longer than data.window_size {config.data.window_size} "
+        f"with their prompt: {how}"
+    )
+    if not len(groups):
+        raise DataError(f"{data.first.root}: no prompt is left to train on; raise data.window_size")
+    return Records(index, groups)
+
+
+def _prompt_records(config: TrainerConfig, plan: RunPlan, data: RunData, log: Log, model: ModelConfig):
+    index = RecordIndex(data.first)
+    return Records(index, _prompt_units(config, plan, index, log, model))
 
 
 def _prompt_units(config: TrainerConfig, plan: RunPlan, index: RecordIndex, log: Log, model: ModelConfig):
@@ -302,14 +313,14 @@ def build_feed(
     mixed = bool(config.data.sources)
     fraction = config.data.val_fraction
     units = len(records.units) if records is not None else None
-    if training.train_type in ONLINE_TRAIN_TYPES:
+    if training.kind.online:
         window = 1  # prompts are not windows: their room in the model's context was checked with them
     splits = [
         check_fit(folder, start.model_config, start.source, window, fraction, batch, repeated=mixed, units=units)
         for folder in data.datas
     ]
     per_rank = (training.batch_per_device, batch.grad_accum, env.rank, env.world_size)
-    if mixed and training.train_type == "seq":
+    if mixed:  # a mixture of pre-training folders (the config allows it for such types only)
         weights = [source.weight for source in config.data.sources]
         mixture = MixtureOrder([split.num_train for split in splits], weights, training.random_seed)
         dataset = MixtureDataset(data.datas, window, splits)
@@ -320,13 +331,7 @@ def build_feed(
             for held_out in split.eval_windows(max(1, config.log.eval_max_windows // len(splits)))
         ]
         return Feed(dataset, sampler, eval_windows, mixture, splits)
-    if records is None:
-        dataset = WindowDataset(data.first, window, splits[0])
-    elif training.train_type in REWARD_TRAIN_TYPES:
-        dataset = PromptSet(records.units, splits[0])
-    else:
-        make = PackedSFT if training.train_type == "sft" else DPOPairs
-        dataset = make(records.index, records.units, window, splits[0])
+    dataset = TRAINER_TYPES[training.train_type].dataset(data, records, window, splits[0])
     sampler = WindowBatchSampler(splits[0].num_train, *per_rank, training.random_seed)
     return Feed(dataset, sampler, splits[0].eval_windows(config.log.eval_max_windows), None, splits)
 
@@ -418,26 +423,47 @@ ObjectiveBuilder = Callable[[RunParts], BuiltObjective]
 
 
 def build_objective(parts: RunParts) -> BuiltObjective:
-    """The objective ``training.train_type`` names, with what it needs (a reference, a rollout source)."""
-    env, plan, training = parts.env, parts.plan, parts.config.training
-    note = ignored_keys_note(training)
+    """The objective ``training.train_type`` names (its entry of :data:`TRAINER_TYPES`), with what it needs (a
+    reference, a rollout source)."""
+    note = ignored_keys_note(parts.config.training)
     if note is not None:
         parts.log(f"note: {note}")
-    if plan.train_type == "seq":
-        return BuiltObjective(NextToken(env))
-    if plan.train_type == "sft":
-        return BuiltObjective(Supervised(env))
-    if plan.train_type == "dpo":
-        reference, recorded = _dpo_reference(parts)
-        return BuiltObjective(Preference(env, reference, training.dpo_beta), recorded)
-    if plan.train_type == "online_dpo":
-        source = sampled_rollouts(parts)
-        reference, recorded = starting_model(parts)
-        parts.log(f"online_dpo: two completions a prompt, the higher-scored chosen, DPO beta {training.dpo_beta:g}")
-        autocast, log = autocast_for(plan), completions_log(parts)
-        objective = OnlineDPO(env, source, training.dpo_beta, reference, autocast, log, parts.log)
-        return BuiltObjective(objective, recorded)
-    source = given_rollouts(parts) if plan.train_type == "grpo" else sampled_rollouts(parts)
+    return TRAINER_TYPES[parts.plan.train_type].objective(parts)
+
+
+def _next_token(parts: RunParts) -> BuiltObjective:
+    return BuiltObjective(NextToken(parts.env))
+
+
+def _supervised(parts: RunParts) -> BuiltObjective:
+    return BuiltObjective(Supervised(parts.env))
+
+
+def _preference(parts: RunParts) -> BuiltObjective:
+    reference, recorded = _dpo_reference(parts)
+    return BuiltObjective(Preference(parts.env, reference, parts.config.training.dpo_beta), recorded)
+
+
+def _online_dpo(parts: RunParts) -> BuiltObjective:
+    training = parts.config.training
+    source = sampled_rollouts(parts)
+    reference, recorded = starting_model(parts)
+    parts.log(f"online_dpo: two completions a prompt, the higher-scored chosen, DPO beta {training.dpo_beta:g}")
+    autocast, log = autocast_for(parts.plan), completions_log(parts)
+    objective = OnlineDPO(parts.env, source, training.dpo_beta, reference, autocast, log, parts.log)
+    return BuiltObjective(objective, recorded)
+
+
+def _grpo_given(parts: RunParts) -> BuiltObjective:
+    return _grpo(parts, given_rollouts(parts))
+
+
+def _grpo_sampled(parts: RunParts) -> BuiltObjective:
+    return _grpo(parts, sampled_rollouts(parts))
+
+
+def _grpo(parts: RunParts, source) -> BuiltObjective:
+    plan = parts.plan
     settings = plan.grpo
     reference, recorded = starting_model(parts) if settings.beta != 0 else (None, None)
     parts.log(
@@ -445,8 +471,45 @@ def build_objective(parts: RunParts) -> BuiltObjective:
         f"{settings.beta:g}, scale_rewards {settings.scale_rewards}, num_iterations {settings.num_iterations}"
     )
     shape = RoundShape(plan.grad_accum, plan.batch.batch_per_device * source.generations)
-    objective = GRPO(env, source, settings, reference, shape, autocast_for(plan), completions_log(parts), parts.log)
-    return BuiltObjective(objective, recorded)
+    env, autocast, log = parts.env, autocast_for(plan), completions_log(parts)
+    return BuiltObjective(GRPO(env, source, settings, reference, shape, autocast, log, parts.log), recorded)
+
+
+def _windows(data: RunData, records: Records | None, window: int, split: WindowSplit):
+    return WindowDataset(data.first, window, split)
+
+
+def _packed(data: RunData, records: Records, window: int, split: WindowSplit):
+    return PackedSFT(records.index, records.units, window, split)
+
+
+def _pairs(data: RunData, records: Records, window: int, split: WindowSplit):
+    return DPOPairs(records.index, records.units, window, split)
+
+
+def _prompts(data: RunData, records: Records, window: int, split: WindowSplit):
+    return PromptSet(records.units, split)
+
+
+@dataclass(frozen=True)
+class TrainerType:
+    """The trainer's side of a train type (astrai.common.train_types holds the rest): what it trains on besides the
+    token stream, the dataset the loader reads, and the objective a step minimises."""
+
+    records: Callable[[TrainerConfig, RunPlan, RunData, Log, ModelConfig], Records | None]
+    dataset: Callable[[RunData, Records | None, int, WindowSplit], torch.utils.data.Dataset]
+    objective: ObjectiveBuilder
+
+
+TRAINER_TYPES: dict[str, TrainerType] = {
+    "seq": TrainerType(_no_records, _windows, _next_token),
+    "sft": TrainerType(_supervised_records, _packed, _supervised),
+    "dpo": TrainerType(_supervised_records, _pairs, _preference),
+    "grpo": TrainerType(_scored_records, _prompts, _grpo_given),
+    "online_grpo": TrainerType(_prompt_records, _prompts, _grpo_sampled),
+    "online_dpo": TrainerType(_prompt_records, _prompts, _online_dpo),
+}
+"""Every train type's trainer side, by the names of astrai.common.train_types.TRAIN_TYPES (a test holds them equal)."""
 
 
 def _tokenizer(parts: RunParts):
@@ -591,7 +654,7 @@ def run_facts(config: TrainerConfig, plan: RunPlan, data: RunData, built: BuiltO
         optimizer=training.optimizer,
         data_digest=data.digest,
         lora=lora,
-        rewards=reward_settings(training),
+        rewards=training.kind.recorded_settings(training),
     )
 
 

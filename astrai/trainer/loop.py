@@ -613,7 +613,7 @@ def _start_checks(config: TrainerConfig, plan: RunPlan) -> str | None:
         return str(error)
     try:
         for data in datas:
-            data.check_kind(config.training.train_type)
+            data.check_kind(config.training.kind.data_kind, config.training.train_type)
         start_checks(config, plan.batch, datas, model, source)
     except (SetupError, DataError) as error:
         print(f"start checks: refused: {error}")

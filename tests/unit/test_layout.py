@@ -153,3 +153,53 @@ def test_the_architecture_page_names_every_module():
         and f"/{name.rpartition('.')[2]}`" not in page
     ]
     assert unnamed == []
+
+
+REGISTRIES = {"astrai.common.train_types", "astrai.trainer.build"}
+"""Where a train type's name may be compared with: its two entries (the torch-free one and the trainer's)."""
+
+
+def _compares_train_type(tree: ast.AST) -> list[int]:
+    """Lines that compare a ``train_type`` (a name or an attribute) with a string or a tuple of strings."""
+
+    def names_train_type(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "train_type") or (
+            isinstance(node, ast.Attribute) and node.attr == "train_type"
+        )
+
+    def literal(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return True
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(literal(item) for item in node.elts)
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(names_train_type(side) for side in sides) and any(literal(side) for side in sides):
+                found.append(node.lineno)
+    return found
+
+
+def test_a_train_type_is_compared_with_by_name_only_in_the_registries():
+    found = {
+        name: lines
+        for name, path in _modules().items()
+        if name not in REGISTRIES and (lines := _compares_train_type(ast.parse(path.read_text(encoding="utf-8"))))
+    }
+    assert found == {}
+    assert _compares_train_type(ast.parse("if config.training.train_type == 'dpo': pass")) == [1]
+    assert _compares_train_type(ast.parse("x = train_type in ('grpo', 'online_grpo')")) == [1]
+
+
+def test_every_train_type_has_its_trainer_side_and_an_unknown_one_is_refused_by_name():
+    import pytest
+
+    from astrai.common.config import TrainingSection
+    from astrai.common.configfile import ConfigError
+    from astrai.common.train_types import TRAIN_TYPES
+    from astrai.trainer.build import TRAINER_TYPES
+
+    assert list(TRAINER_TYPES) == list(TRAIN_TYPES)
+    with pytest.raises(ConfigError, match=r"training.train_type: expected seq \| sft \| dpo .*got 'ppo'"):
+        TrainingSection(train_type="ppo")

@@ -444,7 +444,7 @@ def test_the_base_model_s_generation_config_travels_into_every_checkpoint_and_ex
 def test_a_window_that_cuts_records_to_their_prompts_is_refused_in_preflight_and_the_trainer(
     tmp_path, post_yaml, make_trainer, chat_world, kind
 ):
-    from astrai.common.data_folder import training_units
+    from astrai.common.data_folder import data_kind
 
     world, sft, dpo = chat_world
     folder = sft if kind == "sft" else dpo
@@ -453,13 +453,13 @@ def test_a_window_that_cuts_records_to_their_prompts_is_refused_in_preflight_and
     path = post_yaml(tmp_path / "post.yaml", kind, ckpt_dir=str(tmp_path / "ckpt"), window_size=window)
     expected = rf"data.window_size {window} cuts .* before their first supervised token .* would train on nothing"
     with pytest.raises(DataError, match=expected):
-        training_units(TokenData.open(folder), kind, window, "truncate")
+        data_kind(kind).units(TokenData.open(folder), window, "truncate")
     with pytest.raises(DataError, match=expected):
         make_trainer(path)
     assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").glob("epoch_*"))
     # Records whose cut still holds a supervised token train as before, and the others are counted.
     lengths = sorted(len(ids) for ids, _ in _sequences(folder))
-    units = training_units(TokenData.open(folder), kind, lengths[-1] - 3, "truncate")
+    units = data_kind(kind).units(TokenData.open(folder), lengths[-1] - 3, "truncate")
     assert units.unsupervised == 0 and units.truncated > 0
 
 
