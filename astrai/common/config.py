@@ -346,7 +346,8 @@ class TrainingSection:
         _check(self.num_generations >= 1, "training.num_generations", self.num_generations, "an integer >= 1")
         _check(self.reward_timeout > 0, "training.reward_timeout", self.reward_timeout, "a number of seconds > 0")
         _settings(self.sampling)
-        _settings(self.grpo)
+        for entry in TRAIN_TYPES.values():  # every type's own settings, whichever type trains: no typo is silent
+            _settings(lambda entry=entry: entry.own_settings(self))
         if self.kind.online and not self.rewards:
             raise ConfigError(
                 f"training.rewards: training.train_type {self.train_type} scores completions with reward functions; "

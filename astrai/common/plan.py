@@ -19,7 +19,7 @@ from astrai.common.contract import CKPT_FORMAT_FULL, CKPT_FORMAT_LORA, CKPT_FORM
 from astrai.common.fit import BatchShape
 from astrai.common.memory import GenerationCache, generation_cache, training_state_bytes
 from astrai.common.model_folder import ADAPTER_TARGETS, num_adapter_parameters, num_parameters
-from astrai.common.settings import GRPOSettings, LoRASettings, Sampling
+from astrai.common.settings import LoRASettings, Sampling, TypeSettings
 from astrai.common.train_types import TRAIN_TYPES, TrainType
 
 
@@ -45,8 +45,8 @@ class RunPlan:
     """Completions per prompt of the online types (online_dpo: two); None for the others (grpo: the data's)."""
     sampling: Sampling | None
     """How the online types sample their completions; None for the others."""
-    grpo: GRPOSettings | None
-    """GRPO's settings (online_grpo, grpo); None for the others."""
+    settings: TypeSettings | None
+    """The train type's own settings (GRPO's for online_grpo and grpo); None for a type without."""
     autocast: str | None
     """The dtype the forward pass computes in under autocast (bfloat16 on CUDA); None: the weights' own."""
     compile: bool
@@ -145,12 +145,8 @@ class RunPlan:
                 f"sampling: {self.generations} completions per prompt of at most {s.max_new_tokens} tokens, "
                 f"temperature {s.temperature:g}, top_k {s.top_k}, top_p {s.top_p:g}"
             )
-        if self.grpo is not None:
-            g = self.grpo
-            lines.append(
-                f"grpo: loss {g.loss}, epsilon {g.epsilon:g}/{g.high:g}, beta {g.beta:g}, scale_rewards "
-                f"{g.scale_rewards}, num_iterations {g.num_iterations}"
-            )
+        if self.settings is not None:
+            lines.append(self.settings.describe())
         return lines
 
     def _unit(self) -> str:
@@ -201,7 +197,7 @@ def resolve_plan(
         ckpt_format=CKPT_FORMAT_LORA if lora is not None else ckpt_format(config.ckpt.format, mode),
         generations=kind.completions_per_prompt(training),
         sampling=training.sampling() if kind.online else None,
-        grpo=training.grpo() if kind.grpo_settings else None,
+        settings=kind.own_settings(training),
         autocast="bfloat16" if device_type == "cuda" else None,
         # The transformers path runs eagerly: its blocks are the library's, not ours to compile.
         compile=backend != BACKEND_TRANSFORMERS

@@ -9,12 +9,16 @@ a setting out of range raises :class:`SettingError` naming the setting, which th
   ``max_completion_length``; ``generate``'s options of the same names).
 - :class:`GRPOSettings`: GRPO's clip, KL weight, loss averaging and reward scaling (``training.grpo_*``,
   ``scale_rewards``, ``num_iterations``). Its defaults are TRL's ``GRPOConfig``'s.
+
+A train type's own set (GRPO's) is a :class:`TypeSettings`: its train type's entry builds it from the training section
+(:mod:`astrai.common.train_types`), the run plan holds it, and ``--dry-run`` prints what it says of itself.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 from astrai.common.model_folder import ADAPTER_TARGETS
 
@@ -41,6 +45,13 @@ class SettingError(ValueError):
 def _check(ok: bool, key: str, value, expected: str) -> None:
     if not ok:
         raise SettingError(key, expected, value)
+
+
+class TypeSettings(Protocol):
+    """A train type's own settings, checked when built (:class:`SettingError`)."""
+
+    def describe(self) -> str:
+        """One line for the run plan (``--dry-run``): what they are, named by the train type's objective."""
 
 
 @dataclass(frozen=True)
@@ -165,3 +176,9 @@ class GRPOSettings:
     @property
     def high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def describe(self) -> str:
+        return (
+            f"grpo: loss {self.loss}, epsilon {self.epsilon:g}/{self.high:g}, beta {self.beta:g}, scale_rewards "
+            f"{self.scale_rewards}, num_iterations {self.num_iterations}"
+        )

@@ -2,10 +2,11 @@
 
 An entry names the kind of data folder it trains on (``prepare --kind``), the unit a batch counts and how many rows
 of ``window_size`` tokens a unit takes, whether it samples completions with the policy (online) or learns from
-rewards at all, the training keys that are its own, and the limits it puts on the shared ones. The config, the run
-plan, preflight and `--dry-run` read these entries; the trainer's side of each type (its dataset and its objective)
-is an entry of :mod:`astrai.trainer.train_types` under the same name. Adding an algorithm is one entry here, one
-there, and its objective's module.
+rewards at all, the training keys that are its own (and the named set of settings it builds of them), and the limits
+it puts on the shared ones. The config, the run plan, preflight and `--dry-run` read these entries; the trainer's side
+of each type (its records, its dataset and its objective) is an entry of ``TRAINER_TYPES`` in
+:mod:`astrai.trainer.build` under the same name. Adding an algorithm is one entry here, one there, and its
+objective's module.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from astrai.common.settings import MIN_TEMPERATURE
+from astrai.common.settings import MIN_TEMPERATURE, TypeSettings
 
 Problem = tuple[str, object, str]
 """A setting a train type refuses: (the training key, its value, what the type allows)."""
@@ -47,8 +48,9 @@ class TrainType:
     """Completions it samples per prompt, when the type fixes it (online_dpo: 2); None: training.num_generations."""
     min_generations: int = 1
     """The least num_generations it learns from (a group's baseline needs another completion)."""
-    grpo_settings: bool = False
-    """It takes GRPO's settings (astrai.common.settings.GRPOSettings)."""
+    settings: Callable[[object], TypeSettings] | None = None
+    """Its own named set of settings, built from the training section (GRPO's: astrai.common.settings.GRPOSettings):
+    the config checks them by building them, the run plan holds them and --dry-run prints them."""
     mixtures: bool = False
     """Its data may be a mixture of folders (data.sources)."""
     reference: bool = False
@@ -62,6 +64,10 @@ class TrainType:
         if not self.online:
             return None
         return self.generations or training.num_generations
+
+    def own_settings(self, training) -> TypeSettings | None:
+        """Its own settings of ``training`` (SettingError for one out of range), or None for a type without."""
+        return None if self.settings is None else self.settings(training)
 
     def problems(self, training) -> list[Problem]:
         """Every setting of ``training`` this type refuses, in the order its checks go."""
@@ -91,6 +97,10 @@ class TrainType:
         return values
 
 
+def _grpo_settings(training) -> TypeSettings:
+    return training.grpo()
+
+
 def _one_iteration(training) -> Problem | None:
     if training.num_iterations != 1:
         return ("num_iterations", training.num_iterations, "1 with online_dpo (each step ranks new completions)")
@@ -117,7 +127,7 @@ GRPO = TrainType(
     "prompts with their scored completions",
     learns_from_rewards=True,
     keys=GRPO_KEYS,
-    grpo_settings=True,
+    settings=_grpo_settings,
 )
 ONLINE_GRPO = TrainType(
     "online_grpo",
@@ -128,7 +138,7 @@ ONLINE_GRPO = TrainType(
     learns_from_rewards=True,
     keys=(*SAMPLING_KEYS, "num_generations", "mask_truncated_completions", *GRPO_KEYS),
     min_generations=2,
-    grpo_settings=True,
+    settings=_grpo_settings,
 )
 ONLINE_DPO = TrainType(
     "online_dpo",

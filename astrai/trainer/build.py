@@ -464,7 +464,7 @@ def _grpo_sampled(parts: RunParts) -> BuiltObjective:
 
 def _grpo(parts: RunParts, source) -> BuiltObjective:
     plan = parts.plan
-    settings = plan.grpo
+    settings = plan.settings
     reference, recorded = starting_model(parts) if settings.beta != 0 else (None, None)
     parts.log(
         f"{plan.train_type}: loss {settings.loss}, epsilon {settings.epsilon:g}/{settings.high:g}, beta "
