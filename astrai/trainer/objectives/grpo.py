@@ -37,6 +37,7 @@ from astrai.trainer.objectives.rollouts import (
     IDLE_OVERFLOW,
     CompletionsLog,
     RewardReport,
+    Rollouts,
     RolloutSource,
     StepScores,
     completion_logps,
@@ -187,6 +188,8 @@ class GRPOLossSums:
     clip_high: float
     clip_region: float
     kl: float
+    kl_micro_batches: float
+    """Micro-batches whose loss had a KL term (grpo_beta > 0)."""
     micro_batches: float
     entropy: float
     """Summed over every completion token the loss counts."""
@@ -204,6 +207,9 @@ class GRPO(Objective):
     :func:`grpo_loss`. The log-probabilities the ratio starts from are the policy's own before the update, so the
     ratio is 1 in value and its gradient the policy gradient's, as in TRL with ``num_iterations`` 1; with more, a
     generation round trains that many steps, the later ones against the round's first log-probabilities.
+
+    The advantages (:meth:`weigh`) and the loss (:meth:`update`) are where another algorithm on the same rollouts
+    and rounds differs.
 
     The loss normalisations hold across micro-batches and ranks: ``grpo`` and ``dr_grpo`` average equal-sized
     micro-batches (divided by grad_accum_steps; DDP and FSDP average the ranks); ``dapo`` divides each micro-batch's
@@ -253,9 +259,7 @@ class GRPO(Objective):
         self._rewards.add(scores)
         self.tokens, self.loss_tokens = scores.tokens, scores.loss_tokens
         self._note_idle(scores)
-        totals = [None if math.isnan(value) else value for value in scores.rewards.tolist()]
-        advantage, _ = advantages(totals, self.source.generations, self.settings.scale_rewards)
-        mine = advantage[scores.rows_of(self.env)].to(self.env.device)
+        mine = self.weigh(scores, rollouts, model)[scores.rows_of(self.env)].to(self.env.device)
         prepared, start = [], 0
         for part in rollouts:
             count = len(part.completions)
@@ -267,6 +271,12 @@ class GRPO(Objective):
         if self.iterations > 1:
             self.round = list(prepared)
         return prepared
+
+    def weigh(self, scores: StepScores, rollouts: list[Rollouts], model) -> torch.Tensor:
+        """Every completion's advantage, over every rank in rank order (a collective where it needs one; ``rollouts``
+        are this rank's): GRPO's, from the step's rewards alone."""
+        totals = [None if math.isnan(value) else value for value in scores.rewards.tolist()]
+        return advantages(totals, self.source.generations, self.settings.scale_rewards)[0]
 
     def _note_idle(self, scores: StepScores) -> None:
         """Why this step cannot move the weights, if it cannot (the KL penalty still moves them while grpo_beta > 0)."""
@@ -282,29 +292,37 @@ class GRPO(Objective):
     def micro(self, model, batch, prepared: GRPOBatch, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
         logps, token_mask, entropy = completion_logps(model, prepared.prompts, prepared.completions)
         token_mask = token_mask * prepared.mask.unsqueeze(1)
-        dapo = self.settings.loss == "dapo"
-        # dapo: the step's completion tokens the loss counts, over every rank and micro-batch, per rank.
-        batch_tokens = self.loss_tokens / self.env.world_size if dapo else None
         if self.iterations > 1 and prepared.old is None:
             prepared.old = logps.detach()  # the round's first update: the policy the completions were sampled from
         old = logps.detach() if prepared.old is None else prepared.old
-        loss, stats = grpo_loss(
-            logps, old, prepared.reference, prepared.advantages, token_mask, self.settings, batch_tokens
-        )
+        loss, reported, stats = self.update(logps, old, prepared, token_mask, accum)
         self._loss.add(
             self.env.device,
             clip_low=stats.clip_low,
             clip_high=stats.clip_high,
             clip_region=stats.clip_region,
             kl=0.0 if stats.kl is None else stats.kl,
+            kl_micro_batches=0.0 if stats.kl is None else 1.0,
             micro_batches=1.0,
             entropy=(entropy * token_mask).sum(),
             tokens=token_mask.sum(),
         )
+        return loss, reported
+
+    def update(
+        self, logps: torch.Tensor, old: torch.Tensor, prepared: GRPOBatch, mask: torch.Tensor, accum: int
+    ) -> tuple[torch.Tensor, torch.Tensor, GRPOStats]:
+        """One micro-batch's (loss to backpropagate, loss to report, statistics), from its completions' token
+        log-probabilities now (``logps``, with gradients) and when they were sampled (``old``); ``mask`` marks the
+        tokens the loss counts: GRPO's clipped token loss, averaged as grpo_loss says."""
+        dapo = self.settings.loss == "dapo"
+        # dapo: the step's completion tokens the loss counts, over every rank and micro-batch, per rank.
+        batch_tokens = self.loss_tokens / self.env.world_size if dapo else None
+        loss, stats = grpo_loss(logps, old, prepared.reference, prepared.advantages, mask, self.settings, batch_tokens)
         if dapo:
             # Each micro-batch's loss is already a share of the step's: summed over the micro-batches, not averaged.
-            return loss, loss.detach() * accum
-        return loss / accum, loss.detach()
+            return loss, loss.detach() * accum, stats
+        return loss / accum, loss.detach(), stats
 
     def step_tokens(self, planned: int) -> int:
         return self.tokens
@@ -323,7 +341,7 @@ class GRPO(Objective):
                     METRIC_CLIP_LOW: loss.clip_low / micros,
                     METRIC_CLIP_HIGH: loss.clip_high / micros,
                     METRIC_CLIP_REGION: loss.clip_region / micros,
-                    METRIC_KL: loss.kl / micros if self.settings.beta != 0 else None,
+                    METRIC_KL: loss.kl / loss.kl_micro_batches if loss.kl_micro_batches else None,
                     METRIC_ENTROPY: loss.entropy / loss.tokens,
                 }
             )
