@@ -40,7 +40,7 @@ from astrai.common.contract import (
 from astrai.common.model_folder import ADAPTER_TARGETS
 from astrai.common.reward_specs import RewardSpec, parse_rewards
 from astrai.common.safetensors_file import DTYPE_ALIASES
-from astrai.common.settings import GRPOSettings, LoRASettings, Sampling, SettingError
+from astrai.common.settings import GRPOSettings, LoRASettings, RLOOSettings, Sampling, SettingError
 from astrai.common.train_types import TRAIN_TYPES, TYPE_KEYS, TrainType
 
 HOST_SECTION = "runtime"
@@ -198,25 +198,26 @@ class TrainingSection:
     chat data (or completions); dpo: direct preference optimisation on (prompt, chosen, rejected) pairs;
     grpo: GRPO on completions scored elsewhere, with their rewards (prepare --kind grpo); online_grpo: GRPO on
     completions the model samples for prompts, scored by training.rewards; online_dpo: DPO on two sampled
-    completions of each prompt, the one the rewards score higher chosen. The data folder must hold that kind
-    (prepare --kind; prompts for the online types)."""
+    completions of each prompt, the one the rewards score higher chosen; online_rloo: RLOO (each completion's reward
+    against the mean of its group's others) on sampled completions. The data folder must hold that kind (prepare
+    --kind; prompts for the online types)."""
     dpo_beta: float = 0.1
     """DPO's beta (dpo, online_dpo): how far from the reference model the policy may move (higher: closer)."""
     dpo_reference: str = "precomputed"
     """precomputed: the reference scores every pair once, before the first step (kept in the job dir for
     resumes), and leaves memory; live: it stays loaded and scores each batch (a forward pass per step)."""
     rewards: tuple[RewardSpec, ...] = ()
-    """online_grpo, online_dpo: the reward functions, each 'FILE.py:function' or 'module:function'
+    """online_grpo, online_rloo, online_dpo: the reward functions, each 'FILE.py:function' or 'module:function'
     (astrai.rewards:exact_answer), or {function: ..., weight: ...}; a completion's reward is their weighted sum.
     On the command line: the list in YAML flow style
     ('[astrai.rewards:exact_answer, {function: /data/r.py:short, weight: 0.2}]')."""
     num_generations: int = 8
-    """online_grpo: completions sampled per prompt (a group; online_dpo samples two); batch_per_device counts
-    prompts."""
+    """online_grpo, online_rloo: completions sampled per prompt (a group; online_dpo samples two); batch_per_device
+    counts prompts."""
     max_completion_length: int = GRPOSettings.max_completion_length
     """online_grpo: at most this many tokens per completion (with the prompt, at most the model's max_seq_len)."""
     mask_truncated_completions: bool = False
-    """online_grpo: leave completions that reach max_completion_length without ending out of the loss."""
+    """online_grpo, online_rloo: leave completions that reach max_completion_length without ending out of the loss."""
     temperature: float = 1.0
     """online_grpo: sampling temperature (0: greedy, which gives a group no spread)."""
     top_p: float = Sampling.top_p
@@ -224,9 +225,10 @@ class TrainingSection:
     top_k: int = Sampling.top_k
     """online_grpo: sample among the k most likely tokens (0: all)."""
     grpo_epsilon: float = GRPOSettings.epsilon
-    """online_grpo: clip the probability ratio to [1 - grpo_epsilon, 1 + grpo_epsilon_high]."""
+    """online_grpo, online_rloo: clip the probability ratio to [1 - grpo_epsilon, 1 + grpo_epsilon_high] (online_rloo:
+    the whole completion's)."""
     grpo_epsilon_high: float | None = GRPOSettings.epsilon_high
-    """online_grpo: the upper clip (DAPO's clip-higher); null: grpo_epsilon."""
+    """online_grpo, online_rloo: the upper clip (DAPO's clip-higher); null: grpo_epsilon."""
     grpo_beta: float = GRPOSettings.beta
     """online_grpo: weight of the KL penalty against the frozen starting model (0: none, and no reference kept)."""
     grpo_loss: str = GRPOSettings.loss
@@ -236,11 +238,17 @@ class TrainingSection:
     """online_grpo, online_dpo: seconds a reward function may take on one batch; past it, the run stops naming it.
     A stop asked for meanwhile does not wait for it: the step is given up, and the last one completed is saved."""
     num_iterations: int = GRPOSettings.num_iterations
-    """online_grpo, grpo: optimizer steps on each generation round's completions (TRL's mu); the later ones take
-    their probability ratio against the policy the completions were sampled from, and no new prompts."""
+    """online_grpo, grpo, online_rloo: optimizer steps on each generation round's completions (TRL's mu); the later
+    ones take their probability ratio against the policy the completions were sampled from, and no new prompts."""
     scale_rewards: str = GRPOSettings.scale_rewards
     """online_grpo: divide each advantage by the std of its group's rewards (group), of the step's (batch), or
     not at all (none)."""
+    rloo_beta: float = RLOOSettings.beta
+    """online_rloo: weight of the KL penalty against the frozen starting model, taken off each completion's reward as
+    the sum over its tokens of (log-probability when sampled - the starting model's), TRL's RLOO beta (0: none, and no
+    reference kept)."""
+    normalize_advantages: bool = RLOOSettings.normalize_advantages
+    """online_rloo: take the step's mean off the advantages and divide them by their std."""
     optimizer: str = "adamw"
     """adamw, or muon: Muon for the 2-D weight matrices of the transformer blocks, AdamW for embeddings, norms,
     biases and the output head (not under FSDP, which shards the matrices Muon orthogonalises whole)."""

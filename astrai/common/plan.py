@@ -146,7 +146,7 @@ class RunPlan:
                 f"temperature {s.temperature:g}, top_k {s.top_k}, top_p {s.top_p:g}"
             )
         if self.settings is not None:
-            lines.append(self.settings.describe())
+            lines.append(f"{self.train_type}: {self.settings.describe()}")
         return lines
 
     def _unit(self) -> str:

@@ -9,9 +9,11 @@ a setting out of range raises :class:`SettingError` naming the setting, which th
   ``max_completion_length``; ``generate``'s options of the same names).
 - :class:`GRPOSettings`: GRPO's clip, KL weight, loss averaging and reward scaling (``training.grpo_*``,
   ``scale_rewards``, ``num_iterations``). Its defaults are TRL's ``GRPOConfig``'s.
+- :class:`RLOOSettings`: RLOO's clip (GRPO's keys), its KL penalty on the rewards and the advantages' normalisation
+  (``training.rloo_beta``, ``normalize_advantages``). Its defaults are TRL's ``RLOOConfig``'s.
 
-A train type's own set (GRPO's) is a :class:`TypeSettings`: its train type's entry builds it from the training section
-(:mod:`astrai.common.train_types`), the run plan holds it, and ``--dry-run`` prints what it says of itself.
+A train type's own set (GRPO's, RLOO's) is a :class:`TypeSettings`: its train type's entry builds it from the training
+section (:mod:`astrai.common.train_types`), the run plan holds it, and ``--dry-run`` prints what it says of itself.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class TypeSettings(Protocol):
     """A train type's own settings, checked when built (:class:`SettingError`)."""
 
     def describe(self) -> str:
-        """One line for the run plan (``--dry-run``): what they are, named by the train type's objective."""
+        """What they are, in a line of the run plan (``--dry-run``) after the train type's name."""
 
 
 @dataclass(frozen=True)
@@ -162,16 +164,9 @@ class GRPOSettings:
     def __post_init__(self) -> None:
         _check(self.loss in GRPO_LOSSES, "grpo_loss", self.loss, " | ".join(GRPO_LOSSES))
         _check(self.scale_rewards in SCALE_REWARDS, "scale_rewards", self.scale_rewards, " | ".join(SCALE_REWARDS))
-        _check(0 <= self.epsilon < 1, "grpo_epsilon", self.epsilon, "a number in [0, 1)")
-        _check(
-            self.epsilon_high is None or self.epsilon_high >= 0,
-            "grpo_epsilon_high",
-            self.epsilon_high,
-            "a number >= 0, or null for grpo_epsilon",
-        )
+        _check_clip(self.epsilon, self.epsilon_high, self.num_iterations)
         _check(self.beta >= 0, "grpo_beta", self.beta, "a number >= 0 (0 = no KL penalty)")
         _check(self.max_completion_length >= 1, "max_completion_length", self.max_completion_length, "an integer >= 1")
-        _check(self.num_iterations >= 1, "num_iterations", self.num_iterations, "an integer >= 1")
 
     @property
     def high(self) -> float:
@@ -179,6 +174,50 @@ class GRPOSettings:
 
     def describe(self) -> str:
         return (
-            f"grpo: loss {self.loss}, epsilon {self.epsilon:g}/{self.high:g}, beta {self.beta:g}, scale_rewards "
+            f"loss {self.loss}, epsilon {self.epsilon:g}/{self.high:g}, beta {self.beta:g}, scale_rewards "
             f"{self.scale_rewards}, num_iterations {self.num_iterations}"
+        )
+
+
+def _check_clip(epsilon: float, epsilon_high: float | None, num_iterations: int) -> None:
+    """The clipped ratio's keys, which GRPO and RLOO share (``training.grpo_epsilon``, ...)."""
+    _check(0 <= epsilon < 1, "grpo_epsilon", epsilon, "a number in [0, 1)")
+    _check(
+        epsilon_high is None or epsilon_high >= 0,
+        "grpo_epsilon_high",
+        epsilon_high,
+        "a number >= 0, or null for grpo_epsilon",
+    )
+    _check(num_iterations >= 1, "num_iterations", num_iterations, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class RLOOSettings:
+    """RLOO's step (:mod:`astrai.trainer.objectives.rloo`): the defaults are TRL's ``RLOOConfig``'s."""
+
+    epsilon: float = 0.2
+    """Clip of the sequence's probability ratio below 1 (and above, unless epsilon_high is given): grpo_epsilon."""
+    epsilon_high: float | None = None
+    """Clip above 1; None = epsilon: grpo_epsilon_high."""
+    beta: float = 0.05
+    """Weight of the KL penalty taken off each completion's reward (first order, summed over its tokens) against the
+    frozen starting model; 0 computes no reference at all."""
+    normalize_advantages: bool = False
+    """Take the step's mean off the advantages and divide them by their std."""
+    num_iterations: int = 1
+    """Optimizer steps on each generation round's completions (TRL's mu)."""
+
+    def __post_init__(self) -> None:
+        _check_clip(self.epsilon, self.epsilon_high, self.num_iterations)
+        _check(self.beta >= 0, "rloo_beta", self.beta, "a number >= 0 (0 = no KL penalty)")
+
+    @property
+    def high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def describe(self) -> str:
+        normalized = "true" if self.normalize_advantages else "false"
+        return (
+            f"leave-one-out baseline, epsilon {self.epsilon:g}/{self.high:g}, beta {self.beta:g} (a KL penalty on the "
+            f"rewards), normalize_advantages {normalized}, num_iterations {self.num_iterations}"
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from astrai.common.settings import MIN_TEMPERATURE, TypeSettings
+from astrai.common.settings import MIN_TEMPERATURE, RLOOSettings, TypeSettings
 
 Problem = tuple[str, object, str]
 """A setting a train type refuses: (the training key, its value, what the type allows)."""
@@ -23,6 +23,8 @@ SAMPLING_KEYS = ("rewards", "reward_timeout", "max_completion_length", "temperat
 """What every online type samples and scores with."""
 GRPO_KEYS = ("grpo_epsilon", "grpo_epsilon_high", "grpo_beta", "grpo_loss", "scale_rewards", "num_iterations")
 """GRPO's own settings (astrai.common.settings.GRPOSettings)."""
+RLOO_KEYS = ("grpo_epsilon", "grpo_epsilon_high", "num_iterations", "rloo_beta", "normalize_advantages")
+"""RLOO's own settings (astrai.common.settings.RLOOSettings): GRPO's clip and rounds, its KL penalty, normalising."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,16 @@ def _grpo_settings(training) -> TypeSettings:
     return training.grpo()
 
 
+def _rloo_settings(training) -> TypeSettings:
+    return RLOOSettings(
+        epsilon=training.grpo_epsilon,
+        epsilon_high=training.grpo_epsilon_high,
+        beta=training.rloo_beta,
+        normalize_advantages=training.normalize_advantages,
+        num_iterations=training.num_iterations,
+    )
+
+
 def _one_iteration(training) -> Problem | None:
     if training.num_iterations != 1:
         return ("num_iterations", training.num_iterations, "1 with online_dpo (each step ranks new completions)")
@@ -152,7 +164,21 @@ ONLINE_DPO = TrainType(
     checks=(_one_iteration, _ranks_cut_completions),
 )
 
-TRAIN_TYPES: dict[str, TrainType] = {entry.name: entry for entry in (SEQ, SFT, DPO, GRPO, ONLINE_GRPO, ONLINE_DPO)}
+ONLINE_RLOO = TrainType(
+    "online_rloo",
+    "prompts",
+    "prompts",
+    "prompts",
+    online=True,
+    learns_from_rewards=True,
+    keys=(*SAMPLING_KEYS, "num_generations", "mask_truncated_completions", *RLOO_KEYS),
+    min_generations=2,
+    settings=_rloo_settings,
+)
+
+TRAIN_TYPES: dict[str, TrainType] = {
+    entry.name: entry for entry in (SEQ, SFT, DPO, GRPO, ONLINE_GRPO, ONLINE_DPO, ONLINE_RLOO)
+}
 """Every train type, by name, in the order the docs list them."""
 TYPE_KEYS = sorted({key for entry in TRAIN_TYPES.values() for key in entry.keys})
 """The training keys that only some train types use."""

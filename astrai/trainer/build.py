@@ -59,6 +59,7 @@ from astrai.trainer.objectives.grpo import GRPO, RoundShape
 from astrai.trainer.objectives.online_dpo import OnlineDPO
 from astrai.trainer.objectives.prompts import Prompts, PromptSet, ScoredGroups
 from astrai.trainer.objectives.reference import check_same_reference, frozen_model, reference_table
+from astrai.trainer.objectives.rloo import RLOO
 from astrai.trainer.objectives.rollouts import CompletionsLog, GivenRollouts, SampledRollouts
 from astrai.trainer.objectives.supervised import NextToken, Supervised
 from astrai.trainer.records import DPOPairs, PackedSFT, RecordIndex
@@ -462,17 +463,20 @@ def _grpo_sampled(parts: RunParts) -> BuiltObjective:
     return _grpo(parts, sampled_rollouts(parts))
 
 
-def _grpo(parts: RunParts, source) -> BuiltObjective:
+def _rloo(parts: RunParts) -> BuiltObjective:
+    return _grpo(parts, sampled_rollouts(parts), RLOO)
+
+
+def _grpo(parts: RunParts, source, objective: type[GRPO] = GRPO) -> BuiltObjective:
+    """GRPO, or an algorithm on its rollouts and rounds (RLOO), with the plan's settings; the frozen starting model
+    where the settings' beta asks for a KL penalty."""
     plan = parts.plan
     settings = plan.settings
     reference, recorded = starting_model(parts) if settings.beta != 0 else (None, None)
-    parts.log(
-        f"{plan.train_type}: loss {settings.loss}, epsilon {settings.epsilon:g}/{settings.high:g}, beta "
-        f"{settings.beta:g}, scale_rewards {settings.scale_rewards}, num_iterations {settings.num_iterations}"
-    )
+    parts.log(f"{plan.train_type}: {settings.describe()}")
     shape = RoundShape(plan.grad_accum, plan.batch.batch_per_device * source.generations)
     env, autocast, log = parts.env, autocast_for(plan), completions_log(parts)
-    return BuiltObjective(GRPO(env, source, settings, reference, shape, autocast, log, parts.log), recorded)
+    return BuiltObjective(objective(env, source, settings, reference, shape, autocast, log, parts.log), recorded)
 
 
 def _windows(data: RunData, records: Records | None, window: int, split: WindowSplit):
@@ -508,6 +512,7 @@ TRAINER_TYPES: dict[str, TrainerType] = {
     "grpo": TrainerType(_scored_records, _prompts, _grpo_given),
     "online_grpo": TrainerType(_prompt_records, _prompts, _grpo_sampled),
     "online_dpo": TrainerType(_prompt_records, _prompts, _online_dpo),
+    "online_rloo": TrainerType(_prompt_records, _prompts, _rloo),
 }
 """Every train type's trainer side, by the names of astrai.common.train_types.TRAIN_TYPES (a test holds them equal)."""
 

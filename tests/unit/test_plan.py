@@ -26,6 +26,7 @@ CASES = {
     "online_grpo": (1, "auto", {"train_type": "online_grpo", "num_generations": 6, "rewards": ["m:f"]}, {}),
     "online_dpo: two generations": (2, "ddp", {"train_type": "online_dpo", "rewards": ["m:f"]}, {}),
     "grpo: the data's groups": (1, "auto", {"train_type": "grpo", "grpo_loss": "grpo", "grpo_beta": 0.1}, {}),
+    "online_rloo": (2, "ddp", {"train_type": "online_rloo", "rewards": ["m:f"], "normalize_advantages": True}, {}),
     "global batch": (2, "ddp", {"batch_per_device": 2, "global_batch_size": 8}, {}),
 }
 
@@ -53,6 +54,8 @@ def test_preflight_and_the_trainer_resolve_the_same_plan(tmp_path, monkeypatch, 
         assert (host.ckpt_format, host.base_dtype) == ("lora", "bfloat16")
     if case == "fsdp: sharded by default":
         assert host.ckpt_format == "sharded"
+    if case == "online_rloo":
+        assert host.settings.normalize_advantages and host.generations == 8
 
     # --dry-run prints that plan, line for line.
     monkeypatch.setenv("WORLD_SIZE", str(processes))

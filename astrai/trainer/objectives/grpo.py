@@ -46,7 +46,7 @@ from astrai.trainer.objectives.rollouts import (
 )
 
 
-def _nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """The sample standard deviation (n - 1) of the values that are not NaN; NaN for fewer than two."""
     mean = torch.nanmean(values, dim=dim, keepdim=True)
     count = torch.sum(~values.isnan(), dim=dim, keepdim=True)
@@ -65,9 +65,9 @@ def advantages(totals: list[float | None], generations: int, scale: str) -> tupl
     groups = rewards.view(-1, generations)
     mean = torch.nanmean(groups, dim=1).repeat_interleave(generations)
     if scale == "batch":
-        std = _nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
     else:
-        std = _nanstd(groups, dim=1).repeat_interleave(generations) if generations > 1 else torch.zeros_like(rewards)
+        std = nanstd(groups, dim=1).repeat_interleave(generations) if generations > 1 else torch.zeros_like(rewards)
     advantage = rewards - mean
     if scale != "none":
         advantage = advantage / (std + 1e-4)
@@ -209,7 +209,7 @@ class GRPO(Objective):
     generation round trains that many steps, the later ones against the round's first log-probabilities.
 
     The advantages (:meth:`weigh`) and the loss (:meth:`update`) are where another algorithm on the same rollouts
-    and rounds differs.
+    and rounds differs (:class:`astrai.trainer.objectives.rloo.RLOO`).
 
     The loss normalisations hold across micro-batches and ranks: ``grpo`` and ``dr_grpo`` average equal-sized
     micro-batches (divided by grad_accum_steps; DDP and FSDP average the ranks); ``dapo`` divides each micro-batch's
