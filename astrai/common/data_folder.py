@@ -50,12 +50,14 @@ class DataKind:
     holds: str
     """What the folder holds, as messages say it."""
     counts: str
-    """What `prepare` and `info` count of it (documents, records, pairs, prompts, groups)."""
+    """What `prepare` and `info` count of it (documents, records, pairs, prompts, groups, examples)."""
+    trains: str = "windows of {window}+1"
+    """What a run trains on of it, as a count of them reads (``{window}``: data.window_size)."""
     fields: bool = False
-    """Each record's fields are kept beside its shard (what reward functions receive)."""
+    """Each record's fields are kept beside its shard (what reward functions receive; a KTO example's label)."""
     units: Callable[[TokenData, int, str], object] | None = None
-    """What a run trains on at a window (data, window, overlong): packed windows, pairs, a count of prompts; None
-    where the trainer reads windows of the token stream (seq) or the model decides (prompts)."""
+    """What a run trains on at a window (data, window, overlong): packed windows, pairs, examples, a count of prompts;
+    None where the trainer reads windows of the token stream (seq) or the model decides (prompts)."""
 
 
 def _documents(data: TokenData, window: int, overlong: str) -> int:
@@ -70,19 +72,27 @@ def _paired(data: TokenData, window: int, overlong: str) -> Pairs:
     return _supervised_units(data, window, overlong, pairs=True)
 
 
+def _labelled(data: TokenData, window: int, overlong: str) -> Examples:
+    return _supervised_units(data, window, overlong, pairs=False, labels=data.labels())
+
+
 DATA_KINDS: dict[str, DataKind] = {
     kind.name: kind
     for kind in (
         DataKind("seq", "pre-training text", "documents"),
-        DataKind("sft", "SFT examples", "records", units=_packed),
-        DataKind("dpo", "DPO pairs", "pairs", units=_paired),
-        DataKind("prompts", "prompts", "prompts", fields=True),
-        DataKind("grpo", "scored completions", "groups", fields=True, units=_documents),
+        DataKind("sft", "SFT examples", "records", "packed windows of {window}", units=_packed),
+        DataKind("dpo", "DPO pairs", "pairs", "pairs", units=_paired),
+        DataKind("prompts", "prompts", "prompts", "prompts", fields=True),
+        DataKind(
+            "grpo", "scored completions", "groups", "prompts with their completions", fields=True, units=_documents
+        ),
+        DataKind("kto", "unpaired preference examples", "examples", "examples", fields=True, units=_labelled),
     )
 }
 """What a data folder holds: a token stream (pre-training), supervised sequences (SFT), pairs of them (DPO), or
 prompts with their records' other fields (what the online train types sample completions for), or prompts with
-completions scored elsewhere (offline GRPO: each completion a sequence, its reward beside it)."""
+completions scored elsewhere (offline GRPO: each completion a sequence, its reward beside it), or unpaired examples
+(KTO: a prompt and a completion, supervised, each labelled desirable or not)."""
 KINDS = tuple(DATA_KINDS)
 
 
@@ -307,7 +317,7 @@ class TokenData:
     def prompt_records(self) -> list[dict]:
         """Prompt data: every sequence's line of its fields file, in order over the shards: ``{"prompt": text,
         "fields": {...}}`` (prompts), ``{"prompt": text, "reward": r, "index": i, "of": k}`` (grpo: the i-th of
-        its prompt's k completions, r None where it went unscored)."""
+        its prompt's k completions, r None where it went unscored), ``{"label": true | false}`` (kto)."""
         records = []
         for shard in range(len(self.shard_files)):
             path = self.fields_file(shard)
@@ -316,6 +326,13 @@ class TokenData:
             if len(records) != sum(self.record_counts[: shard + 1]):
                 raise DataError(f"{path}: holds another number of records than the manifest lists; prepare it again")
         return records
+
+    def labels(self) -> list[bool]:
+        """KTO data: each example's label (True: desirable), in order over the shards."""
+        labels = [record.get("label") for record in self.prompt_records()]
+        if not all(isinstance(label, bool) for label in labels):
+            raise DataError(f"{self.root}: an example's fields line has no true or false label; prepare it again")
+        return labels
 
     @property
     def tokenizer_identity(self) -> tuple:
@@ -561,6 +578,46 @@ def pair_up(lengths: list[int], window: int, overlong: str, supervised=_always) 
 
 
 @dataclass(frozen=True)
+class Examples:
+    """KTO's examples that fit a window: each one's sequence and the tokens taken from it, and its label."""
+
+    examples: list[tuple[int, int]]
+    """Each example: (sequence, tokens taken from it)."""
+    labels: list[bool]
+    """Each example's label (True: desirable), in the order of ``examples``."""
+    truncated: int
+    dropped: int
+    unsupervised: int = 0
+    """Examples left out because the window would cut away every token of their completion."""
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    @property
+    def desirable(self) -> int:
+        return sum(self.labels)
+
+
+def one_by_one(lengths: list[int], labels: list[bool], window: int, overlong: str, supervised=_always) -> Examples:
+    """Each sequence as an example of at most ``window + 1`` tokens (cut to it, or left out), with its label."""
+    examples, kept, truncated, dropped, unsupervised = [], [], 0, 0, 0
+    for sequence, (length, label) in enumerate(zip(lengths, labels, strict=True)):
+        take = length
+        if length - 1 > window:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            take = window + 1
+            if not supervised(sequence, take):
+                unsupervised += 1
+                continue
+            truncated += 1
+        examples.append((sequence, take))
+        kept.append(label)
+    return Examples(examples, kept, truncated, dropped, unsupervised)
+
+
+@dataclass(frozen=True)
 class PromptUnits:
     """The prompts a run samples from: each kept prompt's record number and the tokens it keeps (its last ones)."""
 
@@ -589,8 +646,11 @@ def prompt_units(lengths: list[int], limit: int, overlong: str) -> PromptUnits:
     return PromptUnits(records, takes, truncated, dropped)
 
 
-def _supervised_units(data: TokenData, window: int, overlong: str, pairs: bool) -> Packing | Pairs:
-    """What a post-training folder trains on at ``window``: SFT sequences packed into windows, or DPO pairs.
+def _supervised_units(
+    data: TokenData, window: int, overlong: str, pairs: bool, labels: list[bool] | None = None
+) -> Packing | Pairs | Examples:
+    """What a post-training folder trains on at ``window``: SFT sequences packed into windows, DPO pairs, or (with
+    ``labels``) KTO's examples one by one.
 
     A record the window would cut to its prompt alone is left out (it would train on nothing); when that
     leaves nothing, or leaves out most records, it is a DataError saying what window they need.
@@ -598,7 +658,10 @@ def _supervised_units(data: TokenData, window: int, overlong: str, pairs: bool) 
     per_shard = [data.sequence_lengths(shard) for shard in range(len(data.shard_files))]
     lengths = [length for shard in per_shard for length in shard]
     with _Masks(data, per_shard) as masks:
-        if not pairs:
+        if labels is not None:
+            units = one_by_one(lengths, labels, window, overlong, masks.supervised)
+            records = len(lengths)
+        elif not pairs:
             units = pack(lengths, window, overlong, masks.supervised)
             records = len(lengths)
         else:
@@ -650,9 +713,12 @@ class _Masks:
             mapped.close()
 
 
-def describe_units(units: Packing | Pairs, sequences: int, window: int, overlong: str) -> str:
+def describe_units(units: Packing | Pairs | Examples, sequences: int, window: int, overlong: str) -> str:
     """One line: the sequences, what they became, and how many were longer than the window."""
-    made = f"{len(units):,} windows of {window}" if isinstance(units, Packing) else f"{len(units):,} pairs"
+    if isinstance(units, Examples):
+        made = f"{len(units):,} examples ({units.desirable:,} desirable, {len(units) - units.desirable:,} undesirable)"
+    else:
+        made = f"{len(units):,} windows of {window}" if isinstance(units, Packing) else f"{len(units):,} pairs"
     what = f"{units.truncated:,} cut to the window" if overlong == "truncate" else f"{units.dropped:,} left out"
     if units.unsupervised:
         what += f", {units.unsupervised:,} left out as the cut keeps no supervised token"

@@ -80,9 +80,7 @@ def check_fit(
             "add data to this source, or lower window_size"
         )
     if units is not None and split.num_train < batch.global_batch:
-        what = {"dpo": "pairs", "prompts": "prompts", "grpo": "prompts with their completions"}.get(
-            data.kind, f"packed windows of {window_size}"
-        )
+        what = data_kind(data.kind).trains.format(window=window_size)
         raise SetupError(
             f"{data.root} holds {split.num_train} training {what}{held_out}, fewer than one global batch of "
             f"batch_per_device({batch.batch_per_device}) * grad_accum_steps({batch.grad_accum}) * "

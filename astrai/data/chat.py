@@ -16,6 +16,10 @@ covers; `--kind dpo` turns each record into two (chosen, then rejected). A recor
 DPO records hold ``prompt``, ``chosen`` and ``rejected``: strings, or message lists (the prompt's
 messages, and the chosen and rejected assistant turns as a message or a list of them).
 
+`--kind kto` reads TRL's unpaired preference records, ``prompt``, ``completion`` and ``label`` (true: desirable),
+the prompt and completion rendered as DPO's prompt and answer are: each record one sequence, its completion
+supervised, with a fields line ``{"label": ...}`` beside it.
+
 `--kind prompts` keeps what the online train types sample from: each record's ``prompt`` (a string, tokenized
 as it is, or messages rendered with the template's generation prompt, as TRL's GRPO trainer tokenizes them)
 and, beside its tokens, the prompt's text and every other field of the record (``answer``, say), which reward
@@ -323,6 +327,37 @@ class RecordEncoder:
             for index, reward in enumerate(rewards)
         ]
         return sequences, lines
+
+    def unpaired(self, record) -> tuple[tuple[list[int], list[int]], str]:
+        """A KTO record (prompt, completion, label): its sequence with the completion supervised, as DPO's prompt and
+        answer are rendered, and its line for the fields file (the label)."""
+        if not isinstance(record, dict):
+            raise RecordError(f"expected a JSON object, got {type(record).__name__}")
+        for key in ("prompt", "completion", "label"):
+            if key not in record:
+                raise RecordError(
+                    f"has no {key!r} field (its keys: {_keys(record)}); a kto record holds a prompt, a completion and "
+                    "a label (true: desirable, false: undesirable)"
+                )
+        label = record["label"]
+        if not isinstance(label, bool):
+            raise RecordError(
+                f"field 'label' holds {label!r}: expected true (a desirable completion) or false (an undesirable one)"
+            )
+        prompt = record["prompt"]
+        if isinstance(prompt, str):
+            if not isinstance(record["completion"], str):
+                what = type(record["completion"]).__name__
+                raise RecordError(f"field 'completion' holds {what}: with a text prompt, the completion is text")
+            sequence = self._plain(_text(record, "prompt"), _text(record, "completion"))
+        elif isinstance(prompt, list):
+            messages = _messages(prompt, "prompt")
+            turns = _turns(record["completion"], "completion")
+            sequence = self._conversation(messages + turns, supervise_from=len(messages))
+        else:
+            what = type(prompt).__name__
+            raise RecordError(f"field 'prompt' holds {what}: expected text, or a list of chat messages")
+        return sequence, json.dumps({"label": label})
 
     def _plain(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
         prompt_ids, completion_ids = self.tokenizer.ids([prompt, completion])

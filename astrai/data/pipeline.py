@@ -149,6 +149,7 @@ def prepare(
             whole = {
                 "dpo": "prompt, chosen, rejected",
                 "grpo": "prompt, completions, rewards",
+                "kto": "prompt, completion, label",
             }.get(kind, "its prompt, and every other field beside it")
             raise DataError(f"--field: a {kind} record is read whole ({whole}); leave --field out")
         messages_field = field if field != DEFAULT_FIELD else None
@@ -163,7 +164,9 @@ def prepare(
     if kind != "seq" and tokenizer is not None:
         ChatTemplate.of_tokenizer(tokenizer)  # a template that does not compile is refused here, once
     elif getattr(tokenizer, "chat_template_file", None) is not None:
-        raise DataError("--chat_template: --kind seq renders no chat; give it with --kind sft, dpo, prompts or grpo")
+        raise DataError(
+            "--chat_template: --kind seq renders no chat; give it with --kind sft, dpo, prompts, grpo or kto"
+        )
     created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -450,6 +453,9 @@ def _run_records(piece: Piece) -> PieceResult:
                         sequences, lines = [(ids, [0] * len(ids))], [line]
                     elif encoder.kind == "grpo":
                         sequences, lines = encoder.scored(item.value)
+                    elif encoder.kind == "kto":
+                        sequence, line = encoder.unpaired(item.value)
+                        sequences, lines = [sequence], [line]
                     else:
                         sequences = encoder.encode(item.value)
                 except RecordError as error:
@@ -708,6 +714,12 @@ def _stderr(message: str) -> None:
 # --- info -----------------------------------------------------------------------------------------------------------
 
 
+def _labelled(data: TokenData) -> str:
+    """A KTO folder's examples, desirable and undesirable."""
+    labels = data.labels()
+    return f"{len(labels):,} examples ({sum(labels):,} desirable, {len(labels) - sum(labels):,} undesirable)"
+
+
 def _supervised(folder: Path) -> int:
     """Tokens the loss covers in a post-training data folder (mask bytes set)."""
     data = TokenData.open(folder)
@@ -737,6 +749,8 @@ def describe_folder(folder: Path) -> str:
     elif data.kind == "prompts":
         longest = max(max(data.sequence_lengths(shard)) for shard in range(len(data.shard_files)))
         lines.append(f"kind        prompts: {sum(data.record_counts):,} prompts, the longest {longest:,} tokens")
+    elif data.kind == "kto":
+        lines.append(f"kind        kto: {_labelled(data)}, {_supervised(folder):,} tokens supervised")
     elif data.kind != "seq":
         sequences = sum(data.record_counts)
         units = f"{sequences:,} SFT sequences" if data.kind == "sft" else f"{sequences // 2:,} DPO pairs"
@@ -797,7 +811,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=KINDS,
         help="seq: text for pre-training; sft: chat (messages) or prompt/completion records; dpo: prompt, chosen, "
         "rejected; prompts: a prompt (text or messages) and any other fields, for the online train types; grpo: "
-        "a prompt with its completions and their rewards (lists), scored elsewhere",
+        "a prompt with its completions and their rewards (lists), scored elsewhere; kto: prompt, completion and "
+        "label (true: desirable), unpaired preference records",
     )
     prep.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
     prep.add_argument(
@@ -881,6 +896,8 @@ def _prepare_command(args) -> int:
     elif args.kind == "grpo":
         completions = sum(shard.num_records for shard in manifest.shards)
         what = f"{manifest.documents:,} prompts with {completions:,} completions"
+    elif args.kind == "kto":
+        what = f"{_labelled(TokenData.open(out))}, {_supervised(out):,} tokens supervised"
     elif args.kind != "seq":
         records = "records" if args.kind == "sft" else "pairs"
         what = f"{manifest.documents:,} {records}, {_supervised(out):,} tokens supervised"
