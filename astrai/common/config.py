@@ -40,7 +40,7 @@ from astrai.common.contract import (
 from astrai.common.model_folder import ADAPTER_TARGETS
 from astrai.common.reward_specs import RewardSpec, parse_rewards
 from astrai.common.safetensors_file import DTYPE_ALIASES
-from astrai.common.settings import GRPOSettings, LoRASettings, RLOOSettings, Sampling, SettingError
+from astrai.common.settings import GRPOSettings, KTOSettings, LoRASettings, RLOOSettings, Sampling, SettingError
 from astrai.common.train_types import TRAIN_TYPES, TYPE_KEYS, TrainType
 
 HOST_SECTION = "runtime"
@@ -199,10 +199,17 @@ class TrainingSection:
     grpo: GRPO on completions scored elsewhere, with their rewards (prepare --kind grpo); online_grpo: GRPO on
     completions the model samples for prompts, scored by training.rewards; online_dpo: DPO on two sampled
     completions of each prompt, the one the rewards score higher chosen; online_rloo: RLOO (each completion's reward
-    against the mean of its group's others) on sampled completions. The data folder must hold that kind (prepare
-    --kind; prompts for the online types)."""
+    against the mean of its group's others) on sampled completions; kto: KTO on unpaired examples, each a prompt and a
+    completion labelled desirable or not (prepare --kind kto). The data folder must hold that kind (prepare --kind;
+    prompts for the online types)."""
     dpo_beta: float = 0.1
     """DPO's beta (dpo, online_dpo): how far from the reference model the policy may move (higher: closer)."""
+    kto_beta: float = KTOSettings.beta
+    """KTO's beta (kto): how far from the reference model the policy may move (higher: closer)."""
+    kto_desirable_weight: float = KTOSettings.desirable_weight
+    """kto: the weight of a desirable example's loss (raise it when desirable examples are the fewer)."""
+    kto_undesirable_weight: float = KTOSettings.undesirable_weight
+    """kto: the weight of an undesirable example's loss."""
     dpo_reference: str = "precomputed"
     """precomputed: the reference scores every pair once, before the first step (kept in the job dir for
     resumes), and leaves memory; live: it stays loaded and scores each batch (a forward pass per step)."""

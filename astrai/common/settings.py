@@ -11,9 +11,12 @@ a setting out of range raises :class:`SettingError` naming the setting, which th
   ``scale_rewards``, ``num_iterations``). Its defaults are TRL's ``GRPOConfig``'s.
 - :class:`RLOOSettings`: RLOO's clip (GRPO's keys), its KL penalty on the rewards and the advantages' normalisation
   (``training.rloo_beta``, ``normalize_advantages``). Its defaults are TRL's ``RLOOConfig``'s.
+- :class:`KTOSettings`: KTO's beta and the weights of its desirable and undesirable examples (``training.kto_*``).
+  Its defaults are TRL's ``KTOConfig``'s.
 
-A train type's own set (GRPO's, RLOO's) is a :class:`TypeSettings`: its train type's entry builds it from the training
-section (:mod:`astrai.common.train_types`), the run plan holds it, and ``--dry-run`` prints what it says of itself.
+A train type's own set (GRPO's, RLOO's, KTO's) is a :class:`TypeSettings`: its train type's entry builds it from the
+training section (:mod:`astrai.common.train_types`), the run plan holds it, and ``--dry-run`` prints what it says of
+itself.
 """
 
 from __future__ import annotations
@@ -220,4 +223,31 @@ class RLOOSettings:
         return (
             f"leave-one-out baseline, epsilon {self.epsilon:g}/{self.high:g}, beta {self.beta:g} (a KL penalty on the "
             f"rewards), normalize_advantages {normalized}, num_iterations {self.num_iterations}"
+        )
+
+
+@dataclass(frozen=True)
+class KTOSettings:
+    """KTO's loss (:mod:`astrai.trainer.objectives.kto`, TRL's ``loss_type: kto``): the defaults are TRL's
+    ``KTOConfig``'s."""
+
+    beta: float = 0.1
+    """How far from the reference model the policy may move (higher: closer)."""
+    desirable_weight: float = 1.0
+    """The weight of a desirable example's loss."""
+    undesirable_weight: float = 1.0
+    """The weight of an undesirable example's loss."""
+
+    def __post_init__(self) -> None:
+        _check(self.beta > 0, "kto_beta", self.beta, "a number > 0")
+        for key, value in (
+            ("kto_desirable_weight", self.desirable_weight),
+            ("kto_undesirable_weight", self.undesirable_weight),
+        ):
+            _check(0 < value < math.inf, key, value, "a number > 0")
+
+    def describe(self) -> str:
+        return (
+            f"beta {self.beta:g}, desirable_weight {self.desirable_weight:g}, undesirable_weight "
+            f"{self.undesirable_weight:g}; the KL estimate from each micro-batch's mismatched pairs"
         )

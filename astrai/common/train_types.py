@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from astrai.common.settings import MIN_TEMPERATURE, RLOOSettings, TypeSettings
+from astrai.common.settings import MIN_TEMPERATURE, KTOSettings, RLOOSettings, TypeSettings
 
 Problem = tuple[str, object, str]
 """A setting a train type refuses: (the training key, its value, what the type allows)."""
@@ -113,6 +113,21 @@ def _rloo_settings(training) -> TypeSettings:
     )
 
 
+def _kto_settings(training) -> TypeSettings:
+    return KTOSettings(training.kto_beta, training.kto_desirable_weight, training.kto_undesirable_weight)
+
+
+def _mismatched_pairs(training) -> Problem | None:
+    if training.batch_per_device < 2:
+        return (
+            "batch_per_device",
+            training.batch_per_device,
+            "an integer >= 2 with kto (an example's KL partner is another completion of its micro-batch; alone, the "
+            "KL estimate would be its own reward)",
+        )
+    return None
+
+
 def _one_iteration(training) -> Problem | None:
     if training.num_iterations != 1:
         return ("num_iterations", training.num_iterations, "1 with online_dpo (each step ranks new completions)")
@@ -176,8 +191,19 @@ ONLINE_RLOO = TrainType(
     settings=_rloo_settings,
 )
 
+KTO = TrainType(
+    "kto",
+    "kto",
+    "examples",
+    "examples",
+    keys=("kto_beta", "kto_desirable_weight", "kto_undesirable_weight"),
+    reference=True,
+    settings=_kto_settings,
+    checks=(_mismatched_pairs,),
+)
+
 TRAIN_TYPES: dict[str, TrainType] = {
-    entry.name: entry for entry in (SEQ, SFT, DPO, GRPO, ONLINE_GRPO, ONLINE_DPO, ONLINE_RLOO)
+    entry.name: entry for entry in (SEQ, SFT, DPO, GRPO, ONLINE_GRPO, ONLINE_DPO, ONLINE_RLOO, KTO)
 }
 """Every train type, by name, in the order the docs list them."""
 TYPE_KEYS = sorted({key for entry in TRAIN_TYPES.values() for key in entry.keys})

@@ -56,6 +56,7 @@ from astrai.trainer.model import ModelConfig, ModelLoadError, Transformer, load_
 from astrai.trainer.objectives.contract import Objective
 from astrai.trainer.objectives.dpo import Preference
 from astrai.trainer.objectives.grpo import GRPO, RoundShape
+from astrai.trainer.objectives.kto import KTO, KTOExamples
 from astrai.trainer.objectives.online_dpo import OnlineDPO
 from astrai.trainer.objectives.prompts import Prompts, PromptSet, ScoredGroups
 from astrai.trainer.objectives.reference import check_same_reference, frozen_model, reference_table
@@ -479,6 +480,13 @@ def _grpo(parts: RunParts, source, objective: type[GRPO] = GRPO) -> BuiltObjecti
     return BuiltObjective(objective(env, source, settings, reference, shape, autocast, log, parts.log), recorded)
 
 
+def _kto(parts: RunParts) -> BuiltObjective:
+    reference, recorded = starting_model(parts)
+    what = "this model, adapters off" if isinstance(reference, BaseModel) else "a frozen copy"
+    parts.log(f"kto: {parts.plan.settings.describe()}; reference {recorded['path']} ({what})")
+    return BuiltObjective(KTO(parts.env, reference, parts.plan.settings), recorded)
+
+
 def _windows(data: RunData, records: Records | None, window: int, split: WindowSplit):
     return WindowDataset(data.first, window, split)
 
@@ -489,6 +497,10 @@ def _packed(data: RunData, records: Records, window: int, split: WindowSplit):
 
 def _pairs(data: RunData, records: Records, window: int, split: WindowSplit):
     return DPOPairs(records.index, records.units, window, split)
+
+
+def _examples(data: RunData, records: Records, window: int, split: WindowSplit):
+    return KTOExamples(records.index, records.units, window, split)
 
 
 def _prompts(data: RunData, records: Records, window: int, split: WindowSplit):
@@ -513,6 +525,7 @@ TRAINER_TYPES: dict[str, TrainerType] = {
     "online_grpo": TrainerType(_prompt_records, _prompts, _grpo_sampled),
     "online_dpo": TrainerType(_prompt_records, _prompts, _online_dpo),
     "online_rloo": TrainerType(_prompt_records, _prompts, _rloo),
+    "kto": TrainerType(_supervised_records, _examples, _kto),
 }
 """Every train type's trainer side, by the names of astrai.common.train_types.TRAIN_TYPES (a test holds them equal)."""
 

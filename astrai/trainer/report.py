@@ -334,10 +334,9 @@ class ProgressReporter:
         if report.val_loss is not None:
             line += f" | val_loss {report.val_loss:.4f}"
         if report.extra and METRIC_REWARDS_MARGIN in report.extra:
-            line += (
-                f" | margin {report.extra[METRIC_REWARDS_MARGIN]:.3f}"
-                f" | accuracy {report.extra[METRIC_REWARDS_ACCURACY]:.2f}"
-            )
+            line += f" | margin {report.extra[METRIC_REWARDS_MARGIN]:.3f}"
+            if METRIC_REWARDS_ACCURACY in report.extra:  # DPO's pairs (KTO's examples are unpaired)
+                line += f" | accuracy {report.extra[METRIC_REWARDS_ACCURACY]:.2f}"
         if report.extra and record.get(METRIC_REWARD) is not None:
             line += f" | reward {report.extra[METRIC_REWARD]:.3f}"
         if report.extra and METRIC_COMPLETION_LENGTH in report.extra:
