@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from trainer_runs import TRAINER, Run, final_weights, metrics_step, run_to_end, stop_gracefully
 
 from astrai.common.checkpoints import latest_complete_checkpoint
@@ -25,6 +26,7 @@ from astrai.trainer.loop import dry_run
 from astrai.trainer.objectives.rewards import Reward, score
 from astrai.trainer.objectives.rloo import rloo_advantages, rloo_loss, sequence_kl
 from astrai.trainer.objectives.rollouts import completion_logps
+from tests.support import invoke
 
 trl = pytest.importorskip("trl")
 from accelerate import PartialState  # noqa: E402
@@ -355,3 +357,17 @@ def test_dry_run_describes_rloo_and_names_the_keys_it_does_not_use(tmp_path, rlo
     )
     assert "note: train_type online_rloo does not use training.grpo_loss; it is left as set" in out
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.slow
+def test_preflight_counts_the_prompts_and_the_generation_caches(tmp_path, tiny_model, rloo_world):
+    config = tmp_path / "train.yaml"
+    runtime = {"job_name": "j", "gpu": {"devices": "none"}, "container": {"cuda_tag": "cpu"}}
+    runtime["paths"] = {"data": str(rloo_world / "data"), "model": str(tiny_model)}
+    training = {"train_type": "online_rloo", "rewards": ["astrai.rewards:exact_answer"], "batch_per_device": 2}
+    config.write_text(yaml.safe_dump({"runtime": runtime, "training": training}), encoding="utf-8")
+    result = invoke("preflight", "--config", str(config), check=False)
+    line = next(line for line in result.stdout.splitlines() if "data fits model" in line)
+    assert line.startswith("✓") and "24 training prompts" in line, result.stdout
+    state = next(line for line in result.stdout.splitlines() if "training state" in line)
+    assert "generation's key/value caches" in state and "(16 rows of a round" in state, state
