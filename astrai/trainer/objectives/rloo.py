@@ -25,6 +25,11 @@ rewards gathered over the ranks, generation rounds of ``num_iterations`` steps (
 against the round's first log-probabilities), the reward, length, clip and entropy metrics. :class:`RLOO` replaces its
 two methods that differ, the advantages and the loss. ``kl`` is the mean per-token ``old - ref`` of the step's
 completions, as TRL reports it.
+
+The penalty's ``old`` is a pass of the policy over the step's completions, without gradients and in eval mode (as it
+sampled them, and as the reference scores them), before any update. The ratio's ``old`` is, as for GRPO, the round's
+first update's own log-probabilities, detached (TRL takes them from a pass before it: the same values without
+dropout), so the first update's ratio is exactly 1.
 """
 
 from __future__ import annotations
