@@ -38,6 +38,7 @@ from astrai.common.contract import (
     container_job_dir,
 )
 from astrai.common.model_folder import ADAPTER_TARGETS
+from astrai.common.nf4 import NF4
 from astrai.common.reward_specs import RewardSpec, parse_rewards
 from astrai.common.safetensors_file import DTYPE_ALIASES
 from astrai.common.settings import GRPOSettings, KTOSettings, LoRASettings, RLOOSettings, Sampling, SettingError
@@ -178,7 +179,7 @@ SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
 OVERLONG = ("truncate", "drop")
 DPO_REFERENCES = ("precomputed", "live")
-LORA_BASE_DTYPES = ("auto", "float32", "bfloat16")
+LORA_BASE_DTYPES = ("auto", "float32", "bfloat16", NF4)
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,9 @@ class TrainingSection:
     line (q_proj,v_proj)."""
     lora_base_dtype: str = "auto"
     """How LoRA's frozen base matrices are held: float32, bfloat16 (half the memory; the adapters stay float32 and
-    every layer still computes in the activations' dtype), or auto: bfloat16 on CUDA, float32 on CPU."""
+    every layer still computes in the activations' dtype), nf4 (QLoRA: the blocks' linear layers in 4 bits, torchao's
+    NF4, the embeddings and head in bfloat16; about a quarter of bfloat16's memory), or auto: bfloat16 on CUDA, float32
+    on CPU."""
     max_lr: float = 3e-4
     """Peak learning rate, reached at the end of warmup."""
     schedule: str = "cosine"

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.checkpoints import CheckpointMeta
-from astrai.common.contract import MODEL_CONFIG_FILE, TOKENIZER_FILE
+from astrai.common.contract import MODEL_CONFIG_FILE, TOKENIZER_FILE, resolve_parallel_mode
 from astrai.common.data_folder import TokenData, WindowSplit, data_kind, prompt_units, tokenizer_digest
 from astrai.common.errors import AstraiError
 from astrai.common.model_folder import EXPERT_ADAPTERS, ModelConfig, adapted_modules, check_window
+from astrai.common.nf4 import NF4, nf4_problem
 from astrai.common.settings import LoRASettings
 
 
@@ -230,12 +231,26 @@ def fit_prompts(data: TokenData, lengths: list[int], model: ModelConfig, trainin
     return units
 
 
-def check_lora_targets(model: ModelConfig, training) -> None:
-    """LoRA's targets must name layers this model's family has, a fused layer whole (astrai.common.model_folder)."""
+def check_lora_targets(model: ModelConfig, training, shards: int = 1) -> None:
+    """LoRA's targets must name layers this model's family has, a fused layer whole (astrai.common.model_folder); an
+    NF4 base must fit the model, sharded over ``shards`` ranks under FSDP (astrai.common.nf4)."""
     settings = LoRASettings.of(training)
     if settings is None or not isinstance(model, ModelConfig):  # the transformers path: its plan checks the targets
         return
     lora_modules(model, settings)
+    if training.lora_base_dtype == NF4:
+        problem = nf4_problem(model, shards)
+        if problem is not None:
+            raise SetupError(problem)
+
+
+def fsdp_shards(config, world_size: int) -> int:
+    """How many ranks FSDP shards each weight over: the world size under fsdp, else 1."""
+    try:
+        mode = resolve_parallel_mode(config.parallel.parallel_mode, world_size)
+    except ValueError:  # the run plan refuses it, with its own words
+        return 1
+    return world_size if mode == "fsdp" else 1
 
 
 def lora_modules(model: ModelConfig, settings: LoRASettings) -> tuple[str, ...]:
@@ -269,7 +284,7 @@ def start_checks(config, batch: BatchShape, datas: list[TokenData], model: Model
     and each data folder's fit (check_fit)."""
     training, window = config.training, config.data.window_size
     check_model_tokenizer(datas[0], model_source)
-    check_lora_targets(model, training)
+    check_lora_targets(model, training, fsdp_shards(config, batch.world_size))
     units = None
     if training.kind.online:
         lengths = [length for shard in range(len(datas[0].shard_files)) for length in datas[0].sequence_lengths(shard)]

@@ -8,12 +8,23 @@ a run and the same run resumed split their rounds of generation alike, so they d
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from astrai.common import nf4
+from astrai.common.model_folder import num_parameters
 
 TRAINING_BYTES_PER_PARAMETER = 16
 """An fp32 weight that trains, its gradient and AdamW's two moments."""
-FROZEN_BYTES_PER_PARAMETER = {"float32": 4, "bfloat16": 2}
-"""A weight that does not train (LoRA's base), by the dtype it is held in (training.lora_base_dtype)."""
+FROZEN_BYTES_PER_PARAMETER = {"float32": 4, "bfloat16": 2, nf4.NF4: nf4.BYTES_PER_PARAMETER}
+"""A weight that does not train (LoRA's base), by the dtype it is held in (training.lora_base_dtype). nf4 is the
+blocks' linear layers' (:func:`astrai.common.nf4.held_matrices`); the embeddings and the head then stay bfloat16."""
+
+LOGITS_CHUNK_BYTES = 128 << 20
+"""The float32 logits of at most this many bytes exist at once when a loss is computed over the vocabulary."""
+LOGITS_KEEP_BYTES = 1 << 30
+"""Logits (in the head's compute dtype) of at most this many bytes in all are kept from the forward pass for the
+backward; larger ones are computed again there, a chunk at a time."""
 
 CAPACITY_STEP = 64
 """Generation's caches are sized in steps of this many positions."""
@@ -45,12 +56,38 @@ def decode_rows_per_part(device_total: int, state_bytes: int, row_bytes: int) ->
     return max(1, int(left * DECODE_CACHE_SHARE) // max(1, row_bytes))
 
 
-def training_state_bytes(parameters: int, adapters: int, base_dtype: str | None) -> int:
-    """Weights, gradients and AdamW's moments of a model of ``parameters`` weights: each trains (``base_dtype`` None)
-    or is held frozen in ``base_dtype`` with ``adapters`` trainable parameters beside them (LoRA)."""
+def training_state_bytes(model, adapters: int, base_dtype: str | None) -> int:
+    """Weights, gradients and AdamW's moments of ``model`` (a ModelConfig): every weight trains (``base_dtype``
+    None), or the model is held frozen in ``base_dtype`` with ``adapters`` trainable parameters beside it (LoRA)."""
     if base_dtype is None:
-        return parameters * TRAINING_BYTES_PER_PARAMETER
-    return parameters * FROZEN_BYTES_PER_PARAMETER[base_dtype] + adapters * TRAINING_BYTES_PER_PARAMETER
+        return num_parameters(model) * TRAINING_BYTES_PER_PARAMETER
+    return frozen_base_bytes(model, base_dtype) + adapters * TRAINING_BYTES_PER_PARAMETER
+
+
+def frozen_base_bytes(model, base_dtype: str) -> int:
+    """What LoRA's frozen base of ``model`` (a ModelConfig) takes held in ``base_dtype``."""
+    parameters = num_parameters(model)
+    if base_dtype != nf4.NF4:
+        return parameters * FROZEN_BYTES_PER_PARAMETER[base_dtype]
+    quantized = sum(math.prod(shape) for shape in nf4.held_matrices(model).values())
+    held = quantized * FROZEN_BYTES_PER_PARAMETER[nf4.NF4]
+    return round(held) + (parameters - quantized) * FROZEN_BYTES_PER_PARAMETER["bfloat16"]
+
+
+def activation_bytes(model, tokens: int, itemsize: int, checkpointing: bool) -> int:
+    """What the backward pass keeps of a micro-batch of ``tokens`` tokens on a rank, estimated for a Llama-family
+    block: each block's float32 residual inputs of its two norms, and in ``itemsize``-byte activations (2 under
+    autocast) the inputs of its products, the attention's queries, keys, values and output, and the MLP's four
+    hidden-width tensors. With activation checkpointing, each block's input alone and one block's whole set while it
+    is computed again. Plus the logits the chunked loss keeps."""
+    d, f = model.dim, model.ffn_hidden_dim or 0
+    if model.sparse_layers:
+        f = max(f, model.experts_per_token * (model.expert_hidden_dim or 0))
+    q, kv = model.n_heads * model.head_size, model.n_kv_heads * model.head_size
+    per_block = 8 * d + itemsize * (2 * d + 2 * q + 2 * kv + 4 * f)
+    kept = (model.n_layers * 4 * d + per_block) if checkpointing else model.n_layers * per_block
+    logits = min(tokens * model.vocab_size * itemsize, LOGITS_KEEP_BYTES) + LOGITS_CHUNK_BYTES
+    return tokens * kept + logits
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from astrai.common.contract import CKPT_FORMAT_FULL, CKPT_FORMAT_LORA, CKPT_FORM
 from astrai.common.fit import BatchShape
 from astrai.common.memory import GenerationCache, generation_cache, training_state_bytes
 from astrai.common.model_folder import ADAPTER_TARGETS, num_adapter_parameters, num_parameters
+from astrai.common.nf4 import BLOCK, NF4
 from astrai.common.settings import LoRASettings, Sampling, TypeSettings
 from astrai.common.train_types import TRAIN_TYPES, TrainType
 
@@ -38,7 +39,8 @@ class RunPlan:
     lora: LoRASettings | None
     """None: full fine-tuning."""
     base_dtype: str | None
-    """The dtype LoRA's frozen base is held in (float32 or bfloat16); None for full fine-tuning."""
+    """How LoRA's frozen base is held (float32, bfloat16, or nf4: the blocks' matrices in 4 bits); None for full
+    fine-tuning."""
     ckpt_format: str
     """full, sharded (every rank writes its rows) or lora (the adapters alone, written by rank 0)."""
     generations: int | None
@@ -73,6 +75,16 @@ class RunPlan:
         return described.partition(" on ")[0] + " on every linear layer of each decoder block (the family's names)"
 
     @property
+    def base_description(self) -> str:
+        """How LoRA's frozen base is held, in words."""
+        if self.base_dtype != NF4:
+            return str(self.base_dtype)
+        return (
+            f"nf4 (the blocks' linear layers in torchao's NF4: blocks of {BLOCK}, double-quantised scales, each "
+            f"dequantised to {self.autocast or 'float32'} one layer at a time; the embeddings and head bfloat16)"
+        )
+
+    @property
     def grad_accum(self) -> int:
         return self.batch.grad_accum
 
@@ -99,14 +111,13 @@ class RunPlan:
     def state_bytes(self, model) -> int:
         """What the training state of ``model`` (a ModelConfig) takes per rank, before activations: weights,
         gradients and AdamW's moments (FSDP shards them), and for generation under autocast a copy of float32 weights
-        in the autocast dtype."""
+        in the autocast dtype (an NF4 base is read as it is held)."""
         adapters = 0 if self.lora is None else num_adapter_parameters(model, self.lora.rank, self.lora.targets)
-        parameters = num_parameters(model)
-        held = training_state_bytes(parameters, adapters, self.base_dtype)
+        held = training_state_bytes(model, adapters, self.base_dtype)
         if self.parallel_mode == "fsdp":
             held //= self.batch.world_size
-        elif self.generations and self.autocast and self.base_dtype != self.autocast:
-            held += parameters * 2  # the decode steps' copy of the weights (astrai.trainer.decoding)
+        elif self.generations and self.autocast and self.base_dtype not in (self.autocast, NF4):
+            held += num_parameters(model) * 2  # the decode steps' copy of the weights (astrai.trainer.decoding)
         return held
 
     def generation_cache(self, model, context: int, longest_prompt: int) -> GenerationCache:
@@ -132,7 +143,8 @@ class RunPlan:
             f"model: {describe_backend(*self.model_backend)}",
         ]
         if self.lora is not None:
-            lines.append(f"lora: {self.lora_description}; the frozen base held in {self.base_dtype}, adapters float32")
+            base = self.base_description
+            lines.append(f"lora: {self.lora_description}; the frozen base held in {base}, adapters float32")
         how = {
             CKPT_FORMAT_FULL: "rank 0 gathers the state and writes it",
             CKPT_FORMAT_SHARDED: "every rank writes its own rows",
@@ -177,6 +189,11 @@ def resolve_plan(
         )
     if backend == BACKEND_TRANSFORMERS and config.ckpt.format == CKPT_FORMAT_SHARDED:
         raise ConfigError("ckpt.format: sharded is not supported with model.backend transformers; use full")
+    if backend == BACKEND_TRANSFORMERS and training.lora_rank and training.lora_base_dtype == NF4:
+        raise ConfigError(
+            "training.lora_base_dtype: nf4 is not supported with model.backend transformers (the NF4 base is the "
+            "native model's); use bfloat16, or a family the trainer computes itself"
+        )
     if backend == BACKEND_TRANSFORMERS and tuple(training.lora_targets) != ADAPTER_TARGETS:
         raise ConfigError(
             f"training.lora_targets {', '.join(training.lora_targets)}: with model.backend transformers the adapters "
@@ -209,8 +226,8 @@ def resolve_plan(
 
 
 def lora_base_dtype(requested: str, device_type: str) -> str:
-    """The dtype LoRA's frozen base is held in: ``auto`` is bfloat16 on CUDA (where autocast computes in bfloat16
-    anyway) and float32 on CPU (which computes in float32)."""
+    """How LoRA's frozen base is held: ``auto`` is bfloat16 on CUDA (where autocast computes in bfloat16 anyway) and
+    float32 on CPU (which computes in float32); float32, bfloat16 and nf4 as asked."""
     if requested != "auto":
         return requested
     return "bfloat16" if device_type == "cuda" else "float32"

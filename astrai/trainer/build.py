@@ -34,6 +34,7 @@ from astrai.common.fit import (
     tokenizer_hint,
 )
 from astrai.common.model_folder import base_digest
+from astrai.common.nf4 import NF4, nf4_problem
 from astrai.common.plan import RunPlan
 from astrai.common.settings import LoRASettings
 from astrai.common.values import format_bytes
@@ -48,11 +49,13 @@ from astrai.trainer.lora import (
     add_adapters,
     frozen_dtype,
     hold_base_in,
+    hold_base_in_nf4,
     load_adapters,
     parameter_counts,
     read_peft_adapter,
 )
 from astrai.trainer.model import ModelConfig, ModelLoadError, Transformer, load_base_model
+from astrai.trainer.nf4 import check_nf4_runs
 from astrai.trainer.objectives.contract import Objective
 from astrai.trainer.objectives.dpo import Preference
 from astrai.trainer.objectives.grpo import GRPO, RoundShape
@@ -143,6 +146,8 @@ def read_start(
     config: TrainerConfig, plan: RunPlan, env: DistEnv, data: RunData, loaded: LoadedCheckpoint | None
 ) -> Start:
     if plan.lora is not None:
+        if plan.base_dtype == NF4:  # before the base is read: this process must be able to compute with it
+            check_nf4_runs(env.device)
         return _lora_start(config, env, data, loaded, plan.lora, _base_loader(plan))
     if loaded is not None:
         source = loaded.checkpoint.path
@@ -374,7 +379,13 @@ def build_model(config: TrainerConfig, plan: RunPlan, env: DistEnv, start: Start
             add_adapters(model, plan.lora, torch.Generator().manual_seed(config.training.random_seed))
             if start.adapters is not None:
                 load_adapters(model, start.adapters, str(start.adapters_from))
-            hold_base_in(model, getattr(torch, plan.base_dtype))
+            if plan.base_dtype == NF4:
+                problem = nf4_problem(start.model_config, env.world_size if plan.parallel_mode == "fsdp" else 1)
+                if problem is not None:
+                    raise SetupError(problem)
+                hold_base_in_nf4(model, env.device)  # quantised on the device, a matrix at a time
+            else:
+                hold_base_in(model, getattr(torch, plan.base_dtype))
         model.to(env.device)
     if plan.compile:
         compile_blocks(model)

@@ -52,6 +52,7 @@ from astrai.common.memory import decode_capacity, decode_rows_per_part, kv_cache
 from astrai.common.settings import Sampling
 from astrai.trainer.compiling import failed_in_compiler
 from astrai.trainer.model import KVCache
+from astrai.trainer.nf4 import is_nf4
 
 STOP_CHECK_EVERY = 16
 """Tokens between two host reads of whether every row has ended (the only host synchronisation of a decode)."""
@@ -280,9 +281,10 @@ class DecodeEngine:
 
 
 def _base_matrices(model: torch.nn.Module):
-    """The model's floating-point matrices that are not LoRA's adapters: (name, parameter)."""
+    """The model's floating-point matrices that are not LoRA's adapters: (name, parameter). An NF4 base's are not
+    among them: a step reads them as they are held, dequantising one layer at a time, and no copy is made of them."""
     for name, param in model.named_parameters():
-        if param.dim() >= 2 and param.is_floating_point() and ".lora_" not in name:
+        if param.dim() >= 2 and param.is_floating_point() and ".lora_" not in name and not is_nf4(param):
             yield name, param
 
 

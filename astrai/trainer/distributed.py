@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import ENV_FAILURE_TIMEOUT_SECONDS, ENV_NODE_RANK, EXIT_LOST_NODE, resolve_parallel_mode
 from astrai.trainer import signals
+from astrai.trainer.nf4 import is_nf4
 
 
 @dataclass
@@ -164,6 +165,11 @@ def shutdown_distributed(env: DistEnv) -> None:
 def parallelize(model: nn.Module, env: DistEnv) -> nn.Module:
     """Wrap for the parallel mode: DDP replicates the model, FSDP shards each block and the rest."""
     if env.parallel_mode == "ddp":
+        # An NF4 base is not broadcast at start (DDP's collectives take plain tensors): each rank quantised the same
+        # weights, which rank 0 sent it, the same way.
+        held = [name for name, param in model.named_parameters() if is_nf4(param)]
+        if held:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, held)
         return DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
     if env.parallel_mode == "fsdp":
         for layer in model.layers:

@@ -10,7 +10,8 @@ weights' dtype; their output is cast back to the layer's.
 
 The frozen base may be held in bfloat16 (``training.lora_base_dtype``, :func:`hold_base_in`): half the
 memory of its weights, while every layer still computes in the activations' dtype (float32 on CPU, as
-autocast says on CUDA), widening one weight at a time.
+autocast says on CUDA), widening one weight at a time. Or in 4 bits (``nf4``, QLoRA, :func:`hold_base_in_nf4`): the
+blocks' linear weights as torchao's NF4 tensor (:mod:`astrai.trainer.nf4`), dequantised one layer at a time.
 
 The adapted layer is still an ``nn.Linear`` holding its own ``weight`` (and ``bias``), so the base
 weights keep their names (``layers.0.attention.wq.weight``) and load, shard and export as before;
@@ -48,9 +49,11 @@ from astrai.common.model_folder import (
     canonical_targets,
     peft_expert_adapter,
 )
+from astrai.common.nf4 import NF4
 from astrai.common.settings import LoRASettings, SettingError
 from astrai.trainer.experts import ExpertLoRA, MixtureOfExperts
 from astrai.trainer.model import frozen_linear
+from astrai.trainer.nf4 import is_nf4, nf4_linear, quantize_base
 
 TARGETS = {name: PEFT_MODULES[name] for name in ADAPTER_TARGETS}
 """PEFT's name of each linear layer of a Llama block, and ours (a fused layer is named by these parts)."""
@@ -58,7 +61,11 @@ TARGETS = {name: PEFT_MODULES[name] for name in ADAPTER_TARGETS}
 
 class FrozenLinear(nn.Linear):
     """A linear layer whose weight (and bias) do not train, and may be held narrower than the activations (bfloat16
-    under float32): it computes in the activations' dtype. Same parameter names as the layer it replaces."""
+    under float32, or 4-bit NF4): it computes in the activations' dtype. Same parameter names as the layer it
+    replaces."""
+
+    nf4 = False
+    """The weight is torchao's NF4 tensor (:func:`hold_base_in_nf4`): each product dequantises it."""
 
     def __init__(self, base: nn.Linear):
         nn.Module.__init__(self)
@@ -70,6 +77,12 @@ class FrozenLinear(nn.Linear):
             self.bias.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.frozen(x)
+
+    def frozen(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen layer's output (without adapters)."""
+        if self.nf4:
+            return nf4_linear(x, self.weight, self.bias)
         return frozen_linear(x, self.weight, self.bias)
 
 
@@ -90,7 +103,7 @@ class LoRALinear(FrozenLinear):
         """Off: the layer is the base layer (DPO's reference is the same model with its adapters off)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = frozen_linear(x, self.weight, self.bias)
+        out = self.frozen(x)
         if not self.adapters_on:
             return out
         # Under autocast the adapters compute in its dtype: a float32 copy of the activations would only be cast back.
@@ -141,23 +154,38 @@ def _adapt_experts(owner: MixtureOfExperts, leaf: str, settings: LoRASettings, g
 
 def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:
     """Hold the frozen matrices of a model with adapters (every linear weight but the adapters', the embeddings)
-    in ``dtype``; the norms and biases stay as they are, and so does what the layers compute in."""
+    in ``dtype``; the norms and biases stay as they are, and so does what the layers compute in. NF4 weights stay
+    NF4."""
+    _freeze_linear_layers(model)
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.requires_grad and param.dim() >= 2 and param.dtype != dtype and not is_nf4(param):
+                param.data = param.data.to(dtype)
+
+
+def hold_base_in_nf4(model: nn.Module, device: torch.device) -> int:
+    """QLoRA's base: the blocks' linear weights as NF4 tensors on ``device`` (quantised from their float32 values,
+    :mod:`astrai.trainer.nf4`), the other frozen matrices (the embeddings, the head) in bfloat16. The count of NF4
+    matrices."""
+    _freeze_linear_layers(model)
+    count = quantize_base(model, device)
+    hold_base_in(model, torch.bfloat16)
+    return count
+
+
+def _freeze_linear_layers(model: nn.Module) -> None:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and not child.weight.requires_grad:
                 setattr(module, name, FrozenLinear(child))
-    with torch.no_grad():
-        for param in model.parameters():
-            if not param.requires_grad and param.dim() >= 2 and param.dtype != dtype:
-                param.data = param.data.to(dtype)
 
 
 def frozen_dtype(model: nn.Module) -> str:
-    """The dtype the frozen matrices are held in (``float32``, ``bfloat16``); ``-`` when nothing is frozen."""
-    for param in model.parameters():
-        if not param.requires_grad and param.dim() >= 2:
-            return str(param.dtype).removeprefix("torch.")
-    return "-"
+    """How the frozen block matrices are held (``float32``, ``bfloat16``, ``nf4``); ``-`` when nothing is frozen."""
+    held = [param for param in model.parameters() if not param.requires_grad and param.dim() >= 2]
+    if any(is_nf4(param) for param in held):
+        return NF4
+    return str(held[0].dtype).removeprefix("torch.") if held else "-"
 
 
 def adapter_layers(model: nn.Module) -> dict[str, LoRALinear | ExpertLoRA]:

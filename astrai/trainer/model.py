@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from astrai.common.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE
+from astrai.common.memory import LOGITS_CHUNK_BYTES, LOGITS_KEEP_BYTES
 from astrai.common.model_config import FAMILY_FIELDS, RopeScaling
 from astrai.common.model_folder import (
     ModelConfig,
@@ -233,11 +234,6 @@ def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _UpcastLinear.apply(x, weight, bias)
 
 
-LOGITS_CHUNK_BYTES = 128 << 20
-"""The float32 logits of at most this many bytes exist at once when a loss is computed over the vocabulary."""
-LOGITS_KEEP_BYTES = 1 << 30
-"""Logits (in the head's compute dtype) of at most this many bytes in all are kept from the forward pass for the
-backward; larger ones are computed again there, a chunk at a time."""
 LOGITS_BACKWARD_CHUNK_BYTES = 512 << 20
 """The float32 logits of at most this many bytes exist at once in the backward pass of an output projection that
 trains: each chunk adds its share of the projection's gradient (vocabulary x dim, float32) in one read and write of

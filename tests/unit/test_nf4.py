@@ -1,0 +1,156 @@
+"""QLoRA's 4-bit base (training.lora_base_dtype: nf4): the format's round trip against torchao and its bound, an NF4
+layer against its dequantised one, the model held in NF4, and what the config, the plan and the start checks say."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from astrai.common import nf4 as fmt
+from astrai.common.config import build_config
+from astrai.common.fit import SetupError, check_lora_targets
+from astrai.common.memory import frozen_base_bytes, training_state_bytes
+from astrai.common.model_folder import ModelConfig, num_adapter_parameters, num_parameters
+from astrai.common.settings import LoRASettings
+from astrai.trainer import lora
+from astrai.trainer.model import PRESETS, Transformer
+from astrai.trainer.nf4 import dequantize, is_nf4, nf4_linear, torchao_nf4
+
+NF4Tensor = torchao_nf4().NF4Tensor
+to_nf4 = torchao_nf4().to_nf4
+SETTINGS = LoRASettings(rank=4, alpha=8.0)
+
+
+def _matrix(shape, seed: int, heavy: bool = False) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.randn(shape, generator=generator) * 0.02
+    if heavy:  # a few outliers, as trained weights have: they set their blocks' absmax
+        weights[::37, ::11] *= 40
+    return weights
+
+
+@pytest.mark.parametrize(("shape", "heavy"), [((128, 128), False), ((384, 256), True), ((256, 896), False)])
+def test_the_round_trip_stays_within_the_formats_bound_and_numpy_gives_torchaos_values(shape, heavy):
+    weights = _matrix(shape, seed=shape[0], heavy=heavy)
+    held = to_nf4(weights)
+    assert (held.block_size, held.scaler_block_size) == (fmt.BLOCK, fmt.SCALER_BLOCK)
+    assert held.nf4.tolist() == list(np.float32(fmt.CODEBOOK))  # the codebook is torchao's, value for value
+    ours = dequantize(held, torch.float32)
+    assert torch.equal(ours, held.get_original_weight())  # our reading of its fields is torchao's, bit for bit
+    # The bound: half the widest codebook step of each block's absmax, plus what the absmax loses to its int8 (half a
+    # step of its scaler block: twice the block's largest distance from the mean absmax, over 256).
+    blocks = weights.reshape(-1, fmt.BLOCK)
+    absmax = blocks.abs().amax(dim=1)
+    centred = (absmax - absmax.mean()).reshape(-1, fmt.SCALER_BLOCK)
+    int8_step = (2 * centred.abs().amax(dim=1) / 256).repeat_interleave(fmt.SCALER_BLOCK)
+    bound = fmt.LARGEST_GAP / 2 * absmax + int8_step / 2
+    error = (ours.reshape(-1, fmt.BLOCK) - blocks).abs().amax(dim=1)
+    assert bool((error <= bound * (1 + 1e-6)).all()), (error / bound).max()
+    assert 0.2 < float((error / bound).max()) <= 1.0  # the bound is the format's, not a loose one
+    numpy_side = fmt.round_trip(weights.numpy())  # invoke export's, torch-free
+    assert np.abs(numpy_side - ours.numpy()).max() <= 1e-6 * float(weights.abs().max())
+
+
+def test_an_nf4_layer_computes_forward_and_backward_as_its_dequantised_layer():
+    base = torch.nn.Linear(128, 384, bias=True)
+    with torch.no_grad():
+        base.weight.copy_(_matrix((384, 128), seed=1))
+        base.bias.normal_()
+    quantized, plain = (lora.LoRALinear(base, SETTINGS, torch.Generator().manual_seed(0)) for _ in range(2))
+    quantized.weight = torch.nn.Parameter(to_nf4(base.weight.detach()), requires_grad=False)
+    quantized.nf4 = True
+    plain.weight = torch.nn.Parameter(dequantize(quantized.weight, torch.float32), requires_grad=False)
+    for layer in (quantized, plain):
+        with torch.no_grad():
+            layer.lora_B.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for layer in (quantized, plain):
+        x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        out = layer(x)
+        (out * torch.linspace(-1, 1, 384)).sum().backward()
+        grads.append((out.detach(), x.grad, layer.lora_A.weight.grad, layer.lora_B.weight.grad))
+    for ours, theirs in zip(*grads, strict=True):
+        assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert quantized.weight.grad is None and is_nf4(quantized.weight)
+    # Under autocast the product is in its dtype, from weights dequantised straight into it.
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = nf4_linear(x, quantized.weight)
+        expected = torch.nn.functional.linear(x, dequantize(quantized.weight, torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+
+
+def _held_model(config: ModelConfig) -> Transformer:
+    model = Transformer(config)
+    model.init_weights(torch.Generator().manual_seed(0))
+    lora.add_adapters(model, SETTINGS, torch.Generator().manual_seed(0))
+    return model
+
+
+def test_a_model_holds_its_blocks_in_nf4_its_embeddings_in_bf16_and_computes_as_those_weights():
+    config = PRESETS["tiny"]
+    model = _held_model(config)
+    expected = Transformer(config)
+    expected.load_state_dict(model.state_dict(), strict=False)
+    assert lora.hold_base_in_nf4(model, torch.device("cpu")) == 7 * config.n_layers
+    assert lora.frozen_dtype(model) == "nf4"
+    held = {name for name, param in model.named_parameters() if is_nf4(param)}
+    assert held == set(fmt.held_matrices(config))
+    assert model.tok_embeddings.weight.dtype == torch.bfloat16 and model.norm.weight.dtype == torch.float32
+    with torch.no_grad():  # the weights it computes with: the blocks' dequantised, the embeddings rounded to bf16
+        for name, param in expected.named_parameters():
+            source = model.get_parameter(name)
+            param.copy_(dequantize(source, torch.float32) if is_nf4(source) else source.float())
+    tokens = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.allclose(model(tokens), expected(tokens), rtol=1e-5, atol=1e-5)
+    # What it holds is what the memory model counts.
+    nbytes = sum(_held_bytes(param) for name, param in model.named_parameters() if ".lora_" not in name)
+    assert nbytes == pytest.approx(frozen_base_bytes(config, "nf4"), rel=0.01)
+
+
+def _held_bytes(param) -> int:
+    if not is_nf4(param):
+        return param.numel() * param.element_size()
+    inner = (param.quantized_data, param.quantized_scalers, param.quantization_factor, param.scaler_mean)
+    return sum(tensor.numel() * tensor.element_size() for tensor in inner)
+
+
+def test_nf4_is_a_base_dtype_the_plan_describes_and_the_memory_model_counts():
+    training = build_config({"training": {"lora_rank": 16, "lora_base_dtype": "nf4"}}).training
+    assert training.lora_base_dtype == "nf4"
+    with pytest.raises(Exception, match=r"lora_base_dtype: expected auto \| float32 \| bfloat16 \| nf4 .*got 'int4'"):
+        build_config({"training": {"lora_base_dtype": "int4"}})
+    llama_70b = ModelConfig(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden_dim=28672, vocab_size=128256, tie_embeddings=False
+    )
+    total = num_parameters(llama_70b)
+    quantized = sum(rows * cols for rows, cols in fmt.held_matrices(llama_70b).values())
+    assert quantized / total > 0.96  # the blocks' matrices are nearly all of it
+    nf4, bf16 = frozen_base_bytes(llama_70b, "nf4"), frozen_base_bytes(llama_70b, "bfloat16")
+    assert nf4 == round(quantized * fmt.BYTES_PER_PARAMETER) + 2 * (total - quantized)
+    assert 0.26 < nf4 / bf16 <= 0.30  # the target on base bytes held, NF4 over bf16
+    adapters = num_adapter_parameters(llama_70b, 16, training.lora_targets)
+    assert training_state_bytes(llama_70b, adapters, "nf4") == nf4 + 16 * adapters
+
+
+def test_the_start_checks_refuse_what_nf4_cannot_hold_naming_the_key_and_what_would_do():
+    training = build_config({"training": {"lora_rank": 4, "lora_base_dtype": "nf4"}}).training
+    tiny = PRESETS["tiny"]
+    check_lora_targets(tiny, training)  # every block matrix of tiny is whole scaler blocks
+    with pytest.raises(SetupError, match=r"under FSDP on 2 ranks: layers.0.attention.wq.weight \[128, 128\] does not"):
+        check_lora_targets(tiny, training, shards=2)
+    odd = dataclasses.replace(tiny, dim=96, n_heads=3, n_kv_heads=3)
+    with pytest.raises(
+        SetupError, match=r"layers.0.attention.wq.weight \[96, 96\] holds 9,216 numbers, not a multiple"
+    ):
+        check_lora_targets(odd, training)
+    moe = dataclasses.replace(tiny, family="mixtral", n_experts=4, experts_per_token=2, expert_hidden_dim=64)
+    with pytest.raises(SetupError, match="a mixture of experts' experts are stacked 3-D tensors"):
+        check_lora_targets(moe, training)
+    wide = dataclasses.replace(tiny, dim=256, n_heads=4, n_kv_heads=2, ffn_hidden_dim=512)
+    check_lora_targets(wide, training, shards=2)
+    assert fmt.nf4_problem(wide, 4).endswith("FSDP world sizes that do: 1, 2; or use ddp, or bfloat16")
