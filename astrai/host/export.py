@@ -18,6 +18,12 @@ from torch's (which has no single answer: its vectorised and scalar paths differ
 
 The folder is written under a hidden staging name next to ``--out``, flushed, and
 renamed into place, so ``--out`` either does not exist or holds the whole export.
+
+A LoRA checkpoint exports merged (the base with its adapters folded in, W + alpha/r * B A in float32) or as a PEFT
+adapter folder (``--adapter``). A run whose base was held in 4 bits (``training.lora_base_dtype: nf4``) exports
+merged as the model it trained: each NF4 matrix quantised and dequantised once (astrai.common.nf4.round_trip, the
+trainer's arithmetic), the adapters folded into that, the embeddings and head rounded to the bfloat16 they were
+held in; then written in the dtype asked for.
 Torch-free: NumPy does the arithmetic, and is imported only when an export runs.
 """
 
@@ -53,6 +59,7 @@ from astrai.common.model_folder import (
     ModelLoadError,
     base_digest,
     expert_pieces,
+    hf_name,
     peft_adapter_config,
     peft_expert_adapter,
     peft_modules_of,
@@ -60,6 +67,7 @@ from astrai.common.model_folder import (
     read_layout,
     weight_files,
 )
+from astrai.common.nf4 import NF4, held_matrices, round_trip
 from astrai.common.paths import folder_problem, nearest_existing
 from astrai.common.safetensors_file import DTYPE_ALIASES, FLOAT_DTYPES, ITEMSIZE, header
 from astrai.common.values import format_bytes
@@ -170,6 +178,9 @@ class _Tensor:
     """Where its bytes begin in ``file``."""
     nbytes: int
     out_dtype: str
+    held: str | None = None
+    """A LoRA base as the run held it, when that changed its values: ``nf4`` (read whole and sent through NF4's
+    round trip) or ``bfloat16`` (rounded to it on the way)."""
     merge: tuple[_Tensor, _Tensor, float, tuple[ExpertPiece, int] | None] | None = None
     """LoRA: the adapter's (A, B, scaling, piece), folded into this weight as it is written (W + scaling * B @ A);
     for a mixture of experts' stacked adapters (PEFT's 3-D layout: A (rank * E, in), B (out, rank * E)), the piece
@@ -494,6 +505,8 @@ def _merged(
             raise ExportError(f"{source}: {tensor.name} is not an adapter of a weight of {base}")
         pairs.setdefault(target[0], {})[target[1]] = tensor
     scaling = float(lora["alpha"]) / int(lora["rank"])
+    if lora.get("base_dtype") == NF4:
+        _held_in_nf4(ModelConfig.from_dict(config), by_name)
     if expert_pairs:
         _merge_experts(source, ModelConfig.from_dict(config), expert_pairs, by_name, scaling)
     for name, pair in pairs.items():
@@ -504,6 +517,15 @@ def _merged(
             raise ExportError(f"{source}: the adapter of {name} does not fit its shape {list(weight.shape)}")
         by_name[name] = dataclasses.replace(weight, merge=(pair["A"], pair["B"], scaling, None))
     return config, list(by_name.values()), weights
+
+
+def _held_in_nf4(config: ModelConfig, by_name: dict[str, _Tensor]) -> None:
+    """Mark the base's tensors as an NF4 run held them: the blocks' matrices in NF4, the other matrices (the
+    embeddings, the head) in bfloat16; the norms and biases as they are."""
+    quantized = {hf_name(name, config) for name in held_matrices(config)}
+    for name, tensor in by_name.items():
+        if len(tensor.shape) >= 2:
+            by_name[name] = dataclasses.replace(tensor, held=NF4 if name in quantized else "bfloat16")
 
 
 def _merge_experts(
@@ -603,19 +625,23 @@ def _write_weights(path: Path, header: bytes, tensors: list[_Tensor], readers: d
         _own(path)
         handle.write(header)
         for tensor in tensors:
-            if tensor.merge is not None:
+            if tensor.merge is not None or tensor.held == NF4:
                 handle.write(_merged_bytes(tensor, readers, buffer))
                 continue
-            convert = _converter(tensor.dtype, tensor.out_dtype)
+            converts = [_converter(tensor.dtype, tensor.out_dtype)]
+            if tensor.held == "bfloat16":  # through the bf16 the run held it in
+                converts = [_converter(tensor.dtype, "BF16"), _converter("BF16", tensor.out_dtype)]
             for piece in _pieces(readers[tensor.file], tensor, buffer):
-                handle.write(piece if convert is None else convert(piece))
+                for convert in converts:
+                    piece = piece if convert is None else convert(piece)
+                handle.write(piece)
         handle.flush()
         os.fsync(handle.fileno())
 
 
 def _merged_bytes(tensor: _Tensor, readers: dict, buffer: bytearray) -> bytes:
     """An adapted weight with its LoRA update folded in, computed in float32, in the export's dtype (the weight is
-    read whole: one matrix of a block at a time)."""
+    read whole: one matrix of a block at a time); an NF4 base's weight first as its NF4 round trip gives it."""
     import numpy as np
 
     def f32(part: _Tensor):
@@ -623,9 +649,13 @@ def _merged_bytes(tensor: _Tensor, readers: dict, buffer: bytearray) -> bytes:
         convert = _converter(part.dtype, "F32")
         return np.frombuffer(data if convert is None else convert(data), dtype="<f4").reshape(part.shape)
 
-    a, b, scaling, piece = tensor.merge
-    delta = f32(b) @ f32(a) if piece is None else _expert_delta(f32(a), f32(b), *piece)
-    merged = f32(tensor) + np.float32(scaling) * delta
+    merged = f32(tensor)
+    if tensor.held == NF4:
+        merged = round_trip(merged)
+    if tensor.merge is not None:
+        a, b, scaling, piece = tensor.merge
+        delta = f32(b) @ f32(a) if piece is None else _expert_delta(f32(a), f32(b), *piece)
+        merged = merged + np.float32(scaling) * delta
     data = merged.astype("<f4").tobytes()
     convert = _converter("F32", tensor.out_dtype)
     return data if convert is None else convert(data)
