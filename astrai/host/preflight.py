@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.backends import (
@@ -51,7 +52,7 @@ from astrai.common.fit import (
     start_checks,
     tokenizer_hint,
 )
-from astrai.common.memory import training_state_bytes
+from astrai.common.memory import DEVICE_USABLE_SHARE, activation_bytes, training_state_bytes
 from astrai.common.model_folder import (
     ModelConfig,
     ModelLoadError,
@@ -62,8 +63,9 @@ from astrai.common.model_folder import (
     num_parameters,
     weight_files,
 )
+from astrai.common.nf4 import MIN_CUDA_CAPABILITY, MIN_TORCH, NF4
 from astrai.common.paths import folder_problem, length_problem, nearest_existing, read_only
-from astrai.common.plan import RunPlan, lora_base_dtype, resolve_plan
+from astrai.common.plan import RunPlan, resolve_plan
 from astrai.common.settings import LoRASettings
 from astrai.common.values import format_bytes
 from astrai.host import compose, engine
@@ -402,8 +404,11 @@ def _fit_check(
 
 
 def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model, units=None) -> Check:
-    """What the training state takes per rank, for full fine-tuning and for LoRA: why LoRA fits where full does not;
-    for the online types, generation's key/value caches beside it (``units``: the prompts the run samples)."""
+    """What the training state takes per rank, for full fine-tuning and for LoRA with its base held in each of nf4,
+    bfloat16 and float32: why LoRA (and a 4-bit base) fits where the rest does not; on GPUs, with a micro-batch's
+    activations, whether the chosen one fits their memory (a warning when it does not); for the online types,
+    generation's key/value caches beside it (``units``: the prompts the run samples). FAIL for an NF4 base on a GPU
+    that cannot compute it."""
     if config is None or model is None:
         return Check(SKIP, "training state", "not estimated: see the lines above")
     model_config = model[0]
@@ -413,25 +418,13 @@ def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model,
         plan = container_plan(runtime, config, at_least_one=True)
     except ConfigError:
         return Check(SKIP, "training state", "not estimated: see the lines above")
-    world = plan.batch.world_size
-    sharded = plan.parallel_mode == "fsdp"
-    share = world if sharded else 1
-    total = num_parameters(model_config)
-    training = config.training
-    rank = plan.lora.rank if plan.lora is not None else 16  # with LoRA off: what rank 16 would take
-    adapters = num_adapter_parameters(model_config, rank, training.lora_targets)
-    # With LoRA off, what it would hold its base in on this device: the comparison says why LoRA fits.
-    base_dtype = plan.base_dtype or lora_base_dtype(training.lora_base_dtype, plan.device_type)
-    full = training_state_bytes(total, 0, None) / share
-    lora = training_state_bytes(total, adapters, base_dtype) / share
-    chosen = "LoRA" if plan.lora is not None else "full fine-tuning"
-    per = f" per rank ({world} under FSDP)" if sharded else " per process"
-    found = (
-        f"{chosen} (this config){per}, weights + gradients + AdamW moments before activations: full fine-tuning "
-        f"{format_bytes(full)} ({total:,} trainable); LoRA rank {rank} on {len(training.lora_targets)} projections "
-        f"{format_bytes(lora)} ({adapters:,} trainable, {adapters / (total + adapters):.2%}, {total:,} frozen in "
-        f"{base_dtype})"
-    )
+    gpus = _gpus() if plan.device_type == "cuda" else []
+    if plan.base_dtype == NF4:
+        refused = _nf4_refusal(gpus)
+        if refused is not None:
+            return Check(FAIL, "training state", refused, "use training.lora_base_dtype bfloat16 on this host")
+    sizes = _state_sizes(plan, config, model_config)
+    found = sizes.line
     if plan.sampling is not None and units is not None and len(units):
         context, _ = prompt_room(model_config, plan.sampling.max_new_tokens, model[1])
         cache = plan.generation_cache(model_config, context, max(units.takes))
@@ -439,7 +432,107 @@ def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model,
             f"; generation's key/value caches {format_bytes(cache.bytes)} ({cache.rows} rows of a round x "
             f"{cache.capacity} positions, split in parts where the device's memory calls for it)"
         )
-    return Check(PASS, "training state", found)
+    if not gpus:
+        return Check(PASS, "training state", found)
+    fits, verdict = _fits_gpus(plan, config, model_config, sizes, min(memory for _, memory, _ in gpus))
+    return Check(PASS if fits else WARN, "training state", f"{found}; {verdict}")
+
+
+@dataclass(frozen=True)
+class _StateSizes:
+    """The training state per rank of each choice (bytes), and the line that states them."""
+
+    full: float
+    lora: dict[str, float]
+    """By the frozen base's dtype: nf4, bfloat16, float32."""
+    chosen: str | None
+    """The config's: None for full fine-tuning, else its base's dtype."""
+    line: str
+
+
+def _state_sizes(plan: RunPlan, config: TrainerConfig, model_config: ModelConfig) -> _StateSizes:
+    world, training = plan.batch.world_size, config.training
+    share = world if plan.parallel_mode == "fsdp" else 1
+    total = num_parameters(model_config)
+    rank = plan.lora.rank if plan.lora is not None else 16  # with LoRA off: what rank 16 would take
+    adapters = num_adapter_parameters(model_config, rank, training.lora_targets)
+    full = training_state_bytes(model_config, 0, None) / share
+    lora = {dtype: training_state_bytes(model_config, adapters, dtype) / share for dtype in (NF4, *_WIDE_BASES)}
+    chosen = plan.base_dtype if plan.lora is not None else None
+    marked = {dtype: " (this config)" if dtype == chosen else "" for dtype in lora}
+    per = f" per rank ({world} under FSDP)" if share > 1 else " per process"
+    bases = ", ".join(f"{dtype} {format_bytes(size)}{marked[dtype]}" for dtype, size in lora.items())
+    line = (
+        f"{'LoRA' if chosen else 'full fine-tuning'} (this config){per}, weights + gradients + AdamW moments before "
+        f"activations: full fine-tuning {format_bytes(full)} ({total:,} trainable); LoRA rank {rank} on "
+        f"{len(training.lora_targets)} projections ({adapters:,} trainable, {adapters / (total + adapters):.2%}), the "
+        f"{total:,} frozen held in {bases}"
+    )
+    return _StateSizes(full, lora, chosen, line)
+
+
+_WIDE_BASES = ("bfloat16", "float32")
+
+
+def _fits_gpus(
+    plan: RunPlan, config: TrainerConfig, model_config: ModelConfig, sizes: _StateSizes, memory: int
+) -> tuple[bool, str]:
+    """Whether the config's choice, with a micro-batch's activations, fits a GPU of ``memory`` bytes (the usable
+    share of it), and the sentence that says so with the figures."""
+    checkpointing = config.model.activation_checkpointing
+    tokens = plan.batch.batch_per_device * plan.window_size * (2 if plan.train_type == "dpo" else 1)
+    activations = activation_bytes(model_config, tokens, 2 if plan.autocast else 4, checkpointing)
+    usable = memory * DEVICE_USABLE_SHARE
+    state = sizes.full if sizes.chosen is None else sizes.lora[sizes.chosen]
+    needed = state + activations
+    how = "with activation checkpointing" if checkpointing else "without activation checkpointing"
+    said = (
+        f"with a micro-batch's activations (~{format_bytes(activations)}: {tokens:,} tokens, {how}) this config "
+        f"needs ~{format_bytes(needed)} of each GPU's {format_bytes(memory)} ({DEVICE_USABLE_SHARE:.0%} usable): "
+    )
+    if needed <= usable:
+        return True, said + "fits"
+    better = [dtype for dtype, size in sizes.lora.items() if size + activations <= usable and dtype != sizes.chosen]
+    hints = []
+    if better:
+        lora = "" if sizes.chosen else "lora_rank 16 with "
+        hints.append(f"training.{lora}lora_base_dtype {better[0]}")
+    if not checkpointing:
+        hints.append("model.activation_checkpointing: true")
+    hints.append("a smaller batch_per_device or window_size")
+    return False, said + f"may not fit; try {', or '.join(hints)}"
+
+
+def _nf4_refusal(gpus: list[tuple[str, int, tuple[int, int]]]) -> str | None:
+    """Why an NF4 base cannot run in this job's container: a GPU without bfloat16 products, a torch older than
+    torchao is built for; None when it can."""
+    torch_found = tuple(int(part) for part in TORCH_VERSION.split(".")[:2])
+    if torch_found < MIN_TORCH:
+        return f"training.lora_base_dtype nf4 needs torch {'.'.join(map(str, MIN_TORCH))} or newer for torchao"
+    for name, _, capability in gpus:
+        if capability < MIN_CUDA_CAPABILITY:
+            return (
+                f"training.lora_base_dtype nf4: {name} (compute capability {capability[0]}.{capability[1]}) has no "
+                f"bfloat16 matrix products, which the NF4 base computes in on a GPU (compute capability "
+                f"{'.'.join(map(str, MIN_CUDA_CAPABILITY))} or newer)"
+            )
+    return None
+
+
+def _gpus() -> list[tuple[str, int, tuple[int, int]]]:
+    """The GPUs nvidia-smi lists: (name, total memory in bytes, compute capability); none without nvidia-smi."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    query = [smi, "--query-gpu=name,memory.total,compute_cap", "--format=csv,noheader,nounits"]
+    result = subprocess.run(query, capture_output=True, text=True)
+    gpus = []
+    for line in result.stdout.splitlines() if result.returncode == 0 else []:
+        name, memory, capability = (part.strip() for part in line.rsplit(",", 2))
+        major, _, minor = capability.partition(".")
+        if memory.isdigit() and major.isdigit() and minor.isdigit():
+            gpus.append((name, int(memory) << 20, (int(major), int(minor))))
+    return gpus
 
 
 def container_plan(runtime: Runtime, config: TrainerConfig, at_least_one: bool = False) -> RunPlan:

@@ -15,6 +15,7 @@ from astrai.common.fit import SetupError, check_lora_targets
 from astrai.common.memory import frozen_base_bytes, training_state_bytes
 from astrai.common.model_folder import ModelConfig, num_adapter_parameters, num_parameters
 from astrai.common.settings import LoRASettings
+from astrai.common.values import format_bytes
 from astrai.trainer import lora
 from astrai.trainer.model import PRESETS, Transformer
 from astrai.trainer.nf4 import dequantize, is_nf4, nf4_linear, torchao_nf4
@@ -154,3 +155,52 @@ def test_the_start_checks_refuse_what_nf4_cannot_hold_naming_the_key_and_what_wo
     wide = dataclasses.replace(tiny, dim=256, n_heads=4, n_kv_heads=2, ffn_hidden_dim=512)
     check_lora_targets(wide, training, shards=2)
     assert fmt.nf4_problem(wide, 4).endswith("FSDP world sizes that do: 1, 2; or use ddp, or bfloat16")
+
+
+def _preflight_state(tmp_path, monkeypatch, gpus, training: dict, model_config: ModelConfig, **keys):
+    from astrai.host import preflight
+    from astrai.host.runtime import resolve_runtime
+    from tests.support import write_config
+
+    monkeypatch.setattr(preflight, "_gpus", lambda: gpus)
+    monkeypatch.setattr(preflight, "_visible_gpus", lambda: len(gpus))
+    runtime_block = {"gpu": {"devices": "all", "parallel_mode": "fsdp"}, "container": {"cuda_tag": "cu128"}}
+    runtime = resolve_runtime(write_config(tmp_path, runtime_block))
+    config = build_config({"training": training, **keys})
+    return preflight._training_state_check(runtime, config, (model_config,))
+
+
+LLAMA_70B = ModelConfig(
+    dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden_dim=28672, vocab_size=128256, tie_embeddings=False
+)
+H100 = ("NVIDIA H100 80GB HBM3", 81559 << 20, (9, 0))
+
+
+def test_preflight_says_a_70b_llama_fits_two_80gb_gpus_with_an_nf4_base_and_not_with_bf16(tmp_path, monkeypatch):
+    training = {"lora_rank": 16, "lora_base_dtype": "nf4", "batch_per_device": 1}
+    keys = {"data": {"window_size": 4096}, "model": {"activation_checkpointing": True}}
+    check = _preflight_state(tmp_path, monkeypatch, [H100, H100], training, LLAMA_70B, **keys)
+    assert check.mark == "✓", check.detail
+    adapters = num_adapter_parameters(LLAMA_70B, 16, build_config({"training": training}).training.lora_targets)
+    nf4 = (frozen_base_bytes(LLAMA_70B, "nf4") + 16 * adapters) / 2
+    assert "per rank (2 under FSDP)" in check.detail
+    assert f"nf4 {format_bytes(nf4)} (this config)" in check.detail  # 21.4 GB a rank, beside bf16's and fp32's
+    assert "bfloat16 67.3 GiB, float32 133.0 GiB;" in check.detail
+    assert "4,096 tokens, with activation checkpointing" in check.detail
+    assert check.detail.endswith("of each GPU's 79.6 GiB (90% usable): fits"), check.detail
+    # The same with a bf16 base: the state alone nearly fills the GPU; with the activations it may not fit.
+    check = _preflight_state(
+        tmp_path, monkeypatch, [H100, H100], {**training, "lora_base_dtype": "bf16"}, LLAMA_70B, **keys
+    )
+    assert check.mark == "!" and "may not fit; try training.lora_base_dtype nf4" in check.detail, check.detail
+
+
+def test_preflight_refuses_an_nf4_base_on_a_gpu_without_bfloat16(tmp_path, monkeypatch):
+    v100 = ("Tesla V100-SXM2-32GB", 32510 << 20, (7, 0))
+    training = {"lora_rank": 16, "lora_base_dtype": "nf4"}
+    check = _preflight_state(tmp_path, monkeypatch, [v100, v100], training, PRESETS["tiny"])
+    assert check.mark == "✗" and "Tesla V100-SXM2-32GB (compute capability 7.0) has no bfloat16" in check.detail
+    check = _preflight_state(
+        tmp_path, monkeypatch, [v100, v100], {**training, "lora_base_dtype": "float32"}, PRESETS["tiny"]
+    )
+    assert check.mark == "✓", check.detail
