@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from astrai.common.contract import MODEL_CONFIG_FILE
-from astrai.common.model_config import MODEL_TYPES, ModelConfig
+from astrai.common.model_config import MODEL_TYPES, ModelConfig, quantized_weights
 from astrai.common.safetensors_file import ModelLoadError
 
 BACKEND_AUTO, BACKEND_NATIVE, BACKEND_TRANSFORMERS = "auto", "native", "transformers"
@@ -100,6 +100,10 @@ class TransformersConfig:
 
     @classmethod
     def from_dict(cls, values: dict, where: str = MODEL_CONFIG_FILE) -> TransformersConfig:
+        refused = quantized_weights(values)
+        if refused is not None:
+            raise ModelLoadError(f"{where}: {refused}")
+
         def number(*keys, default=None) -> int:
             for key in keys:
                 value = values.get(key)

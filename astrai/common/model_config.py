@@ -400,6 +400,9 @@ class ModelConfig:
         """Build from a parsed ``config.json`` of either form; anything unusable raises ValueError naming the key."""
         if not isinstance(values, dict):
             raise ValueError("expected a JSON object")
+        refused = quantized_weights(values)
+        if refused is not None:
+            raise ValueError(refused)
         if "model_type" in values:
             return _from_hf(values)
         raise ValueError(f"model_type is missing; expected one of {', '.join(MODEL_TYPES)}")
@@ -417,6 +420,22 @@ class ModelConfig:
             raise ModelLoadError(f"{path}: cannot be read by uid {os.getuid()}; check its permissions") from None
         except (OSError, ValueError, TypeError) as error:
             raise ModelLoadError(f"{path}: {error}") from None
+
+
+def quantized_weights(values: dict) -> str | None:
+    """Why a folder whose ``config.json`` (``values``) has a ``quantization_config`` is not read (bitsandbytes' 4-bit
+    or 8-bit weights, torchao's, GPTQ's, AWQ's, FP8's...), with the remedy; None for any other folder."""
+    quantization = values.get("quantization_config")
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else "unreadable"
+    four_bit = isinstance(quantization, dict) and quantization.get("bnb_4bit_quant_type")
+    how = f"{method}, {four_bit}" if four_bit else method
+    return (
+        f"quantization_config: its weights are stored quantised ({how}), and the trainer reads unquantised weights "
+        "(float32, bfloat16, float16) only; give the folder of the model it was quantised from, and set "
+        "training.lora_base_dtype: nf4 to hold it in 4 bits while training (QLoRA)"
+    )
 
 
 def _check_positive_int(name: str, value) -> None:

@@ -204,3 +204,38 @@ def test_preflight_refuses_an_nf4_base_on_a_gpu_without_bfloat16(tmp_path, monke
         tmp_path, monkeypatch, [v100, v100], {**training, "lora_base_dtype": "float32"}, PRESETS["tiny"]
     )
     assert check.mark == "✓", check.detail
+
+
+@pytest.mark.parametrize(
+    ("quantization", "said"),
+    [
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "(bitsandbytes, nf4)"),
+        ({"quant_method": "torchao", "quant_type": {"default": {"_type": "Int4WeightOnlyConfig"}}}, "(torchao)"),
+    ],
+)
+def test_a_folder_of_quantised_weights_is_refused_naming_the_remedy(
+    tmp_path, tiny_model, corpus_data, quantization, said, capsys
+):
+    """Refused, not read (docs/lora.md says so): the trainer, --dry-run and preflight read config.json the same way."""
+    import json
+    import shutil
+
+    from astrai.common.backends import BACKEND_TRANSFORMERS, load_model_config
+    from astrai.common.model_folder import ModelLoadError
+    from astrai.trainer.loop import main
+    from tests.support import write_config
+
+    folder = tmp_path / "quantised"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    remedy = "give the folder of the model it was quantised from, and set training.lora_base_dtype: nf4"
+    for backend in ("native", BACKEND_TRANSFORMERS):
+        with pytest.raises(ModelLoadError, match="config.json: quantization_config: its weights are stored quantised"):
+            load_model_config(folder, backend)
+    sections = {"ckpt": {"param_path": str(folder), "ckpt_dir": str(tmp_path / "c")}}
+    path = write_config(tmp_path, {}, trainer={**sections, "data": {"data_root_path": str(corpus_data)}})
+    code = main(["--config", str(path), "--lora_rank", "4", "--lora_base_dtype", "nf4", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code != 0 and f"stored quantised {said}" in err and remedy in err and "Traceback" not in err, err
+    assert not (tmp_path / "c").exists()

@@ -172,7 +172,9 @@ def test_fsdp_on_two_ranks_shards_the_nf4_base_stops_and_resumes_bitwise_and_on_
     assert "the frozen base held in nf4" in run.output()
     parts = train_yaml(tmp_path / "parts.yaml", ckpt_dir=str(tmp_path / "parts"), **keys)
     stop_gracefully(
-        Run([*command, str(parts)], trainer_env, tmp_path / "p1.log"), lambda: metrics_step(tmp_path / "parts") >= 3
+        Run([*command, str(parts)], trainer_env, tmp_path / "p1.log"),
+        lambda: metrics_step(tmp_path / "parts") >= 3,
+        rank=1,
     )
     stopped = latest_complete_checkpoint(tmp_path / "parts")
     assert stopped.meta.parallel_mode == "fsdp" and stopped.meta.lora["base_dtype"] == "nf4" and stopped.step < 8
