@@ -85,7 +85,9 @@ RUN set -eu; \
         python3 -m pip install --quiet ${TRACKER_PACKAGES}; \
     fi
 # transformers, only for a job whose model trains through it (model.backend: transformers, or auto with a family
-# the trainer does not compute); `invoke start` passes the pinned version (astrai/common/backends.py).
+# the trainer does not compute), and torchao, only for a job whose LoRA base is held in 4 bits
+# (training.lora_base_dtype: nf4); `invoke start` passes the pinned versions (astrai/common/backends.py,
+# astrai/common/nf4.py).
 ARG MODEL_PACKAGES=""
 RUN set -eu; \
     if [ -n "${MODEL_PACKAGES}" ]; then \

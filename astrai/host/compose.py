@@ -149,7 +149,8 @@ def render_override(
                 "BASE_IMAGE": base_image(runtime),
                 "CUDA_TAG": runtime.cuda_tag,
                 "GID": str(gid),
-                # transformers joins the image only for a job whose model trains through it (model.backend).
+                # transformers joins the image only for a job whose model trains through it (model.backend), torchao
+                # only for one whose LoRA base is held in NF4 (training.lora_base_dtype).
                 "MODEL_PACKAGES": " ".join(spec.packages),
                 "TORCH_VERSION": TORCH_VERSION,
                 # The trackers' clients join the image only for a job that reports to them (log.report_to).

@@ -70,7 +70,8 @@ class LaunchSpec:
     """The remote trackers the trainer reports to (log.report_to): the image needs their clients, and the container
     their variables (:data:`TRACKER_SECRETS`), passed by name."""
     packages: tuple[str, ...] = ()
-    """What the image installs for the job's model: transformers when it trains through it (model.backend)."""
+    """What the image installs for the job's model: transformers when it trains through it (model.backend), torchao
+    for an NF4 base (training.lora_base_dtype)."""
 
 
 def mounts(runtime: Runtime) -> tuple[Mount, ...]:

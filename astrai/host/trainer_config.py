@@ -18,6 +18,7 @@ from pathlib import Path
 from astrai.common.backends import BACKEND_TRANSFORMERS, TRANSFORMERS_PACKAGE, folder_model_type, resolve_backend
 from astrai.common.config import TrainerConfig, parse_args, parse_overrides, trainer_sections
 from astrai.common.configfile import ConfigError
+from astrai.common.nf4 import NF4, TORCHAO_PACKAGE
 from astrai.common.contract import (
     CONTAINER_DATA,
     CONTAINER_MODEL,
@@ -167,14 +168,16 @@ def _pairs(user_args: list[str]) -> list[tuple[str, str]]:
 
 def model_packages_of(runtime: Runtime, user_args: list[str] | tuple[str, ...] = ()) -> tuple[str, ...]:
     """What the image installs for this job's model: transformers when its plan trains through it (model.backend,
-    resolved for the model_type of runtime.paths.model); none where the config does not read or does not fit."""
+    resolved for the model_type of runtime.paths.model), torchao when LoRA holds its base in NF4
+    (training.lora_base_dtype); none where the config does not read or does not fit."""
     try:
         config = read_trainer_config(runtime, list(user_args))
         folder = host_path(runtime, config.ckpt.param_path) or runtime.model_dir
         backend = resolve_backend(config.model.backend, folder_model_type(folder))
     except (ConfigError, ValueError):
         return ()
-    return (TRANSFORMERS_PACKAGE,) if backend == BACKEND_TRANSFORMERS else ()
+    nf4 = config.training.lora_rank > 0 and config.training.lora_base_dtype == NF4
+    return (TRANSFORMERS_PACKAGE,) * (backend == BACKEND_TRANSFORMERS) + (TORCHAO_PACKAGE,) * nf4
 
 
 def trackers_of(runtime: Runtime, user_args: list[str] | tuple[str, ...] = ()) -> tuple[str, ...]:

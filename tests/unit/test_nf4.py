@@ -239,3 +239,30 @@ def test_a_folder_of_quantised_weights_is_refused_naming_the_remedy(
     err = capsys.readouterr().err
     assert code != 0 and f"stored quantised {said}" in err and remedy in err and "Traceback" not in err, err
     assert not (tmp_path / "c").exists()
+
+
+def test_the_image_installs_torchao_only_for_a_job_with_an_nf4_base_at_the_version_setup_cfg_pins(tmp_path, tiny_model):
+    import configparser
+
+    from astrai.host import compose
+    from astrai.host.runtime import resolve_runtime
+    from tests.support import write_config
+
+    for name in ("d", "c"):
+        (tmp_path / name).mkdir()
+    paths = {"data": "d", "model": str(tiny_model), "checkpoints": "c"}
+    runtime = resolve_runtime(write_config(tmp_path, {"job_name": "q", "gpu": {"devices": "none"}, "paths": paths}))
+
+    def packages(*args: str) -> str:
+        return compose.render_override(runtime, list(args), uid=1000, gid=1000)["services"]["trainer"]["build"]["args"][
+            "MODEL_PACKAGES"
+        ]
+
+    assert packages("--lora_rank", "4", "--lora_base_dtype", "nf4") == fmt.TORCHAO_PACKAGE == "torchao==0.18.0"
+    assert packages("--lora_rank", "4", "--lora_base_dtype", "bf16") == ""
+    assert packages("--lora_base_dtype", "nf4") == ""  # no LoRA: the key does nothing, nothing is installed
+    setup = configparser.ConfigParser()
+    setup.read(compose.PROJECT_ROOT / "setup.cfg")
+    extras = setup["options.extras_require"]
+    for extra in ("nf4", "dev"):
+        assert fmt.TORCHAO_PACKAGE in extras[extra].split(), extra
