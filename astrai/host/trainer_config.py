@@ -18,7 +18,6 @@ from pathlib import Path
 from astrai.common.backends import BACKEND_TRANSFORMERS, TRANSFORMERS_PACKAGE, folder_model_type, resolve_backend
 from astrai.common.config import TrainerConfig, parse_args, parse_overrides, trainer_sections
 from astrai.common.configfile import ConfigError
-from astrai.common.nf4 import NF4, TORCHAO_PACKAGE
 from astrai.common.contract import (
     CONTAINER_DATA,
     CONTAINER_MODEL,
@@ -26,6 +25,7 @@ from astrai.common.contract import (
     resolve_parallel_mode,
     trainer_arguments,
 )
+from astrai.common.nf4 import NF4, TORCHAO_PACKAGE
 from astrai.host.runtime import Runtime
 
 _FLAGS = ("--dry-run",)
