@@ -127,13 +127,26 @@ def _pair_table(codebook: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.stack((values.repeat_interleave(16), values.repeat(16)), dim=-1)
 
 
+DEQUANTIZE_BLOCKS = 1 << 14
+"""Eager dequantisation writes the matrix this many blocks (a million numbers) at a time, so that its only
+transient beyond the matrix itself is a chunk's indices and values (compiled, the steps fuse into one kernel)."""
+
+
 def dequantize(weight, dtype: torch.dtype) -> torch.Tensor:
     """The matrix an NF4 tensor stands for, in ``dtype``: each code's value times its block's scale (the int8 scale
     over its scaler block's factor, plus the mean), computed in ``dtype``."""
-    pairs = _pair_table(weight.nf4, dtype)[weight.quantized_data.to(torch.int32)]
+    table = _pair_table(weight.nf4, dtype)
     scaled = weight.quantized_scalers.view(-1, weight.scaler_block_size).to(torch.float32)
-    scales = (scaled / weight.quantization_factor.unsqueeze(-1)).view(-1) + weight.scaler_mean
-    return (pairs.view(-1, weight.block_size) * scales.to(dtype).unsqueeze(-1)).view(weight.shape)
+    scales = ((scaled / weight.quantization_factor.unsqueeze(-1)).view(-1) + weight.scaler_mean).to(dtype)
+    codes = weight.quantized_data.view(scales.shape[0], -1)  # a block's codes, two a byte
+    if torch.compiler.is_compiling():
+        return (table[codes.to(torch.int32)].view(codes.shape[0], -1) * scales.unsqueeze(-1)).view(weight.shape)
+    out = torch.empty(codes.shape[0], weight.block_size, dtype=dtype, device=codes.device)
+    for start in range(0, codes.shape[0], DEQUANTIZE_BLOCKS):
+        part = slice(start, start + DEQUANTIZE_BLOCKS)
+        values = table[codes[part].to(torch.int32)].view(-1, weight.block_size)
+        torch.mul(values, scales[part].unsqueeze(-1), out=out[part])
+    return out.view(weight.shape)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

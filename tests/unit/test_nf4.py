@@ -266,3 +266,41 @@ def test_the_image_installs_torchao_only_for_a_job_with_an_nf4_base_at_the_versi
     extras = setup["options.extras_require"]
     for extra in ("nf4", "dev"):
         assert fmt.TORCHAO_PACKAGE in extras[extra].split(), extra
+
+
+def test_the_plan_says_how_an_nf4_base_is_held_and_counts_no_copy_for_generation(tiny_model):
+    from astrai.common.configfile import ConfigError
+    from astrai.common.plan import resolve_plan
+
+    sections = {"training": {"lora_rank": 4, "lora_base_dtype": "nf4"}, "ckpt": {"param_path": str(tiny_model)}}
+    plan = resolve_plan(build_config(sections), "cuda", 1)
+    line = next(line for line in plan.lines() if line.startswith("lora:"))
+    assert line.endswith(
+        "held in nf4 (the blocks' linear layers in torchao's NF4: blocks of 64, double-quantised scales, each "
+        "dequantised to bfloat16 one layer at a time; the embeddings and head bfloat16), adapters float32"
+    )
+    online = {**sections["training"], "train_type": "online_grpo", "rewards": ["astrai.rewards:exact_answer"]}
+    generating = resolve_plan(build_config({**sections, "training": online}), "cuda", 1)
+    bf16 = resolve_plan(build_config({**sections, "training": {**online, "lora_base_dtype": "float32"}}), "cuda", 1)
+    tiny = PRESETS["tiny"]
+    adapters = num_adapter_parameters(tiny, 4, generating.lora.targets)
+    assert generating.state_bytes(tiny) == training_state_bytes(tiny, adapters, "nf4")  # decoded as held
+    assert bf16.state_bytes(tiny) == training_state_bytes(tiny, adapters, "float32") + 2 * num_parameters(tiny)
+    with pytest.raises(ConfigError, match="lora_base_dtype: nf4 is not supported with model.backend transformers"):
+        resolve_plan(build_config({**sections, "model": {"backend": "transformers"}}), "cpu", 1)
+
+
+@pytest.mark.slow
+def test_compiled_the_nf4_product_is_the_eager_one():
+    """On CUDA the blocks are compiled (model.compile auto): the dequantisation's one fused kernel gives the values the
+    eager chunks give, and the product its gradient."""
+    weight = to_nf4(_matrix((384, 256), seed=9))
+    compiled = torch.compile(lambda: dequantize(weight, torch.float32))()
+    assert torch.equal(compiled, dequantize(weight, torch.float32))
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(10), requires_grad=True)
+    out = torch.compile(lambda x: nf4_linear(x, weight))(x)
+    out.sum().backward()
+    eager = torch.randn(4, 256, generator=torch.Generator().manual_seed(10), requires_grad=True)
+    expected = nf4_linear(eager, weight)
+    expected.sum().backward()
+    assert torch.allclose(out, expected, atol=1e-5) and torch.allclose(x.grad, eager.grad, atol=1e-5)
