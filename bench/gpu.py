@@ -17,6 +17,9 @@ window 512, as when the trainer was first measured on a GPU). Each figure is mea
   logits.
 - ``lora_tokens_per_s_vs_full``, ``lora_peak_mem_vs_full``, ``lora_ckpt_bytes_vs_full``: LoRA r16 (its base in
   bf16) against full fine-tuning, on the same batches.
+- ``nf4_tokens_per_s_vs_bf16``, ``nf4_peak_mem_vs_bf16``, ``nf4_step0_loss_vs_bf16``: LoRA r16 with its base in
+  NF4 (training.lora_base_dtype) over the same with it in bf16: tokens/s on the 0.63B model, the peak memory of a
+  step on a model whose weights dominate (four Llama-8B-shaped blocks, batch 1 x 256, eager), the step-0 loss.
 - ``generate_vs_transformers``: new tokens/s of the generation engine over transformers' ``generate`` (64 prompts
   of 16-64 tokens, 256 new tokens each, greedy, the model in bf16); ``generate_sampled_vs_transformers``: the same,
   sampled as online_grpo samples (temperature 1, top_p 0.95); ``decode_vs_roofline``: one decode step's time over
@@ -81,6 +84,9 @@ class Sizes:
     exact_preset: dict
     exact_window: int
     exact_steps: int
+    nf4_memory_model: dict
+    """QLoRA's peak memory: a model whose weights dominate a step of batch 1 x ``nf4_memory_window``."""
+    nf4_memory_window: int
 
 
 GPU_SIZES = Sizes(
@@ -96,6 +102,15 @@ GPU_SIZES = Sizes(
     exact_preset={"dim": 768, "n_layers": 18, "n_heads": 12, "n_kv_heads": 4, "ffn_hidden_dim": 2304},
     exact_window=512,
     exact_steps=40,
+    nf4_memory_model={
+        "vocab_size": 32000,
+        "dim": 4096,
+        "n_layers": 4,
+        "n_heads": 32,
+        "n_kv_heads": 8,
+        "ffn_hidden_dim": 14336,
+    },
+    nf4_memory_window=256,
 )
 CPU_SIZES = Sizes(
     model={"vocab_size": 512, "dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden_dim": 64},
@@ -110,6 +125,15 @@ CPU_SIZES = Sizes(
     exact_preset={"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden_dim": 64},
     exact_window=16,
     exact_steps=4,
+    nf4_memory_model={
+        "vocab_size": 512,
+        "dim": 128,
+        "n_layers": 2,
+        "n_heads": 2,
+        "n_kv_heads": 2,
+        "ffn_hidden_dim": 256,
+    },
+    nf4_memory_window=16,
 )
 
 
@@ -390,6 +414,48 @@ def lora(bench: Bench) -> None:
             trainer.close()
         sizes[job] = folder_bytes(latest_complete_checkpoint(bench.work / job).path)
     figures.fraction("lora_ckpt_bytes_vs_full", sizes["lora-ckpt"], sizes["full-ckpt"], inputs=sizes)
+
+
+def nf4(bench: Bench) -> None:
+    """QLoRA: LoRA r16 with its base in NF4 against the same with it in bf16. Tokens/s on the throughput model (its
+    matrices whole NF4 scaler blocks; on a CPU the tiny NF4 model), the peak memory of a step on a model whose weights
+    dominate (batch 1, eager on both sides), and the step-0 loss of one batch both ways."""
+    from astrai.common.model_folder import ModelConfig
+    from astrai.trainer.model import write_base_model
+
+    keys = {"lora_rank": bench.sizes.lora_rank, "lora_alpha": 2 * bench.sizes.lora_rank}
+    memory_params = bench.work / "nf4-memory"
+    write_base_model(memory_params, ModelConfig(**bench.sizes.nf4_memory_model, max_seq_len=2048), seed=0)
+    speed = {} if bench.cuda else {"param_path": str(memory_params)}  # the CPU's throughput model is not NF4-able
+    rates, peaks, losses = {}, {}, {}
+    for dtype in ("bfloat16", "nf4"):
+        rates[dtype], _, _ = _trainer_rate(bench, f"nf4-speed-{dtype}", lora_base_dtype=dtype, **speed, **keys)
+        memory = {"param_path": str(memory_params), "batch_per_device": 1, "compile": False}
+        memory["window_size"] = bench.sizes.nf4_memory_window
+        _, peaks[dtype], _ = _trainer_rate(bench, f"nf4-memory-{dtype}", lora_base_dtype=dtype, **memory, **keys)
+        losses[dtype] = _step0_loss(bench, f"nf4-loss-{dtype}", lora_base_dtype=dtype, **speed, **keys)
+    figures = bench.figures
+    figures.ratio("nf4_tokens_per_s_vs_bf16", [rates["nf4"]], [rates["bfloat16"]])
+    figures.fraction("nf4_peak_mem_vs_bf16", peaks["nf4"], peaks["bfloat16"] or 1.0, inputs={"peak_gib": peaks})
+    figures.fraction("nf4_step0_loss_vs_bf16", losses["nf4"], losses["bfloat16"], inputs={"loss": losses})
+
+
+def _step0_loss(bench: Bench, job: str, **keys) -> float:
+    """The loss of the trainer's model, adapters at their start (the base's), on the first rows of the corpus."""
+    import torch
+
+    from astrai.trainer.build import autocast_for
+    from astrai.trainer.distributed import init_distributed
+    from astrai.trainer.loop import open_trainer
+
+    trainer = open_trainer(bench.config(job, compile=False, **keys), init_distributed("none", bench.device.type))
+    try:
+        rows = torch.stack([trainer.loader.dataset[index] for index in range(bench.sizes.batch)]).to(bench.device)
+        with torch.no_grad(), autocast_for(trainer.plan):
+            logits = trainer.model(rows[:, :-1])
+        return float(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten()))
+    finally:
+        trainer.close()
 
 
 # --- Generation -----------------------------------------------------------------------------------------
@@ -806,19 +872,21 @@ PARTS = {
     "throughput": throughput,
     "chunked loss": chunked_loss,
     "lora": lora,
+    "nf4": nf4,
     "generation": generation,
     "rollouts": rollouts,
     "checkpoints": checkpoints,
     "exactness": exactness,
 }
 BUDGET_S = {
-    "throughput": 100,
+    "throughput": 85,
     "chunked loss": 30,
-    "lora": 60,
-    "generation": 70,
-    "rollouts": 50,
+    "lora": 55,
+    "nf4": 60,
+    "generation": 65,
+    "rollouts": 45,
     "checkpoints": 30,
-    "exactness": 140,
+    "exactness": 110,
 }
 """Each part's wall-time budget (its own process, its start included): together 8 minutes, the section's limit."""
 FAULTS = ("raise", "kill")

@@ -47,6 +47,7 @@ from bench import (
     image_build,
     lora,
     post_training,
+    qlora,
     sharded_checkpoints,
     stop_latency,
     trackers,
@@ -179,6 +180,31 @@ TARGETS = {
     "lora_save_vs_full": ("a LoRA checkpoint save's time over a full one's (worst of small, base)", "<=", 0.2),
     "small_lora_save_vs_full": ("the same on `small`", "<=", 0.2),
     "base_lora_save_vs_full": ("the same on `base`", "<=", 0.2),
+    "nf4_base_bytes_vs_bf16": (
+        "QLoRA: the frozen base's bytes held in NF4 over in bf16 (713M in its blocks)",
+        "<=",
+        0.30,
+    ),
+    "nf4_peak_mem_vs_bf16": (
+        "QLoRA: peak memory in use in LoRA r16 steps, NF4 base over bf16 base (weights dominate: 713M, 1 x 64)",
+        "<=",
+        0.45,
+    ),
+    "nf4_tokens_per_s_vs_bf16": (
+        "the same model's tokens per CPU-second, NF4 over bf16 (the GPU's has the target)",
+        None,
+        None,
+    ),
+    "nf4_step0_loss_vs_bf16": (
+        "the step-0 loss on one batch, NF4 base over bf16 (`small`, trained 60 steps)",
+        "<=",
+        1.02,
+    ),
+    "nf4_logits_top1_vs_bf16": (
+        "the share of that batch's positions whose top token is the same both ways",
+        None,
+        None,
+    ),
     "generate_vs_transformers": (
         "new tokens per CPU-second of the trainer's cached sampling over transformers' generate (8 x 128, greedy)",
         ">=",
@@ -243,6 +269,7 @@ SECTIONS = {
     "post-training": lambda quick, image: post_training.run(quick),
     "sharded checkpoints": lambda quick, image: sharded_checkpoints.run(quick),
     "lora": lambda quick, image: lora.run(quick),
+    "qlora": lambda quick, image: qlora.run(quick),
     "generation": lambda quick, image: generation.run(quick),
     "grpo": lambda quick, image: grpo.run(quick),
     "trackers": lambda quick, image: trackers.run(quick),

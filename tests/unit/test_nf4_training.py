@@ -187,6 +187,17 @@ def test_fsdp_on_two_ranks_shards_the_nf4_base_stops_and_resumes_bitwise_and_on_
     assert "resumed from" in run.output() and latest_complete_checkpoint(tmp_path / "parts").step == 10
 
 
+@pytest.mark.slow
+def test_ddp_on_two_ranks_trains_over_an_nf4_base_no_rank_broadcasts(tmp_path, train_yaml, trainer_env):
+    """DDP broadcasts the model's tensors at start; the NF4 weights are left out (each rank quantised the same base)."""
+    path = train_yaml(tmp_path / "ddp.yaml", ckpt_dir=str(tmp_path / "ddp"), max_steps=3, ckpt_interval=3, **NF4)
+    command = [*TORCHRUN, "-m", "astrai.train", "--parallel_mode", "ddp", "--config", str(path)]
+    run = run_to_end(command, trainer_env, tmp_path / "ddp.log")
+    assert "the frozen base held in nf4" in run.output()
+    final = latest_complete_checkpoint(tmp_path / "ddp")
+    assert final.step == 3 and final.meta.parallel_mode == "ddp" and final.meta.lora["base_dtype"] == "nf4"
+
+
 def test_the_nf4_base_dequantises_to_what_the_export_folds_adapters_into(tiny_model):
     """invoke export's NumPy round trip gives the weights the trainer computes with (to float32 rounding)."""
     from astrai.common.nf4 import round_trip
