@@ -480,7 +480,7 @@ def _fits_gpus(
     """Whether the config's choice, with a micro-batch's activations, fits a GPU of ``memory`` bytes (the usable
     share of it), and the sentence that says so with the figures."""
     checkpointing = config.model.activation_checkpointing
-    tokens = plan.batch.batch_per_device * plan.window_size * (2 if plan.train_type == "dpo" else 1)
+    tokens = plan.batch.batch_per_device * plan.window_size * plan.kind.rows_per_unit
     activations = activation_bytes(model_config, tokens, 2 if plan.autocast else 4, checkpointing)
     usable = memory * DEVICE_USABLE_SHARE
     state = sizes.full if sizes.chosen is None else sizes.lora[sizes.chosen]
