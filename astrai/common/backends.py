@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from astrai.common.contract import MODEL_CONFIG_FILE
-from astrai.common.model_config import MODEL_TYPES, ModelConfig, quantized_weights
+from astrai.common.model_config import MODEL_TYPES, ModelConfig, context_length, quantized_weights
 from astrai.common.safetensors_file import ModelLoadError
 
 BACKEND_AUTO, BACKEND_NATIVE, BACKEND_TRANSFORMERS = "auto", "native", "transformers"
@@ -95,7 +95,6 @@ class TransformersConfig:
     eos_token_id: object = None
     pad_token_id: object = None
     values: dict = field(default_factory=dict, compare=False, repr=False)
-    sliding_window: int | None = None
     rope_depends_on_length: bool = False
 
     @classmethod
@@ -139,6 +138,12 @@ class TransformersConfig:
     def head_size(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def context(self) -> int:
+        """The longest sequence the model takes: max_position_embeddings as its RoPE scaling stretches it (the rule
+        of :func:`astrai.common.model_config.context_length`; a RoPE per kind of layer: the longest)."""
+        return max(context_length(self.max_seq_len, *_stretch(rope, self.values)) for rope in _ropes(self.values))
+
     # What a mixture of experts would add to the FLOP count (astrai.trainer.report.matmul_params): counted as
     # dense here, the estimate this path's MFU already is.
     sparse_layers: tuple[int, ...] = ()
@@ -149,6 +154,27 @@ class TransformersConfig:
     def to_json(self) -> str:
         """config.json as the folder had it: a checkpoint loads in transformers as its base model does."""
         return json.dumps(self.values, indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+def _ropes(values: dict) -> list[dict]:
+    """The RoPE settings of a config.json: 5.x's rope_parameters (one object, or one per kind of layer) or 4.x's
+    rope_scaling; [{}] for none."""
+    found = values.get("rope_parameters") or values.get("rope_scaling")
+    if not isinstance(found, dict):
+        return [{}]
+    return [rope for rope in found.values() if isinstance(rope, dict)] or [found]
+
+
+def _stretch(rope: dict, values: dict) -> tuple[str | None, float | None, int | None]:
+    """(rope_type, factor, original_max_position_embeddings) of one RoPE's settings, None for what it lacks."""
+    kind = rope.get("rope_type", rope.get("type"))
+    factor = rope.get("factor")
+    original = rope.get("original_max_position_embeddings", values.get("original_max_position_embeddings"))
+    return (
+        kind if isinstance(kind, str) else None,
+        float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 0 else None,
+        original if isinstance(original, int) and not isinstance(original, bool) and original > 0 else None,
+    )
 
 
 def load_model_config(folder: Path, backend: str | None = None) -> ModelConfig | TransformersConfig:

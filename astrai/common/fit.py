@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.checkpoints import CheckpointMeta
-from astrai.common.contract import MODEL_CONFIG_FILE, TOKENIZER_FILE, resolve_parallel_mode
+from astrai.common.contract import TOKENIZER_FILE, resolve_parallel_mode
 from astrai.common.data_folder import TokenData, WindowSplit, data_kind, prompt_units, tokenizer_digest
 from astrai.common.errors import AstraiError
-from astrai.common.model_folder import EXPERT_ADAPTERS, ModelConfig, adapted_modules, check_window
+from astrai.common.model_folder import EXPERT_ADAPTERS, ModelConfig, adapted_modules
 from astrai.common.nf4 import NF4, nf4_problem
 from astrai.common.settings import LoRASettings
 
@@ -62,12 +62,11 @@ def check_fit(
             f"data vocabulary {data.vocab_size} ({data.tokenizer_description}, {data.root}) does not fit "
             f"the model's vocab_size {model.vocab_size} ({model_source}); {fix}"
         )
-    if window_size > model.max_seq_len:
+    if window_size > model.context:
         raise SetupError(
-            f"data.window_size {window_size} exceeds the model's max_seq_len {model.max_seq_len} ({model_source}); "
-            f"lower data.window_size to {model.max_seq_len} or less"
+            f"data.window_size {window_size} exceeds the model's context of {model.context} tokens "
+            f"({_context_words(model)}; {model_source}); lower data.window_size to {model.context} or less"
         )
-    check_window(model, window_size, Path(model_source) / MODEL_CONFIG_FILE)
     split = WindowSplit.from_fraction(data.num_windows(window_size) if units is None else units, val_fraction)
     held_out = f" ({split.num_val} held out for validation)" if split.num_val else ""
     if val_fraction > 0 and not split.num_val:
@@ -205,10 +204,17 @@ def check_resume(
     return notes
 
 
+def _context_words(model) -> str:
+    """Where a model's context comes from, in a few words."""
+    if model.context == model.max_seq_len:
+        return f"its max_position_embeddings {model.max_seq_len}"
+    return f"max_position_embeddings {model.max_seq_len} as its RoPE scaling stretches it"
+
+
 def prompt_room(model: ModelConfig, max_completion_length: int, model_source: Path) -> tuple[int, int]:
     """(the model's context, the tokens of it a prompt may keep) for the online types, which score prompt and
     completion in one pass; SetupError when max_completion_length leaves no room."""
-    limit = min(model.max_seq_len, model.sliding_window or model.max_seq_len)
+    limit = model.context
     room = limit - max_completion_length
     if room < 1:
         raise SetupError(

@@ -144,7 +144,8 @@ class ModelConfig:
     ffn_hidden_dim: int = 384
     """Hidden width of the gated MLP (``intermediate_size``)."""
     max_seq_len: int = 1024
-    """Longest sequence the model is meant for (``max_position_embeddings``); ``window_size`` must not exceed it."""
+    """``max_position_embeddings``: the longest sequence the model is meant for, which its RoPE scaling may stretch
+    (:attr:`context`); ``window_size`` must not exceed that."""
     rope_theta: float = 10000.0
     """Base of the rotary embedding frequencies."""
     norm_eps: float = 1e-5
@@ -156,8 +157,8 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     """RoPE frequency scaling of a long-context model; None for plain RoPE."""
     sliding_window: int | None = None
-    """Mistral's (and Phi-3's) attention window, the same for every layer; None attends to the whole sequence.
-    Training windows must fit in it."""
+    """Mistral's (and Phi-3's, Mixtral's) attention window, the same for every layer: a token attends to itself and
+    the sliding_window - 1 before it; None attends to the whole sequence. Not a limit of the sequence's length."""
     bos_token_id: int | None = None
     """Kept from a Hugging Face config so that generation from a checkpoint behaves like the base model's."""
     eos_token_id: int | tuple[int, ...] | None = None
@@ -354,6 +355,30 @@ class ModelConfig:
         """Whether the rotary tables change with the sequence's length (dynamic NTK, longrope)."""
         return self.rope_scaling is not None and self.rope_scaling.depends_on_length
 
+    @property
+    def context(self) -> int:
+        """The longest sequence the model takes (:func:`context_length`): training windows, a prompt with its
+        completion. A sliding window is not a limit of it."""
+        scaling = self.rope_scaling
+        if scaling is None:
+            return context_length(self.max_seq_len)
+        return context_length(
+            self.max_seq_len, scaling.rope_type, scaling.factor, scaling.original_max_position_embeddings
+        )
+
+    @property
+    def attention_window(self) -> int | None:
+        """How many tokens a windowed layer attends to (itself and the ones before it): Mistral's, Phi-3's and
+        Mixtral's ``sliding_window`` in every layer, Gemma's in its local layers; None: no layer has a window."""
+        return self.local_window if self.local_layers else self.sliding_window
+
+    @property
+    def window_layers(self) -> tuple[int, ...]:
+        """The layers that attend within :attr:`attention_window` (the others attend to the whole sequence)."""
+        if self.local_layers:
+            return self.local_layers
+        return tuple(range(self.n_layers)) if self.sliding_window is not None else ()
+
     def to_hf_dict(self) -> dict:
         """``config.json`` in the form transformers 4.x and 5.x both read."""
         scaling = self.rope_scaling.to_dict() if self.rope_scaling is not None else None
@@ -436,6 +461,24 @@ def quantized_weights(values: dict) -> str | None:
         "(float32, bfloat16, float16) only; give the folder of the model it was quantised from, and set "
         "training.lora_base_dtype: nf4 to hold it in 4 bits while training (QLoRA)"
     )
+
+
+def context_length(
+    max_positions: int, rope_type: str | None = None, factor: float | None = None, original: int | None = None
+) -> int:
+    """The longest sequence a model takes, prompt and completion together: the one rule, for both backends, for
+    training windows, prompts and generation.
+
+    It is ``max_position_embeddings``, stretched where the RoPE scaling says how far: dynamic NTK scales the
+    positions past ``max_position_embeddings`` itself (``factor`` times as many); a scaling that names the context
+    it stretches (``original_max_position_embeddings``) and a ``factor`` reaches ``original x factor`` (Qwen's yarn
+    keeps max_position_embeddings at the original). A sliding window is never a limit: it says what each token
+    attends to, not how long a sequence is (a token past it attends to the last ``sliding_window`` tokens)."""
+    if rope_type == "dynamic" and factor is not None and factor > 1:
+        return int(max_positions * factor)
+    if original is not None and factor is not None:
+        return max(max_positions, int(original * factor))
+    return max_positions
 
 
 def _check_positive_int(name: str, value) -> None:

@@ -540,15 +540,6 @@ def _expected(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str
     return shapes, from_hf, {**expert_pieces(config, True), **expert_pieces(config, False)}
 
 
-def check_window(config: ModelConfig, window_size: int, source: Path | str) -> None:
-    """Refuse training windows a Mistral-style sliding window would cut."""
-    if config.sliding_window is not None and window_size > config.sliding_window:
-        raise ModelLoadError(
-            f"{source}: sliding_window {config.sliding_window} is shorter than data.window_size {window_size}; "
-            f"train with data.window_size <= {config.sliding_window}"
-        )
-
-
 def describe(folder: Path, config: ModelConfig, weights: WeightsSummary) -> str:
     """One line: the family and what it computes beyond Llama, parameter count, dtype, files."""
     shards = f"{len(weights.files)} shards" if len(weights.files) > 1 else weights.files[0].name

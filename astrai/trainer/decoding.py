@@ -170,8 +170,7 @@ class DecodeEngine:
         draws: list[Draws] | None = None,
     ) -> list[list[int]]:
         """The completion of each prompt; ``draws`` say which generator draws for which rows (in order)."""
-        config = self.inner.config
-        limit = min(config.max_seq_len, config.sliding_window or config.max_seq_len)
+        limit = self.inner.config.context  # the model's context (astrai.common.model_config.context_length)
         draws, needed = checked_round(prompts, sampling, draws, limit)
         if sampling.temperature == 0:  # nothing is drawn: any row may go in any part
             draws = [Draws(1) for _ in prompts]

@@ -176,10 +176,8 @@ class TransformersModel(nn.Module):
         score: TokenTargets | None = None,
     ) -> torch.Tensor | TokenScores:
         """Logits of ``tokens`` (B, T), or with ``score`` the log-probabilities of its targets (TokenScores)."""
-        if tokens.shape[1] > self.config.max_seq_len:
-            raise ValueError(
-                f"sequence length {tokens.shape[1]} exceeds max_position_embeddings {self.config.max_seq_len}"
-            )
+        if tokens.shape[1] > self.config.context:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's context of {self.config.context}")
         mask = None
         if segments is not None:  # each token sees the earlier tokens of its own record: a 4D mask, True = attend
             causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).tril()
@@ -299,7 +297,7 @@ class TransformersDecoding:
         stop: set[int] | frozenset[int] = frozenset(),
         draws: list[Draws] | None = None,
     ) -> list[list[int]]:
-        draws, _ = checked_round(prompts, sampling, draws, self.inner.config.max_seq_len)
+        draws, _ = checked_round(prompts, sampling, draws, self.inner.config.context)
         device = next(self.inner.parameters()).device
         batch = len(prompts)
         tokens, real = left_padded(prompts)

@@ -52,9 +52,6 @@ from astrai.common.model_folder import (
     saved_name,
     tensor_shapes,
 )
-from astrai.common.model_folder import (
-    check_window as check_window,
-)
 from astrai.common.model_folder import model_digest as model_digest
 from astrai.common.model_folder import num_parameters as num_parameters
 from astrai.common.paths import PathError, output_folder
@@ -573,14 +570,14 @@ class KVCache:
         """Each row's rotary position of its next token (its real tokens so far)."""
         self.length = 0
         """Slots filled, as the eager path (:meth:`begin`) counts them; a decode step counts on the device."""
-        self.local_window = config.local_window if config.local_layers else None
-        """Gemma's local layers see the last local_window tokens only."""
+        self.local_window = config.attention_window if config.window_layers else None
+        """A windowed layer (every layer of a Mistral, Gemma's local ones) sees the last local_window tokens only."""
         self.rotary: dict[bool, tuple[torch.Tensor, torch.Tensor]] | None = None
-        """The rotary tables (cos, sin) of every position of the cache, by layer kind (local or not), owned by the
+        """The rotary tables (cos, sin) of every position of the cache, by layer kind (windowed or not), owned by the
         cache so that they live as long as the decode step that reads them (a captured step keeps their addresses);
         None for a RoPE that changes with the length, whose tables each step computes (such steps are not captured)."""
         if not config.rope_depends_on_length:
-            kinds = {False, bool(config.local_layers)}
+            kinds = {False, bool(config.window_layers)}
             self.rotary = {local: rotary_tables(config, capacity, device, None, local) for local in kinds}
         self._slots = torch.arange(capacity, device=device)
         self._step = False
@@ -677,8 +674,9 @@ class Transformer(nn.Module):
         # Rotary tables derive from the config: not in the state dict, and not buffers either (DDP would
         # broadcast them every step), computed for the longest sequence seen so far on the device in use.
         self._rope: dict = {}
-        self._local = frozenset(config.local_layers)
-        """Gemma's local layers: a window of their own in the masks, and Gemma 3's RoPE base."""
+        self._local = frozenset(config.window_layers)
+        """The layers that attend within the window (every layer of a Mistral, Gemma's local ones): a mask of their
+        own past it, and Gemma 3's RoPE base."""
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """GPT-2 style init: N(0, 0.02), with residual output projections scaled down by depth."""
@@ -727,13 +725,11 @@ class Transformer(nn.Module):
         if cache is not None:
             return self.decode(tokens, real, cache) if real is not None else self.decode_step(tokens, cache)
         seq_len = tokens.shape[1]
-        scaling = self.config.rope_scaling
-        if seq_len > self.config.max_seq_len and (scaling is None or scaling.rope_type != "dynamic"):
-            # Dynamic NTK is made for longer sequences; any other model only knows positions below max_seq_len.
-            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}")
-        if self.config.sliding_window is not None and seq_len > self.config.sliding_window:
-            # Attention here is plain causal: longer sequences would need the sliding window mask.
-            raise ValueError(f"sequence length {seq_len} exceeds sliding_window {self.config.sliding_window}")
+        if seq_len > self.config.context:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds the model's context of {self.config.context} tokens "
+                f"(max_position_embeddings {self.config.max_seq_len}, stretched where its RoPE scaling says)"
+            )
         inputs = self._layer_inputs(seq_len, positions, segments, tokens.device)
         x = self._embed(tokens)
         for index, layer in enumerate(self.layers):
@@ -762,7 +758,8 @@ class Transformer(nn.Module):
     def _masks(self, seq_len: int, segments, device: torch.device) -> dict[bool, torch.Tensor | None]:
         """The additive attention masks by layer kind; None for plain causal attention (SDPA's fused path)."""
         explicit = self.config.attn_logit_softcapping is not None  # capped scores are computed, not fused
-        banded = bool(self._local) and seq_len > self.config.local_window
+        window = self.config.attention_window
+        banded = bool(self._local) and seq_len > window
         if segments is None and not explicit and not banded:
             return {False: None, True: None}
         causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
@@ -772,8 +769,8 @@ class Transformer(nn.Module):
         full = _additive(allowed) if segments is not None or explicit else None
         if not banded:
             return {False: full, True: full}
-        # A local layer's token sees itself and the local_window - 1 tokens before it.
-        return {False: full, True: _additive(allowed.logical_and(causal.triu(1 - self.config.local_window)))}
+        # A windowed layer's token sees itself and the window - 1 tokens before it.
+        return {False: full, True: _additive(allowed.logical_and(causal.triu(1 - window)))}
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         # The activations are in the norms' dtype, which a narrower (frozen) embedding table does not change.

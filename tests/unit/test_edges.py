@@ -237,7 +237,8 @@ def test_preflight_opens_the_data_the_way_the_trainer_does(tmp_path, tiny_model,
     fits = _line(result, "data fits model")
     assert fits.startswith("✗") and "fewer than one global batch of batch_per_device(100000)" in fits
     result = invoke("preflight", "--config", str(config), "--", "--window_size", "4096")
-    assert "data.window_size 4096 exceeds the model's max_seq_len 1024" in _line(result, "data fits model")
+    said = "data.window_size 4096 exceeds the model's context of 1024 tokens (its max_position_embeddings 1024"
+    assert said in _line(result, "data fits model")
     result = invoke("preflight", "--config", str(config))
     assert _line(result, "data fits model").startswith("✓")
     small = subprocess.run(

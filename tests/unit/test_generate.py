@@ -26,8 +26,10 @@ FOLDERS = {
     # Soft-capped scores and logits; prompt and completion outgrow the local window of every other layer.
     "gemma2": FAMILY_CASES["gemma2"],
     # Fused projections, partial rotary, longrope (within its original context, as transformers' generate keeps
-    # it), no window to limit the generation.
-    "phi3": {**FAMILY_CASES["phi3"], "sliding_window": None},
+    # it); prompt and completion outgrow its sliding window, which limits attention, not the length.
+    "phi3": {**FAMILY_CASES["phi3"], "sliding_window": 8},
+    # A sliding window in every layer, shorter than the longest prompt.
+    "mistral": {"model_type": "mistral", "kv_heads": 2, "sliding_window": 5},
     # Local layers with a RoPE base of their own.
     "gemma3_text": FAMILY_CASES["gemma3_text"],
 }

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from hf_folders import FAMILY_CASES, ROPE_LLAMA3, hf_logits, make_hf_model, to_transformers_4_config
+from hf_folders import FAMILY_CASES, MOE_CASES, ROPE_LLAMA3, hf_logits, make_hf_model, to_transformers_4_config
 from safetensors.torch import load_file, save_file
 
 from astrai.trainer.model import (
@@ -199,10 +199,42 @@ def test_tensors_that_the_config_does_not_expect_are_refused(tmp_path):
         load_pretrained(folder)
 
 
-def test_a_sequence_longer_than_the_sliding_window_is_refused(tmp_path):
-    folder = make_hf_model(tmp_path / "m", model_type="mistral", sliding_window=16)
-    with pytest.raises(ValueError, match="sliding_window 16"):
-        load_pretrained(folder)(_tokens(1, 17))
+# A window shorter than the sequences compared, in every layer: Mistral, Phi-3 (with longrope), Mixtral (experts).
+WINDOWED = {
+    "mistral": dict(model_type="mistral", heads=4, kv_heads=2, sliding_window=6),
+    "phi3": {**FAMILY_CASES["phi3"], "sliding_window": 8},
+    "mixtral": {**MOE_CASES["mixtral"], "sliding_window": 7},
+}
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_past_the_sliding_window_a_token_attends_within_it_as_in_transformers(tmp_path, family):
+    """The window limits attention, not length: a sequence several windows long, and packed records, give
+    transformers' logits; the context is max_position_embeddings."""
+    folder = make_hf_model(tmp_path / "m", **WINDOWED[family])
+    model = load_pretrained(folder)
+    assert model.config.context == 256
+    tokens = _tokens(2, 40)
+    with torch.no_grad():
+        assert (model(tokens) - hf_logits(folder, tokens)).abs().max().item() <= 1e-4
+        segments = torch.tensor([[0] * 25 + [1] * 15] * 2)
+        positions = torch.cat([torch.arange(25), torch.arange(15)]).expand(2, -1)
+        packed = model(tokens, positions, segments)
+        assert (packed[:, 25:] - model(tokens[:, 25:])).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="sequence length 257 exceeds the model's context of 256 tokens"):
+        model(_tokens(1, 257))
+
+
+def test_the_context_is_max_position_embeddings_as_the_rope_scaling_stretches_it(tmp_path):
+    from astrai.common.model_config import context_length
+
+    assert context_length(4096) == 4096
+    assert context_length(2048, "dynamic", 2.0) == 4096  # dynamic NTK: made for positions past the config's
+    assert context_length(32768, "yarn", 4.0, 32768) == 131072  # Qwen's yarn keeps the original in the config
+    assert context_length(131072, "llama3", 8.0, 8192) == 131072  # Llama 3.1 names the stretched one
+    assert context_length(4096, "linear", 4.0) == 4096  # linear does not say which it names: the config's word
+    folder = make_hf_model(tmp_path / "m", model_type="mistral", sliding_window=16, max_positions=64)
+    assert ModelConfig.load(folder).context == 64
     # Without the key, transformers' Mistral default applies.
     _edit_config(folder, sliding_window=None)
     assert ModelConfig.load(folder).sliding_window == 4096

@@ -170,16 +170,28 @@ def test_the_trainer_refuses_bad_base_models_naming_the_key_or_file(tmp_path, hf
     assert not list((tmp_path / "ckpt").glob("epoch_*"))
 
 
-def test_a_sliding_window_shorter_than_the_training_window_is_refused(tmp_path, hf_data, capsys):
+def test_a_sliding_window_shorter_than_the_training_window_trains_and_leaves_prompts_whole(tmp_path, hf_data, capsys):
+    """The window limits attention, not length: windows of 32 train on a Mistral whose sliding_window is 16, and an
+    online run's prompts keep the room the context (max_position_embeddings) leaves them, not the window's."""
+    from astrai.common.fit import prompt_room
+    from astrai.common.model_config import ModelConfig
     from astrai.trainer.loop import main
 
     _, data_dir = hf_data
     base = make_hf_model(tmp_path / "base", model_type="mistral", vocab_size=VOCAB, sliding_window=16)
     config = _write_yaml(
-        tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), data_root_path=str(data_dir), param_path=str(base)
+        tmp_path / "train.yaml",
+        ckpt_dir=str(tmp_path / "ckpt"),
+        data_root_path=str(data_dir),
+        param_path=str(base),
+        max_steps=2,
+        ckpt_interval=2,
     )
-    assert main(["--config", str(config)]) == 1
-    assert "sliding_window 16 is shorter than data.window_size 32" in capsys.readouterr().err
+    assert main(["--config", str(config), "--dry-run"]) == 0
+    assert "start checks: passed" in capsys.readouterr().out
+    assert main(["--config", str(config)]) == 0
+    assert latest_complete_checkpoint(tmp_path / "ckpt").step == 2
+    assert prompt_room(ModelConfig.load(base), 8, base) == (256, 248)
 
 
 def _edit(path: Path, **changes) -> None:

@@ -73,7 +73,8 @@ def test_activation_checkpointing_gives_the_same_gradients(one_thread):
 
 def test_sequence_longer_than_max_seq_len_is_refused():
     model = Transformer(dataclasses.replace(PRESETS["tiny"], max_seq_len=8))
-    with pytest.raises(ValueError, match="max_seq_len 8"):
+    said = r"length 9 exceeds the model's context of 8 tokens \(max_position_embeddings 8"
+    with pytest.raises(ValueError, match=said):
         model(torch.zeros(1, 9, dtype=torch.long))
 
 
