@@ -68,13 +68,41 @@ def resolve_backend(requested: str, model_type: str | None) -> str:
     return BACKEND_NATIVE if native else BACKEND_TRANSFORMERS
 
 
-def describe_backend(backend: str, model_type: str | None) -> str:
-    """One line saying which code computes the model, as preflight and ``--dry-run`` print it."""
+def describe_backend(backend: str, model_type: str | None, library: LibraryModel | None = None) -> str:
+    """One line saying which code computes the model, as preflight and ``--dry-run`` print it (on the transformers
+    path, with what the library builds when it was looked at)."""
     name = model_type or "the model"
     if backend == BACKEND_NATIVE:
         return f"{name} native"
     why = "no native implementation" if model_type not in MODEL_TYPES else "model.backend: transformers"
-    return f"{name} via transformers ({why}: slower than native families)"
+    built = f"; {library.describe()}" if library is not None else ""
+    return f"{name} via transformers ({why}: slower than native families){built}"
+
+
+ATTENTION_PREFERRED = "sdpa"
+"""The attention a model trained through transformers computes with, when its family supports it."""
+
+
+@dataclass(frozen=True)
+class LibraryModel:
+    """What transformers builds for a model folder, found without its weights (:func:`astrai.trainer.hf_model.
+    inspect_folder`: the config read as ``AutoConfig.from_pretrained`` reads it, the model made on the meta device,
+    its output and its adapters' layers looked at), for the run plan to say."""
+
+    model_type: str
+    attention: str
+    """The attention implementation: sdpa, or the one transformers falls back to for a family without it (eager)."""
+    router_aux_loss_coef: float | None = None
+    """A mixture of experts: the weight of its router's load-balancing loss, which the trainer adds to the loss as
+    the native path does (None: no router)."""
+
+    def describe(self) -> str:
+        attention = f"attention {self.attention}"
+        if self.attention != ATTENTION_PREFERRED:
+            attention += f" ({self.model_type} does not support {ATTENTION_PREFERRED}; the best it supports)"
+        if self.router_aux_loss_coef is None:
+            return attention
+        return f"{attention}; the router's load-balancing loss x {self.router_aux_loss_coef:g} added to the loss"
 
 
 @dataclass(frozen=True)
@@ -95,10 +123,12 @@ class TransformersConfig:
     eos_token_id: object = None
     pad_token_id: object = None
     values: dict = field(default_factory=dict, compare=False, repr=False)
+    folder: Path | None = field(default=None, compare=False, repr=False)
+    """The folder it was read from: transformers reads its config.json there itself (AutoConfig.from_pretrained)."""
     rope_depends_on_length: bool = False
 
     @classmethod
-    def from_dict(cls, values: dict, where: str = MODEL_CONFIG_FILE) -> TransformersConfig:
+    def from_dict(cls, values: dict, where: str = MODEL_CONFIG_FILE, folder: Path | None = None) -> TransformersConfig:
         refused = quantized_weights(values)
         if refused is not None:
             raise ModelLoadError(f"{where}: {refused}")
@@ -128,11 +158,12 @@ class TransformersConfig:
             eos_token_id=values.get("eos_token_id"),
             pad_token_id=values.get("pad_token_id"),
             values=values,
+            folder=folder,
         )
 
     @classmethod
     def load(cls, folder: Path) -> TransformersConfig:
-        return cls.from_dict(read_config_json(folder), str(Path(folder) / MODEL_CONFIG_FILE))
+        return cls.from_dict(read_config_json(folder), str(Path(folder) / MODEL_CONFIG_FILE), Path(folder))
 
     @property
     def head_size(self) -> int:

@@ -9,13 +9,21 @@ device) is the trainer's, from the names here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from astrai.common.backends import BACKEND_TRANSFORMERS, describe_backend, folder_model_type, resolve_backend
+from astrai.common.backends import (
+    BACKEND_TRANSFORMERS,
+    LibraryModel,
+    describe_backend,
+    folder_model_type,
+    resolve_backend,
+)
 from astrai.common.config import TrainerConfig, resolve_grad_accum_steps
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import CKPT_FORMAT_FULL, CKPT_FORMAT_LORA, CKPT_FORMAT_SHARDED, resolve_parallel_mode
+from astrai.common.errors import AstraiError
 from astrai.common.fit import BatchShape
 from astrai.common.memory import GenerationCache, generation_cache, training_state_bytes
 from astrai.common.model_folder import ADAPTER_TARGETS, num_adapter_parameters, num_parameters
@@ -52,19 +60,22 @@ class RunPlan:
     autocast: str | None
     """The dtype the forward pass computes in under autocast (bfloat16 on CUDA); None: the weights' own."""
     compile: bool
-    """Each transformer block, and generation's decode step, compiled with torch.compile (model.compile resolved:
-    auto is on CUDA only)."""
+    """Each transformer block, and a native model's decode step, compiled with torch.compile (model.compile resolved
+    by :func:`resolve_compile`)."""
     deterministic: bool
     """Deterministic kernels only (training.deterministic)."""
     backend: str = "native"
     """Which code computes the model: native, or transformers (model.backend resolved for the folder's family)."""
     model_type: str | None = None
     """The model folder's model_type (None: not read)."""
+    library: LibraryModel | None = None
+    """On the transformers path, what the library builds for the folder (its attention, its router's loss); None
+    when it was not looked at (native, or a folder not here)."""
 
     @property
-    def model_backend(self) -> tuple[str, str | None]:
-        """(backend, model_type), as describe_backend takes them."""
-        return self.backend, self.model_type
+    def model_backend(self) -> tuple[str, str | None, LibraryModel | None]:
+        """(backend, model_type, library), as describe_backend takes them."""
+        return self.backend, self.model_type, self.library
 
     @property
     def lora_description(self) -> str:
@@ -171,14 +182,18 @@ def resolve_plan(
     world_size: int,
     parallel_mode: str | None = None,
     model_folder: Path | None = None,
+    inspect: Callable[[Path, bool], LibraryModel] | None = None,
 ) -> RunPlan:
     """The plan of ``config`` on ``world_size`` processes of ``device_type`` (cpu, cuda); ``parallel_mode`` as the
     launcher resolved it (by default: the config's, ``auto`` resolved for the world size); ``model_folder``: where the
-    base model is read from here (by default ckpt.param_path; the host gives its own path). ConfigError when the
-    world size does not fit the global batch, or model.backend does not fit the model."""
+    base model is read from here (by default ckpt.param_path; the host gives its own path); ``inspect(folder, lora)``:
+    what transformers builds for a folder on the transformers path (the trainer's
+    :func:`astrai.trainer.hf_model.inspect_folder`), made without the weights. ConfigError when the world size does
+    not fit the global batch, model.backend does not fit the model, or transformers refuses the folder."""
     training = config.training
     mode = parallel_mode or resolve_parallel_mode(config.parallel.parallel_mode, world_size)
-    model_type = folder_model_type(Path(model_folder or config.ckpt.param_path))
+    folder = Path(model_folder or config.ckpt.param_path)
+    model_type = folder_model_type(folder)
     try:
         backend = resolve_backend(config.model.backend, model_type)
     except ValueError as error:
@@ -202,6 +217,12 @@ def resolve_plan(
     batch = BatchShape(training.batch_per_device, resolve_grad_accum_steps(training, world_size), world_size)
     lora = LoRASettings.of(training)
     kind = training.kind
+    library = None
+    if backend == BACKEND_TRANSFORMERS and inspect is not None and model_type is not None:
+        try:
+            library = inspect(folder, lora is not None)
+        except AstraiError as error:  # a folder the trainer refuses: the run is refused before anything starts
+            raise ConfigError(str(error)) from None
     return RunPlan(
         train_type=training.train_type,
         device_type=device_type,
@@ -216,13 +237,21 @@ def resolve_plan(
         sampling=training.sampling() if kind.online else None,
         settings=kind.own_settings(training),
         autocast="bfloat16" if device_type == "cuda" else None,
-        # The transformers path runs eagerly: its blocks are the library's, not ours to compile.
-        compile=backend != BACKEND_TRANSFORMERS
-        and (config.model.compile is True or (config.model.compile == "auto" and device_type == "cuda")),
+        compile=resolve_compile(config.model.compile, device_type, backend),
         deterministic=training.deterministic,
         backend=backend,
         model_type=model_type,
+        library=library,
     )
+
+
+def resolve_compile(requested: bool | str, device_type: str, backend: str) -> bool:
+    """``model.compile`` resolved: true compiles the blocks on either path (the transformers path: the library's
+    decoder blocks); auto compiles a native model's on CUDA only, and leaves the library's code eager (it is not
+    ours to vouch for under the compiler)."""
+    if requested == "auto":
+        return device_type == "cuda" and backend != BACKEND_TRANSFORMERS
+    return requested is True
 
 
 def lora_base_dtype(requested: str, device_type: str) -> str:

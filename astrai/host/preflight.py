@@ -10,19 +10,24 @@ init` or `start`).
 from __future__ import annotations
 
 import errno
+import importlib.util
+import json
 import os
 import re
 import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from astrai.common.backends import (
     BACKEND_AUTO,
     BACKEND_TRANSFORMERS,
+    LibraryModel,
     TransformersConfig,
     describe_backend,
     folder_model_type,
@@ -321,7 +326,8 @@ def _model_check(runtime: Runtime, config: TrainerConfig | None) -> tuple[tuple[
     except ValueError as error:
         return None, Check(FAIL, "base model", str(error))
     if backend == BACKEND_TRANSFORMERS:
-        return _transformers_model_check(folder, init)
+        lora = config is not None and LoRASettings.of(config.training) is not None
+        return _transformers_model_check(folder, init, lora)
     # The same reading and checks as the trainer's, from the file headers alone (no weights are read).
     try:
         model = ModelConfig.load(folder)
@@ -348,8 +354,11 @@ def _model_check(runtime: Runtime, config: TrainerConfig | None) -> tuple[tuple[
     return (model, folder), Check(PASS, "base model", found)
 
 
-def _transformers_model_check(folder: Path, init: str) -> tuple[tuple[TransformersConfig, Path] | None, Check]:
-    """A base model trained through transformers: its config.json and weight files (transformers reads them)."""
+def _transformers_model_check(
+    folder: Path, init: str, lora: bool
+) -> tuple[tuple[TransformersConfig, Path] | None, Check]:
+    """A base model trained through transformers: its config.json and weight files, and what the library builds of
+    it, without its weights (:func:`library_model`): a folder the trainer would refuse at its start fails here."""
     try:
         model = TransformersConfig.load(folder)
         files = weight_files(folder)
@@ -358,9 +367,56 @@ def _transformers_model_check(folder: Path, init: str) -> tuple[tuple[Transforme
     unreadable = _unreadable("base model", [folder / MODEL_CONFIG_FILE, *files], folder)
     if unreadable is not None:
         return None, unreadable
-    how = describe_backend(BACKEND_TRANSFORMERS, model.model_type)
+    built = library_model(folder, lora)
+    if built.refused is not None:
+        return None, Check(FAIL, "base model", built.refused)
+    how = describe_backend(BACKEND_TRANSFORMERS, model.model_type, built.model)
     found = f"{folder}: model: {how}; {model.n_layers} layers, dim {model.dim}, vocab {model.vocab_size}"
+    if built.unchecked is not None:
+        found += f" (not built here: {built.unchecked}; the trainer builds it at its start, before anything else)"
     return (model, folder), Check(PASS, "base model", found)
+
+
+LIBRARY_CHECK_SECONDS = 300
+"""How long preflight waits for this host's Python to build a model folder through transformers (without weights)."""
+
+
+class LibraryCheck(NamedTuple):
+    """What :func:`library_model` found: what transformers builds, why the trainer refuses the folder, or why it
+    could not be asked here (one of the three)."""
+
+    model: LibraryModel | None = None
+    refused: str | None = None
+    unchecked: str | None = None
+
+
+def library_model(folder: Path, lora: bool) -> LibraryCheck:
+    """What transformers builds for ``folder`` on this host (:func:`astrai.trainer.hf_model.inspect_folder`, the
+    trainer's own refusals), asked of ``python -m astrai.model check`` in a process of its own: the host never
+    imports torch."""
+    if importlib.util.find_spec("transformers") is None:
+        return LibraryCheck(unchecked="transformers is not installed on this host")
+    command = [sys.executable, "-m", "astrai.model", "check", str(folder), "--backend", BACKEND_TRANSFORMERS, "--json"]
+    # The same astrai as this one, wherever the process starts.
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    try:
+        result = subprocess.run(
+            [*command, *(["--lora"] if lora else [])],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=LIBRARY_CHECK_SECONDS,
+        )
+    except subprocess.TimeoutExpired:
+        return LibraryCheck(unchecked=f"building it took over {LIBRARY_CHECK_SECONDS} s")
+    said = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1].removeprefix("error: ")
+    if result.returncode == 2:
+        return LibraryCheck(refused=said)
+    if result.returncode != 0:
+        return LibraryCheck(unchecked=f"{' '.join(command[1:4])} failed ({said})")
+    found = json.loads(result.stdout)
+    return LibraryCheck(LibraryModel(found["model_type"], found["attention"], found["router_aux_loss_coef"]))
 
 
 def _fit_check(

@@ -43,6 +43,7 @@ from astrai.trainer.checkpoint.manager import RunFacts
 from astrai.trainer.compiling import compile_blocks
 from astrai.trainer.decoding import DecodeEngine, total_memory
 from astrai.trainer.distributed import DistEnv, GracefulStop, broadcast_from_master, gather_objects, parallelize
+from astrai.trainer.experts import RouterBalance, router_balance
 from astrai.trainer.lora import (
     AdapterError,
     BaseModel,
@@ -364,8 +365,10 @@ def build_model(config: TrainerConfig, plan: RunPlan, env: DistEnv, start: Start
     if plan.backend == BACKEND_TRANSFORMERS:
         from astrai.trainer.hf_model import transformers_model
 
-        model = transformers_model(start, plan, config.training.random_seed, checkpointing)
-        return parallelize(model.to(env.device), env)
+        model = transformers_model(start, plan, config.training.random_seed, checkpointing).to(env.device)
+        if plan.compile:
+            compile_blocks(model)  # the library's decoder blocks
+        return parallelize(model, env)
     if start.weights is None:
         # Resuming a sharded run: the model is built without memory, sharded, and only then given this rank's
         # share of it, which the checkpoint's rows fill (CheckpointManager.restore). No rank holds it whole.
@@ -393,6 +396,17 @@ def build_model(config: TrainerConfig, plan: RunPlan, env: DistEnv, start: Start
     if start.weights is None:
         model.to_empty(device=env.device)
     return model
+
+
+def router_balance_of(model: torch.nn.Module, plan: RunPlan) -> RouterBalance | None:
+    """A mixture of experts' load-balancing loss and metrics (None for a model without a router): the native
+    layers', or on the transformers path the library's routers, whose logits the model keeps as a layer does."""
+    if plan.backend != BACKEND_TRANSFORMERS:
+        return router_balance(model)
+    inner = getattr(model, "module", model)  # DDP's wrapped model
+    if inner.top_k is None:
+        return None
+    return RouterBalance([inner], inner.router_aux_loss_coef)
 
 
 def autocast_for(plan: RunPlan) -> contextlib.AbstractContextManager:

@@ -8,6 +8,8 @@ to eager code silently.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor")
@@ -17,6 +19,20 @@ def compile_blocks(model: torch.nn.Module) -> None:
     """Compile each transformer block of ``model`` (lazily: the first forward pass compiles them)."""
     for layer in model.layers:
         layer.compile()
+
+
+@contextlib.contextmanager
+def blocks_uncompiled(model: torch.nn.Module):
+    """The model's modules with their torch.compile wrappers (:func:`compile_blocks`') set aside: generation, whose
+    shapes change at every token, runs them eagerly."""
+    stashed = [(module, module._compiled_call_impl) for module in model.modules() if module._compiled_call_impl]
+    for module, _ in stashed:
+        module._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for module, compiled in stashed:
+            module._compiled_call_impl = compiled
 
 
 def failed_in_compiler(error: BaseException | None) -> bool:

@@ -1,6 +1,8 @@
 """``python -m astrai.model generate``: a completion of a prompt from a model folder or a checkpoint, with the
-generation engine the trainer's rollouts use (:mod:`astrai.trainer.decoding`): on a GPU in bfloat16 with its decode
-steps captured, on a CPU in float32. And :func:`stop_tokens`, the ids a model's completions end at.
+generation engine the trainer's rollouts use: :mod:`astrai.trainer.decoding` for a family the trainer computes (on a
+GPU in bfloat16 with its decode steps captured, on a CPU in float32), :class:`astrai.trainer.hf_model.
+TransformersDecoding` for one trained through transformers (``--backend``: chosen from the folder's model_type as
+training chooses it). And :func:`stop_tokens`, the ids a model's completions end at.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from pathlib import Path
 
 import torch
 
+from astrai.common.backends import BACKEND_AUTO, BACKEND_NATIVE, BACKENDS, folder_model_type, resolve_backend
 from astrai.common.contract import GENERATION_CONFIG_FILE, TOKENIZER_FILE
+from astrai.common.errors import AstraiError
+from astrai.common.fit import SetupError
 from astrai.common.model_folder import ModelConfig
 from astrai.common.settings import Sampling, SettingError
 from astrai.trainer.decoding import DecodeEngine, Draws
-from astrai.trainer.model import load_pretrained
+from astrai.trainer.model import Transformer, load_pretrained
 
 # --- python -m astrai.model generate -------------------------------------------------------------------
 
@@ -43,6 +48,34 @@ def add_command(commands) -> None:
         default="auto",
         help="auto (the default): a GPU when there is one (in bfloat16), else the CPU (in float32)",
     )
+    add_backend_argument(command)
+
+
+def add_backend_argument(command) -> None:
+    """``--backend``, as ``model.backend`` takes it."""
+    command.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=BACKEND_AUTO,
+        help="which code computes the model: auto (the default) as training decides from the folder's model_type "
+        "(native for the families the trainer computes, else transformers), native, or transformers",
+    )
+
+
+def folder_backend(folder: Path, requested: str) -> tuple[str, str | None]:
+    """(native or transformers, the folder's model_type) for ``--backend``; BackendRefused for native with a family
+    the trainer does not compute."""
+    model_type = folder_model_type(folder)
+    try:
+        return resolve_backend(requested, model_type), model_type
+    except ValueError as error:
+        raise BackendRefused(str(error).replace("model.backend: native", "--backend native", 1)) from None
+
+
+class BackendRefused(AstraiError):
+    """``--backend`` names code that cannot compute the folder's model."""
+
+    exit_code = 2
 
 
 def run_command(args) -> int:
@@ -65,8 +98,9 @@ def run_command(args) -> int:
     folder = Path(args.dir)
     try:
         _check_model_folder(folder)
+        backend, _ = folder_backend(folder, args.backend)
         tokenizer, ids = _prompt_ids(args, folder)
-        model = load_pretrained(folder)
+        model = load_pretrained(folder) if backend == BACKEND_NATIVE else _transformers_model(folder)
         if tokenizer.vocab_size > model.config.vocab_size:
             raise DataError(
                 f"the tokenizer has {tokenizer.vocab_size:,} tokens and the model {model.config.vocab_size:,}: it is "
@@ -77,7 +111,10 @@ def run_command(args) -> int:
     except _EmptyPrompt:
         print("error: --prompt gives no token to start from", file=sys.stderr)
         return 2
-    except (DataError, ModelLoadError, RecordError, ValueError) as error:
+    except BackendRefused as error:
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+    except (DataError, ModelLoadError, RecordError, ValueError, SetupError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(tokenizer.decode(completion))
@@ -91,7 +128,25 @@ def _complete(model, ids: list[int], sampling: Sampling, stop: set[int], args) -
     if cuda:
         model = model.to(device, torch.bfloat16)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    return DecodeEngine(model).generate([ids], sampling, stop, [Draws(1, generator)])[0]
+    engine = DecodeEngine(model) if isinstance(model, Transformer) else _transformers_decoding(model)
+    return engine.generate([ids], sampling, stop, [Draws(1, generator)])[0]
+
+
+def _transformers_model(folder: Path):
+    """A folder's model through transformers (eval mode, float32): what trained it when the trainer lacks its
+    family."""
+    from astrai.trainer.hf_model import TransformersModel, load_transformers_start
+
+    config, weights = load_transformers_start(folder)
+    model = TransformersModel(config)
+    model.load_weights(weights, str(folder))
+    return model.eval()
+
+
+def _transformers_decoding(model):
+    from astrai.trainer.hf_model import TransformersDecoding
+
+    return TransformersDecoding(model)
 
 
 class _EmptyPrompt(Exception):

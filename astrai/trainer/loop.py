@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from astrai.common.backends import BACKEND_NATIVE, describe_backend
+from astrai.common.backends import BACKEND_NATIVE, LibraryModel, describe_backend
 from astrai.common.checkpoints import checkpoint_name, latest_complete_checkpoint
 from astrai.common.config import TrainerConfig, describe, ignored_keys_note, parse_args
 from astrai.common.configfile import ConfigError
@@ -62,7 +62,6 @@ from astrai.trainer.distributed import (
     shutdown_distributed,
     world_from_environment,
 )
-from astrai.trainer.experts import router_balance
 from astrai.trainer.health import Diverged, DivergenceRecord
 from astrai.trainer.lora import parameter_counts
 from astrai.trainer.model import describe_folder
@@ -101,7 +100,7 @@ def open_trainer(
     one ``training.train_type`` names).
     """
     # Resolved before anything is loaded: a world size that does not fit the global batch fails at once.
-    plan = resolve_plan(config, env.device.type, env.world_size, env.parallel_mode)
+    plan = resolve_plan(config, env.device.type, env.world_size, env.parallel_mode, inspect=inspect_library_model)
     if plan.deterministic:
         make_deterministic()  # a no-op when main() did it; in-process use (tests, benchmarks) needs it here
     # Rank 0 reads the whole checkpoint and every rank receives it, or (sharded under FSDP) each rank reads its own
@@ -160,7 +159,7 @@ class Trainer:
             data.names,
         )
         self.model = build.build_model(config, plan, env, start)
-        self.router_balance = router_balance(self.model)
+        self.router_balance = build.router_balance_of(self.model, plan)
         """A mixture of experts' load-balancing loss and metrics; None for a dense model."""
         start = dataclasses.replace(start, weights=None, adapters=None)  # in the model now: not held twice
         release_freed_memory()
@@ -577,7 +576,7 @@ def dry_run(config: TrainerConfig) -> int:
     rank, local_rank, world_size = world_from_environment()
     check_parallel_mode(config.parallel.parallel_mode, world_size)
     device = resolve_device(config.training.device, local_rank)
-    plan = resolve_plan(config, device.type, world_size)
+    plan = resolve_plan(config, device.type, world_size, inspect=inspect_library_model)
     if rank != 0:
         return 0
     print(describe(config))
@@ -589,6 +588,14 @@ def dry_run(config: TrainerConfig) -> int:
         print(f"note: {note}")
     print(f"resume decision: {_resume_decision(config)}")
     return 2 if _start_checks(config, plan) is not None else 0
+
+
+def inspect_library_model(folder: Path, lora: bool) -> LibraryModel:
+    """What transformers builds for ``folder`` (the run plan's, on the transformers path): made on the meta device,
+    every refusal of the folder itself made before anything starts (astrai.trainer.hf_model.inspect_folder)."""
+    from astrai.trainer.hf_model import inspect_folder
+
+    return inspect_folder(folder, lora)
 
 
 def _start_checks(config: TrainerConfig, plan: RunPlan) -> str | None:

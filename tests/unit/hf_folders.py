@@ -305,3 +305,60 @@ def save_peft_adapter(folder: Path, base: Path, adapters: dict[str, torch.Tensor
     result = peft.set_peft_model_state_dict(model, tensors)
     assert not [key for key in result.unexpected_keys if "lora" in key], result.unexpected_keys
     model.save_pretrained(folder)
+
+
+# Families only transformers trains here, each tiny and random, with what it does at the edges of the transformers
+# path: logits shaped in its ForCausalLM.forward (Falcon-H1's lm_head_multiplier, Cohere's logit_scale), a config
+# transformers saves with tagged floats (Falcon-H1's and Bamba's time_step_limit: {"__float__": "Infinity"}), layers
+# that subclass nn.Linear (Falcon's FalconLinear; Phi-MoE's router, which is not a linear map), a mixture of experts
+# (OLMoE asks for its router's loss in config.json, gpt-oss and Phi-MoE do not), no sdpa (gpt-oss's attention sinks).
+MIXTURE = dict(num_key_value_heads=2, num_experts_per_tok=2, router_aux_loss_coef=0.3)
+LIBRARY_CASES = {
+    "gpt_neox": dict(rotary_pct=0.5),
+    "falcon": dict(new_decoder_architecture=False),
+    "falcon_h1": dict(
+        num_key_value_heads=2,
+        mamba_d_ssm=32,
+        mamba_n_heads=4,
+        mamba_d_head=8,
+        mamba_d_state=8,
+        mamba_chunk_size=16,
+        lm_head_multiplier=0.37,
+    ),
+    "bamba": dict(
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_chunk_size=16,
+        attn_layer_indices=[1],
+    ),
+    "cohere": dict(num_key_value_heads=2, logit_scale=0.3),
+    "stablelm": dict(num_key_value_heads=2),
+    "starcoder2": dict(num_key_value_heads=2),
+    "olmoe": dict(MIXTURE, num_experts=4, output_router_logits=True),
+    "gpt_oss": dict(MIXTURE, num_local_experts=4, head_dim=8, sliding_window=4),
+    "phimoe": dict(MIXTURE, num_local_experts=4),
+}
+
+
+def make_library_model(folder: Path, model_type: str, *, vocab_size: int = 300, seed: int = 0, **extra) -> Path:
+    """A randomly initialised model of a family the trainer does not compute, saved by transformers (weights drawn
+    wider than transformers' init, norms not all ones, as make_hf_model draws them); returns the folder."""
+    import transformers
+
+    sizes = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+    ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=vocab_size, max_position_embeddings=128, **sizes, **ids, **extra
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.15)
+            elif "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    model.save_pretrained(folder)
+    return Path(folder)

@@ -362,8 +362,6 @@ def test_a_tied_output_projection_trains_once_and_loads_back(tmp_path, job_yaml,
     library = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(library(tokens).logits, ours)
-    if family == "gpt2":
-        from astrai.common.fit import SetupError
-
-        with pytest.raises(SetupError, match="gpt2: its decoder blocks hold no nn.Linear layer for LoRA to adapt"):
+    if family == "gpt2":  # refused by the run plan, before anything is built: the layers' kind named
+        with pytest.raises(ConfigError, match="gpt2: its decoder blocks hold no nn.Linear layer for LoRA .* Conv1D"):
             make_trainer(job_yaml(param_path=str(folder), backend="transformers", **LORA), ckpt_dir=tmp_path / "lora")
