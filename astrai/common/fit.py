@@ -230,11 +230,26 @@ def fit_prompts(data: TokenData, lengths: list[int], model: ModelConfig, trainin
     limit, room = prompt_room(model, training.max_completion_length, source)
     units = prompt_units(lengths, room, overlong)
     if not len(units):
-        raise SetupError(
-            f"every prompt of {data.root} is longer than {room} tokens, the room max_completion_length "
-            f"{training.max_completion_length} leaves in the model's context of {limit}; lower max_completion_length"
-        )
+        raise SetupError(_no_prompt_left(data.root, lengths, limit, training.max_completion_length, source))
     return units
+
+
+def _no_prompt_left(root: Path, lengths: list[int], limit: int, completion: int, source: Path) -> str:
+    """Why data.overlong: drop left out every prompt, and only the remedies that would leave some in."""
+    shortest, longest = min(lengths, default=0), max(lengths, default=0)
+    remedies = [
+        f"a model with a longer context (at least {shortest + completion} tokens for the shortest prompt, "
+        f"{longest + completion} for all)",
+        "shorter prompts (prepare them again)",
+        f"data.overlong: truncate (each prompt keeps its last {limit - completion} tokens)",
+    ]
+    if shortest < limit:  # only then can a shorter completion leave room for one
+        remedies.insert(0, f"training.max_completion_length {limit - shortest} or less (room for the shortest prompt)")
+    return (
+        f"every prompt of {root} is longer than the {limit - completion} tokens max_completion_length {completion} "
+        f"leaves of the context of {limit} tokens of the model {source} (its prompts have {shortest} to {longest} "
+        f"tokens), and data.overlong: drop leaves them all out; what can work: {'; '.join(remedies)}"
+    )
 
 
 def check_lora_targets(model: ModelConfig, training, shards: int = 1) -> None:

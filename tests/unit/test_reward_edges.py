@@ -428,3 +428,32 @@ def test_generate_speaks_of_a_completion_not_of_a_document(tmp_path, tiny_model)
         )
         assert run.returncode != 0 and said in run.stderr and "Traceback" not in run.stderr, run.stderr
         assert "document" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize(
+    ("lengths", "completion", "lower_to"),
+    [([412, 380, 398], 64, None), ([300, 210, 290], 100, 46)],
+)
+def test_prompts_all_left_out_name_the_prompts_the_context_and_only_remedies_that_can_work(
+    tmp_path, lengths, completion, lower_to
+):
+    """data.overlong: drop with every prompt longer than the room: the refusal names the prompts' lengths and the
+    context, and suggests a shorter max_completion_length only when one would leave room (prompts of 380+ tokens
+    never fit a context of 256, however short the completion)."""
+    from types import SimpleNamespace
+
+    from astrai.common.fit import SetupError, fit_prompts
+    from astrai.common.model_config import ModelConfig
+
+    model = ModelConfig(max_seq_len=256)
+    training = SimpleNamespace(max_completion_length=completion)
+    with pytest.raises(SetupError) as refused:
+        fit_prompts(SimpleNamespace(root=tmp_path), lengths, model, training, "drop", tmp_path / "model")
+    said = str(refused.value)
+    assert f"its prompts have {min(lengths)} to {max(lengths)} tokens" in said
+    assert f"the context of 256 tokens of the model {tmp_path / 'model'}" in said
+    assert f"at least {min(lengths) + completion} tokens for the shortest prompt" in said
+    assert f"data.overlong: truncate (each prompt keeps its last {256 - completion} tokens)" in said
+    assert ("max_completion_length " in said.split("what can work: ")[1]) == (lower_to is not None)
+    if lower_to is not None:
+        assert f"training.max_completion_length {lower_to} or less (room for the shortest prompt)" in said
