@@ -313,3 +313,20 @@ def test_a_compiled_run_through_transformers_takes_the_eager_runs_steps(folders,
     assert len(losses[True]) == 2
     for eager, compiled in zip(losses[False], losses[True], strict=True):
         assert math.isclose(eager, compiled, rel_tol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "mistral", "gemma2"])
+def test_rollouts_through_transformers_go_past_a_sliding_window_as_transformers_generates(folders, family):
+    """The online types' rollouts on the transformers path (gpt-oss's window of 4, Mistral's of 6, Gemma 2's local
+    layers of 8): prompts and completions past the window, left-padded in one batch, are transformers' greedy
+    tokens; the room they may take is the model's context, not its window."""
+    from astrai.common.settings import Sampling
+    from astrai.trainer.hf_model import TransformersDecoding
+    from tests.support import transformers_generate
+
+    model = _transformers_path(folders[family])
+    assert model.config.context >= model.config.max_seq_len >= 128  # the window (at most 8) is no limit
+    prompts = [[5, 17, 42, 7, 99, 3, 12, 40, 41], [8, 250], [61, 62, 63, 64, 65]]
+    ours = TransformersDecoding(model).generate(prompts, Sampling(max_new_tokens=12))
+    library = transformers.AutoModelForCausalLM.from_pretrained(folders[family], dtype=torch.float32).eval()
+    assert ours == [transformers_generate(library, [prompt], 12)[0] for prompt in prompts]
