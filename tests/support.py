@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +18,14 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def interruptible() -> None:
+    """``preexec_fn`` of a process a test will interrupt with Ctrl-C (SIGINT): the signal's default action in it,
+    as an interactive shell gives a foreground job. A suite started in the background (``python3 -m pytest &`` from
+    a script) runs with SIGINT ignored, as POSIX shells start background jobs, and an ignored signal stays ignored
+    in every child, across exec: without this the child would never see the Ctrl-C the test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_python(

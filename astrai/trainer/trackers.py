@@ -8,7 +8,11 @@ trainer only puts updates in the queue, so a slow or unreachable server never ho
   in order; meanwhile the queue fills, and once it is full new updates are dropped and counted;
 - an update the server refuses is dropped and counted; a tracker whose run cannot be opened at all (no API key,
   no client in the image) is switched off with one warning;
-- at the end, what is still queued after :data:`CLOSE_SECONDS` is dropped and counted.
+- at the end, what is still queued after :data:`CLOSE_SECONDS` is dropped and counted; a tracker that writes to the
+  job dir alone (W&B offline, MLflow's file store) has nothing to wait for but this machine, and its run would be
+  lost (an offline W&B file without its run record, never linked to its run) if the trainer ended first: its
+  queue gets :data:`LOCAL_CLOSE_SECONDS`, which on a loaded machine covers opening the run (W&B starts a service
+  process) and finishing it.
 
 A resumed job continues the same tracker runs. ``<job dir>/trackers.json`` keeps each run's id, address and the
 last step it was sent, and every checkpoint's ``meta.json`` keeps the ids. The steps a resume trains again (those
@@ -27,6 +31,7 @@ import secrets
 import string
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -58,10 +63,13 @@ WANDB_INIT_SECONDS = 15
 FLUSH_SECONDS = 5.0
 """Metrics records reach a tracker together, at most one request this often (and at the end of the run)."""
 CLOSE_SECONDS = 10.0
+"""How long the end of a run waits for each tracker's queue to empty."""
+LOCAL_CLOSE_SECONDS = 180.0
+"""How long the end of a run waits for a tracker that needs no network (W&B offline, MLflow's file store): its
+updates are this machine's work, which a loaded machine slows but never loses."""
 UPLOAD_SECONDS = 1800.0
 """With log.upload_checkpoints, how long a finished run waits for its last checkpoint to reach the trackers (a
 stopped one does not upload: a stop's time is the emergency checkpoint's)."""
-"""How long the end of a run waits for each tracker's queue to empty."""
 RETRY_SECONDS = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 """Pauses between attempts to reach an unreachable tracker, the last one repeated."""
 STATES = ("finished", "stopped", "diverged", "failed")
@@ -150,6 +158,11 @@ class MlflowTracker:
             # MLflow keeps in maintenance mode and refuses unless asked.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             self.uri = f"file://{self.job_dir.resolve()}/mlruns"
+
+    @property
+    def local(self) -> bool:
+        """Whether the runs are files on this machine (the file store), no server: nothing can be unreachable."""
+        return self.uri is not None and urllib.parse.urlparse(self.uri).scheme in ("", "file")
 
     def open(self, previous: TrackerRun | None, params: dict[str, str], tags: dict[str, str], resumed_step) -> None:
         from mlflow.entities import Param, RunStatus
@@ -253,6 +266,11 @@ class WandbTracker:
                 "log.wandb.mode is online, but WANDB_API_KEY is not set in the trainer's environment: set it in the "
                 "shell that runs `invoke start` (it is passed by name), or set log.wandb.mode to offline"
             )
+
+    @property
+    def local(self) -> bool:
+        """Offline: the run is W&B's files in the job dir, for ``wandb sync`` to send later."""
+        return self.settings.mode == "offline"
 
     def open(self, previous: TrackerRun | None, params: dict[str, str], tags: dict[str, str], resumed_step) -> None:
         import wandb
@@ -581,14 +599,17 @@ class Trackers:
         return {name: box.tracker.run.run_id for name, box in self.outboxes.items() if box.tracker.run.run_id}
 
     def close(self, state: str, checkpoint: Path | None) -> None:
-        # The end reaches every tracker first; then one deadline for all of them: a stop's time is short.
+        # The end reaches every tracker first; then one deadline for all of them, a stop's time is short: but a
+        # tracker that writes to this machine alone gets the time its files need (LOCAL_CLOSE_SECONDS).
         upload = self.upload and state == "finished"
         for outbox in self.outboxes.values():
             outbox.put("finish", state, None if checkpoint is None else str(checkpoint), upload)
             outbox.end()
-        deadline = time.monotonic() + (UPLOAD_SECONDS if upload else CLOSE_SECONDS)
+        began = time.monotonic()
         for outbox in self.outboxes.values():
-            outbox.close(max(deadline - time.monotonic(), 0.0))
+            local = LOCAL_CLOSE_SECONDS if outbox.tracker.local else 0.0
+            seconds = max(UPLOAD_SECONDS if upload else CLOSE_SECONDS, local)
+            outbox.close(max(began + seconds - time.monotonic(), 0.0))
 
     def _save(self) -> None:
         """Record every tracker's run in the job dir (from the workers, after each update that arrived)."""

@@ -22,7 +22,7 @@ import yaml
 
 from astrai.common.checkpoints import list_complete_checkpoints
 from astrai.host import baseimage, compose, engine, timer
-from tests.support import REPO, invoke_command
+from tests.support import REPO, interruptible, invoke_command
 
 BASE_IMAGE = os.environ.get("ASTRAI_TEST_BASE_IMAGE", baseimage.DEFAULT_TAG)
 CORPUS = REPO / "examples" / "corpus"
@@ -117,6 +117,7 @@ class Job:
             env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
             cwd=self.folder,
             start_new_session=True,
+            preexec_fn=interruptible,  # a Ctrl-C test must reach it even when the suite runs in the background
         )
 
     def container(self) -> engine.Container | None:

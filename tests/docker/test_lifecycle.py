@@ -11,7 +11,7 @@ import time
 import pytest
 
 from astrai.host import compose, timer
-from tests.support import invoke_command
+from tests.support import interruptible, invoke_command
 
 pytestmark = pytest.mark.docker
 
@@ -102,6 +102,7 @@ def test_foreground_ctrl_c_stops_gracefully(make_job):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=interruptible,  # reached by the Ctrl-C even when the suite runs in the background
     )
     try:
         job.wait_for("progress", lambda: job.progress_step() >= 10, timeout=300)

@@ -14,6 +14,7 @@ import threading
 import time
 from contextlib import redirect_stdout
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -216,6 +217,34 @@ def test_wandb_offline_and_mlflow_file_store_continue_the_same_runs_after_a_resu
     assert len(client.get_metric_history(run.info.run_id, "loss")) == 12
     assert run.data.tags[TAG_REPLAYED] == "9-12" and run.data.tags[TAG_STATE] == "finished"
     assert run.data.params["log.report_to"] == '["mlflow", "wandb"]'
+
+
+def test_an_offline_run_that_opens_late_is_still_written_whole_before_the_trainer_ends(
+    tmp_path, job_yaml, one_thread, monkeypatch
+):
+    """On a loaded machine W&B's service may take longer to open a run than a short (resumed) run takes to train:
+    the end waits for a tracker that needs no network (its files are this machine's), so the offline run holds
+    its run record, every step and its end; a tracker with a server gets CLOSE_SECONDS."""
+    from astrai.trainer import trackers
+
+    monkeypatch.setattr(trackers, "CLOSE_SECONDS", 0.5)
+    opened = trackers.WandbTracker.open
+
+    def late(self, *args):
+        time.sleep(3)  # longer than the run lasts after it is asked to end
+        return opened(self, *args)
+
+    monkeypatch.setattr(trackers.WandbTracker, "open", late)
+    output = _train(job_yaml(max_steps=2, log_interval=1, report_to="wandb"), wandb="{mode: offline}")
+    assert "dropped" not in output, output
+    run_id = json.loads((tmp_path / "ckpt" / TRACKERS_FILE).read_text())["wandb"]["run_id"]
+    (run,) = [wandb_records(path) for path in wandb_runs(tmp_path / "ckpt" / WANDB_DIR)]
+    assert run["id"] == run_id and sorted(run["history"]) == [1, 2]
+    settings = SimpleNamespace(tracking_uri=None, experiment=None, run_name=None)
+    store, server = trackers.MlflowTracker(settings, tmp_path, "job"), trackers.MlflowTracker(settings, tmp_path, "job")
+    store.uri, server.uri = f"file://{tmp_path}/mlruns", "http://127.0.0.1:5000"
+    assert store.local and not server.local
+    assert not trackers.WandbTracker(SimpleNamespace(mode="online"), tmp_path, "job").local
 
 
 def test_a_run_from_scratch_opens_new_tracker_runs(tmp_path, job_yaml, one_thread):
