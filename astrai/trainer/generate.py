@@ -68,8 +68,11 @@ def folder_backend(folder: Path, requested: str) -> tuple[str, str | None]:
     model_type = folder_model_type(folder)
     try:
         return resolve_backend(requested, model_type), model_type
-    except ValueError as error:
-        raise BackendRefused(str(error).replace("model.backend: native", "--backend native", 1)) from None
+    except ValueError:
+        raise BackendRefused(
+            f"--backend native, but model_type {model_type!r} has no native implementation; use --backend "
+            "transformers (or auto, the default)"
+        ) from None
 
 
 class BackendRefused(AstraiError):

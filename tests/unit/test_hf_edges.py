@@ -330,3 +330,34 @@ def test_rollouts_through_transformers_go_past_a_sliding_window_as_transformers_
     ours = TransformersDecoding(model).generate(prompts, Sampling(max_new_tokens=12))
     library = transformers.AutoModelForCausalLM.from_pretrained(folders[family], dtype=torch.float32).eval()
     assert ours == [transformers_generate(library, [prompt], 12)[0] for prompt in prompts]
+
+
+def test_preflight_builds_the_folder_with_the_hosts_python_or_says_it_could_not(folders, tmp_path, monkeypatch):
+    """Preflight asks `python -m astrai.model check` (the host never imports torch); on a host without
+    transformers its line says the trainer builds the model at its start instead."""
+    import shutil
+
+    import yaml
+
+    from astrai.host import preflight
+    from astrai.host.runtime import resolve_runtime
+    from astrai.host.trainer_config import read_trainer_config
+
+    shutil.copytree(folders["gpt_oss"], tmp_path / "m")
+    for name in ("d", "c"):
+        (tmp_path / name).mkdir()
+    block = {"job_name": "edge", "gpu": {"devices": "none"}, "paths": {"data": "d", "model": "m", "checkpoints": "c"}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({"runtime": block}))
+    runtime = resolve_runtime(tmp_path / "job.yaml")
+    config = read_trainer_config(runtime, [])
+    _, check = preflight._model_check(runtime, config)
+    assert check.mark == preflight.PASS, check.detail
+    assert "attention eager (gpt_oss does not support sdpa; the best it supports); the router's load-balancing" in (
+        check.detail
+    )
+    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name: None)
+    _, check = preflight._model_check(runtime, config)
+    assert check.mark == preflight.PASS
+    assert "(not built here: transformers is not installed on this host; the trainer builds it at its start" in (
+        check.detail
+    )
