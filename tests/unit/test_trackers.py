@@ -184,6 +184,12 @@ def _train(path: Path, **overrides) -> str:
     finally:
         for number, handler in handlers.items():
             signal.signal(number, handler)
+    # What the trainer's process does as it exits (W&B's atexit hook): wait for W&B's service to close the run's
+    # files. run.finish() returns once the service has the last record, and the service writes and closes the file
+    # on its own time after that: read in the same process at once, a loaded machine's file could still lack it all.
+    wandb = sys.modules.get("wandb")
+    if wandb is not None:
+        wandb.teardown()
     return output.getvalue()
 
 
