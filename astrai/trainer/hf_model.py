@@ -398,7 +398,10 @@ def inspect_folder(folder: Path, lora: bool) -> LibraryModel:
     config = TransformersConfig.load(folder)
     with torch.device("meta"):
         model = TransformersModel(config)
-        model.library_logits(torch.zeros(1, 2, config.dim))
+        head = model.library_model.get_output_embeddings()
+        # The width the head takes: the decoder's output, which may be projected from hidden_size (OPT's project_out).
+        width = head.weight.shape[-1] if isinstance(getattr(head, "weight", None), torch.Tensor) else config.dim
+        model.library_logits(torch.zeros(1, 2, width))
     if lora:
         adaptable_layers(model)
     return model.library

@@ -311,7 +311,8 @@ def save_peft_adapter(folder: Path, base: Path, adapters: dict[str, torch.Tensor
 # path: logits shaped in its ForCausalLM.forward (Falcon-H1's lm_head_multiplier, Cohere's logit_scale), a config
 # transformers saves with tagged floats (Falcon-H1's and Bamba's time_step_limit: {"__float__": "Infinity"}), layers
 # that subclass nn.Linear (Falcon's FalconLinear; Phi-MoE's router, which is not a linear map), a mixture of experts
-# (OLMoE asks for its router's loss in config.json, gpt-oss and Phi-MoE do not), no sdpa (gpt-oss's attention sinks).
+# (OLMoE asks for its router's loss in config.json, gpt-oss and Phi-MoE do not), no sdpa (gpt-oss's attention sinks),
+# a decoder whose output is narrower than hidden_size (OPT's project_out).
 MIXTURE = dict(num_key_value_heads=2, num_experts_per_tok=2, router_aux_loss_coef=0.3)
 LIBRARY_CASES = {
     "gpt_neox": dict(rotary_pct=0.5),
@@ -334,6 +335,7 @@ LIBRARY_CASES = {
         attn_layer_indices=[1],
     ),
     "cohere": dict(num_key_value_heads=2, logit_scale=0.3),
+    "opt": dict(word_embed_proj_dim=16, ffn_dim=48),  # the decoder projects its output to the head's width
     "stablelm": dict(num_key_value_heads=2),
     "starcoder2": dict(num_key_value_heads=2),
     "olmoe": dict(MIXTURE, num_experts=4, output_router_logits=True),
