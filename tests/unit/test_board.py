@@ -25,7 +25,7 @@ from astrai.common.contract import METRICS_FILE, TAG_TRAIN_LOSS
 from astrai.common.metrics import read_records
 from astrai.trainer.distributed import init_distributed
 from astrai.trainer.loop import open_trainer
-from tests.support import REPO, free_port, invoke
+from tests.support import REPO, free_port, interruptible, invoke
 
 pytestmark = pytest.mark.slow
 
@@ -155,6 +155,7 @@ def test_board_in_the_foreground_serves_every_job_and_ctrl_c_ends_it(trained_job
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=interruptible,  # reached by the Ctrl-C even when the suite runs in the background
         )
     try:
         deadline = time.monotonic() + 90
