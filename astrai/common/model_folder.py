@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.contract import META_FILE, MODEL_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
+from astrai.common.families import family
 from astrai.common.model_config import (  # noqa: F401  (the names model folders are read with)
-    FAMILIES,
-    MIXTURES,
     MODEL_TYPES,
     ROPE_TYPES,
     ModelConfig,
@@ -125,15 +124,9 @@ def num_active_parameters(config: ModelConfig) -> int:
 
 # Experts
 
-_EXPERT_HF = {
-    # the stacked tensors (ours -> transformers 5.x's names), and each expert's matrices as save_pretrained writes
-    # them: (name, rows of the stacked expert it is: "gate" the first half, "up" the second, None all)
-    "gate_up": ("experts.gate_up_proj", {"qwen3_moe": (("gate_proj", "gate"), ("up_proj", "up"))}),
-    "down": ("experts.down_proj", {"qwen3_moe": (("down_proj", None),)}),
-}
-_MIXTRAL_EXPERTS = {"gate_up": (("w1", "gate"), ("w3", "up")), "down": (("w2", None),)}
-_PER_EXPERT_PARENT = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
-"""Where save_pretrained writes each layer's experts and router (Mixtral keeps its 4.x names)."""
+_EXPERT_HF = {"gate_up": "experts.gate_up_proj", "down": "experts.down_proj"}
+"""The stacked tensors, ours -> transformers 5.x's names (where save_pretrained writes each expert's matrices is the
+family's: its spec's ExpertNames)."""
 
 
 @dataclass(frozen=True)
@@ -171,17 +164,16 @@ def expert_pieces(config: ModelConfig, per_expert: bool) -> dict[str, ExpertPiec
     """Stored name -> the piece of our stacked tensors it holds: each expert's matrices as save_pretrained writes
     them (``per_expert``), else transformers 5.x's stacked ones."""
     pieces = {}
+    names = family(config.family).experts
     for i in config.sparse_layers:
-        for ours, (stacked, by_family) in _EXPERT_HF.items():
+        for ours, stacked in _EXPERT_HF.items():
             name = f"layers.{i}.feed_forward.{ours}"
             if not per_expert:
                 pieces[f"model.layers.{i}.mlp.{stacked}"] = ExpertPiece(name, None, None)
                 continue
-            parent = _PER_EXPERT_PARENT[config.family]
-            matrices = _MIXTRAL_EXPERTS[ours] if config.family == "mixtral" else by_family["qwen3_moe"]
             for e in range(config.n_experts):
-                for matrix, half in matrices:
-                    pieces[f"model.layers.{i}.{parent}.experts.{e}.{matrix}.weight"] = ExpertPiece(name, e, half)
+                for matrix, half in names.matrices[ours]:
+                    pieces[f"model.layers.{i}.{names.parent}.experts.{e}.{matrix}.weight"] = ExpertPiece(name, e, half)
     return pieces
 
 
@@ -198,7 +190,7 @@ def hf_name(name: str, config: ModelConfig) -> str:
     if module in _TOP_PARTS:
         return f"{_TOP_PARTS[module]}.{leaf}"
     if _is_expert_tensor(name):  # transformers 5.x's stacked experts
-        return f"model.{module.replace('feed_forward', 'mlp')}.{_EXPERT_HF[leaf][0]}"
+        return f"model.{module.replace('feed_forward', 'mlp')}.{_EXPERT_HF[leaf]}"
     if module.endswith("feed_forward.router"):
         return f"model.{module.replace('feed_forward.router', 'mlp.gate')}.{leaf}"
     _, index, part = module.split(".", 2)
@@ -212,11 +204,12 @@ def hf_names(config: ModelConfig) -> dict[str, str]:
 
 
 def saved_name(name: str, config: ModelConfig) -> str:
-    """The name save_pretrained gives one of our tensors other than the experts (Mixtral's router keeps its 4.x
-    name)."""
+    """The name save_pretrained gives one of our tensors other than the experts (a family's spec may save the router
+    elsewhere: Mixtral's keeps its 4.x name)."""
     hf = hf_name(name, config)
-    if config.family == "mixtral" and name.endswith("feed_forward.router.weight"):
-        return hf.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+    names = family(config.family).experts
+    if names is not None and names.router_parent != "mlp" and name.endswith("feed_forward.router.weight"):
+        return hf.replace(".mlp.gate.", f".{names.router_parent}.gate.")
     return hf
 
 
@@ -586,7 +579,7 @@ def _features(config: ModelConfig) -> list[str]:
             f"{config.n_experts} experts, {config.experts_per_token} per token{dense}, "
             f"{_count(num_active_parameters(config))} active parameters per token"
         )
-    if config.family == "granite":
+    if config.attention_multiplier is not None:
         found.append(
             f"multipliers embedding {config.embedding_multiplier:g}, attention {config.attention_multiplier:g}, "
             f"residual {config.residual_multiplier:g}, logits /{config.logits_scaling:g}"

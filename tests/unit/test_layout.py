@@ -203,3 +203,39 @@ def test_every_train_type_has_its_trainer_side_and_an_unknown_one_is_refused_by_
     assert list(TRAINER_TYPES) == list(TRAIN_TYPES)
     with pytest.raises(ConfigError, match=r"training.train_type: expected seq \| sft \| dpo .*got 'ppo'"):
         TrainingSection(train_type="ppo")
+
+
+def _string_literals(tree: ast.AST) -> dict[str, int]:
+    """Every string constant of a module but its docstrings, with a line where it appears."""
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                docstrings.add(id(body[0].value))
+        # An attribute's docstring: a string statement right after an assignment.
+        for field in ("body", "orelse"):
+            statements = getattr(node, field, None)
+            for statement in statements if isinstance(statements, list) else []:
+                if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
+                    docstrings.add(id(statement.value))
+    return {
+        node.value: node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    }
+
+
+def test_a_familys_model_type_is_named_only_in_its_spec():
+    from astrai.common.families import MODEL_TYPES
+
+    found = {}
+    for name, path in _modules().items():
+        if name.startswith("astrai.common.families"):
+            continue
+        literals = _string_literals(ast.parse(path.read_text(encoding="utf-8")))
+        named = sorted(set(literals) & set(MODEL_TYPES))
+        if named:
+            found[name] = {model_type: literals[model_type] for model_type in named}
+    assert found == {}
+    assert _string_literals(ast.parse('"""mixtral"""\nx = "mixtral"')) == {"mixtral": 2}
