@@ -373,18 +373,21 @@ def supervise_workers(
     the launcher and its workers ``stop_timeout`` seconds later.
     ``job_dir``: where a scheduler signalled torchrun too (Slurm's scancel reaches every
     process of a step), torchrun exits non-zero although the ranks stopped cleanly; an
-    emergency checkpoint written since the stop makes the exit 0 again.
+    emergency checkpoint written since the stop makes the exit 0 again (``stopped_code``).
+    So does one written since the launch when no signal came here: another node's stop.
     """
     pending: list[int] = []
+    asked: list[float] = []  # when the first stop signal came
 
     def record(signum: int, _frame) -> None:
         pending.append(signum)
+        asked.append(time.time())
 
     for signum in signals.STOP_SIGNALS:
         signal.signal(signum, record)
+    launched = time.time()
     launcher = _launch(command, direct)
     deadline = None
-    forwarded = None
     while (status := launcher.poll()) is None:
         if deadline is None and supervisor is not None and not supervisor.alive():
             print(
@@ -394,19 +397,18 @@ def supervise_workers(
                 flush=True,
             )
             pending.append(signal.SIGTERM)
+            asked.append(time.time())
             deadline = time.monotonic() + stop_timeout
         if deadline is not None and time.monotonic() > deadline:
             return _kill(launcher)
         if direct and pending:
             with contextlib.suppress(ProcessLookupError):
                 launcher.send_signal(pending.pop(0))
-            forwarded = forwarded or time.time()
             continue
         workers = child_pids(launcher.pid) if pending else []
         # A worker still starting up would die of the signal: wait until each one catches it.
         if workers and all(_catches(pid, pending[0]) for pid in workers):
             signum = pending.pop(0)
-            forwarded = forwarded or time.time()
             for pid in workers:
                 try:
                     os.kill(pid, signum)
@@ -415,7 +417,9 @@ def supervise_workers(
         else:
             time.sleep(poll_seconds)
     code = 128 - status if status < 0 else status
-    if forwarded is not None and job_dir is not None and emergency_since(job_dir, forwarded) is not None:
+    # Since the launch when no signal came here: a node's ranks learn of a stop from the others (they agree on it at
+    # the step's end), so they may stop and write the emergency checkpoint before this node's own signal comes.
+    if job_dir is not None and emergency_since(job_dir, asked[0] if asked else launched) is not None:
         if code != 0:
             print(
                 f"astrai entrypoint: the launcher exited with {code} after the stop, but the emergency checkpoint "

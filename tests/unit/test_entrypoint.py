@@ -463,6 +463,38 @@ def test_a_launcher_signalled_with_its_ranks_exits_0_when_the_emergency_checkpoi
     assert code == (0 if saved else 1)
 
 
+_STOPPED_BY_ANOTHER_NODE = textwrap.dedent(
+    """
+    import subprocess, sys
+    out, save = sys.argv[1], sys.argv[2] == "save"
+    # A rank told of the stop by another node's rank: no signal here, an emergency checkpoint (or the end), exit 0.
+    worker = (
+        "import sys\\n"
+        + ("from tests.support import placeholder_checkpoint\\n"
+           "from pathlib import Path\\n"
+           "placeholder_checkpoint(Path(sys.argv[1]) / 'job', 0, 7, reason='emergency')\\n" if save else "")
+    )
+    sys.exit(subprocess.Popen([sys.executable, "-c", worker, out]).wait())
+    """
+)
+
+
+@pytest.mark.parametrize("saved", [True, False], ids=["emergency-checkpoint", "finished"])
+def test_a_node_whose_ranks_stopped_for_another_node_exits_with_the_stopped_code(tmp_path, saved):
+    # A Kubernetes pod's ranks may agree on another pod's stop before their own SIGTERM comes (or with none):
+    # the emergency checkpoint, not the signal, says the run stopped short, so the Job retries it.
+    (tmp_path / "job").mkdir()
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(_STOPPED_BY_ANOTHER_NODE)
+    command = [sys.executable, str(launcher), str(tmp_path), "save" if saved else "none"]
+    process = _entrypoint_loop("", f"{command!r}, job_dir=pathlib.Path({str(tmp_path / 'job')!r}), stopped_code=76")
+    try:
+        assert process.wait(timeout=60) == (76 if saved else 0)
+    finally:
+        process.kill()
+        process.wait()
+
+
 def test_torchrun_reports_a_failed_rank_in_one_line_without_a_traceback(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text('import os, sys\nsys.exit(3 if os.environ["RANK"] == "1" else 0)\n')
