@@ -175,12 +175,17 @@ class TransformersConfig:
         of :func:`astrai.common.model_config.context_length`; a RoPE per kind of layer: the longest)."""
         return max(context_length(self.max_seq_len, *_stretch(rope, self.values)) for rope in _ropes(self.values))
 
-    # What a mixture of experts would add to the FLOP count (astrai.trainer.report.matmul_params): counted as
-    # dense here, the estimate this path's MFU already is.
+    # The layer features astrai.common.layers reads (the FLOP count, the key/value cache): this path's model is
+    # described as plain grouped-query attention and a dense gated MLP of its sizes, the estimate its MFU already is
+    # (a mixture of experts counted as dense).
     sparse_layers: tuple[int, ...] = ()
     n_experts: int = 0
     experts_per_token: int = 0
     expert_hidden_dim: int | None = None
+    fused_projections: bool = False
+    attention_bias: bool = False
+    qk_norm: str | None = None
+    block_norms: str = "pre"
 
     def to_json(self) -> str:
         """config.json as the folder had it: a checkpoint loads in transformers as its base model does."""

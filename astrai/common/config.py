@@ -43,6 +43,7 @@ from astrai.common.reward_specs import RewardSpec, parse_rewards
 from astrai.common.safetensors_file import DTYPE_ALIASES
 from astrai.common.settings import GRPOSettings, KTOSettings, LoRASettings, RLOOSettings, Sampling, SettingError
 from astrai.common.train_types import TRAIN_TYPES, TYPE_KEYS, TrainType
+from astrai.common.values import boolean_word
 
 HOST_SECTION = "runtime"
 """The section the host reads (astrai/host/runtime.py); the trainer ignores it."""
@@ -639,8 +640,8 @@ def _coerce(dotted: str, value, kind, from_text: bool):
         if value is None or (from_text and value.lower() in ("null", "none", "~")):
             return None
     if kind is bool:
-        if from_text and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
+        if from_text and boolean_word(value) is not None:
+            return boolean_word(value)
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{dotted}: expected true or false, got {_got(value)}")
@@ -681,8 +682,8 @@ def _auto_or_bool(dotted: str, value, from_text: bool) -> bool | str:
         word = value.strip().lower()
         if word == "auto":
             return "auto"
-        if word in ("true", "false", "yes", "no", "1", "0"):
-            return word in ("true", "yes", "1")
+        if boolean_word(word) is not None:
+            return boolean_word(word)
     raise ConfigError(f"{dotted}: expected auto, true or false, got {_got(value)}")
 
 

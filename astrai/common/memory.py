@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from astrai.common import nf4
+from astrai.common.layers import kv_cache_elements
 from astrai.common.model_folder import num_parameters
 
 TRAINING_BYTES_PER_PARAMETER = 16
@@ -36,9 +37,10 @@ forward passes of the prefill and the decode steps, the logits, the reward model
 
 
 def kv_cache_bytes(model, rows: int, capacity: int, itemsize: int) -> int:
-    """Bytes of a key/value cache of ``rows`` rows and ``capacity`` positions, every layer's keys and values, for a
-    model config (``n_layers``, ``n_kv_heads``, ``head_size``) whose cache holds ``itemsize``-byte elements."""
-    return 2 * model.n_layers * model.n_kv_heads * model.head_size * capacity * rows * itemsize
+    """Bytes of a key/value cache of ``rows`` rows and ``capacity`` positions, every layer's keys and values (as
+    each layer's kind caches them: astrai.common.layers), for a model config whose cache holds ``itemsize``-byte
+    elements."""
+    return kv_cache_elements(model) * capacity * rows * itemsize
 
 
 def decode_capacity(longest_prompt: int, max_new_tokens: int, context: int) -> int:

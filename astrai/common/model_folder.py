@@ -29,6 +29,7 @@ from pathlib import Path
 
 from astrai.common.contract import META_FILE, MODEL_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from astrai.common.families import family
+from astrai.common.layers import layer_tensors
 from astrai.common.model_config import (  # noqa: F401  (the names model folders are read with)
     MODEL_TYPES,
     ROPE_TYPES,
@@ -68,46 +69,14 @@ _TOP_PARTS = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "out
 
 
 def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the architecture holds, by our module name, with its shape."""
-    d, f = config.dim, config.ffn_hidden_dim
-    q, kv = config.n_heads * config.head_size, config.n_kv_heads * config.head_size
-    norms = _BLOCK_NORMS[config.block_norms]
-    sparse = set(config.sparse_layers)
-    shapes = {"tok_embeddings.weight": (config.vocab_size, d)}
+    """Every tensor the architecture holds, by our module name, with its shape: each block's from the kinds of layer
+    it is built of (:mod:`astrai.common.layers`)."""
+    shapes = {"tok_embeddings.weight": (config.vocab_size, config.dim)}
     for i in range(config.n_layers):
-        block = {}
-        if "attention_norm" in norms:
-            block["attention_norm.weight"] = (d,)
-        if config.fused_projections:
-            block["attention.wqkv.weight"] = (q + 2 * kv, d)
-        else:
-            block.update(
-                {"attention.wq.weight": (q, d), "attention.wk.weight": (kv, d), "attention.wv.weight": (kv, d)}
-            )
-        if config.attention_bias:
-            block.update({"attention.wq.bias": (q,), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,)})
-        if config.qk_norm is not None:
-            head = config.qk_norm == "head"
-            block.update({"attention.q_norm.weight": (config.head_size if head else q,)})
-            block.update({"attention.k_norm.weight": (config.head_size if head else kv,)})
-        block["attention.wo.weight"] = (d, q)
-        block.update({f"{norm}.weight": (d,) for norm in ("attention_post_norm", "ffn_norm") if norm in norms})
-        if i in sparse:
-            e, h = config.n_experts, config.expert_hidden_dim
-            block["feed_forward.router.weight"] = (e, d)
-            block.update({"feed_forward.gate_up": (e, 2 * h, d), "feed_forward.down": (e, d, h)})
-        elif config.fused_projections:
-            block["feed_forward.w13.weight"] = (2 * f, d)
-            block["feed_forward.w2.weight"] = (d, f)
-        else:
-            block.update({"feed_forward.w1.weight": (f, d), "feed_forward.w3.weight": (f, d)})
-            block["feed_forward.w2.weight"] = (d, f)
-        if "ffn_post_norm" in norms:
-            block["ffn_post_norm.weight"] = (d,)
-        shapes.update({f"layers.{i}.{name}": shape for name, shape in block.items()})
-    shapes["norm.weight"] = (d,)
+        shapes.update({f"layers.{i}.{name}": shape for name, shape in layer_tensors(config, i).items()})
+    shapes["norm.weight"] = (config.dim,)
     if not config.tie_embeddings:
-        shapes["output.weight"] = (config.vocab_size, d)
+        shapes["output.weight"] = (config.vocab_size, config.dim)
     return shapes
 
 

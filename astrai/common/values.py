@@ -1,5 +1,5 @@
 """Values as users type them and read them: durations (``90s``, ``10m``, ``1h30m05s``, Compose's spelling), clocks
-and local times, and whole numbers."""
+and local times, whole numbers and booleans."""
 
 from __future__ import annotations
 
@@ -58,6 +58,16 @@ def whole_number(text, minimum: int, maximum: int | None = None) -> int:
         allowed = f"from {minimum} to {maximum}" if maximum is not None else f"of at least {minimum}"
         raise ValueError(f"takes a whole number {allowed}, got {str(text)!r}")
     return number
+
+
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "1"), ("false", "no", "0")
+
+
+def boolean_word(text: str) -> bool | None:
+    """A boolean as typed on a command line or in an environment (true/false, yes/no, 1/0, any case, spaces around
+    it); None for any other text, which the caller refuses in its own words."""
+    word = text.strip().lower() if isinstance(text, str) else None
+    return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
 
 
 def without_credentials(uri: str) -> str:

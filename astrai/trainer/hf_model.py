@@ -58,7 +58,7 @@ from astrai.common.settings import LoRASettings, Sampling
 from astrai.trainer.compiling import blocks_uncompiled
 from astrai.trainer.decoding import Draws, checked_round, left_padded, pick_rows, until_stop
 from astrai.trainer.lora import AdapterError, LoRALinear, hold_base_in, is_adapter, load_adapters
-from astrai.trainer.model import LOGITS_CHUNK_BYTES, LOGITS_KEEP_BYTES, TokenScores, TokenTargets
+from astrai.trainer.model import LOGITS_CHUNK_BYTES, LOGITS_KEEP_BYTES, TokenScores, TokenTargets, segment_mask
 
 
 def _transformers():
@@ -243,10 +243,7 @@ class TransformersModel(nn.Module):
         """Logits of ``tokens`` (B, T), or with ``score`` the log-probabilities of its targets (TokenScores)."""
         if tokens.shape[1] > self.config.context:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's context of {self.config.context}")
-        mask = None
-        if segments is not None:  # each token sees the earlier tokens of its own record: a 4D mask, True = attend
-            causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).tril()
-            mask = (segments.unsqueeze(2) == segments.unsqueeze(1)).logical_and(causal).unsqueeze(1)
+        mask = None if segments is None else segment_mask(segments)  # a 4D mask, as the library takes one
         routed = self.top_k is not None and torch.is_grad_enabled()
         inputs = dict(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=False)
         if routed:
@@ -256,10 +253,7 @@ class TransformersModel(nn.Module):
             self.router_logits = _router_logits(out, self.config)
         if score is None:
             return out.logits
-        hidden = out.last_hidden_state
-        if score.where is not None:  # only these positions: their hidden states alone go through the head
-            hidden = hidden.gather(1, score.where.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        return self._scores(hidden, score)
+        return self._scores(score.gathered(out.last_hidden_state), score)
 
     def _scores(self, hidden: torch.Tensor, score: TokenTargets) -> TokenScores:
         """The targets' log-probabilities under the library's logits of ``hidden`` (B, L, D), a chunk of positions

@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from astrai.common.contract import MODEL_CONFIG_FILE, WEIGHTS_FILE
+from astrai.common.layers import EXPERTS, GATED, GROUPED_QUERY, attention_kind, mlp_kind
 from astrai.common.memory import LOGITS_CHUNK_BYTES, LOGITS_KEEP_BYTES
 from astrai.common.model_config import FAMILY_FIELDS, RopeScaling
 from astrai.common.model_folder import (
@@ -56,6 +57,7 @@ from astrai.common.model_folder import model_digest as model_digest
 from astrai.common.model_folder import num_parameters as num_parameters
 from astrai.common.paths import PathError, output_folder
 from astrai.common.safetensors_file import FLOAT_DTYPES
+from astrai.common.values import boolean_word
 from astrai.trainer.experts import MixtureOfExperts
 
 PRESETS = {
@@ -245,12 +247,31 @@ class TokenTargets(NamedTuple):
     where: torch.Tensor | None = None
     entropy: bool = False
 
+    def gathered(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states (B, T, D) of the scored positions (B, L, D): only they go through the head."""
+        if self.where is None:
+            return hidden
+        return hidden.gather(1, self.where.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+
 
 class TokenScores(NamedTuple):
     """Each scored position's log-probability of its target (B, L), and its entropy (detached) when asked."""
 
     logps: torch.Tensor
     entropy: torch.Tensor | None
+
+
+def segment_mask(segments: torch.Tensor) -> torch.Tensor:
+    """Which keys each query may attend to (B, 1, T, T; True = attend) in rows that pack several records:
+    ``segments`` (B, T) numbers each token's record, and a token sees the earlier tokens of its own record only."""
+    length = segments.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
+    return (segments.unsqueeze(2) == segments.unsqueeze(1)).logical_and(causal).unsqueeze(1)
+
+
+def soft_cap(values: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(values / cap)``: Gemma 2's soft cap, of attention scores and of the final logits alike."""
+    return torch.tanh(values / cap) * cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +285,7 @@ class LogitsShape:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self.scaling != 1.0:
             logits = logits / self.scaling
-        return logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+        return logits if self.cap is None else soft_cap(logits, self.cap)
 
     def slope(self, shaped: torch.Tensor) -> torch.Tensor | float:
         """d shaped / d raw logits, from the shaped logits."""
@@ -406,7 +427,7 @@ def capped_attention(
         k = k[:, :, None].expand(batch, heads, groups, length, width).reshape(batch, heads * groups, length, width)
         v = v[:, :, None].expand(batch, heads, groups, length, width).reshape(batch, heads * groups, length, width)
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    scores = soft_cap(scores, cap)
     scores = scores + (mask if mask.dtype == scores.dtype else mask.to(scores.dtype))
     weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(weights, v)
@@ -508,19 +529,25 @@ class FeedForward(nn.Module):
         return self.w2((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
+ATTENTIONS: dict[str, type[nn.Module]] = {GROUPED_QUERY.name: Attention}
+"""The module of each kind of attention (astrai.common.layers: its tensors and cache described there)."""
+MLPS: dict[str, type[nn.Module]] = {GATED.name: FeedForward, EXPERTS.name: MixtureOfExperts}
+"""The module of each kind of MLP."""
+
+
 class Block(nn.Module):
     """Attention then the MLP (a mixture of experts in a sparse layer: :mod:`astrai.trainer.experts`), each added to
     the residual stream; RMSNorms before them (Llama), after them (OLMo 2) or both (Gemma), their outputs scaled by
     Granite's residual multiplier."""
 
-    def __init__(self, config: ModelConfig, sparse: bool = False):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         before, after = config.block_norms in ("pre", "both"), config.block_norms in ("post", "both")
         self.attention_norm = rms_norm(config, config.dim) if before else None
-        self.attention = Attention(config)
+        self.attention = ATTENTIONS[attention_kind(config, layer).name](config)
         self.attention_post_norm = rms_norm(config, config.dim) if after else None
         self.ffn_norm = rms_norm(config, config.dim) if before else None
-        self.feed_forward = MixtureOfExperts(config) if sparse else FeedForward(config)
+        self.feed_forward = MLPS[mlp_kind(config, layer).name](config)
         self.ffn_post_norm = rms_norm(config, config.dim) if after else None
         self.residual_multiplier = config.residual_multiplier
         self.plain = config.block_norms == "pre" and config.residual_multiplier == 1.0
@@ -665,12 +692,12 @@ class Transformer(nn.Module):
         # Recompute each block's activations in backward instead of storing them: less memory, ~30% more compute.
         self.activation_checkpointing = activation_checkpointing
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        sparse = set(config.sparse_layers)
-        self.layers = nn.ModuleList(Block(config, i in sparse) for i in range(config.n_layers))
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = rms_norm(config, config.dim)
         # A tied model has no separate output tensor, so the state dict never holds two names for one tensor
         # (which safetensors refuses to save).
         self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.logits_shape = LogitsShape(config.logits_scaling, config.final_logit_softcapping)
         # Rotary tables derive from the config: not in the state dict, and not buffers either (DDP would
         # broadcast them every step), computed for the longest sequence seen so far on the device in use.
         self._rope: dict = {}
@@ -763,9 +790,7 @@ class Transformer(nn.Module):
         if segments is None and not explicit and not banded:
             return {False: None, True: None}
         causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-        allowed = causal
-        if segments is not None:
-            allowed = (segments.unsqueeze(2) == segments.unsqueeze(1)).logical_and(causal).unsqueeze(1)
+        allowed = causal if segments is None else segment_mask(segments)
         full = _additive(allowed) if segments is not None or explicit else None
         if not banded:
             return {False: full, True: full}
@@ -779,22 +804,17 @@ class Transformer(nn.Module):
         return x if scale == 1.0 else x * scale
 
     def _scores(self, x: torch.Tensor, score: TokenTargets) -> TokenScores:
-        if score.where is not None:  # only these positions: their hidden states alone go through the head
-            x = x.gather(1, score.where.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        x = score.gathered(x)
         head = self.tok_embeddings.weight if self.output is None else self.output.weight
-        shape = LogitsShape(self.config.logits_scaling, self.config.final_logit_softcapping)
-        logps, entropy = token_scores(x.reshape(-1, x.shape[-1]), head, score.targets.reshape(-1), score.entropy, shape)
+        logps, entropy = token_scores(
+            x.reshape(-1, x.shape[-1]), head, score.targets.reshape(-1), score.entropy, self.logits_shape
+        )
         size = score.targets.shape
         return TokenScores(logps.view(size), None if entropy is None else entropy.view(size))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = frozen_linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
-        if self.config.logits_scaling != 1.0:
-            logits = logits / self.config.logits_scaling
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return self.logits_shape.apply(logits)
 
     def decode(self, tokens: torch.Tensor, real: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The next-token logits (B, vocab) after ``tokens`` (B, T), which follow the ones in ``cache`` (and go into
@@ -966,12 +986,10 @@ def save_model_folder(folder: Path, config: ModelConfig, state: dict[str, torch.
 
 
 def _parse_bool(text: str) -> bool:
-    lowered = text.lower()
-    if lowered in ("true", "1", "yes"):
-        return True
-    if lowered in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    value = boolean_word(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
 
 
 # Fields a preset can be overridden with on the command line (RoPE scaling and token ids come from HF configs).

@@ -51,6 +51,7 @@ from astrai.common.contract import (
     TENSORBOARD_DIR,
 )
 from astrai.common.errors import AstraiError
+from astrai.common.layers import flops_per_token, matmul_params  # noqa: F401  (the MFU's, read here)
 from astrai.common.values import format_duration
 from astrai.trainer.trackers import Trackers
 
@@ -89,33 +90,6 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     (r"\bRTX 3090\b", 71.0),
     (r"\bRTX A6000\b", 155.0),
 )
-
-
-def matmul_params(model) -> int:
-    """Weights that take part in a matrix multiply per token: attention, MLP and the output head.
-
-    The input embedding is a lookup, not a multiply, and norm weights are negligible; with tied
-    embeddings the output head is the embedding matrix, counted once here. In a mixture of experts'
-    sparse layer a token is multiplied by the router and the experts it goes to only (active parameters).
-    """
-    head_dim = model.head_size
-    attention = model.dim * model.n_heads * head_dim * 2 + model.dim * model.n_kv_heads * head_dim * 2
-    mlp = 3 * model.dim * model.ffn_hidden_dim
-    sparse = len(model.sparse_layers)
-    experts = model.dim * model.n_experts + model.experts_per_token * 3 * model.dim * (model.expert_hidden_dim or 0)
-    head = model.vocab_size * model.dim
-    return model.n_layers * attention + (model.n_layers - sparse) * mlp + sparse * experts + head
-
-
-def flops_per_token(model, seq_len: int) -> int:
-    """Training FLOPs per token: 6N for the weights (2 forward, 4 backward) plus the attention term.
-
-    Attention scores (Q·Kᵀ) and their use (A·V) cost 2·seq_len·(n_heads·head_dim) FLOPs each per
-    token and layer forward, three times that with backward: 12·n_layers·n_heads·head_dim·seq_len.
-    The causal mask is not discounted, as in the PaLM paper's MFU, so figures compare across tools.
-    """
-    head_dim = model.head_size
-    return 6 * matmul_params(model) + 12 * model.n_layers * model.n_heads * head_dim * seq_len
 
 
 def peak_tflops(device_name: str | None, override: float | None = None) -> float | None:
