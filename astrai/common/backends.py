@@ -13,12 +13,11 @@ the host (preflight, ``--dry-run``, the image) and the trainer decide the backen
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from astrai.common.contract import MODEL_CONFIG_FILE
-from astrai.common.model_config import MODEL_TYPES, ModelConfig, context_length, quantized_weights
+from astrai.common.model_config import MODEL_TYPES, ModelConfig, context_length, quantized_weights, read_config_json
 from astrai.common.safetensors_file import ModelLoadError
 
 BACKEND_AUTO, BACKEND_NATIVE, BACKEND_TRANSFORMERS = "auto", "native", "transformers"
@@ -28,29 +27,13 @@ TRANSFORMERS_PACKAGE = "transformers==5.25.0"
 """What the trainer image installs for a job whose plan trains through transformers (the version the tests run)."""
 
 
-def read_config_json(folder: Path) -> dict:
-    """``folder/config.json`` as a dict; ModelLoadError naming the file for anything unreadable."""
-    path = Path(folder) / MODEL_CONFIG_FILE
-    try:
-        with open(path, encoding="utf-8") as handle:
-            values = json.load(handle)
-    except FileNotFoundError:
-        raise ModelLoadError(f"{path}: not found") from None
-    except PermissionError:
-        raise ModelLoadError(f"{path}: cannot be read by uid {os.getuid()}; check its permissions") from None
-    except (OSError, ValueError) as error:
-        raise ModelLoadError(f"{path}: {error}") from None
-    if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
-        raise ModelLoadError(f"{path}: expected a JSON object with a model_type")
-    return values
-
-
 def folder_model_type(folder: Path) -> str | None:
     """The ``model_type`` of a model folder's config.json; None when there is none to read (the run says why)."""
     try:
-        return read_config_json(folder)["model_type"]
+        model_type = read_config_json(folder).get("model_type")
     except ModelLoadError:
         return None
+    return model_type if isinstance(model_type, str) else None
 
 
 def resolve_backend(requested: str, model_type: str | None) -> str:
@@ -163,7 +146,10 @@ class TransformersConfig:
 
     @classmethod
     def load(cls, folder: Path) -> TransformersConfig:
-        return cls.from_dict(read_config_json(folder), str(Path(folder) / MODEL_CONFIG_FILE), Path(folder))
+        values, where = read_config_json(folder), str(Path(folder) / MODEL_CONFIG_FILE)
+        if not isinstance(values.get("model_type"), str):
+            raise ModelLoadError(f"{where}: expected a JSON object with a model_type")
+        return cls.from_dict(values, where, Path(folder))
 
     @property
     def head_size(self) -> int:

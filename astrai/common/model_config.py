@@ -336,16 +336,29 @@ class ModelConfig:
     @classmethod
     def load(cls, folder: Path) -> ModelConfig:
         """Read ``folder/config.json``; any problem raises ModelLoadError naming the file."""
-        path = Path(folder) / MODEL_CONFIG_FILE
+        values = read_config_json(folder)
         try:
-            with open(path, encoding="utf-8") as handle:
-                return cls.from_dict(json.load(handle))
-        except FileNotFoundError:
-            raise ModelLoadError(f"{path}: not found") from None
-        except PermissionError:
-            raise ModelLoadError(f"{path}: cannot be read by uid {os.getuid()}; check its permissions") from None
-        except (OSError, ValueError, TypeError) as error:
-            raise ModelLoadError(f"{path}: {error}") from None
+            return cls.from_dict(values)
+        except (ValueError, TypeError) as error:
+            raise ModelLoadError(f"{Path(folder) / MODEL_CONFIG_FILE}: {error}") from None
+
+
+def read_config_json(folder: Path) -> dict:
+    """``folder/config.json`` as a dict, for every reader of a model folder (both backends, the host's checks);
+    ModelLoadError naming the file for anything unreadable."""
+    path = Path(folder) / MODEL_CONFIG_FILE
+    try:
+        with open(path, encoding="utf-8") as handle:
+            values = json.load(handle)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: not found") from None
+    except PermissionError:
+        raise ModelLoadError(f"{path}: cannot be read by uid {os.getuid()}; check its permissions") from None
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"{path}: {error}") from None
+    if not isinstance(values, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return values
 
 
 def quantized_weights(values: dict) -> str | None:

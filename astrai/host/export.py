@@ -52,6 +52,7 @@ from astrai.common.contract import (
     WEIGHTS_INDEX_FILE,
 )
 from astrai.common.errors import AstraiError
+from astrai.common.model_config import read_config_json
 from astrai.common.model_folder import (
     PEFT_EXPERT_PARAMETERS,
     ExpertPiece,
@@ -204,17 +205,14 @@ def _read_source(source: Path, dtype: str | None) -> tuple[dict, list[_Tensor], 
             raise ExportError(
                 f"{source} is not a complete checkpoint: {error}; export another one (`invoke list` shows them)"
             ) from None
-    config_path = source / MODEL_CONFIG_FILE
-    try:
-        config = json.loads(config_path.read_bytes())
-    except FileNotFoundError:
+    if not (source / MODEL_CONFIG_FILE).exists():
         raise ExportError(
             f"{source} holds no {MODEL_CONFIG_FILE}: it is neither a checkpoint nor a model folder", code=2
-        ) from None
-    except (OSError, ValueError) as error:
-        raise ExportError(f"{config_path}: cannot be read ({getattr(error, 'strerror', None) or error})") from None
-    if not isinstance(config, dict):
-        raise ExportError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+        )
+    try:
+        config = read_config_json(source)
+    except ModelLoadError as error:
+        raise ExportError(str(error)) from None
     files = weight_files(source)
     target = DTYPES[dtype] if dtype is not None else None
     tensors: dict[str, _Tensor] = {}
