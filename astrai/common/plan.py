@@ -236,7 +236,7 @@ def resolve_plan(
         generations=kind.completions_per_prompt(training),
         sampling=training.sampling() if kind.online else None,
         settings=kind.own_settings(training),
-        autocast="bfloat16" if device_type == "cuda" else None,
+        autocast=autocast_dtype(device_type),
         compile=resolve_compile(config.model.compile, device_type, backend),
         deterministic=training.deterministic,
         backend=backend,
@@ -254,12 +254,21 @@ def resolve_compile(requested: bool | str, device_type: str, backend: str) -> bo
     return requested is True
 
 
+def autocast_dtype(device_type: str) -> str | None:
+    """What autocast computes in on a device: bfloat16 on CUDA; None on a CPU, which trains in float32 (autocast would
+    only slow it down)."""
+    return "bfloat16" if device_type == "cuda" else None
+
+
+def compute_dtype(device_type: str) -> str:
+    """The dtype a device computes a model in, training or generating: autocast's, else float32."""
+    return autocast_dtype(device_type) or "float32"
+
+
 def lora_base_dtype(requested: str, device_type: str) -> str:
-    """How LoRA's frozen base is held: ``auto`` is bfloat16 on CUDA (where autocast computes in bfloat16 anyway) and
-    float32 on CPU (which computes in float32); float32, bfloat16 and nf4 as asked."""
-    if requested != "auto":
-        return requested
-    return "bfloat16" if device_type == "cuda" else "float32"
+    """How LoRA's frozen base is held: ``auto`` is what the device computes in (bfloat16 on CUDA, float32 on a CPU);
+    float32, bfloat16 and nf4 as asked."""
+    return compute_dtype(device_type) if requested == "auto" else requested
 
 
 def ckpt_format(requested: str | None, parallel_mode: str) -> str:

@@ -18,6 +18,7 @@ from astrai.common.contract import GENERATION_CONFIG_FILE, TOKENIZER_FILE
 from astrai.common.errors import AstraiError
 from astrai.common.fit import SetupError
 from astrai.common.model_folder import ModelConfig
+from astrai.common.plan import compute_dtype
 from astrai.common.settings import Sampling, SettingError
 from astrai.trainer.decoding import DecodeEngine, Draws
 from astrai.trainer.model import Transformer, load_pretrained
@@ -31,10 +32,20 @@ def add_command(commands) -> None:
     command.add_argument("dir", help="a model folder or a full checkpoint, holding its tokenizer.json")
     command.add_argument("--prompt", required=True, help="the text to complete (with --chat: the user's message)")
     command.add_argument("--chat", action="store_true", help="wrap the prompt in the folder's chat template")
-    command.add_argument("--max_new_tokens", type=int, default=64, help="at most this many new tokens (default 64)")
-    command.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
-    command.add_argument("--top_k", type=int, default=0, help="draw among the k most likely tokens (0: all)")
-    command.add_argument("--top_p", type=float, default=1.0, help="draw among the top tokens reaching p (1: all)")
+    defaults = Sampling()
+    command.add_argument(
+        "--max_new_tokens",
+        type=int,
+        default=defaults.max_new_tokens,
+        help=f"at most this many new tokens (default {defaults.max_new_tokens})",
+    )
+    command.add_argument("--temperature", type=float, default=defaults.temperature, help="0 (the default) is greedy")
+    command.add_argument(
+        "--top_k", type=int, default=defaults.top_k, help="draw among the k most likely tokens (0: all)"
+    )
+    command.add_argument(
+        "--top_p", type=float, default=defaults.top_p, help="draw among the top tokens reaching p (1: all)"
+    )
     command.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
     command.add_argument(
         "--tokenizer",
@@ -128,8 +139,7 @@ def _complete(model, ids: list[int], sampling: Sampling, stop: set[int], args) -
     """The completion, on the device asked for: a GPU in bfloat16 with captured decode steps, or the CPU."""
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
-    if cuda:
-        model = model.to(device, torch.bfloat16)
+    model = model.to(device, getattr(torch, compute_dtype(device.type)))
     generator = torch.Generator(device=device).manual_seed(args.seed)
     engine = DecodeEngine(model) if isinstance(model, Transformer) else _transformers_decoding(model)
     return engine.generate([ids], sampling, stop, [Draws(1, generator)])[0]
