@@ -440,6 +440,22 @@ def base_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
+def other_base(
+    holder: Path, lora: dict, folder: Path, digest: str | None = None, named: str | None = None
+) -> str | None:
+    """None when ``folder`` is the base model the LoRA adapters in ``holder`` were trained on (``lora``: what their
+    checkpoint records, :attr:`astrai.common.checkpoints.CheckpointMeta.lora`), else the sentence saying it is not;
+    ``digest``: the folder's :func:`base_digest` when already computed; ``named``: how the sentence names the folder."""
+    recorded = lora["base"]
+    digest = base_digest(folder) if digest is None else digest
+    if digest == recorded["sha256"]:
+        return None
+    return (
+        f"{holder} holds LoRA adapters of the base model {recorded['path']} (sha256 {recorded['sha256'][:12]}), and "
+        f"{named or folder} is another model (sha256 {digest[:12]}): adapters fit only the base they were trained on"
+    )
+
+
 def inspect_weights(folder: Path, config: ModelConfig) -> WeightsSummary:
     """Check, from the file headers alone, that a folder's weights are exactly what its config implies."""
     _refuse_adapters_only(Path(folder))

@@ -58,9 +58,9 @@ from astrai.common.model_folder import (
     ExpertPiece,
     ModelConfig,
     ModelLoadError,
-    base_digest,
     expert_pieces,
     hf_name,
+    other_base,
     peft_adapter_config,
     peft_expert_adapter,
     peft_modules_of,
@@ -484,12 +484,9 @@ def _merged(
             f"which holds no model (moved?): give the base model folder with --base DIR",
             code=2,
         )
-    found = base_digest(base)
-    if found != recorded["sha256"]:
-        raise ExportError(
-            f"{source} holds adapters of the base model {recorded['path']} (sha256 {recorded['sha256'][:12]}), and "
-            f"{base} is another model (sha256 {found[:12]}): the adapters fit only the base they were trained on"
-        )
+    problem = other_base(source, lora, base)
+    if problem is not None:
+        raise ExportError(problem)
     config, tensors, weights = _read_source(base, dtype)
     by_name = {t.name: t for t in tensors}
     pairs: dict[str, dict[str, _Tensor]] = {}

@@ -61,11 +61,11 @@ from astrai.common.memory import DEVICE_USABLE_SHARE, activation_bytes, training
 from astrai.common.model_folder import (
     ModelConfig,
     ModelLoadError,
-    base_digest,
     describe,
     inspect_weights,
     num_adapter_parameters,
     num_parameters,
+    other_base,
     weight_files,
 )
 from astrai.common.nf4 import MIN_CUDA_CAPABILITY, MIN_TORCH, NF4
@@ -341,13 +341,12 @@ def _model_check(runtime: Runtime, config: TrainerConfig | None) -> tuple[tuple[
         return None, unreadable
     found = f"{folder}: {describe(folder, model, weights)}"
     if latest is not None:  # a LoRA checkpoint: its adapters resume onto this base, which must be theirs
-        recorded, digest = latest.meta.lora["base"], base_digest(folder)
-        if digest != recorded["sha256"]:
+        problem = other_base(latest.path, latest.meta.lora, folder)
+        if problem is not None:
             return None, Check(
                 FAIL,
                 "base model",
-                f"{latest.path} holds LoRA adapters of the base model {recorded['path']} (sha256 "
-                f"{recorded['sha256'][:12]}), and {folder} is another model (sha256 {digest[:12]})",
+                problem,
                 "set ckpt.param_path (or runtime.paths.model) back to the model the adapters were trained on",
             )
         found += f"; the LoRA adapters of {latest.path.name} resume onto it"

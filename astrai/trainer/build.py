@@ -33,7 +33,7 @@ from astrai.common.fit import (
     prompt_room,
     tokenizer_hint,
 )
-from astrai.common.model_folder import base_digest
+from astrai.common.model_folder import base_digest, other_base
 from astrai.common.nf4 import NF4, nf4_problem
 from astrai.common.plan import RunPlan
 from astrai.common.settings import LoRASettings
@@ -196,13 +196,9 @@ def _lora_start(
         env, read_base, errors=(ModelLoadError, SetupError, DataError)
     )
     if loaded is not None:
-        recorded = loaded.meta.lora["base"]
-        if recorded["sha256"] != digest:
-            raise SetupError(
-                f"{loaded.checkpoint.path} holds LoRA adapters of the base model {recorded['path']} (sha256 "
-                f"{recorded['sha256'][:12]}), and ckpt.param_path {base} is another model (sha256 {digest[:12]}): "
-                "adapters only fit the base they were trained on; set ckpt.param_path back to that model"
-            )
+        problem = other_base(loaded.checkpoint.path, loaded.meta.lora, base, digest, f"ckpt.param_path {base}")
+        if problem is not None:
+            raise SetupError(f"{problem}; set ckpt.param_path back to that model")
         return Start(model_config, weights, loaded.checkpoint.path, loaded.model_state, digest, loaded.checkpoint.path)
     if config.ckpt.adapter_path is None:
         return Start(model_config, weights, base, None, digest)
