@@ -204,14 +204,25 @@ def check_resume(
     return notes
 
 
-def prompt_room(model: ModelConfig, max_completion_length: int, model_source: Path) -> tuple[int, int]:
+def completion_room(training) -> tuple[int, str]:
+    """(the tokens after a prompt the online types' context must hold, the key that says so): max_completion_length,
+    or max_episode_tokens for a run of episodes (tools, an environment)."""
+    episodes = training.episodes()
+    if episodes is None:
+        return training.max_completion_length, "max_completion_length"
+    return episodes.max_episode_tokens, "max_episode_tokens"
+
+
+def prompt_room(
+    model: ModelConfig, completion: int, model_source: Path, key: str = "max_completion_length"
+) -> tuple[int, int]:
     """(the model's context, the tokens of it a prompt may keep) for the online types, which score prompt and
-    completion in one pass; SetupError when max_completion_length leaves no room."""
+    completion (``completion`` tokens at most, ``training.<key>``) in one pass; SetupError when it leaves no room."""
     limit = min(model.max_seq_len, model.sliding_window or model.max_seq_len)
-    room = limit - max_completion_length
+    room = limit - completion
     if room < 1:
         raise SetupError(
-            f"training.max_completion_length {max_completion_length} leaves no room for a prompt in the context of "
+            f"training.{key} {completion} leaves no room for a prompt in the context of "
             f"{limit} tokens of the model {model_source}; lower it below {limit}"
         )
     return limit, room
@@ -219,13 +230,14 @@ def prompt_room(model: ModelConfig, max_completion_length: int, model_source: Pa
 
 def fit_prompts(data: TokenData, lengths: list[int], model: ModelConfig, training, overlong: str, source: Path):
     """The prompts an online run samples from (astrai.common.data_folder.PromptUnits), each cut or left out to leave
-    room for max_completion_length; SetupError when none is left."""
-    limit, room = prompt_room(model, training.max_completion_length, source)
+    room for max_completion_length (an episode's max_episode_tokens); SetupError when none is left."""
+    completion, key = completion_room(training)
+    limit, room = prompt_room(model, completion, source, key)
     units = prompt_units(lengths, room, overlong)
     if not len(units):
         raise SetupError(
-            f"every prompt of {data.root} is longer than {room} tokens, the room max_completion_length "
-            f"{training.max_completion_length} leaves in the model's context of {limit}; lower max_completion_length"
+            f"every prompt of {data.root} is longer than {room} tokens, the room {key} "
+            f"{completion} leaves in the model's context of {limit}; lower {key}"
         )
     return units
 

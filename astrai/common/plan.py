@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from astrai.common.agents import EpisodeSettings
 from astrai.common.backends import BACKEND_TRANSFORMERS, describe_backend, folder_model_type, resolve_backend
 from astrai.common.config import TrainerConfig, resolve_grad_accum_steps
 from astrai.common.configfile import ConfigError
@@ -56,6 +57,8 @@ class RunPlan:
     """Deterministic kernels only (training.deterministic)."""
     backend: str = "native"
     """Which code computes the model: native, or transformers (model.backend resolved for the folder's family)."""
+    episodes: EpisodeSettings | None = None
+    """The online types' episodes (tools, an environment) and their limits; None: one completion per prompt."""
     model_type: str | None = None
     """The model folder's model_type (None: not read)."""
 
@@ -112,9 +115,16 @@ class RunPlan:
     def generation_cache(self, model, context: int, longest_prompt: int) -> GenerationCache:
         """The key/value caches of the online types' rounds of generation on a rank, at the largest capacity the run
         reaches (its longest prompt and max_completion_length)."""
-        return generation_cache(
-            model, context, self.rollout_rows, longest_prompt, self.sampling.max_new_tokens, self.autocast
-        )
+        # Episodes: the rows of a round share the cache's slots, so one row's longest episode and another's longest
+        # turn must fit together (astrai.trainer.decoding.DecodeEngine.episodes).
+        room = self.completion_room + (self.sampling.max_new_tokens if self.episodes is not None else 0)
+        return generation_cache(model, context, self.rollout_rows, longest_prompt, room, self.autocast)
+
+    @property
+    def completion_room(self) -> int:
+        """Tokens after a prompt the online types' context must hold: a completion's (max_completion_length), or an
+        episode's (max_episode_tokens: its turns and the replies between them)."""
+        return self.sampling.max_new_tokens if self.episodes is None else self.episodes.max_episode_tokens
 
     def lines(self) -> list[str]:
         """The plan as ``--dry-run`` prints it, a decision a line."""
@@ -147,6 +157,8 @@ class RunPlan:
             )
         if self.settings is not None:
             lines.append(f"{self.train_type}: {self.settings.describe()}")
+        if self.episodes is not None:
+            lines.append(f"episodes: {self.episodes.describe()}")
         return lines
 
     def _unit(self) -> str:
@@ -205,6 +217,7 @@ def resolve_plan(
         deterministic=training.deterministic,
         backend=backend,
         model_type=model_type,
+        episodes=training.episodes() if kind.online else None,
     )
 
 

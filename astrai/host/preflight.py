@@ -47,6 +47,7 @@ from astrai.common.fit import (
     check_model_tokenizer,
     check_resume,
     check_same_tokenizer,
+    completion_room,
     prompt_room,
     start_checks,
     tokenizer_hint,
@@ -392,7 +393,7 @@ def _fit_check(
     )
     if kind.online:
         left = units.truncated if config.data.overlong == "truncate" else units.dropped
-        room = f"{left:,} longer than the room max_completion_length leaves: {config.data.overlong}"
+        room = f"{left:,} longer than the room {completion_room(config.training)[1]} leaves: {config.data.overlong}"
         detail = f" ({room})" if left else ""
     return units, Check(
         PASS,
@@ -433,7 +434,7 @@ def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model,
         f"{base_dtype})"
     )
     if plan.sampling is not None and units is not None and len(units):
-        context, _ = prompt_room(model_config, plan.sampling.max_new_tokens, model[1])
+        context, _ = prompt_room(model_config, plan.completion_room, model[1])
         cache = plan.generation_cache(model_config, context, max(units.takes))
         found += (
             f"; generation's key/value caches {format_bytes(cache.bytes)} ({cache.rows} rows of a round x "
