@@ -102,6 +102,8 @@ RESERVED_ENV_PREFIX = "ASTRAI_"
 LABEL_JOB = "ai.astrai.job"
 LABEL_NODE = "ai.astrai.node"
 """The node index (``--node``) of a container: 0 for a one-host job."""
+LABEL_ENVIRONMENT = "ai.astrai.environment"
+"""The name of the server environment (runtime.environments) a container runs."""
 LABEL_CONFIG = "ai.astrai.common.config"
 LABEL_TORCH = "ai.astrai.torch"
 """Image label: the torch version the Dockerfile installed or verified (the Dockerfile writes it out)."""
@@ -276,6 +278,9 @@ TRACKERS_FILE = "trackers.json"
 WANDB_DIR = "wandb"
 """W&B's local files of a job: ``<job dir>/wandb/`` (offline runs stay there for ``wandb sync``)."""
 TRACKER_PACKAGES = {TRACKER_MLFLOW: "mlflow-skinny==3.17.2", TRACKER_WANDB: "wandb==0.28.2"}
+EPISODE_PACKAGES = ("jinja2>=3.1", "tokenizers>=0.20")
+"""What the trainer image installs for a job of episodes (training.tools, training.environment): the chat template
+that renders the tools and replies, and the tokenizer that reads them."""
 OPENENV_PACKAGE = "openenv-core==0.3.0"
 """OpenEnv's client, which the trainer image installs for a job with a server environment (training.environment
 {server: NAME}): the trainer speaks to the server through it (the version the tests run)."""

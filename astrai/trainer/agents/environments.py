@@ -25,6 +25,7 @@ import json
 import math
 import numbers
 import os
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from astrai.trainer.agents.tools import TOOL_ERROR, AgentError, Outcome, Tool, a
 from astrai.trainer.objectives.rewards import user_object
 
 RESERVED = ("reset", "reward", "close")
+SERVER_START_SECONDS = 120
+"""How long the trainer waits for a server environment that is still starting (its image's start-up)."""
 """Public methods of an environment class that are not tools."""
 
 
@@ -198,14 +201,23 @@ class ServerEnvironment:
         return self.spec.server
 
     def _schema(self, limits: Limits) -> dict:
-        """The server's action, as the one tool the model calls."""
-        try:
-            with urllib.request.urlopen(f"{self.url}/schema", timeout=limits.timeout) as response:
-                action = json.loads(response.read().decode("utf-8"))["action"]
-        except (OSError, urllib.error.URLError, ValueError, KeyError, TypeError) as error:
+        """The server's action, as the one tool the model calls; a server still starting is waited for (up to
+        :data:`SERVER_START_SECONDS`)."""
+        deadline = time.monotonic() + SERVER_START_SECONDS
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/schema", timeout=limits.timeout) as response:
+                    action = json.loads(response.read().decode("utf-8"))["action"]
+                break
+            except (OSError, urllib.error.URLError) as error:
+                if time.monotonic() < deadline:
+                    time.sleep(1.0)
+                    continue
+                problem = f"it does not answer GET /schema ({error}) after {SERVER_START_SECONDS} s"
+            except (ValueError, KeyError, TypeError) as error:
+                problem = f"its answer to GET /schema has no action schema ({type(error).__name__}: {error})"
             raise AgentError(
-                f"environment server {self.spec.server} at {self.url}: its action schema cannot be read from "
-                f"GET /schema ({error}); is it an OpenEnv server, and running?"
+                f"environment server {self.spec.server} at {self.url}: {problem}; is it an OpenEnv server, and running?"
             ) from None
         properties = {key: value for key, value in action.get("properties", {}).items() if key != "metadata"}
         parameters: dict = {"type": "object", "properties": properties}
