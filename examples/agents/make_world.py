@@ -4,9 +4,8 @@ tiny base model of its vocabulary, the prompts, and text of whole episodes to pr
     python examples/agents/make_world.py WORLD
 
 The tokenizer is byte-level (one token a byte) with the chat markers as special tokens, so that the ``tiny`` preset
-(a vocabulary of 320) learns it in seconds on a CPU. The pre-training episodes call ``lookup`` with the right key
-and then answer, with the right digit one time in five: a base model that knows the format, and that has something
-to learn.
+(a vocabulary of 320) learns it in seconds on a CPU. The pre-training episodes call ``secret`` and then answer, with
+the digit it told one time in five: a base model that knows the format, and that has something to learn.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ SPECIALS = (
     "<tool_response>",
     "</tool_response>",
 )
-QUESTION = "What digit does {key} hide?"
+QUESTION = "Which digit is hidden?"
 
 
 def write_tokenizer(folder: Path) -> Path:
@@ -65,13 +64,13 @@ def _byte_chars() -> dict[int, str]:
     return characters
 
 
-def episode_messages(key: str, digit: str, answer: str) -> list[dict]:
+def episode_messages(digit: str, answer: str) -> list[dict]:
     """A whole episode as chat messages: the question, the call, the tool's reply, the answer."""
-    call = {"id": "call00001", "type": "function", "function": {"name": "lookup", "arguments": {"key": key}}}
+    call = {"id": "call00001", "type": "function", "function": {"name": "secret", "arguments": {}}}
     return [
-        {"role": "user", "content": QUESTION.format(key=key)},
+        {"role": "user", "content": QUESTION},
         {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "name": "lookup", "tool_call_id": "call00001", "content": digit},
+        {"role": "tool", "name": "secret", "tool_call_id": "call00001", "content": digit},
         {"role": "assistant", "content": answer},
     ]
 
@@ -90,19 +89,18 @@ def write_world(root: Path, prompts: int = 200, episodes: int = 3000, right: flo
     base = write_tokenizer(root / "base")
     write_base_model(base, PRESETS["tiny"], seed=seed)
     template = ChatTemplate.of_folder(base)
-    tools = [json_schema(SecretKeeper().lookup)]
+    tools = [json_schema(SecretKeeper().secret)]
     rng = random.Random(seed)
     texts = []
     for _ in range(episodes):
-        key, digit = f"k{rng.randrange(100)}", str(rng.randrange(10))
+        digit = str(rng.randrange(10))
         answer = digit if rng.random() < right else str(rng.randrange(10))
-        texts.append(template.render(episode_messages(key, digit, answer), tools=tools))
+        texts.append(template.render(episode_messages(digit, answer), tools=tools))
     with open(root / "episodes.jsonl", "w", encoding="utf-8") as handle:
         handle.writelines(json.dumps({"text": text}) + "\n" for text in texts)
     with open(root / "prompts.jsonl", "w", encoding="utf-8") as handle:
         for _ in range(prompts):
-            key, digit = f"k{rng.randrange(100)}", str(rng.randrange(10))
-            record = {"prompt": [{"role": "user", "content": QUESTION.format(key=key)}], "key": key, "answer": digit}
+            record = {"prompt": [{"role": "user", "content": QUESTION}], "answer": str(rng.randrange(10))}
             handle.write(json.dumps(record) + "\n")
 
 
