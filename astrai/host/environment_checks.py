@@ -1,4 +1,11 @@
-"""Preflight's look at the server environments (``runtime.environments``, ``training.environment: {server: NAME}``).
+"""Preflight's look at a job's episodes: its tools and template, and its server environments (``runtime.environments``,
+``training.environment: {server: NAME}``).
+
+- The tools (``training.tools``, the environment class's methods) load and have schemas, and the prompts' chat
+  template renders them and writes calls in a format the episodes read: the trainer's own check
+  (:func:`astrai.trainer.agents.episodes.describe_agent`), run in the job's built image with its mounts read-only and
+  no network, as the trainer will run. Before `invoke start` has built the image the line says so, and `invoke start`
+  checks it after its build, before the trainer starts.
 
 - The server ``training.environment`` names is one of ``runtime.environments``.
 - Each server's image is there: its Dockerfile folder builds (``docker build``, as Compose will build it), or its
@@ -15,6 +22,7 @@ import json
 import secrets
 
 from astrai.common.config import TrainerConfig
+from astrai.common.contract import trainer_arguments
 from astrai.host import compose, engine, launch
 from astrai.host.checklist import FAIL, PASS, SKIP, Check
 from astrai.host.hostuser import host_user_ids
@@ -40,6 +48,60 @@ while time.monotonic() < deadline:
 print(f"no answer to reset: {last}", file=sys.stderr)
 sys.exit(1)
 """
+
+
+_AGENT_SCRIPT = """
+import json, sys
+from astrai.common.config import parse_args
+from astrai.common.errors import AstraiError
+from astrai.trainer.agents.episodes import describe_agent
+try:
+    print(json.dumps({"found": describe_agent(parse_args(json.loads(sys.argv[1]))[0])}))
+except (AstraiError, ValueError) as error:
+    print(json.dumps({"problem": str(error)}))
+"""
+AGENTS = "tools"
+
+
+def agent_checks(
+    runtime: Runtime, config: TrainerConfig | None, trainer_args: list[str] | tuple[str, ...]
+) -> list[Check]:
+    """The episodes' line: the tools and environment class load, and the prompts' chat template renders the tools
+    and writes calls in a format the episodes read, checked in the job's (built) image as the trainer will."""
+    if config is None or not config.training.kind.online or config.training.episodes() is None:
+        return []
+    image = compose.image_name(runtime)
+    if engine.image_labels(image) is None:
+        return [
+            Check(SKIP, AGENTS, f"checked in image {image} once `invoke start` has built it, before the trainer starts")
+        ]
+    problem, found = agent_problem(runtime, trainer_args)
+    if problem is not None:
+        return [
+            Check(
+                FAIL, AGENTS, problem, "fix the tools, the environment or the prompts' chat template (docs/agents.md)"
+            )
+        ]
+    return [Check(PASS, AGENTS, found)]
+
+
+def agent_problem(runtime: Runtime, trainer_args: list[str] | tuple[str, ...]) -> tuple[str | None, str]:
+    """(why the episodes cannot run, or None; what they run with), from the trainer's own check in the job's image,
+    with the job's mounts read-only and no network."""
+    uid, gid = host_user_ids()
+    volumes = [arg for mount in launch.mounts(runtime) for arg in ("--volume", f"{mount.source}:{mount.target}:ro")]
+    mode = runtime.parallel_mode if runtime.processes is not None else None
+    arguments = trainer_arguments(runtime.job_name, mode, list(trainer_args))
+    result = engine.docker(
+        "run", "--rm", "--network", "none", "--user", f"{uid}:{gid}", "--entrypoint", "python3", *volumes,
+        compose.image_name(runtime), "-c", _AGENT_SCRIPT, json.dumps(arguments), timeout=ANSWER_TIMEOUT_SECONDS,
+    )  # fmt: skip
+    try:
+        answer = json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        detail = (result.stderr.strip() or result.stdout.strip())[-400:]
+        return f"the image could not check the episodes (exit {result.returncode}): {detail}", ""
+    return answer.get("problem"), answer.get("found", "")
 
 
 def environment_checks(runtime: Runtime, config: TrainerConfig | None, *, answer: bool = True) -> list[Check]:

@@ -42,7 +42,7 @@ from astrai.common.errors import AstraiError
 from astrai.common.metrics import MetricsFile
 from astrai.common.values import local_time
 from astrai.host import compose, engine, launch, preflight, slurm, slurm_script, timer
-from astrai.host.environment_checks import answer_problem
+from astrai.host.environment_checks import agent_problem, answer_problem
 from astrai.host.hostuser import make_dirs
 from astrai.host.reward_checks import import_in_image
 from astrai.host.runtime import Runtime, check_paths
@@ -232,8 +232,14 @@ def _check_rewards_in_image(runtime: Runtime, trainer_args: list[str]) -> None:
         raise JobError(f"the reward functions do not import in the trainer image:\n  {lines}\nthe job was not started")
 
 
-def _check_environments_answer(runtime: Runtime) -> None:
-    """Each server environment answers a reset from the trainer image just built, before the trainer starts."""
+def _check_environments_answer(runtime: Runtime, trainer_args: list[str]) -> None:
+    """The episodes' tools and template, and each server environment's answer to a reset, checked in the trainer
+    image just built, before the trainer starts."""
+    config = check_trainer_config(runtime, trainer_args)
+    if config.training.kind.online and config.training.episodes() is not None:
+        problem, _ = agent_problem(runtime, trainer_args)
+        if problem is not None:
+            raise JobError(f"the episodes cannot run: {problem}\nthe job was not started")
     failures = [
         f"runtime.environments.{server.name}: {problem}"
         for server in runtime.environments
@@ -275,7 +281,7 @@ def _start_container(runtime: Runtime, trainer_args: list[str], began: float) ->
     what = "building the trainer image" + (" and the environments' images" if built else "")
     _run_compose(runtime, "build", compose.SERVICE, *built, what=what, quiet=True)
     _check_rewards_in_image(runtime, trainer_args)
-    _check_environments_answer(runtime)
+    _check_environments_answer(runtime, trainer_args)
     if _stop_requested_since(runtime, began):
         raise JobError(f"`{runtime.command('stop')}` was run while this start was in progress: the job was not started")
     timer.cancel(compose.state_dir(runtime))

@@ -69,7 +69,7 @@ from astrai.common.settings import LoRASettings
 from astrai.common.values import format_bytes
 from astrai.host import compose, engine
 from astrai.host.checklist import FAIL, PASS, SKIP, WARN, Check
-from astrai.host.environment_checks import environment_checks
+from astrai.host.environment_checks import agent_checks, environment_checks
 from astrai.host.hostuser import host_user_ids
 from astrai.host.reward_checks import reward_checks
 from astrai.host.runtime import JOB_DIR_ROOM, Runtime, split_endpoint
@@ -117,6 +117,7 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = (), *, this_host: boo
             if this_host:
                 checks += reward_checks(runtime, config)
         if this_host:
+            checks += agent_checks(runtime, config, trainer_args)
             checks += environment_checks(runtime, config)
     checks.append(_disk_space_check(runtime, config))
     if runtime.multi_node:

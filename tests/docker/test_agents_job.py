@@ -110,5 +110,11 @@ def test_a_job_trains_in_a_server_environment_beside_it_through_start_stop_start
             assert any(key in record for record in records), (key, records[-1])
         status = job.invoke("status").stdout
         assert f"step {stopped + 3}" in status, status
+        # With the trainer image built, preflight checks the tools' template and asks the server for a reset.
+        checklist = job.invoke("preflight", check=False).stdout
+        tools = next(line for line in checklist.splitlines() if " tools" in line)
+        assert tools.startswith("✓") and "tools guess in environment server guess" in tools, checklist
+        server = next(line for line in checklist.splitlines() if "environments" in line)
+        assert server.startswith("✓") and "answers reset through OpenEnv's client (port 8000)" in server, checklist
     finally:
         subprocess.run(["docker", "image", "rm", "--force", image], capture_output=True)

@@ -538,3 +538,25 @@ def test_episode_settings_out_of_range_are_refused_naming_the_key(tmp_path, agen
         with pytest.raises(ConfigError) as raised:
             load_trainer_config(path, list(overrides.items()))
         assert any(message in line for line in raised.value.messages), raised.value.messages
+
+
+def test_preflight_checks_the_tools_and_the_template_as_the_trainer_will(tmp_path, agent_world, train_yaml):
+    """What `invoke preflight` runs in the job's image: the tools load, and the prompts' template renders them and
+    writes calls in a format the episodes read; a template that renders no tools is refused, saying so."""
+    from hf_folders import make_chat_tokenizer
+
+    from astrai.data.tool_calls import ToolFormatError
+    from astrai.trainer.agents.episodes import describe_agent
+
+    path = _yaml(train_yaml, tmp_path / "t.yaml", agent_world)
+    found = describe_agent(load_trainer_config(path))
+    assert found == (
+        f"tools lookup, add, sleepy in environment {agent_world / 'keeper.py'}:Keeper; the chat template renders them "
+        "and writes calls as hermes"
+    )
+    plain = make_chat_tokenizer(tmp_path / "plain", ["What digit does k1 hide?"] * 20)
+    records = tmp_path / "prompts.jsonl"
+    records.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}) + "\n")
+    prepare(tmp_path / "plain-prompts", [records], tokenizer=HFTokenizer(plain), kind="prompts")
+    with pytest.raises(ToolFormatError, match="does not show the tools to the model"):
+        describe_agent(load_trainer_config(path, [("data_root_path", str(tmp_path / "plain-prompts"))]))

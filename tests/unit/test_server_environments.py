@@ -126,3 +126,24 @@ def test_the_trainer_image_installs_what_episodes_and_openenvs_client_need(tmp_p
     assert model_packages_of(runtime) == (*EPISODE_PACKAGES, OPENENV_PACKAGE)
     assert model_packages_of(runtime, ["--environment", "/data/env.py:Env"]) == EPISODE_PACKAGES
     assert model_packages_of(runtime, ["--environment", "null", "--tools", "[]"]) == ()
+
+
+def test_preflight_checks_the_episodes_in_the_built_image_and_says_when_it_is_not_built(tmp_path, monkeypatch):
+    """The tools' line waits for the trainer image (the check runs there, as the trainer will); a server the job's
+    environment names and runtime.environments lacks is refused naming both; a job without episodes has no lines."""
+    from astrai.host import engine
+    from astrai.host.checklist import FAIL, SKIP
+    from astrai.host.environment_checks import agent_checks, environment_checks
+    from astrai.host.trainer_config import read_trainer_config
+
+    monkeypatch.setattr(engine, "image_labels", lambda image: None)
+    runtime = _runtime(tmp_path)
+    config = read_trainer_config(runtime, [])
+    (check,) = agent_checks(runtime, config, [])
+    assert check.mark == SKIP and "once `invoke start` has built it, before the trainer starts" in check.detail, check
+    assert agent_checks(runtime, read_trainer_config(runtime, ["--train_type", "seq"]), []) == []
+
+    runtime = _runtime(tmp_path, {"calc": {"image": "calc:1", "port": 9000}})
+    (check,) = environment_checks(runtime, read_trainer_config(runtime, []))
+    assert check.mark == FAIL and "runtime.environments has no sandbox (it has calc)" in check.detail, check
+    assert "add runtime.environments.sandbox" in check.hint, check

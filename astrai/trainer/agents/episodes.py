@@ -110,18 +110,29 @@ class EpisodePrompts:
         return text, self.tokenizer.ids([text])[0]
 
 
-def episode_prompts(config, plan, index, log, model, limits: Limits):
-    """(the prompts an episode run samples from, each rendered with the tools and left out when the room
-    max_episode_tokens leaves in the context is too small; the run's :class:`EpisodePrompts`)."""
-    from astrai.data.tokenizing import HFTokenizer
-
-    data, training = index.data, config.training
+def prompts_template(data) -> ChatTemplate:
+    """The chat template the prompts were prepared with, which renders the episodes (SetupError when they have none)."""
     template = ChatTemplate.of_folder(data.root) if data.tokenizer_sha256 is not None else None
     if template is None:
         raise SetupError(
             f"{data.root}: episodes render tools with the prompts' chat template, and this data has none; prepare the "
             "prompts with --tokenizer (a folder whose chat template renders tools, or --chat_template FILE)"
         )
+    return template
+
+
+def stop_markers(tokenizer, stop) -> tuple[str, ...]:
+    """The texts of the stop tokens: what ends an assistant turn in the template's tool-call format."""
+    return tuple(sorted({tokenizer.tokenizer.id_to_token(token) or "" for token in stop} - {""}))
+
+
+def episode_prompts(config, plan, index, log, model, limits: Limits):
+    """(the prompts an episode run samples from, each rendered with the tools and left out when the room
+    max_episode_tokens leaves in the context is too small; the run's :class:`EpisodePrompts`)."""
+    from astrai.data.tokenizing import HFTokenizer
+
+    data, training = index.data, config.training
+    template = prompts_template(data)
     records = data.prompt_records()
     missing = [number for number, record in enumerate(records) if not isinstance(record.get("messages"), list)]
     if missing:
@@ -151,6 +162,34 @@ def episode_prompts(config, plan, index, log, model, limits: Limits):
         "cut)"
     )
     return units, world
+
+
+def describe_agent(config) -> str:
+    """What preflight says of a run's episodes, checked as the trainer checks them at its start: the tools and the
+    environment class load and have schemas, and the prompts' chat template shows the tools and writes calls in a
+    format the episodes read (AgentError, ToolFormatError, SetupError or DataError otherwise). A server environment's
+    tool is named after it; whether the server answers is its own preflight line's (it needs the server running)."""
+    from astrai.common.backends import load_model_config
+    from astrai.common.data_folder import TokenData
+    from astrai.data.tokenizing import HFTokenizer
+    from astrai.trainer.generate import stop_tokens
+
+    training = config.training
+    data = TokenData.open(Path(config.data.data_root_path))
+    template = prompts_template(data)
+    environment = training.environment
+    if environment is not None and environment.server is not None:
+        # A server's one tool is named after it; its schema (the server's action) is asked for once it runs.
+        names = ", ".join([environment.server, *(tool.name for tool in load_tools(training.tools))])
+        described = f"tools {names} in environment {environment.describe()}"
+    else:
+        described = Agent.load(training, Limits(training.tool_timeout)).describe()
+    tokenizer = HFTokenizer(data.root / TOKENIZER_FILE)
+    folder = Path(config.ckpt.param_path)
+    found = template_tool_format(
+        template, stop_markers(tokenizer, stop_tokens(load_model_config(folder), folder, tokenizer))
+    )
+    return f"{described}; the chat template renders them and writes calls as {found.format.name}"
 
 
 def episode_seed(seed: int, step: int, rank: int, row: int) -> int:
@@ -298,9 +337,8 @@ class EpisodeRollouts:
         self.reward_limits, self.context = limits, context
         self.limits = Limits(settings.tool_timeout, limits.stop_requested)
         self.tokenizer = world.tokenizer
-        markers = tuple(sorted({self.tokenizer.tokenizer.id_to_token(token) or "" for token in stop} - {""}))
         try:
-            self.tool_template = template_tool_format(world.template, markers)
+            self.tool_template = template_tool_format(world.template, stop_markers(self.tokenizer, stop))
         except ToolFormatError as error:
             raise AgentError(f"{error}") from None
         environment = world.agent.environment
