@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from trainer_runs import TRAINER, Run, final_weights, metrics_step, run_to_end, stop_gracefully
+from trainer_runs import TORCHRUN, TRAINER, Run, final_weights, metrics_step, run_to_end, stop_gracefully
 
 from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.common.config import load_trainer_config
@@ -471,6 +471,10 @@ def test_a_run_of_episodes_reports_logs_and_resumes_bitwise(
     assert sampled[-1]["episode/turns"] >= 1
     log = (tmp_path / "whole" / COMPLETIONS_LOG).read_text(encoding="utf-8")
     assert "turns " in log and "      assistant: " in log
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "whole" / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    assert {f"train/{name}" for name in EPISODE_METRICS} <= set(events.Tags()["scalars"])
 
 
 @pytest.mark.slow
@@ -517,6 +521,27 @@ def test_a_stop_while_the_environment_works_saves_the_last_completed_step_and_re
             marker.unlink()
         run_to_end(command, env, tmp_path / f"{name}.log")
         finals[name] = final_weights(ckpt_dir, 5)
+    assert finals["stopped"] == finals["whole"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_processes_play_episodes_stop_and_resume_bitwise(tmp_path, agent_world, train_yaml, trainer_env, mode):
+    """Each rank plays its own prompts' episodes (under FSDP the ranks take every turn together, the forward passes
+    being collectives); a graceful stop and a restart end where an uninterrupted run does."""
+    finals = {}
+    for name in ("whole", "stopped"):
+        ckpt_dir = tmp_path / name
+        keys = {"max_steps": 6, "ckpt_interval": 100, "log_interval": 1, "num_workers": 1}
+        path = _yaml(train_yaml, tmp_path / f"{name}.yaml", agent_world, ckpt_dir=str(ckpt_dir), **keys)
+        command = [*TORCHRUN, "-m", "astrai.train", "--config", str(path), "--parallel_mode", mode]
+        if name == "stopped":
+            run = Run(command, trainer_env, tmp_path / "run.log")
+            stop_gracefully(run, lambda ckpt_dir=ckpt_dir: metrics_step(ckpt_dir) >= 3, rank=1)
+            latest = latest_complete_checkpoint(ckpt_dir)
+            assert latest.meta.reason == "emergency" and 3 <= latest.step < 6, run.output()
+        run_to_end(command, trainer_env, tmp_path / f"{name}.log")
+        finals[name] = final_weights(ckpt_dir, 6)
     assert finals["stopped"] == finals["whole"]
 
 
