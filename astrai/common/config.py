@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from astrai.common.agents import EnvironmentSpec, EpisodeSettings, parse_environment, parse_tools
 from astrai.common.backends import BACKENDS
 from astrai.common.configfile import ConfigError, load_yaml, show_value, unknown
 from astrai.common.contract import (
@@ -175,6 +176,8 @@ def _sources(dotted: str, value, from_text: bool):
     return tuple(parsed)
 
 
+EPISODE_LIMITS = ("max_turns", "max_tool_calls", "max_episode_tokens", "tool_timeout", "truncated_reward")
+"""The training keys of astrai.common.agents.EpisodeSettings, in its fields' order."""
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
@@ -258,6 +261,26 @@ class TrainingSection:
     reference kept)."""
     normalize_advantages: bool = RLOOSettings.normalize_advantages
     """online_rloo: take the step's mean off the advantages and divide them by their std."""
+    tools: tuple[str, ...] = ()
+    """online_grpo, online_rloo, online_dpo: Python functions the model may call in an episode, each 'FILE.py:function'
+    or 'module:function'; their JSON schemas (from their signatures and docstrings) are rendered by the chat template
+    (docs/agents.md). On the command line: the list in YAML flow style."""
+    environment: EnvironmentSpec | None = None
+    """online_grpo, online_rloo, online_dpo: the environment episodes run in: 'FILE.py:Class' or 'module:Class' (one
+    instance per episode, reset(**fields), its public methods are tools, an optional reward()), or {server: NAME}, an
+    OpenEnv-compatible server runtime.environments.NAME starts beside the trainer. null: tools alone, or no episodes."""
+    max_turns: int = EpisodeSettings.max_turns
+    """Episodes: assistant turns an episode may take; past it the episode ends as truncated."""
+    max_tool_calls: int = EpisodeSettings.max_tool_calls
+    """Episodes: tool calls an episode may make, over all its turns; past it the episode ends as truncated."""
+    max_episode_tokens: int = EpisodeSettings.max_episode_tokens
+    """Episodes: tokens after the prompt (assistant turns, tool and environment replies); with the prompt, within the
+    model's context. Past it the episode ends as truncated."""
+    tool_timeout: float = EpisodeSettings.tool_timeout
+    """Episodes: seconds a tool call (an environment's reset, step or reward) may take; past it the call is answered
+    with an error message, and the episode goes on."""
+    truncated_reward: float | None = EpisodeSettings.truncated_reward
+    """Episodes: the reward of an episode a limit ended (null: scored by the rewards like the others)."""
     optimizer: str = "adamw"
     """adamw, or muon: Muon for the 2-D weight matrices of the transformer blocks, AdamW for embeddings, norms,
     biases and the output head (not under FSDP, which shards the matrices Muon orthogonalises whole)."""
@@ -367,16 +390,25 @@ class TrainingSection:
         _settings(self.sampling)
         for entry in TRAIN_TYPES.values():  # every type's own settings, whichever type trains: no typo is silent
             _settings(lambda entry=entry: entry.own_settings(self))
-        if self.kind.online and not self.rewards:
+        _settings(lambda: EpisodeSettings(*(getattr(self, key) for key in EPISODE_LIMITS)))
+        if self.kind.online and not self.rewards and self.environment is None:
             raise ConfigError(
                 f"training.rewards: training.train_type {self.train_type} scores completions with reward functions; "
-                "list at least one, such as [astrai.rewards:exact_answer] or ['/data/my_rewards.py:brevity']"
+                "list at least one, such as [astrai.rewards:exact_answer] or ['/data/my_rewards.py:brevity'] (or "
+                "run episodes in a training.environment whose reward scores them)"
             )
 
     @property
     def kind(self) -> TrainType:
         """The train type's entry (astrai.common.train_types)."""
         return TRAIN_TYPES[self.train_type]
+
+    def episodes(self) -> EpisodeSettings | None:
+        """The limits of the online types' episodes; None when the run has no tools and no environment (one
+        completion per prompt)."""
+        if not self.tools and self.environment is None:
+            return None
+        return EpisodeSettings(*(getattr(self, key) for key in EPISODE_LIMITS))
 
     def sampling(self) -> Sampling:
         """How the online types sample their completions."""
@@ -628,6 +660,8 @@ def _coerce(dotted: str, value, kind, from_text: bool):
         return _targets(dotted, value, from_text)
     if dotted.split(" ")[0] == "training.rewards":
         return _rewards(dotted, value, from_text)
+    if dotted.split(" ")[0] in ("training.tools", "training.environment"):
+        return _agent_key(dotted, value, from_text)
     if dotted.split(" ")[0] == "model.compile":
         return _auto_or_bool(dotted, value, from_text)
     if dotted.split(" ")[0] == "log.report_to":
@@ -755,6 +789,25 @@ def _rewards(dotted: str, value, from_text: bool) -> tuple[RewardSpec, ...]:
             value = [value]
     try:
         return parse_rewards(value)
+    except ValueError as error:
+        raise ConfigError(f"{dotted}: {error}") from None
+
+
+def _agent_key(dotted: str, value, from_text: bool):
+    """training.tools (a list; on the command line in flow style, or one function) and training.environment (a
+    class, or {server: NAME}; on the command line as YAML)."""
+    key = dotted.split(" ")[0]
+    if from_text:
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(
+                f"{dotted}: expected YAML such as '[/data/tools.py:lookup]' or '{{server: calc}}'"
+            ) from None
+        if key == "training.tools" and isinstance(value, str):
+            value = [value]
+    try:
+        return parse_tools(value) if key == "training.tools" else parse_environment(value)
     except ValueError as error:
         raise ConfigError(f"{dotted}: {error}") from None
 

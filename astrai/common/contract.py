@@ -90,6 +90,9 @@ host's PID namespace to see it). When it is gone, the entrypoint stops the train
 ENV_STOPPED_EXIT_CODE = "ASTRAI_STOPPED_EXIT_CODE"
 """When set (Kubernetes pods), a graceful stop that leaves the run unfinished exits with this code instead of 0:
 a pod stopped by an eviction or a drain is then retried by the Job's podFailurePolicy, not counted as done."""
+ENV_ENVIRONMENTS = "ASTRAI_ENVIRONMENTS"
+"""The server environments of a job (runtime.environments) as the trainer reaches them: a JSON object of name ->
+address (http://HOST:PORT), set by the host."""
 ENV_FAILURE_TIMEOUT_SECONDS = "ASTRAI_FAILURE_TIMEOUT_SECONDS"
 """Survivors of a lost node exit within this many seconds; the trainer watches the other ranks' heartbeats."""
 RESERVED_ENV_PREFIX = "ASTRAI_"
@@ -99,6 +102,8 @@ RESERVED_ENV_PREFIX = "ASTRAI_"
 LABEL_JOB = "ai.astrai.job"
 LABEL_NODE = "ai.astrai.node"
 """The node index (``--node``) of a container: 0 for a one-host job."""
+LABEL_ENVIRONMENT = "ai.astrai.environment"
+"""The name of the server environment (runtime.environments) a container runs."""
 LABEL_CONFIG = "ai.astrai.common.config"
 LABEL_TORCH = "ai.astrai.torch"
 """Image label: the torch version the Dockerfile installed or verified (the Dockerfile writes it out)."""
@@ -220,6 +225,26 @@ METRIC_MFU = "mfu"
 METRIC_MAX_ALLOCATED_GIB = "max_allocated_gib"
 """Peak memory allocated by tensors on global rank 0's GPU so far; absent on CPU."""
 
+METRIC_EPISODE_TURNS = "episode/turns"
+"""Episodes (tools, an environment): the mean assistant turns of the episodes sampled since the last report."""
+METRIC_EPISODE_TOOL_CALLS = "episode/tool_calls"
+"""Episodes: the mean tool calls an episode made (those that parsed, and those that did not)."""
+METRIC_EPISODE_TOOL_ERRORS = "episode/tool_errors"
+"""Episodes: the mean calls an episode made that were answered with an error (no such tool, arguments it does not
+take, a tool that raised or ran past training.tool_timeout)."""
+METRIC_EPISODE_UNPARSED = "episode/unparsed_calls"
+"""Episodes: the mean calls an episode began that did not parse in the template's tool-call format."""
+METRIC_EPISODE_TRUNCATED = "episode/truncated"
+"""Episodes: the share of episodes a limit ended (max_turns, max_tool_calls, max_episode_tokens, a turn cut at
+max_completion_length)."""
+EPISODE_METRICS = (
+    METRIC_EPISODE_TURNS,
+    METRIC_EPISODE_TOOL_CALLS,
+    METRIC_EPISODE_TOOL_ERRORS,
+    METRIC_EPISODE_UNPARSED,
+    METRIC_EPISODE_TRUNCATED,
+)
+
 COMPLETIONS_LOG = "completions.log"
 """online_grpo: every log_interval steps, a group of sampled completions with their rewards, for people to read."""
 
@@ -253,6 +278,12 @@ TRACKERS_FILE = "trackers.json"
 WANDB_DIR = "wandb"
 """W&B's local files of a job: ``<job dir>/wandb/`` (offline runs stay there for ``wandb sync``)."""
 TRACKER_PACKAGES = {TRACKER_MLFLOW: "mlflow-skinny==3.17.2", TRACKER_WANDB: "wandb==0.28.2"}
+EPISODE_PACKAGES = ("jinja2>=3.1", "tokenizers>=0.20")
+"""What the trainer image installs for a job of episodes (training.tools, training.environment): the chat template
+that renders the tools and replies, and the tokenizer that reads them."""
+OPENENV_PACKAGE = "openenv-core==0.3.0"
+"""OpenEnv's client, which the trainer image installs for a job with a server environment (training.environment
+{server: NAME}): the trainer speaks to the server through it (the version the tests run)."""
 """What the trainer image installs for a tracker ``log.report_to`` asks for (the versions the tests run)."""
 TRACKER_SECRETS = {
     TRACKER_MLFLOW: (

@@ -211,14 +211,25 @@ def _context_words(model) -> str:
     return f"max_position_embeddings {model.max_seq_len} as its RoPE scaling stretches it"
 
 
-def prompt_room(model: ModelConfig, max_completion_length: int, model_source: Path) -> tuple[int, int]:
+def completion_room(training) -> tuple[int, str]:
+    """(the tokens after a prompt the online types' context must hold, the key that says so): max_completion_length,
+    or max_episode_tokens for a run of episodes (tools, an environment)."""
+    episodes = training.episodes()
+    if episodes is None:
+        return training.max_completion_length, "max_completion_length"
+    return episodes.max_episode_tokens, "max_episode_tokens"
+
+
+def prompt_room(
+    model: ModelConfig, completion: int, model_source: Path, key: str = "max_completion_length"
+) -> tuple[int, int]:
     """(the model's context, the tokens of it a prompt may keep) for the online types, which score prompt and
-    completion in one pass; SetupError when max_completion_length leaves no room."""
+    completion (``completion`` tokens at most, ``training.<key>``) in one pass; SetupError when it leaves no room."""
     limit = model.context
-    room = limit - max_completion_length
+    room = limit - completion
     if room < 1:
         raise SetupError(
-            f"training.max_completion_length {max_completion_length} leaves no room for a prompt in the context of "
+            f"training.{key} {completion} leaves no room for a prompt in the context of "
             f"{limit} tokens of the model {model_source}; lower it below {limit}"
         )
     return limit, room
@@ -226,15 +237,18 @@ def prompt_room(model: ModelConfig, max_completion_length: int, model_source: Pa
 
 def fit_prompts(data: TokenData, lengths: list[int], model: ModelConfig, training, overlong: str, source: Path):
     """The prompts an online run samples from (astrai.common.data_folder.PromptUnits), each cut or left out to leave
-    room for max_completion_length; SetupError when none is left."""
-    limit, room = prompt_room(model, training.max_completion_length, source)
+    room for max_completion_length (an episode's max_episode_tokens); SetupError when none is left."""
+    completion, key = completion_room(training)
+    limit, room = prompt_room(model, completion, source, key)
     units = prompt_units(lengths, room, overlong)
     if not len(units):
-        raise SetupError(_no_prompt_left(data.root, lengths, limit, training.max_completion_length, source))
+        raise SetupError(_no_prompt_left(data.root, lengths, limit, completion, source, key))
     return units
 
 
-def _no_prompt_left(root: Path, lengths: list[int], limit: int, completion: int, source: Path) -> str:
+def _no_prompt_left(
+    root: Path, lengths: list[int], limit: int, completion: int, source: Path, key: str = "max_completion_length"
+) -> str:
     """Why data.overlong: drop left out every prompt, and only the remedies that would leave some in."""
     shortest, longest = min(lengths, default=0), max(lengths, default=0)
     remedies = [
@@ -244,9 +258,9 @@ def _no_prompt_left(root: Path, lengths: list[int], limit: int, completion: int,
         f"data.overlong: truncate (each prompt keeps its last {limit - completion} tokens)",
     ]
     if shortest < limit:  # only then can a shorter completion leave room for one
-        remedies.insert(0, f"training.max_completion_length {limit - shortest} or less (room for the shortest prompt)")
+        remedies.insert(0, f"training.{key} {limit - shortest} or less (room for the shortest prompt)")
     return (
-        f"every prompt of {root} is longer than the {limit - completion} tokens max_completion_length {completion} "
+        f"every prompt of {root} is longer than the {limit - completion} tokens {key} {completion} "
         f"leaves of the context of {limit} tokens of the model {source} (its prompts have {shortest} to {longest} "
         f"tokens), and data.overlong: drop leaves them all out; what can work: {'; '.join(remedies)}"
     )

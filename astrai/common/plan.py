@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from astrai.common.agents import EpisodeSettings
 from astrai.common.backends import (
     BACKEND_TRANSFORMERS,
     LibraryModel,
@@ -66,6 +67,8 @@ class RunPlan:
     """Deterministic kernels only (training.deterministic)."""
     backend: str = "native"
     """Which code computes the model: native, or transformers (model.backend resolved for the folder's family)."""
+    episodes: EpisodeSettings | None = None
+    """The online types' episodes (tools, an environment) and their limits; None: one completion per prompt."""
     model_type: str | None = None
     """The model folder's model_type (None: not read)."""
     library: LibraryModel | None = None
@@ -134,9 +137,16 @@ class RunPlan:
     def generation_cache(self, model, context: int, longest_prompt: int) -> GenerationCache:
         """The key/value caches of the online types' rounds of generation on a rank, at the largest capacity the run
         reaches (its longest prompt and max_completion_length)."""
-        return generation_cache(
-            model, context, self.rollout_rows, longest_prompt, self.sampling.max_new_tokens, self.autocast
-        )
+        # Episodes: the rows of a round share the cache's slots, so one row's longest episode and another's longest
+        # turn must fit together (astrai.trainer.decoding.DecodeEngine.episodes).
+        room = self.completion_room + (self.sampling.max_new_tokens if self.episodes is not None else 0)
+        return generation_cache(model, context, self.rollout_rows, longest_prompt, room, self.autocast)
+
+    @property
+    def completion_room(self) -> int:
+        """Tokens after a prompt the online types' context must hold: a completion's (max_completion_length), or an
+        episode's (max_episode_tokens: its turns and the replies between them)."""
+        return self.sampling.max_new_tokens if self.episodes is None else self.episodes.max_episode_tokens
 
     def lines(self) -> list[str]:
         """The plan as ``--dry-run`` prints it, a decision a line."""
@@ -170,6 +180,8 @@ class RunPlan:
             )
         if self.settings is not None:
             lines.append(f"{self.train_type}: {self.settings.describe()}")
+        if self.episodes is not None:
+            lines.append(f"episodes: {self.episodes.describe()}")
         return lines
 
     def _unit(self) -> str:
@@ -242,6 +254,7 @@ def resolve_plan(
         backend=backend,
         model_type=model_type,
         library=library,
+        episodes=training.episodes() if kind.online else None,
     )
 
 

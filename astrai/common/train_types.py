@@ -14,13 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from astrai.common.agents import AGENT_KEYS
 from astrai.common.settings import MIN_TEMPERATURE, KTOSettings, RLOOSettings, TypeSettings
 
 Problem = tuple[str, object, str]
 """A setting a train type refuses: (the training key, its value, what the type allows)."""
 
-SAMPLING_KEYS = ("rewards", "reward_timeout", "max_completion_length", "temperature", "top_p", "top_k")
-"""What every online type samples and scores with."""
+SAMPLING_KEYS = ("rewards", "reward_timeout", "max_completion_length", "temperature", "top_p", "top_k", *AGENT_KEYS)
+"""What every online type samples and scores with (its completions may be episodes: astrai.common.agents)."""
 GRPO_KEYS = ("grpo_epsilon", "grpo_epsilon_high", "grpo_beta", "grpo_loss", "scale_rewards", "num_iterations")
 """GRPO's own settings (astrai.common.settings.GRPOSettings)."""
 RLOO_KEYS = ("grpo_epsilon", "grpo_epsilon_high", "num_iterations", "rloo_beta", "normalize_advantages")
@@ -96,6 +97,10 @@ class TrainType:
         values = {key: getattr(training, key) for key in self.keys}
         if "rewards" in values:
             values["rewards"] = [f"{spec.function} x{spec.weight:g}" for spec in training.rewards]
+        if "environment" in values:
+            values["environment"] = None if training.environment is None else training.environment.describe()
+        if "tools" in values:
+            values["tools"] = list(training.tools)
         return values
 
 

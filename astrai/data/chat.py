@@ -32,6 +32,7 @@ import json
 import math
 import os.path
 import re
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -134,28 +135,32 @@ class ChatTemplate:
             return None
         return cls(source, _template_variables(config), str(origin))
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return "".join(self._blocks(messages, add_generation_prompt))
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
+        """The conversation as text; ``tools``: the JSON schemas of the tools it may call (the template's own
+        ``tools`` argument, as transformers passes it; None renders none)."""
+        return "".join(self._blocks(messages, add_generation_prompt, tools))
 
-    def render_with_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def render_with_spans(
+        self, messages: list[dict], tools: list[dict] | None = None
+    ) -> tuple[str, list[tuple[int, int]]]:
         """The conversation rendered, and the (start, end) characters of every {% generation %} block in it."""
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
         self._tracking = (blocks, spans)
         try:
-            for block in self._blocks(messages, False):
+            for block in self._blocks(messages, False, tools):
                 blocks.append(block)
         finally:
             self._tracking = None
         return "".join(blocks), spans
 
-    def _blocks(self, messages: list[dict], add_generation_prompt: bool):
+    def _blocks(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None):
         """The rendered text as the template yields it, block by block."""
         try:
             yield from self._template.generate(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools,
                 documents=None,
                 **self._variables,
             )
@@ -209,10 +214,11 @@ class RecordEncoder:
                         f"has no {self.messages_field!r} field (its keys: {_keys(record)}); --field names the "
                         "field that holds each record's messages"
                     )
-                return [self._conversation(_messages(record[self.messages_field], self.messages_field))]
+                messages = _messages(record[self.messages_field], self.messages_field)
+                return [self._conversation(messages, tools=_tools(record))]
             for key in ("messages", "conversations"):
                 if key in record:
-                    return [self._conversation(_messages(record[key], key))]
+                    return [self._conversation(_messages(record[key], key), tools=_tools(record))]
             if "prompt" in record and "completion" in record:
                 return [self._plain(_text(record, "prompt"), _text(record, "completion"))]
             raise RecordError(
@@ -247,6 +253,7 @@ class RecordEncoder:
                 f"has no 'prompt' field (its keys: {_keys(record)}); a prompt record holds a prompt (text or "
                 "messages) and any other fields the rewards read"
             )
+        messages = None
         if isinstance(record["prompt"], str):
             text = _text(record, "prompt")
         elif not isinstance(record["prompt"], list):
@@ -270,8 +277,14 @@ class RecordEncoder:
         clash = sorted({"prompts", "completions"} & set(fields))
         if clash:
             raise RecordError(f"has a field named {clash[0]!r}, which reward functions receive as the texts; rename it")
+        # A chat prompt keeps its messages: an episode renders them again, with the tools (astrai.trainer.agents).
+        kept = (
+            {"prompt": text, "fields": fields}
+            if messages is None
+            else {"prompt": text, "fields": fields, "messages": messages}
+        )
         try:
-            line = json.dumps({"prompt": text, "fields": fields}, ensure_ascii=False, allow_nan=False)
+            line = json.dumps(kept, ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as error:
             raise RecordError(f"a field is not plain JSON ({error}): the rewards receive the fields as JSON") from None
         return ids, line
@@ -364,31 +377,37 @@ class RecordEncoder:
         ids = prompt_ids + completion_ids + [self.tokenizer.end_of_text]
         return ids, [0] * len(prompt_ids) + [1] * (len(completion_ids) + 1)
 
-    def _conversation(self, messages: list[dict], supervise_from: int = 0) -> tuple[list[int], list[int]]:
+    def _conversation(
+        self, messages: list[dict], supervise_from: int = 0, tools: list[dict] | None = None
+    ) -> tuple[list[int], list[int]]:
+        """The conversation's ids and supervision mask; ``tools``: the JSON schemas the template renders (TRL's
+        tool-calling records carry them)."""
         if self.template is None:
             raise RecordError(
                 "holds messages, but the tokenizer has no chat template; give a tokenizer folder whose "
                 "tokenizer_config.json has a chat_template (or a chat_template.jinja), or use prompt/completion records"
             )
         for index, message in enumerate(messages):
-            if message["role"] == "assistant" and index >= supervise_from and not message["content"].strip():
+            said = (message.get("content") or "").strip() or message.get("tool_calls")
+            if message["role"] == "assistant" and index >= supervise_from and not said:
                 raise RecordError(
                     f"assistant message {index} is empty: there is no reply to learn; drop the turn or the record"
                 )
+        render = _with_tools(self.template, tools)
         if self.template.marks_generation:
-            text, spans = self.template.render_with_spans(messages)
+            text, spans = self.template.render_with_spans(messages, tools)
         else:
-            text, spans = self.template.render(messages), None
+            text, spans = render.render(messages), None
         if problem := not_unicode_text(text):  # a role, a name or any other field the template shows
             raise RecordError(f"the rendered conversation {problem}")
         ids, offsets = self.tokenizer.ids_with_offsets(text)
         mask = [0] * len(ids)
         if spans is not None:
-            _mark_overlapping(mask, offsets, self._spans_from(spans, messages, supervise_from, text))
+            _mark_overlapping(mask, offsets, self._spans_from(spans, messages, supervise_from, text, render))
         for index, message in enumerate(messages):
             if spans is not None or message["role"] != "assistant" or index < supervise_from:
                 continue
-            start, end = self._generated_span(messages, index, text, ids, offsets)
+            start, end = self._generated_span(messages, index, text, ids, offsets, render)
             for position, (begin, finish) in enumerate(offsets):
                 # A token overlapping the span is generated, also one that straddles its start.
                 if begin < end and (finish > start or (begin == finish and begin >= start)):
@@ -398,18 +417,18 @@ class RecordEncoder:
         return ids, mask
 
     def _spans_from(
-        self, spans: list[tuple[int, int]], messages: list[dict], supervise_from: int, text: str
+        self, spans: list[tuple[int, int]], messages: list[dict], supervise_from: int, text: str, render
     ) -> list[tuple[int, int]]:
         """The marked spans of the turns supervised: those after the first ``supervise_from`` messages (a DPO
         prompt's own assistant turns are context, not supervised)."""
         if supervise_from == 0:
             return spans
-        before = self._without_closing_markers(self._prompt_of(messages[:supervise_from])[0])
+        before = self._without_closing_markers(self._prompt_of(messages[:supervise_from], render)[0])
         boundary = _common_prefix(before, text)
         return [(start, end) for start, end in spans if start >= boundary]
 
     def _generated_span(
-        self, messages: list[dict], index: int, text: str, ids: list[int], offsets: list[tuple[int, int]]
+        self, messages: list[dict], index: int, text: str, ids: list[int], offsets: list[tuple[int, int]], render
     ) -> tuple[int, int]:
         """The characters of ``text`` (the whole conversation rendered, tokenized as ``ids`` with ``offsets``) that
         the model generates as turn ``index``.
@@ -418,10 +437,10 @@ class RecordEncoder:
         with the turn's end-of-turn token: what a chat client sends is the prompt, what the model must write is
         the rest, through the token that stops it. Found from rendered text, never by looking for the reply.
         """
-        history, prompt = self._prompt_of(messages[:index])
+        rendered, prompt = self._prompt_of(messages[:index], render)
         # A template may close a conversation it renders without a generation prompt (Phi-3's eos_token): the
         # history must be a prefix of the whole but for such closing markers.
-        history = self._without_closing_markers(history)
+        history = self._without_closing_markers(rendered)
         if not text.startswith(history):
             raise RecordError(
                 f"the chat template renders the turns before assistant message {index} differently when they "
@@ -429,11 +448,11 @@ class RecordEncoder:
             )
         # Most prompts are a prefix of the whole; a template may also open a block in the prompt (<think>) that a
         # finished turn renders otherwise: then the turn begins where the two part.
-        start = max(len(history), _common_prefix(prompt, text))
-        turn = self.template.render(messages[: index + 1])
-        cut = _common_prefix(prompt, turn)
+        start = max(len(history), _turn_start(rendered, prompt, text))
+        turn = render.render(messages[: index + 1])
+        cut = _turn_start(rendered, prompt, turn)
         tail = turn[cut:]
-        followed = self._followed(messages[: index + 1])
+        followed = self._followed(messages[: index + 1], render)
         agreed = len(tail) if followed is None else max(0, _common_prefix(turn, followed) - cut)
         length = self._through_end_of_turn(tail, agreed)
         if text[start : start + length] == tail[:length]:
@@ -456,19 +475,19 @@ class RecordEncoder:
             f"and without an end-of-turn token; cannot tell which tokens the model generates: {REMEDY}"
         )
 
-    def _prompt_of(self, before: list[dict]) -> tuple[str, str]:
+    def _prompt_of(self, before: list[dict], render) -> tuple[str, str]:
         """The turns before an assistant turn rendered, without and with the generation prompt."""
         try:
-            return self.template.render(before), self.template.render(before, add_generation_prompt=True)
+            return render.render(before), render.render(before, add_generation_prompt=True)
         except RecordError:
             if before:
                 raise
             return "", ""  # a conversation that opens with the assistant: many templates cannot render none
 
-    def _followed(self, turns: list[dict]) -> str | None:
+    def _followed(self, turns: list[dict], render) -> str | None:
         """The turns rendered with one more user message after them (None when the template refuses that)."""
         try:
-            return self.template.render([*turns, {"role": "user", "content": "more"}])
+            return render.render([*turns, {"role": "user", "content": "more"}])
         except RecordError:
             return None
 
@@ -505,11 +524,58 @@ class RecordEncoder:
             text = stripped
 
 
+@dataclass(frozen=True)
+class _WithTools:
+    """A template whose renders show ``tools`` (a record's, or none)."""
+
+    template: ChatTemplate
+    tools: list[dict] | None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.template.render(messages, add_generation_prompt, self.tools)
+
+
+def _with_tools(template: ChatTemplate, tools: list[dict] | None) -> _WithTools:
+    return _WithTools(template, tools)
+
+
+def _tools(record: dict) -> list[dict] | None:
+    """A record's ``tools``: the JSON schemas of the functions its conversation may call, as TRL's tool-calling
+    datasets carry them (a list, or that list as JSON text); None when it has none."""
+    tools = record.get("tools")
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise RecordError("field 'tools' is text that is not JSON: expected a list of tool schemas") from None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise RecordError(
+            'field \'tools\' must be a list of tool schemas ({"type": "function", "function": {"name": ...}})'
+        )
+    return tools
+
+
 def _mark_overlapping(mask: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> None:
     """Mark every token that overlaps a span, as transformers' return_assistant_tokens_mask marks them."""
     for position, (begin, finish) in enumerate(offsets):
         if any(begin < end and finish > start for start, end in spans):
             mask[position] = 1
+
+
+def _turn_start(history: str, prompt: str, rendered: str) -> int:
+    """Where an assistant turn begins in ``rendered`` (the conversation through it, or further): where the prompt
+    (``history``, the conversation before the turn, and its generation prompt) parts from it. A template that renders
+    the last message before the turn otherwise once the turn follows it (Hermes 3's last tool message, closed without
+    its newline) parts before the generation prompt: the turn then begins after the generation prompt's own text."""
+    start = _common_prefix(prompt, rendered)
+    if prompt.startswith(history) and not rendered.startswith(history):
+        opening = prompt[len(history) :]
+        found = rendered.find(opening, _common_prefix(history, rendered)) if opening else -1
+        if found >= 0:
+            return found + len(opening)
+    return start
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -541,12 +607,31 @@ def _messages(value, key: str) -> list[dict]:
             message = {**rest, "role": SHAREGPT_ROLES.get(sender, sender), "content": message["value"]}
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RecordError(f"{key}[{index}] must be an object with a role and a content")
-        if not isinstance(message.get("content"), str):
+        calls = message.get("tool_calls")
+        if calls is not None:
+            _check_tool_calls(calls, f"{key}[{index}]", message["role"])
+        if not (calls and message.get("content") is None) and not isinstance(message.get("content"), str):
             raise RecordError(f"{key}[{index}].content must be text, got {type(message.get('content')).__name__}")
-        if problem := not_unicode_text(message["content"]):
+        if problem := not_unicode_text(message.get("content") or ""):
             raise RecordError(f"{key}[{index}].content {problem}")
         messages.append({**message})
     return messages
+
+
+def _check_tool_calls(calls, where: str, role: str) -> None:
+    """An assistant message's ``tool_calls``: a non-empty list of ``{"type": "function", "function": {"name": ...,
+    "arguments": ...}}`` (OpenAI's and TRL's shape)."""
+    if role != "assistant":
+        raise RecordError(f"{where}: only an assistant message calls tools, not a {role} message")
+    if not isinstance(calls, list) or not calls:
+        raise RecordError(f"{where}.tool_calls must be a non-empty list of calls")
+    for number, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RecordError(
+                f'{where}.tool_calls[{number}] must be {{"type": "function", "function": {{"name": ..., '
+                '"arguments": {...}}}'
+            )
 
 
 def _turns(value, key: str) -> list[dict]:

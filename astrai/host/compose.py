@@ -31,6 +31,7 @@ from astrai.common.atomic import write_text_atomically
 from astrai.common.contract import (
     CONTAINER_HOME,
     LABEL_CONFIG,
+    LABEL_ENVIRONMENT,
     LABEL_JOB,
     LABEL_NODE,
     TORCH_CUDA_TAGS,
@@ -206,7 +207,45 @@ def render_override(
             "resources": {"reservations": {"devices": [{"capabilities": ["gpu"], "count": "all", "driver": "nvidia"}]}}
         }
         service["ulimits"]["memlock"] = -1
-    return _escape_dollars({"name": job_project(runtime), "services": {SERVICE: service}})
+    return _escape_dollars({"name": job_project(runtime), "services": _with_environments(runtime, service, uid, gid)})
+
+
+def _with_environments(runtime: Runtime, trainer: dict, uid: int, gid: int) -> dict:
+    """The job's services: the trainer, and each server environment, which it depends on (Compose starts them
+    first)."""
+    services = {SERVICE: trainer}
+    for server in runtime.environments:
+        services[launch.environment_service(server)] = environment_service(runtime, server, uid, gid)
+    if runtime.environments:
+        trainer["depends_on"] = [launch.environment_service(server) for server in runtime.environments]
+    return services
+
+
+def environment_service(runtime: Runtime, server, uid: int, gid: int) -> dict:
+    """A server environment's service: the user's image (or one built from their Dockerfile folder) on the job's own
+    network only (no port reaches the host), hardened as the trainer is: no Linux capability, no new privileges, a
+    read-only root file system with /tmp as scratch, the job's user."""
+    service: dict = {
+        "cap_drop": ["ALL"],
+        "init": True,
+        "labels": {LABEL_JOB: runtime.job_name, LABEL_ENVIRONMENT: server.name, LABEL_NODE: str(runtime.node)},
+        "read_only": True,
+        "restart": "no",
+        "security_opt": ["no-new-privileges:true"],
+        "tmpfs": ["/tmp:mode=1777"],
+        "user": f"{uid}:{gid}",
+    }
+    if server.build is not None:
+        service["build"] = {"context": str(server.build)}
+        service["image"] = f"{job_project(runtime)}-{launch.environment_service(server)}"
+    else:
+        service["image"] = server.image
+    return service
+
+
+def environment_services(runtime: Runtime) -> list[str]:
+    """The Compose services of the job's server environments."""
+    return [launch.environment_service(server) for server in runtime.environments]
 
 
 class QuotingDumper(yaml.SafeDumper):

@@ -41,7 +41,8 @@ from astrai.common.contract import METRIC_TIME, METRICS_FILE
 from astrai.common.errors import AstraiError
 from astrai.common.metrics import MetricsFile
 from astrai.common.values import local_time
-from astrai.host import compose, engine, preflight, slurm, slurm_script, timer
+from astrai.host import compose, engine, launch, preflight, slurm, slurm_script, timer
+from astrai.host.environment_checks import agent_problem, answer_problem
 from astrai.host.hostuser import make_dirs
 from astrai.host.reward_checks import import_in_image
 from astrai.host.runtime import Runtime, check_paths
@@ -231,6 +232,24 @@ def _check_rewards_in_image(runtime: Runtime, trainer_args: list[str]) -> None:
         raise JobError(f"the reward functions do not import in the trainer image:\n  {lines}\nthe job was not started")
 
 
+def _check_environments_answer(runtime: Runtime, trainer_args: list[str]) -> None:
+    """The episodes' tools and template, and each server environment's answer to a reset, checked in the trainer
+    image just built, before the trainer starts."""
+    config = check_trainer_config(runtime, trainer_args)
+    if config.training.kind.online and config.training.episodes() is not None:
+        problem, _ = agent_problem(runtime, trainer_args)
+        if problem is not None:
+            raise JobError(f"the episodes cannot run: {problem}\nthe job was not started")
+    failures = [
+        f"runtime.environments.{server.name}: {problem}"
+        for server in runtime.environments
+        if (problem := answer_problem(runtime, server)) is not None
+    ]
+    if failures:
+        lines = "\n  ".join(failures)
+        raise JobError(f"a server environment does not answer:\n  {lines}\nthe job was not started")
+
+
 def _stop_request(runtime: Runtime) -> Path:
     return compose.state_dir(runtime) / STOP_REQUEST_NAME.format(node=runtime.node)
 
@@ -258,8 +277,11 @@ def _start_container(runtime: Runtime, trainer_args: list[str], began: float) ->
     compose.check_build_context()
     compose.write_override(runtime, trainer_args)
     _say("building the trainer image (`invoke build` shows the build output)")
-    _run_compose(runtime, "build", compose.SERVICE, what="building the trainer image", quiet=True)
+    built = [launch.environment_service(server) for server in runtime.environments if server.build is not None]
+    what = "building the trainer image" + (" and the environments' images" if built else "")
+    _run_compose(runtime, "build", compose.SERVICE, *built, what=what, quiet=True)
     _check_rewards_in_image(runtime, trainer_args)
+    _check_environments_answer(runtime, trainer_args)
     if _stop_requested_since(runtime, began):
         raise JobError(f"`{runtime.command('stop')}` was run while this start was in progress: the job was not started")
     timer.cancel(compose.state_dir(runtime))
@@ -354,6 +376,7 @@ def _follow_until_exit(runtime: Runtime, container: engine.Container) -> int:
         with _ignoring_ctrl_c():
             stop_job(runtime)
     final = engine.wait_for_exit(container.id)
+    _stop_environments(runtime)
     if final.exit_code != 0:
         _say(f"the trainer exited with code {final.exit_code}")
     return final.exit_code
@@ -398,7 +421,18 @@ def stop_job(runtime: Runtime) -> None:
     except OSError as error:
         raise JobError(f"cannot record the stop in {request}: {error.strerror}") from None
     with start_lock(runtime, wait=True):
-        _stop_container(runtime)
+        try:
+            _stop_container(runtime)
+        finally:
+            _stop_environments(runtime)
+
+
+def _stop_environments(runtime: Runtime) -> None:
+    """The job's server environments stop with its trainer (they serve no one else)."""
+    services = compose.environment_services(runtime)
+    if not services or not compose.override_path(runtime).exists():
+        return
+    _run_compose(runtime, "stop", *services, what="stopping the environments", quiet=True)
 
 
 def _stop_container(runtime: Runtime) -> None:

@@ -174,6 +174,12 @@ def _settings(runtime: Runtime):
             "runtime.gpu.devices: all cannot be a Kubernetes GPU request; list the GPUs each pod takes, "
             "such as [0, 1, 2, 3] for four"
         )
+    problems += [
+        f"runtime.environments.{server.name}.build: Kubernetes pulls images: build it, push it to your registry and "
+        "give image: instead"
+        for server in runtime.environments
+        if server.build is not None
+    ]
     if problems:
         raise KubernetesError("\n".join(f"{runtime.config_path}: {problem}" for problem in problems))
     return settings
@@ -296,6 +302,10 @@ def _pod_spec(runtime: Runtime, name: str, container: str, env: list[dict], trai
             *({"name": volume, "emptyDir": {}} for volume, _ in scratch),
         ],
     }
+    if runtime.environments:
+        # Native sidecars (init containers that keep running): they start before the trainer, which reaches them on
+        # localhost, and stop when it ends, so the pod completes with it.
+        pod["initContainers"] = [_sidecar(server, trainer["securityContext"]) for server in runtime.environments]
     if settings.node_selector:
         pod["nodeSelector"] = dict(settings.node_selector)
     if settings.tolerations:
@@ -303,8 +313,25 @@ def _pod_spec(runtime: Runtime, name: str, container: str, env: list[dict], trai
     return pod
 
 
+def _sidecar(server, security: dict) -> dict:
+    """A server environment beside the trainer in its pod, hardened as the trainer is, with a scratch /tmp."""
+    return {
+        "name": launch.environment_service(server),
+        "image": server.image,
+        "restartPolicy": "Always",
+        "ports": [{"name": f"env-{server.port}", "containerPort": server.port}],
+        "securityContext": dict(security),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+
+
 def _trainjob(runtime: Runtime, name: str, trainer_args: list[str]) -> dict:
     """A TrainJob on torch-distributed: its trainer is our entrypoint, its pods patched like the Job's."""
+    if runtime.environments:
+        raise KubernetesError(
+            f"{runtime.config_path}: runtime.environments: a TrainJob's runtime owns its pods' containers, so the "
+            "server environments cannot join them; render the Indexed Job (without --trainjob)"
+        )
     pod = _pod_spec(runtime, name, TRAINJOB_CONTAINER, [], trainer_args)
     container = pod["containers"][0]
     trainer = {

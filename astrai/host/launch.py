@@ -19,6 +19,7 @@ folder is enough, which ``invoke init`` creates.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from astrai.common.contract import (
     CONTAINER_DATA,
     CONTAINER_MODEL,
     ENV_CONFIG,
+    ENV_ENVIRONMENTS,
     ENV_FAILURE_TIMEOUT_SECONDS,
     ENV_GPU_DEVICES,
     ENV_JOB_NAME,
@@ -42,7 +44,7 @@ from astrai.common.contract import (
     ENV_SUPERVISOR_PID,
     TRACKER_SECRETS,
 )
-from astrai.host.runtime import INTERFACE_VARIABLES, Runtime
+from astrai.host.runtime import INTERFACE_VARIABLES, EnvironmentServer, Runtime
 from astrai.host.trainer_config import model_packages_of, trackers_of
 
 SCHEDULER_GIVEN = (ENV_NODE_RANK, ENV_RDZV_ENDPOINT, ENV_RDZV_ID)
@@ -72,6 +74,28 @@ class LaunchSpec:
     packages: tuple[str, ...] = ()
     """What the image installs for the job's model: transformers when it trains through it (model.backend), torchao
     for an NF4 base (training.lora_base_dtype)."""
+
+
+ENVIRONMENT_SERVICE = "env-{name}"
+"""A server environment's Compose service (and its host name on the job's network)."""
+LOCALHOST = "localhost"
+"""Where a server environment is for the trainer beside it in one pod (Kubernetes) or on one node (Slurm's steps)."""
+
+
+def environment_service(server: EnvironmentServer) -> str:
+    return ENVIRONMENT_SERVICE.format(name=server.name)
+
+
+def environment_addresses(servers: tuple[EnvironmentServer, ...], beside: bool) -> str:
+    """What the trainer is given in ASTRAI_ENVIRONMENTS: each server's address, by its service name on the job's
+    network (Compose), or on localhost when it runs beside the trainer (``beside``: a sidecar, a step)."""
+    return json.dumps(
+        {
+            server.name: f"http://{LOCALHOST if beside else environment_service(server)}:{server.port}"
+            for server in servers
+        },
+        sort_keys=True,
+    )
 
 
 def mounts(runtime: Runtime) -> tuple[Mount, ...]:
@@ -116,6 +140,8 @@ def container_environment(runtime: Runtime) -> dict[str, str | None]:
         env[ENV_SUPERVISOR_PID] = str(runtime.supervisor_pid)
     if runtime.network_interface is not None:
         env.update({name: runtime.network_interface for name in INTERFACE_VARIABLES})
+    if runtime.environments:
+        env[ENV_ENVIRONMENTS] = environment_addresses(runtime.environments, beside=False)
     return env
 
 
@@ -129,6 +155,8 @@ def scheduler_environment(runtime: Runtime) -> dict[str, str | None]:
         env[ENV_GPU_DEVICES] = "all"
         env.pop("CUDA_VISIBLE_DEVICES", None)
     env[ENV_NODES] = str(runtime.node_count)
+    if runtime.environments:
+        env[ENV_ENVIRONMENTS] = environment_addresses(runtime.environments, beside=True)
     return env
 
 

@@ -53,6 +53,7 @@ from astrai.common.fit import (
     check_model_tokenizer,
     check_resume,
     check_same_tokenizer,
+    completion_room,
     prompt_room,
     start_checks,
     tokenizer_hint,
@@ -75,6 +76,7 @@ from astrai.common.settings import LoRASettings
 from astrai.common.values import format_bytes
 from astrai.host import compose, engine
 from astrai.host.checklist import FAIL, PASS, SKIP, WARN, Check
+from astrai.host.environment_checks import agent_checks, environment_checks
 from astrai.host.hostuser import host_user_ids
 from astrai.host.reward_checks import reward_checks
 from astrai.host.runtime import JOB_DIR_ROOM, Runtime, split_endpoint
@@ -121,6 +123,9 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = (), *, this_host: boo
             checks += tracker_checks(runtime, config)
             if this_host:
                 checks += reward_checks(runtime, config)
+        if this_host:
+            checks += agent_checks(runtime, config, trainer_args)
+            checks += environment_checks(runtime, config)
     checks.append(_disk_space_check(runtime, config))
     if runtime.multi_node:
         checks += node_checks(runtime)
@@ -449,7 +454,7 @@ def _fit_check(
     )
     if kind.online:
         left = units.truncated if config.data.overlong == "truncate" else units.dropped
-        room = f"{left:,} longer than the room max_completion_length leaves: {config.data.overlong}"
+        room = f"{left:,} longer than the room {completion_room(config.training)[1]} leaves: {config.data.overlong}"
         detail = f" ({room})" if left else ""
     return units, Check(
         PASS,
@@ -481,7 +486,7 @@ def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model,
     sizes = _state_sizes(plan, config, model_config)
     found = sizes.line
     if plan.sampling is not None and units is not None and len(units):
-        context, _ = prompt_room(model_config, plan.sampling.max_new_tokens, model[1])
+        context, _ = prompt_room(model_config, plan.completion_room, model[1])
         cache = plan.generation_cache(model_config, context, max(units.takes))
         found += (
             f"; generation's key/value caches {format_bytes(cache.bytes)} ({cache.rows} rows of a round x "

@@ -73,6 +73,9 @@ _EXPECTED = {
     "kubernetes.namespace": "a namespace name: lowercase letters, digits and '-', at most 63",
     "kubernetes.image": "an image reference without spaces such as registry.example/astrai-train:v1, or null",
     "kubernetes.claims.*": "the name of a persistent volume claim (lowercase letters, digits, '-', '.'), or null",
+    "environments.*.image": "an image reference without spaces such as my-env:1",
+    "environments.*.port": "a port number from 1 to 65535",
+    "environments.*.build": "a non-empty path of a folder holding the server's Dockerfile",
 }
 _TYPE_WORDS = {
     "object": "a mapping",
@@ -133,6 +136,8 @@ class Runtime:
     """runtime.slurm with its defaults, when the block is given."""
     kubernetes: KubernetesSettings | None = None
     """runtime.kubernetes with its defaults, when the block is given."""
+    environments: tuple[EnvironmentServer, ...] = ()
+    """runtime.environments: the servers a job's episodes run in, by name."""
 
     @property
     def uses_gpu(self) -> bool:
@@ -154,6 +159,18 @@ class Runtime:
     def world_size(self) -> int | None:
         """Processes over all nodes, or None when each node counts its own GPUs (devices: all)."""
         return None if self.processes is None else self.processes * self.node_count
+
+
+@dataclass(frozen=True)
+class EnvironmentServer:
+    """One of runtime.environments: an OpenEnv-compatible server a job's episodes run in."""
+
+    name: str
+    port: int
+    build: Path | None = None
+    """A folder holding its Dockerfile."""
+    image: str | None = None
+    """An image already there."""
 
 
 @dataclass(frozen=True)
@@ -304,6 +321,14 @@ def _schema_problems(runtime: dict) -> list[tuple[str, str]]:
                 for key in error.instance
                 if key not in allowed
             ]
+        elif "propertyNames" in error.relative_schema_path and where[1:2] == ["environments"]:
+            problems.append(
+                (
+                    _dotted(*where, error.instance),
+                    "expected a server name: lowercase letters, digits and '-', starting with a letter or digit, at "
+                    f"most 40 (a service and a host are named after it), got {_show(error.instance)}",
+                )
+            )
         elif "propertyNames" in error.relative_schema_path:
             problems.append(
                 (
@@ -389,6 +414,37 @@ def _rule_problems(raw: dict, broken: set[str]) -> list[tuple[str, str]]:
             for name in runtime["environment"]
             if usable(f"environment.{name}") and _reserved_reason(name)
         ]
+    if isinstance(runtime["environments"], dict):
+        problems += _environments_problems(runtime, usable)
+    return problems
+
+
+def _environments_problems(runtime: dict, usable) -> list[tuple[str, str]]:
+    """Each server environment has its image or its Dockerfile folder, and the job runs on one host."""
+    problems = []
+    for name, server in runtime["environments"].items():
+        if not usable(f"environments.{name}") or not isinstance(server, dict):
+            continue
+        given = [key for key in ("build", "image") if key in server]
+        if len(given) != 1:
+            problems.append(
+                (
+                    f"runtime.environments.{name}",
+                    "give exactly one of build (a folder holding the server's Dockerfile) and image (an image name)"
+                    + (
+                        f", not both ({_show(server['build'])} and {_show(server['image'])})" if len(given) == 2 else ""
+                    ),
+                )
+            )
+    if runtime["environments"] and usable("nodes.count") and runtime["nodes"]["count"] > 1:
+        problems.append(
+            (
+                "runtime.environments",
+                f"a job of {runtime['nodes']['count']} hosts (runtime.nodes.count) cannot have server environments "
+                "yet: each host would need its own; run the job on one host, or make the environment a class "
+                "(training.environment: module:Class)",
+            )
+        )
     return problems
 
 
@@ -513,6 +569,15 @@ def _build_runtime(raw: dict, config_path: Path) -> Runtime:
         failure_timeout_seconds=int(nodes["failure_timeout_seconds"]),
         slurm=None if runtime["slurm"] is None else _slurm_settings(runtime["slurm"]),
         kubernetes=None if runtime["kubernetes"] is None else _kubernetes_settings(runtime["kubernetes"]),
+        environments=tuple(
+            EnvironmentServer(
+                name,
+                int(server["port"]),
+                _absolute_path(server["build"], config_path.parent) if "build" in server else None,
+                server.get("image"),
+            )
+            for name, server in sorted(runtime["environments"].items())
+        ),
     )
 
 

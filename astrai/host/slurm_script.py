@@ -123,6 +123,13 @@ def config_problems(runtime: Runtime) -> list[str]:
             f"{settings.launcher} launcher a task sees only the GPUs Slurm allocates to it: list them, such as "
             "[0, 1, 2, 3, 4, 5, 6, 7], and the job asks for that many (--gpus-per-node=8)"
         )
+    problems += [
+        f"{runtime.config_path}: runtime.environments.{server.name}.build: the {settings.launcher} launcher runs "
+        "images, not Dockerfiles: build it, push it where the nodes pull from (or make an apptainer image of it) "
+        "and give image: instead"
+        for server in runtime.environments
+        if server.build is not None and settings.launcher != "docker"
+    ]
     limit = parse_time_limit(settings.time) if settings.time is not None else None
     lead = signal_lead_seconds(runtime)
     if limit is not None and limit < lead + MIN_WORK_SECONDS:
@@ -204,6 +211,9 @@ def render_script(runtime: Runtime, trainer_args: list[str] = (), python: str = 
     task_of = {"docker": _docker_task, "pyxis": _pyxis_task, "apptainer": _apptainer_task}[settings.launcher]
     task, finished = task_of(runtime, list(trainer_args), python)
     requeue = "true" if settings.requeue else "false"
+    stop_environments = ""
+    if _environment_steps(runtime, settings.launcher):
+        stop_environments = "kill $environments 2>/dev/null; wait $environments 2>/dev/null\n"
     body = f"""
 set -u
 requeue={requeue}  # runtime.slurm.requeue
@@ -241,7 +251,7 @@ trap 'stop_tasks time-limit "the time limit is near (or the job is preempted)"' 
 trap 'requeue=false; stop_tasks stop "invoke stop"' USR2
 trap 'stop_tasks cancel "scancel: Slurm kills what still runs after its KillWait"' TERM INT
 
-{task} &
+{_environment_steps(runtime, settings.launcher)}{task} &
 step=$!
 while :; do
     wait "$step"
@@ -249,7 +259,7 @@ while :; do
 done
 wait "$step"
 status=$?
-echo "astrai: the tasks ended with exit code $status${{reason:+ after a stop ($reason)}}"
+{stop_environments}echo "astrai: the tasks ended with exit code $status${{reason:+ after a stop ($reason)}}"
 if [ "$reason" = time-limit ] && [ "$status" = 0 ] && [ "$requeue" = true ]; then
     if {finished}; then
         echo "astrai: the run is finished; not requeued"
@@ -264,6 +274,23 @@ fi
 exit "$status"
 """
     return "\n".join(header) + "\n" + body
+
+
+def _environment_steps(runtime: Runtime, launcher: str) -> str:
+    """The server environments (runtime.environments), each a step of its own beside the trainer's on every node,
+    started before it (the trainer waits for them to answer) and stopped after it; the trainer reaches them on
+    localhost. The docker launcher runs them with Compose, as `invoke start` does: no step."""
+    if not runtime.environments or launcher == "docker":
+        return ""
+    lines = ["# The server environments: a step each beside the trainer's, on every node.", "environments="]
+    for server in runtime.environments:
+        if launcher == "pyxis":
+            runner = [f"--container-image={server.image}", "--no-container-mount-home"]
+        else:
+            runner = ["apptainer", "run", "--contain", server.image]
+        command = ["srun", "--overlap", f"--nodes={runtime.node_count}", "--ntasks-per-node=1", *runner]
+        lines += [f"{shlex.join(command)} &", 'environments="$environments $!"']
+    return "\n".join(lines) + "\n"
 
 
 def _srun(runtime: Runtime) -> list[str]:

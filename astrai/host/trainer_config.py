@@ -21,6 +21,8 @@ from astrai.common.configfile import ConfigError
 from astrai.common.contract import (
     CONTAINER_DATA,
     CONTAINER_MODEL,
+    EPISODE_PACKAGES,
+    OPENENV_PACKAGE,
     container_job_dir,
     resolve_parallel_mode,
     trainer_arguments,
@@ -169,7 +171,9 @@ def _pairs(user_args: list[str]) -> list[tuple[str, str]]:
 def model_packages_of(runtime: Runtime, user_args: list[str] | tuple[str, ...] = ()) -> tuple[str, ...]:
     """What the image installs for this job's model: transformers when its plan trains through it (model.backend,
     resolved for the model_type of runtime.paths.model), torchao when LoRA holds its base in NF4
-    (training.lora_base_dtype); none where the config does not read or does not fit."""
+    (training.lora_base_dtype); for episodes (training.tools, training.environment) the chat template's and the
+    tokenizer's packages, and OpenEnv's client for a server environment; none where the config does not read or does
+    not fit."""
     try:
         config = read_trainer_config(runtime, list(user_args))
         folder = host_path(runtime, config.ckpt.param_path) or runtime.model_dir
@@ -177,7 +181,13 @@ def model_packages_of(runtime: Runtime, user_args: list[str] | tuple[str, ...] =
     except (ConfigError, ValueError):
         return ()
     nf4 = config.training.lora_rank > 0 and config.training.lora_base_dtype == NF4
-    return (TRANSFORMERS_PACKAGE,) * (backend == BACKEND_TRANSFORMERS) + (TORCHAO_PACKAGE,) * nf4
+    packages = (TRANSFORMERS_PACKAGE,) * (backend == BACKEND_TRANSFORMERS) + (TORCHAO_PACKAGE,) * nf4
+    environment = config.training.environment
+    if config.training.kind.online and config.training.episodes() is not None:
+        packages += EPISODE_PACKAGES
+        if environment is not None and environment.server is not None:
+            packages += (OPENENV_PACKAGE,)
+    return packages
 
 
 def trackers_of(runtime: Runtime, user_args: list[str] | tuple[str, ...] = ()) -> tuple[str, ...]:

@@ -38,6 +38,8 @@ from astrai.common.nf4 import NF4, nf4_problem
 from astrai.common.plan import RunPlan
 from astrai.common.settings import LoRASettings
 from astrai.common.values import format_bytes
+from astrai.trainer.agents.environments import Limits
+from astrai.trainer.agents.episodes import EpisodePrompts, EpisodeRollouts, episode_prompts
 from astrai.trainer.checkpoint.files import LoadedCheckpoint
 from astrai.trainer.checkpoint.manager import RunFacts
 from astrai.trainer.compiling import compile_blocks
@@ -235,6 +237,8 @@ class Records:
 
     index: RecordIndex
     units: object
+    episodes: EpisodePrompts | None = None
+    """Episodes (tools, an environment): the prompts' messages, the chat template and the agent that render them."""
 
 
 def post_training_records(
@@ -278,6 +282,9 @@ def _scored_records(config: TrainerConfig, plan: RunPlan, data: RunData, log: Lo
 
 def _prompt_records(config: TrainerConfig, plan: RunPlan, data: RunData, log: Log, model: ModelConfig):
     index = RecordIndex(data.first)
+    if plan.episodes is not None:
+        limits = Limits(plan.episodes.tool_timeout)
+        return Records(index, *episode_prompts(config, plan, index, log, model, limits))
     return Records(index, _prompt_units(config, plan, index, log, model))
 
 
@@ -558,9 +565,10 @@ def _tokenizer(parts: RunParts):
     return ByteTokenizer() if data.tokenizer_sha256 is None else HFTokenizer(data.root / TOKENIZER_FILE)
 
 
-def sampled_rollouts(parts: RunParts) -> SampledRollouts:
+def sampled_rollouts(parts: RunParts) -> SampledRollouts | EpisodeRollouts:
     """The online types' rollout source: the policy samples (``plan.sampling``, ``plan.generations``), the reward
-    functions of ``training.rewards`` score, the model's stop tokens end a completion."""
+    functions of ``training.rewards`` score, the model's stop tokens end a completion; with tools or an environment,
+    each rollout is an episode (:mod:`astrai.trainer.agents.episodes`)."""
     from astrai.trainer.generate import stop_tokens
     from astrai.trainer.objectives.rewards import RewardLimits, load_reward
 
@@ -581,6 +589,27 @@ def sampled_rollouts(parts: RunParts) -> SampledRollouts:
         engine = TransformersDecoding(parts.model)
     else:
         engine = decode_engine(parts, max(records.units.takes))
+    limits = RewardLimits(training.reward_timeout, lambda: parts.stop.requested)
+    if plan.episodes is not None:
+        parts.log(f"episodes: {plan.episodes.describe()}")
+        context = prompt_room(parts.model_config, plan.completion_room, parts.start.source)[0]
+        return EpisodeRollouts(
+            env,
+            engine,
+            prompts,
+            records.episodes,
+            rewards,
+            sampling,
+            plan.episodes,
+            plan.generations,
+            stop,
+            tokenizer.decode,
+            training.random_seed,
+            training.mask_truncated_completions,
+            autocast_for(plan),
+            limits,
+            context,
+        )
     return SampledRollouts(
         env,
         engine,
@@ -593,7 +622,7 @@ def sampled_rollouts(parts: RunParts) -> SampledRollouts:
         training.random_seed,
         training.mask_truncated_completions,
         autocast_for(plan),
-        RewardLimits(training.reward_timeout, lambda: parts.stop.requested),
+        limits,
     )
 
 
@@ -603,7 +632,7 @@ def decode_engine(parts: RunParts, longest_prompt: int) -> DecodeEngine:
     the rows, that capacity and the device's total memory only, so that a resumed run splits them (and samples) as the
     uninterrupted one did."""
     plan, env, model = parts.plan, parts.env, parts.model_config
-    context, _ = prompt_room(model, plan.sampling.max_new_tokens, parts.start.source)
+    context, _ = prompt_room(model, plan.completion_room, parts.start.source)
     cache = plan.generation_cache(model, context, longest_prompt)
     device_total = total_memory(env.device)
     rows = cache.rows_per_part(device_total, plan.state_bytes(model))

@@ -41,10 +41,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -189,26 +191,112 @@ class DecodeEngine:
         return completions
 
     def _generate_part(self, model, prompts, sampling: Sampling, stop, draws: list[Draws], capacity: int):
-        batch = len(prompts)
         tokens, real = left_padded(prompts)
-        step = self._step(model, batch, capacity)
+        step = self._step(model, len(prompts), capacity)
         step.cache.reset()
         logits = model(tokens.to(self.device), cache=step.cache, real=real.to(self.device))
-        stops = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
-        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        made = torch.empty(batch, sampling.max_new_tokens, dtype=torch.long, device=self.device)
+        limits = [sampling.max_new_tokens] * len(prompts)
+        return self._turn(step, logits, sampling, stop, draws, limits)[0]
+
+    def _turn(self, step: _Step, logits, sampling: Sampling, stop, draws: list[Draws], limits: list[int]):
+        """(each row's new tokens through its stop token, at most its ``limits``; the tokens chosen per row, of which
+        all but the last went through the cache): the decode steps after ``logits``. A row whose limit is 0 takes no
+        token; under FSDP every rank takes as many steps as the others (they agree when every row has ended)."""
+        batch, device = len(limits), self.device
+        stops = torch.tensor(sorted(stop), dtype=torch.long, device=device)
+        limit = torch.tensor(limits, dtype=torch.long, device=device)
+        done = limit == 0
+        own = max(limits)
+        cap = sampling.max_new_tokens if self.together is not None else own
+        made = torch.empty(batch, cap, dtype=torch.long, device=device)
         count = 0
         while True:
             chosen = pick_rows(logits, sampling, draws).masked_fill(done, 0)
             made[:, count] = chosen
             count += 1
-            done = done | torch.isin(chosen, stops)
-            if count == sampling.max_new_tokens:
+            done = done | torch.isin(chosen, stops) | (limit <= count)
+            if count == cap:
                 break
             if count % STOP_CHECK_EVERY == 0 and _all_done(done, self.together):
                 break
-            logits = step.run(chosen)
-        return [until_stop(row, stop) for row in made[:, :count].tolist()]
+            # Under FSDP a rank whose rows have all reached their limits keeps up with the others' forward passes
+            # without its cache, which has room for its own rows' tokens only.
+            logits = step.run(chosen) if count < own else step.model(chosen.view(-1, 1))[:, -1]
+        count = min(count, own)
+        rows = made[:, :count].tolist()
+        return [until_stop(row[:most], stop) for row, most in zip(rows, limits, strict=True)], count
+
+    # Episodes ---------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def episodes(
+        self,
+        prompts: list[list[int]],
+        sampling: Sampling,
+        stop: set[int] | frozenset[int],
+        draws: list[Draws],
+        handler: TurnHandler,
+        rooms: list[int],
+    ) -> None:
+        """Multi-turn generation: each row generates a turn (at most ``sampling.max_new_tokens`` tokens, until a stop
+        token), ``handler`` answers every row's turn with the tokens that follow it (a tool's reply) or ends the row's
+        episode, and the rows that go on generate their next turn from the cache, which keeps every token so far.
+        ``rooms``: the most tokens each row's episode adds to its prompt (the handler keeps its turns within it).
+
+        A part's rows take their turns together: a row whose episode is over, or whose turn ended early, waits for
+        the others' turn (its cache slots of that turn are hidden from attention afterwards, its positions count its
+        own tokens only). When the cache has no room left for the next turn, every row's episode so far is fed again
+        into an emptied cache (a row samples the same either way: the same tokens, the same positions)."""
+        config = self.inner.config
+        context = config.context
+        if not prompts or any(not prompt for prompt in prompts) or sum(draw.rows for draw in draws) != len(prompts):
+            raise ValueError("every prompt needs at least one token, and the draws must cover every row")
+        needed = max(len(prompt) + room for prompt, room in zip(prompts, rooms, strict=True)) - 1
+        if needed > context or min(rooms) < 1:
+            raise ValueError(f"episodes need {needed} positions (a room of at least 1); the model takes {context}")
+        # Rows share the cache's slots: one row's longest episode and another's longest turn fit together.
+        capacity = decode_capacity(needed + 1, sampling.max_new_tokens, context)
+        if self.capacity is not None and needed + sampling.max_new_tokens <= self.capacity:
+            capacity = self.capacity
+        start = 0
+        with _uncached_autocast(self.device.type):
+            model = self._decoding_model()
+            with _blocks_uncompiled(model):
+                for part in self._parts(draws, capacity):
+                    rows = list(range(start, start + sum(draw.rows for draw in part)))
+                    limits = [min(sampling.max_new_tokens, rooms[row]) for row in rows]
+                    episode = _EpisodeRows([prompts[row] for row in rows], limits)
+                    self._episode_part(model, episode, rows, sampling, stop, part, handler, capacity)
+                    start = rows[-1] + 1
+
+    def _episode_part(self, model, episode: _EpisodeRows, rows, sampling, stop, draws, handler, capacity) -> None:
+        step = self._step(model, len(rows), capacity)
+        cache = step.cache
+        cache.reset()
+        while True:
+            if cache.length + episode.longest_feed + max(episode.limits) - 1 > capacity:
+                cache.reset()
+                episode.refeed()
+            first = cache.length
+            tokens, real = left_padded(episode.feed, at_least=1)
+            logits = model(tokens.to(self.device), cache=cache, real=real.to(self.device))
+            # Within a context that caps the cache, a turn takes the slots that are left (a row cut short ends).
+            left = capacity - cache.length + 1
+            turns, count = self._turn(step, logits, sampling, stop, draws, [min(most, left) for most in episode.limits])
+            first += tokens.shape[1]
+            taking = [number for number, most in enumerate(episode.limits) if most]
+            episode.took(turns)
+            # Slots of the turn past each row's tokens are hidden; the turn's last token of each row is fed again.
+            fed = max(count - 1, 0)
+            kept = torch.tensor([[slot < len(turn) - 1 for slot in range(fed)] for turn in turns], dtype=torch.bool)
+            cache.visible[:, first : first + fed] = kept.to(self.device)
+            cache.positions.copy_(torch.tensor(episode.cached, dtype=torch.long))
+            cache.length = first + fed
+            cache.slot.fill_(cache.length)
+            answers = handler.after_turn([rows[number] for number in taking], [turns[number] for number in taking])
+            episode.answered(taking, answers)
+            if not _anyone(any(episode.limits), self.together):
+                return
 
     # What a call builds -------------------------------------------------------------------------------------
 
@@ -277,6 +365,110 @@ class DecodeEngine:
             held += sum(p.numel() * p.element_size() for p in self._copy.parameters())
         row = kv_cache_bytes(self.inner.config, 1, capacity, self._cache_dtype().itemsize)
         return decode_rows_per_part(total_memory(self.device), held, row)
+
+
+def regenerated_episodes(
+    generate,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    stop,
+    draws: list[Draws],
+    handler: TurnHandler,
+    rooms: list[int],
+) -> None:
+    """:meth:`DecodeEngine.episodes` on an engine that cannot go on from its cache (``generate``: its call): each
+    turn generates again from every going row's whole episode so far, its rows drawn by their own generators."""
+    history = [list(prompt) for prompt in prompts]
+    limits = [min(sampling.max_new_tokens, room) for room in rooms]
+    owner = [number for number, draw in enumerate(draws) for _ in range(draw.rows)]
+    while any(limits):
+        taking = [row for row, most in enumerate(limits) if most]
+        groups: list[Draws] = []
+        for position, row in enumerate(taking):
+            if position and owner[row] == owner[taking[position - 1]]:
+                groups[-1] = Draws(groups[-1].rows + 1, groups[-1].generator)
+            else:
+                groups.append(Draws(1, draws[owner[row]].generator))
+        most = max(limits[row] for row in taking)
+        made = generate(
+            [history[row] for row in taking], dataclasses.replace(sampling, max_new_tokens=most), stop, groups
+        )
+        turns = [until_stop(tokens[: limits[row]], stop) for row, tokens in zip(taking, made, strict=True)]
+        for row, turn in zip(taking, turns, strict=True):
+            history[row] += turn
+        answers = handler.after_turn(taking, turns)
+        if len(answers) != len(taking):
+            raise ValueError(f"{len(answers)} answers to the turns of {len(taking)} rows")
+        for row, answer in zip(taking, answers, strict=True):
+            if answer is None:
+                limits[row] = 0
+            else:
+                history[row] += answer.tokens
+                limits[row] = answer.max_new_tokens
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """How a row's episode goes on after a turn: the tokens that follow the turn (a tool's reply, the template's text
+    up to the next generation prompt) and the most tokens its next turn may take."""
+
+    tokens: list[int]
+    max_new_tokens: int
+
+
+class TurnHandler(Protocol):
+    """What answers the turns of :meth:`DecodeEngine.episodes` (the episodes' environment and tools)."""
+
+    def after_turn(self, rows: list[int], turns: list[list[int]]) -> list[Continuation | None]:
+        """For each of the round's ``rows`` that took a turn, what it generated (through its stop token when it met
+        one): how its episode goes on, or None when it is over."""
+
+
+class _EpisodeRows:
+    """A part's episodes as the host keeps them between turns: each row's tokens so far, how many of them the cache
+    holds, what is still to be fed, and the most tokens of its next turn (0: its episode is over)."""
+
+    def __init__(self, prompts: list[list[int]], limits: list[int]):
+        self.history = [list(prompt) for prompt in prompts]
+        self.cached = [0] * len(prompts)
+        self.feed = [list(prompt) for prompt in prompts]
+        self.limits = list(limits)
+
+    @property
+    def longest_feed(self) -> int:
+        return max(1, max(len(tokens) for tokens in self.feed))
+
+    def refeed(self) -> None:
+        """The cache was emptied: every episode that goes on is fed whole again."""
+        self.feed = [list(history) if most else [] for history, most in zip(self.history, self.limits, strict=True)]
+        self.cached = [0] * len(self.history)
+
+    def took(self, turns: list[list[int]]) -> None:
+        """Each row's turn: all its tokens but the last went through the cache."""
+        for row, turn in enumerate(turns):
+            self.cached[row] += len(self.feed[row]) + max(len(turn) - 1, 0)
+            self.history[row] += turn
+            self.feed[row] = turn[-1:]
+
+    def answered(self, rows: list[int], answers: list[Continuation | None]) -> None:
+        if len(answers) != len(rows):
+            raise ValueError(f"{len(answers)} answers to the turns of {len(rows)} rows")
+        for row, answer in zip(rows, answers, strict=True):
+            if answer is None:
+                self.limits[row], self.feed[row] = 0, []
+            else:
+                self.history[row] += answer.tokens
+                self.feed[row] += answer.tokens
+                self.limits[row] = answer.max_new_tokens
+
+
+def _anyone(flag: bool, together) -> bool:
+    """Whether ``flag`` holds on any rank of ``together`` (FSDP's ranks go on generating while one of them does)."""
+    if together is None:
+        return flag
+    agreed = torch.tensor([int(flag)], dtype=torch.int32)
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=together)
+    return bool(agreed)
 
 
 def _base_matrices(model: torch.nn.Module):
@@ -418,9 +610,10 @@ def checked_round(
     return draws, capacity
 
 
-def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids, which positions are real) of the prompts as one batch padded on the left, on the CPU."""
-    longest = max(len(prompt) for prompt in prompts)
+def left_padded(prompts: list[list[int]], at_least: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, which positions are real) of the prompts as one batch padded on the left, on the CPU, at least
+    ``at_least`` columns wide."""
+    longest = max(at_least, max(len(prompt) for prompt in prompts))
     tokens = torch.zeros(len(prompts), longest, dtype=torch.long)
     real = torch.zeros(len(prompts), longest, dtype=torch.bool)
     for row, prompt in enumerate(prompts):

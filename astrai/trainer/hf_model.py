@@ -56,7 +56,7 @@ from astrai.common.plan import RunPlan
 from astrai.common.safetensors_file import ModelLoadError
 from astrai.common.settings import LoRASettings, Sampling
 from astrai.trainer.compiling import blocks_uncompiled
-from astrai.trainer.decoding import Draws, checked_round, left_padded, pick_rows, until_stop
+from astrai.trainer.decoding import Draws, checked_round, left_padded, pick_rows, regenerated_episodes, until_stop
 from astrai.trainer.lora import AdapterError, LoRALinear, hold_base_in, is_adapter, load_adapters
 from astrai.trainer.model import LOGITS_CHUNK_BYTES, LOGITS_KEEP_BYTES, TokenScores, TokenTargets, segment_mask
 
@@ -502,6 +502,11 @@ class TransformersDecoding:
         self.model = model
         self.inner = getattr(model, "module", model)  # DDP's wrapped model
         self.capture_seconds = 0.0
+
+    def episodes(self, prompts, sampling: Sampling, stop, draws: list[Draws], handler, rooms: list[int]) -> None:
+        """Multi-turn generation (astrai.trainer.decoding.DecodeEngine.episodes): the library's cache is not kept
+        between turns, so each turn generates again from every going row's episode so far."""
+        regenerated_episodes(self.generate, prompts, sampling, stop, draws, handler, rooms)
 
     @torch.no_grad()
     def generate(

@@ -158,17 +158,20 @@ class GRPOBatch:
     old: torch.Tensor | None = None
     """With num_iterations > 1: the policy's log-probabilities before the round's first update (taken by that
     update's own forward pass), which the round's later updates take their ratio against."""
+    written: list[list[bool]] | None = None
+    """Episodes: which of each completion's tokens the policy wrote (the others are replies the loss never sees)."""
 
     TENSORS = ("advantages", "reference", "mask", "old")
 
     def state_dict(self) -> dict:
         tensors = {name: getattr(self, name).cpu() for name in self.TENSORS if getattr(self, name) is not None}
-        return {"prompts": self.prompts, "completions": self.completions, **tensors}
+        written = {} if self.written is None else {"written": self.written}
+        return {"prompts": self.prompts, "completions": self.completions, **tensors, **written}
 
     @classmethod
     def from_state(cls, state: dict, device: torch.device) -> GRPOBatch:
         tensors = {name: state[name].to(device) if name in state else None for name in cls.TENSORS}
-        return cls(state["prompts"], state["completions"], **tensors)
+        return cls(state["prompts"], state["completions"], **tensors, written=state.get("written"))
 
 
 @dataclass(frozen=True)
@@ -265,7 +268,14 @@ class GRPO(Objective):
             count = len(part.completions)
             counted = torch.tensor(part.counted, device=self.env.device)
             prepared.append(
-                GRPOBatch(part.prompts, part.completions, mine[start : start + count], part.reference_logps, counted)
+                GRPOBatch(
+                    part.prompts,
+                    part.completions,
+                    mine[start : start + count],
+                    part.reference_logps,
+                    counted,
+                    written=part.written,
+                )
             )
             start += count
         if self.iterations > 1:
@@ -290,7 +300,7 @@ class GRPO(Objective):
                 self._rewards.idle(IDLE_FLAT)
 
     def micro(self, model, batch, prepared: GRPOBatch, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logps, token_mask, entropy = completion_logps(model, prepared.prompts, prepared.completions)
+        logps, token_mask, entropy = completion_logps(model, prepared.prompts, prepared.completions, prepared.written)
         token_mask = token_mask * prepared.mask.unsqueeze(1)
         if self.iterations > 1 and prepared.old is None:
             prepared.old = logps.detach()  # the round's first update: the policy the completions were sampled from

@@ -36,6 +36,9 @@ class PairBatch:
     """(pairs, 2) row numbers of each ranked pair's chosen and rejected completion."""
     reference: torch.Tensor
     """The completions' token log-probabilities under the frozen starting model."""
+    written: list[list[bool]] | None = None
+    """Episodes: which of each completion's tokens the policy wrote (a pair of episodes is ranked by their rewards,
+    and only the policy's own tokens count in their log-probabilities)."""
 
 
 class OnlineDPO(Objective):
@@ -85,11 +88,11 @@ class OnlineDPO(Objective):
                     pairs.append((row, row + 1) if better else (row + 1, row))
             first += len(part.completions) // 2
             chosen = torch.tensor(pairs, dtype=torch.long, device=self.env.device).view(-1, 2)
-            prepared.append(PairBatch(part.prompts, part.completions, chosen, part.reference_logps))
+            prepared.append(PairBatch(part.prompts, part.completions, chosen, part.reference_logps, part.written))
         return prepared
 
     def micro(self, model, batch, prepared: PairBatch, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logps, token_mask, _ = completion_logps(model, prepared.prompts, prepared.completions)
+        logps, token_mask, _ = completion_logps(model, prepared.prompts, prepared.completions, prepared.written)
         policy = (logps * token_mask).sum(-1)
         reference = (prepared.reference * token_mask).sum(-1)
         pairs = prepared.pairs

@@ -52,34 +52,41 @@ class Reward:
 
 def load_reward(spec: RewardSpec) -> Reward:
     """The callable a spec names: from a ``.py`` file (its path as written) or an importable module."""
-    source, _, name = spec.function.rpartition(":")
+    return Reward(spec, user_object(spec.function, "reward", "function", RewardError))
+
+
+def user_object(target: str, what: str, kind: str, error: type[AstraiError]):
+    """What ``target`` (``FILE.py:name`` or ``module:name``) names, callable: the user's code, loaded from a ``.py``
+    file (its path as written) or imported; ``error``
+    names ``what`` it is for and ``target`` when it cannot be."""
+    source, _, name = target.rpartition(":")
     if source.endswith(".py"):
-        module = _load_file(Path(source), spec.function)
+        module = _load_file(Path(source), f"{what} {target}", error)
     else:
         try:
             module = importlib.import_module(source)
-        except Exception as error:  # the module's own code runs here: any error of it is reported as its own
-            raise RewardError(
-                f"reward {spec.function}: module {source} cannot be imported ({type(error).__name__}: {error})"
+        except Exception as raised:  # the module's own code runs here: any error of it is reported as its own
+            raise error(
+                f"{what} {target}: module {source} cannot be imported ({type(raised).__name__}: {raised})"
             ) from None
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise RewardError(f"reward {spec.function}: {source} has no function {name}")
-    return Reward(spec, function)
+    found = getattr(module, name, None)
+    if not callable(found):
+        raise error(f"{what} {target}: {source} has no {kind} {name}")
+    return found
 
 
-def _load_file(path: Path, what: str):
+def _load_file(path: Path, what: str, error: type[AstraiError]):
     if not path.is_file():
-        raise RewardError(f"reward {what}: {path} is not a file (in a container: a file in a mounted folder)")
+        raise error(f"{what}: {path} is not a file (in a container: a file in a mounted folder)")
     module_name = f"astrai_reward_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]}"
     loader = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(loader)
     sys.modules[module_name] = module
     try:
         loader.loader.exec_module(module)
-    except (Exception, SystemExit) as error:  # the user's code: any error of it is reported as theirs
+    except (Exception, SystemExit) as raised:  # the user's code: any error of it is reported as theirs
         del sys.modules[module_name]
-        raise RewardError(f"reward {what}: {path} failed to load ({type(error).__name__}: {error})") from None
+        raise error(f"{what}: {path} failed to load ({type(raised).__name__}: {raised})") from None
     return module
 
 

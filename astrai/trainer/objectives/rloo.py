@@ -159,7 +159,7 @@ def _policy_logps(model, rollouts: list[Rollouts], autocast) -> list[tuple[torch
     model.eval()
     try:
         with torch.no_grad(), autocast:
-            return [completion_logps(model, part.prompts, part.completions)[:2] for part in rollouts]
+            return [completion_logps(model, part.prompts, part.completions, part.written)[:2] for part in rollouts]
     finally:
         model.train(was_training)
 

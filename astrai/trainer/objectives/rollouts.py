@@ -70,6 +70,13 @@ class Rollouts:
     reference_logps: torch.Tensor | None = None
     """The completions' token log-probabilities under the frozen starting model, where the objective keeps one
     (:func:`sample_step`)."""
+    written: list[list[bool]] | None = None
+    """Episodes: which of each completion's tokens the policy wrote (its turns); the others (tool and environment
+    replies) never reach the loss. None: every token (a single completion)."""
+    episodes: dict[str, list[float]] | None = None
+    """Episodes: each episode's counts by metric name (turns, tool calls, ...; astrai.common.contract)."""
+    transcripts: list[list[tuple[str, str]]] | None = None
+    """Episodes: each one's turns and replies as (role, text), for the completions log."""
 
 
 class RolloutSource(Protocol):
@@ -186,13 +193,17 @@ class GivenRollouts:
 
 
 def completion_logps(
-    model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]]
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    written: list[list[bool]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each completion token's log-probability given its prompt and the tokens before it, under ``model`` (with
     gradients when enabled): ``(logps, mask, entropy)``, each (B, longest completion), the rows padded at the end.
 
     A row is its prompt and completion, padded at the end (which no earlier token attends to), so one forward pass
-    scores the batch; only the completions' positions go through the output projection and the softmax.
+    scores the batch; only the completions' positions go through the output projection and the softmax. ``mask``
+    marks the completions' tokens, of an episode only those the policy ``written`` (its turns, not the replies).
     """
     device = next(model.parameters()).device
     width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
@@ -207,7 +218,10 @@ def completion_logps(
         tokens[row, : len(prompt) + len(completion)] = torch.tensor(prompt + completion, device=device)
         # The logits at position t predict the token at t + 1.
         where[row, : len(completion)] = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(completion))
-        mask[row, : len(completion)] = 1.0
+        if written is None:
+            mask[row, : len(completion)] = 1.0
+        else:
+            mask[row, : len(completion)] = torch.tensor(written[row], dtype=mask.dtype, device=device)
         targets[row, : len(completion)] = torch.tensor(completion, dtype=torch.long, device=device)
     scores = model(tokens, score=TokenTargets(targets, where, entropy=True))
     return scores.logps * mask, mask, scores.entropy * mask
@@ -227,7 +241,9 @@ def sample_step(
         for rollouts in made:
             if reference is not None:
                 with torch.no_grad(), autocast:
-                    rollouts.reference_logps = completion_logps(reference, rollouts.prompts, rollouts.completions)[0]
+                    rollouts.reference_logps = completion_logps(
+                        reference, rollouts.prompts, rollouts.completions, rollouts.written
+                    )[0]
         log.offer(step, made[0], source.generations)
     finally:
         model.train(was_training)
@@ -245,6 +261,10 @@ class StepScores:
     completion_lengths: torch.Tensor
     ended: torch.Tensor
     counted: torch.Tensor
+    reply_lengths: torch.Tensor
+    """Episodes: each completion's tokens the policy did not write (tool and environment replies); 0 otherwise."""
+    episodes: dict[str, torch.Tensor]
+    """Episodes: each episode's counts by metric name (empty for single completions)."""
 
     @classmethod
     def gather(cls, rollouts: list[Rollouts], env: DistEnv) -> StepScores:
@@ -259,8 +279,13 @@ class StepScores:
                 f"function:{name}": column(value for part in rollouts for value in part.by_function[name])
                 for name in (rollouts[0].by_function if rollouts else {})
             },
+            **{
+                f"episode:{name}": column(value for part in rollouts for value in part.episodes[name])
+                for name in (rollouts[0].episodes or {} if rollouts else {})
+            },
             "prompt_lengths": column(len(prompt) for part in rollouts for prompt in part.prompts),
-            "completion_lengths": column(len(completion) for part in rollouts for completion in part.completions),
+            "completion_lengths": column(own for part in rollouts for own, _ in _token_counts(part)),
+            "reply_lengths": column(replies for part in rollouts for _, replies in _token_counts(part)),
             "ended": column(value for part in rollouts for value in part.ended),
             "counted": column(value for part in rollouts for value in part.counted),
         }
@@ -271,7 +296,8 @@ class StepScores:
             table = torch.cat(gathered).cpu()
         named = dict(zip(mine, table.unbind(dim=1), strict=True))
         by_function = {key.partition(":")[2]: named.pop(key) for key in list(named) if key.startswith("function:")}
-        return cls(by_function=by_function, **named)
+        episodes = {key.partition(":")[2]: named.pop(key) for key in list(named) if key.startswith("episode:")}
+        return cls(by_function=by_function, episodes=episodes, **named)
 
     def rows_of(self, env: DistEnv) -> slice:
         """This rank's rows."""
@@ -280,12 +306,12 @@ class StepScores:
 
     @property
     def tokens(self) -> int:
-        """Prompt and completion tokens of the step, over every rank."""
-        return int((self.prompt_lengths + self.completion_lengths).sum())
+        """Prompt and completion tokens of the step (an episode's replies too), over every rank."""
+        return int((self.prompt_lengths + self.completion_lengths + self.reply_lengths).sum())
 
     @property
     def loss_tokens(self) -> float:
-        """Completion tokens the loss counts, over every rank."""
+        """Completion tokens the loss counts (the policy's own), over every rank."""
         return float((self.completion_lengths * self.counted).sum())
 
     @staticmethod
@@ -293,9 +319,18 @@ class StepScores:
         def cat(name: str) -> torch.Tensor:
             return torch.cat([getattr(step, name) for step in steps])
 
-        fields = [field.name for field in dataclasses.fields(StepScores) if field.name != "by_function"]
+        named = ("by_function", "episodes")
+        fields = [field.name for field in dataclasses.fields(StepScores) if field.name not in named]
         by_function = {name: torch.cat([step.by_function[name] for step in steps]) for name in steps[0].by_function}
-        return StepScores(by_function=by_function, **{name: cat(name) for name in fields})
+        episodes = {name: torch.cat([step.episodes[name] for step in steps]) for name in steps[0].episodes}
+        return StepScores(by_function=by_function, episodes=episodes, **{name: cat(name) for name in fields})
+
+
+def _token_counts(rollouts: Rollouts) -> list[tuple[int, int]]:
+    """Each completion's (tokens the policy wrote, tokens of the replies between its turns)."""
+    if rollouts.written is None:
+        return [(len(completion), 0) for completion in rollouts.completions]
+    return [(sum(written), len(written) - sum(written)) for written in rollouts.written]
 
 
 def flat_groups(totals: torch.Tensor, generations: int) -> int:
@@ -357,6 +392,8 @@ class RewardReport:
         for name in self.source.functions:
             mean_name, std_name = reward_metric_names(name)
             values[mean_name], values[std_name] = mean_std(scores.by_function[name])
+        for name, counts in scores.episodes.items():
+            values[name] = float(counts.mean())
         values[METRIC_COMPLETION_LENGTH] = float(scores.completion_lengths.mean())
         values[METRIC_COMPLETION_LENGTH_MAX] = float(scores.completion_lengths.max())
         values[METRIC_COMPLETION_CLIPPED] = float(1.0 - scores.ended.mean())
@@ -400,8 +437,17 @@ class CompletionsLog:
                 for name, values in by_function.items()
             )
             shown = "n/a" if total is None else f"{total:.3g}"
-            text = json.dumps(rollouts.texts[row], ensure_ascii=False)
-            lines.append(f"  [{row + 1}/{generations}] reward {shown} ({parts}): {text}")
+            if rollouts.transcripts is None:
+                text = json.dumps(rollouts.texts[row], ensure_ascii=False)
+                lines.append(f"  [{row + 1}/{generations}] reward {shown} ({parts}): {text}")
+                continue
+            counts = ", ".join(
+                f"{name.partition('/')[2]} {values[row]:g}" for name, values in rollouts.episodes.items()
+            )
+            lines.append(f"  [{row + 1}/{generations}] reward {shown} ({parts}; {counts}):")
+            for role, text in rollouts.transcripts[row]:
+                marker = "assistant" if role == "assistant" else "  [tool]"
+                lines.append(f"      {marker}: {json.dumps(text, ensure_ascii=False)}")
         try:
             with open(self.path, "a", encoding="utf-8") as handle:
                 handle.write("\n".join(lines) + "\n\n")
