@@ -35,6 +35,7 @@ import time
 
 from astrai.host import baseimage
 from bench import (
+    agents,
     checkpoint_cost,
     chunked_loss,
     corpora,
@@ -62,6 +63,8 @@ DOCS = REPO / "docs" / "benchmarks.md"
 TABLE_START, TABLE_END = "<!-- bench:start -->", "<!-- bench:end -->"
 POST_TRAINING = REPO / "docs" / "post-training.md"
 CURVE_START, CURVE_END = "<!-- grpo-curve:start -->", "<!-- grpo-curve:end -->"
+AGENTS = REPO / "docs" / "agents.md"
+AGENT_CURVE_START, AGENT_CURVE_END = "<!-- agent-curve:start -->", "<!-- agent-curve:end -->"
 META_KEYS = ("machine", "runs", "samples", "sections")
 
 TARGETS = {
@@ -219,6 +222,14 @@ TARGETS = {
     "grpo_reward_start": ("online_grpo on a toy task: the mean reward of its first 20 steps", "<=", 0.3),
     "grpo_reward_end": ("the same, its last 20 of 400 steps", ">=", 0.8),
     "grpo_rollout_share": ("the share of an online_grpo step's CPU time spent sampling and scoring", None, None),
+    "agent_reward_start": ("episodes with a tool on a toy task: the mean reward of the first 20 steps", "<=", 0.3),
+    "agent_reward_end": ("the same, the last 20 of 400 steps", ">=", 0.8),
+    "episode_step_vs_single_turn": (
+        "tokens per CPU-second of a step of two-turn episodes over a single-turn online_grpo step's",
+        ">=",
+        0.8,
+    ),
+    "tool_tokens_in_loss": ("tool and environment reply tokens whose log-probability the loss reaches", "==", 0),
     "tracker_overhead": (
         "trainer tokens per CPU-second reporting to MLflow (a server here) and W&B offline, over without them",
         ">=",
@@ -272,6 +283,7 @@ SECTIONS = {
     "qlora": lambda quick, image: qlora.run(quick),
     "generation": lambda quick, image: generation.run(quick),
     "grpo": lambda quick, image: grpo.run(quick),
+    "agents": lambda quick, image: agents.run(quick),
     "trackers": lambda quick, image: trackers.run(quick),
     "transformers backend": lambda quick, image: transformers_backend.run(quick),
 }
@@ -369,6 +381,8 @@ def write_docs(results: dict) -> None:
     _fill(DOCS, TABLE_START, TABLE_END, summary(results))
     if "grpo_reward_curve" in results:
         _fill(POST_TRAINING, CURVE_START, CURVE_END, reward_curve(results))
+    if "agent_reward_curve" in results:
+        _fill(AGENTS, AGENT_CURVE_START, AGENT_CURVE_END, reward_curve(results, "agent_reward_curve", "agents"))
 
 
 def _fill(path, start: str, end: str, body: str) -> None:
@@ -380,17 +394,18 @@ def _fill(path, start: str, end: str, body: str) -> None:
     path.write_text(pattern.sub(lambda _: f"{start}\n{body}\n{end}", text), encoding="utf-8")
 
 
-def reward_curve(results: dict) -> str:
-    """The toy task's mean reward as online_grpo trains (bench/grpo.py), every 20th step, drawn in text."""
-    curve = {int(step): reward for step, reward in results["grpo_reward_curve"].items()}
-    run = results.get("runs", {}).get("grpo_reward_curve", {})
-    lines = ["```", "step  mean reward of the step's 32 completions"]
+def reward_curve(results: dict, key: str = "grpo_reward_curve", section: str = "grpo") -> str:
+    """A toy task's mean reward as it trains (bench/grpo.py, bench/agents.py), every 20th step, drawn in text."""
+    curve = {int(step): reward for step, reward in results[key].items()}
+    run = results.get("runs", {}).get(key, {})
+    rollouts = "episodes" if key.startswith("agent") else "completions"
+    lines = ["```", f"step  mean reward of the step's 32 {rollouts}"]
     for step in sorted(curve):
         if step % 20 == 0:
             reward = curve[step]
             lines.append(f"{step:>4}  {reward:.2f} {'█' * round(reward * 40)}")
     lines.append("```")
-    lines.append(f"Measured by `invoke bench --only grpo` ({run.get('date', 'date unknown')}).")
+    lines.append(f"Measured by `invoke bench --only {section}` ({run.get('date', 'date unknown')}).")
     return "\n".join(lines)
 
 
