@@ -199,6 +199,11 @@ def _stretch(rope: dict, values: dict) -> tuple[str | None, float | None, int | 
     )
 
 
+def through_transformers(config: ModelConfig | TransformersConfig) -> bool:
+    """Whether a model of ``config`` is computed by transformers (a :class:`TransformersConfig`), not the trainer."""
+    return isinstance(config, TransformersConfig)
+
+
 def load_model_config(folder: Path, backend: str | None = None) -> ModelConfig | TransformersConfig:
     """A model folder's config for ``backend`` (native or transformers; None: by its model_type, as ``auto``)."""
     if backend is None:

@@ -10,6 +10,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from astrai.common.backends import through_transformers
 from astrai.common.checkpoints import CheckpointMeta
 from astrai.common.contract import TOKENIZER_FILE, resolve_parallel_mode
 from astrai.common.data_folder import TokenData, WindowSplit, data_kind, prompt_units, tokenizer_digest
@@ -270,7 +271,7 @@ def check_lora_targets(model: ModelConfig, training, shards: int = 1) -> None:
     """LoRA's targets must name layers this model's family has, a fused layer whole (astrai.common.model_folder); an
     NF4 base must fit the model, sharded over ``shards`` ranks under FSDP (astrai.common.nf4)."""
     settings = LoRASettings.of(training)
-    if settings is None or not isinstance(model, ModelConfig):  # the transformers path: its plan checks the targets
+    if settings is None or through_transformers(model):  # the transformers path: its plan checks the targets
         return
     lora_modules(model, settings)
     if training.lora_base_dtype == NF4:

@@ -33,6 +33,7 @@ from astrai.common.backends import (
     folder_model_type,
     load_model_config,
     resolve_backend,
+    through_transformers,
 )
 from astrai.common.checkpoints import estimate_checkpoint_bytes, folder_bytes, latest_complete_checkpoint
 from astrai.common.config import TrainerConfig, ignored_keys_note
@@ -472,7 +473,7 @@ def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model,
     if config is None or model is None:
         return Check(SKIP, "training state", "not estimated: see the lines above")
     model_config = model[0]
-    if isinstance(model_config, TransformersConfig):
+    if through_transformers(model_config):
         return Check(SKIP, "training state", "not estimated for a model trained through transformers")
     try:
         plan = container_plan(runtime, config, at_least_one=True)
@@ -631,7 +632,7 @@ def _reference_check(
     name = f"{config.training.train_type} reference"
     try:
         reference = load_model_config(folder)
-        if isinstance(reference, ModelConfig):
+        if not through_transformers(reference):
             inspect_weights(folder, reference)
     except ModelLoadError as error:
         return Check(

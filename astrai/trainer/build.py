@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from astrai.common.backends import BACKEND_TRANSFORMERS
 from astrai.common.config import TrainerConfig, ignored_keys_note
 from astrai.common.contract import GENERATION_CONFIG_FILE, TOKENIZER_FILE
 from astrai.common.data_folder import DataError, TokenData, WindowSplit, data_digest, data_kind, describe_units
@@ -34,30 +33,26 @@ from astrai.common.fit import (
     tokenizer_hint,
 )
 from astrai.common.model_folder import base_digest, other_base
-from astrai.common.nf4 import NF4, nf4_problem
+from astrai.common.nf4 import NF4
 from astrai.common.plan import RunPlan
 from astrai.common.settings import LoRASettings
 from astrai.common.values import format_bytes
 from astrai.trainer.agents.environments import Limits
 from astrai.trainer.agents.episodes import EpisodePrompts, EpisodeRollouts, episode_prompts
+from astrai.trainer.backend import EngineSizes, backend_named
 from astrai.trainer.checkpoint.files import LoadedCheckpoint
 from astrai.trainer.checkpoint.manager import RunFacts
 from astrai.trainer.compiling import compile_blocks
-from astrai.trainer.decoding import DecodeEngine, total_memory
+from astrai.trainer.decoding import total_memory
 from astrai.trainer.distributed import DistEnv, GracefulStop, broadcast_from_master, gather_objects, parallelize
-from astrai.trainer.experts import RouterBalance, router_balance
 from astrai.trainer.lora import (
     AdapterError,
     BaseModel,
-    add_adapters,
     frozen_dtype,
-    hold_base_in,
-    hold_base_in_nf4,
-    load_adapters,
     parameter_counts,
     read_peft_adapter,
 )
-from astrai.trainer.model import ModelConfig, ModelLoadError, Transformer, load_base_model
+from astrai.trainer.model import ModelConfig, ModelLoadError
 from astrai.trainer.nf4 import check_nf4_runs
 from astrai.trainer.objectives.contract import Objective
 from astrai.trainer.objectives.dpo import Preference
@@ -151,13 +146,13 @@ def read_start(
     if plan.lora is not None:
         if plan.base_dtype == NF4:  # before the base is read: this process must be able to compute with it
             check_nf4_runs(env.device)
-        return _lora_start(config, env, data, loaded, plan.lora, _base_loader(plan))
+        return _lora_start(config, env, data, loaded, plan.lora, backend_named(plan.backend).read)
     if loaded is not None:
         source = loaded.checkpoint.path
         broadcast_from_master(env, lambda: check_model_tokenizer(data.first, source), errors=(SetupError, DataError))
         return Start(loaded.model_config, loaded.model_state, source)
     source = Path(config.ckpt.param_path)
-    load = _base_loader(plan)
+    load = backend_named(plan.backend).read
 
     def read_base():
         check_model_tokenizer(data.first, source)
@@ -166,15 +161,6 @@ def read_start(
     # Only node 0 needs the base model: rank 0 reads it, the others receive it.
     model_config, weights = broadcast_from_master(env, read_base, errors=(ModelLoadError, SetupError, DataError))
     return Start(model_config, weights, source)
-
-
-def _base_loader(plan: RunPlan) -> Callable[[Path], tuple]:
-    """How the base model's config and weights are read: by the trainer, or by transformers (model.backend)."""
-    if plan.backend == BACKEND_TRANSFORMERS:
-        from astrai.trainer.hf_model import load_transformers_start
-
-        return load_transformers_start
-    return load_base_model
 
 
 def _lora_start(
@@ -365,51 +351,13 @@ def make_loader(config: TrainerConfig, env: DistEnv, feed: Feed) -> DataLoader:
 def build_model(config: TrainerConfig, plan: RunPlan, env: DistEnv, start: Start) -> torch.nn.Module:
     """The model with the start's weights, on the device and wrapped for the parallel mode."""
     checkpointing = config.model.activation_checkpointing
-    if plan.backend == BACKEND_TRANSFORMERS:
-        from astrai.trainer.hf_model import transformers_model
-
-        model = transformers_model(start, plan, config.training.random_seed, checkpointing).to(env.device)
-        if plan.compile:
-            compile_blocks(model)  # the library's decoder blocks
-        return parallelize(model, env)
-    if start.weights is None:
-        # Resuming a sharded run: the model is built without memory, sharded, and only then given this rank's
-        # share of it, which the checkpoint's rows fill (CheckpointManager.restore). No rank holds it whole.
-        with torch.device("meta"):
-            model = Transformer(start.model_config, activation_checkpointing=checkpointing)
-    else:
-        model = Transformer(start.model_config, activation_checkpointing=checkpointing)
-        model.load_state_dict(start.weights)
-        if plan.lora is not None:
-            # The base frozen, the adapters new (A from the seed, B zero) or the start's.
-            add_adapters(model, plan.lora, torch.Generator().manual_seed(config.training.random_seed))
-            if start.adapters is not None:
-                load_adapters(model, start.adapters, str(start.adapters_from))
-            if plan.base_dtype == NF4:
-                problem = nf4_problem(start.model_config, env.world_size if plan.parallel_mode == "fsdp" else 1)
-                if problem is not None:
-                    raise SetupError(problem)
-                hold_base_in_nf4(model, env.device)  # quantised on the device, a matrix at a time
-            else:
-                hold_base_in(model, getattr(torch, plan.base_dtype))
-        model.to(env.device)
+    model = backend_named(plan.backend).trained(start, plan, config.training.random_seed, checkpointing, env.device)
     if plan.compile:
-        compile_blocks(model)
+        compile_blocks(model)  # ours, or the library's decoder blocks
     model = parallelize(model, env)
-    if start.weights is None:
+    if start.weights is None:  # a sharded resume: this rank's rows come from the checkpoint
         model.to_empty(device=env.device)
     return model
-
-
-def router_balance_of(model: torch.nn.Module, plan: RunPlan) -> RouterBalance | None:
-    """A mixture of experts' load-balancing loss and metrics (None for a model without a router): the native
-    layers', or on the transformers path the library's routers, whose logits the model keeps as a layer does."""
-    if plan.backend != BACKEND_TRANSFORMERS:
-        return router_balance(model)
-    inner = getattr(model, "module", model)  # DDP's wrapped model
-    if inner.top_k is None:
-        return None
-    return RouterBalance([inner], inner.router_aux_loss_coef)
 
 
 def autocast_for(plan: RunPlan) -> contextlib.AbstractContextManager:
@@ -583,12 +531,8 @@ def sampled_rollouts(parts: RunParts) -> SampledRollouts | EpisodeRollouts:
         f"top_k {sampling.top_k}; stop tokens {sorted(stop)}"
     )
     prompts = Prompts(records.index.data, records.index, records.units)
-    if plan.backend == BACKEND_TRANSFORMERS:
-        from astrai.trainer.hf_model import TransformersDecoding
-
-        engine = TransformersDecoding(parts.model)
-    else:
-        engine = decode_engine(parts, max(records.units.takes))
+    longest = max(records.units.takes)
+    engine = backend_named(plan.backend).engine(parts.model, lambda: engine_sizes(parts, longest))
     limits = RewardLimits(training.reward_timeout, lambda: parts.stop.requested)
     if plan.episodes is not None:
         parts.log(f"episodes: {plan.episodes.describe()}")
@@ -626,11 +570,11 @@ def sampled_rollouts(parts: RunParts) -> SampledRollouts | EpisodeRollouts:
     )
 
 
-def decode_engine(parts: RunParts, longest_prompt: int) -> DecodeEngine:
-    """The native generation engine of the online types, its caches sized by the plan: one decode step per batch size
-    at the largest capacity the run reaches, and rounds split into parts of a size that depends on the model's shape,
-    the rows, that capacity and the device's total memory only, so that a resumed run splits them (and samples) as the
-    uninterrupted one did."""
+def engine_sizes(parts: RunParts, longest_prompt: int) -> EngineSizes:
+    """How the native generation engine of the online types sizes its caches, by the plan: one decode step per batch
+    size at the largest capacity the run reaches, and rounds split into parts of a size that depends on the model's
+    shape, the rows, that capacity and the device's total memory only, so that a resumed run splits them (and
+    samples) as the uninterrupted one did."""
     plan, env, model = parts.plan, parts.env, parts.model_config
     context, _ = prompt_room(model, plan.completion_room, parts.start.source)
     cache = plan.generation_cache(model, context, longest_prompt)
@@ -643,7 +587,7 @@ def decode_engine(parts: RunParts, longest_prompt: int) -> DecodeEngine:
     # FSDP gathers the weights in every forward pass: its ranks generate in step, eagerly.
     together = env.control_group if plan.parallel_mode == "fsdp" else None
     compiled = plan.compile and together is None
-    return DecodeEngine(parts.model, together=together, compile=compiled, capacity=cache.capacity, rows_per_part=rows)
+    return EngineSizes(capacity=cache.capacity, rows_per_part=rows, together=together, compile=compiled)
 
 
 def given_rollouts(parts: RunParts) -> GivenRollouts:

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import torch
 
-from astrai.common.backends import BACKEND_AUTO, BACKEND_NATIVE, BACKENDS, folder_model_type, resolve_backend
+from astrai.common.backends import BACKEND_AUTO, BACKENDS, folder_model_type, resolve_backend
 from astrai.common.contract import GENERATION_CONFIG_FILE, TOKENIZER_FILE
 from astrai.common.errors import AstraiError
 from astrai.common.fit import SetupError
 from astrai.common.model_folder import ModelConfig
 from astrai.common.plan import compute_dtype
 from astrai.common.settings import Sampling, SettingError
-from astrai.trainer.decoding import DecodeEngine, Draws
-from astrai.trainer.model import Transformer, load_pretrained
+from astrai.trainer.backend import Backend, backend_named
+from astrai.trainer.decoding import Draws
 
 # --- python -m astrai.model generate -------------------------------------------------------------------
 
@@ -112,16 +112,16 @@ def run_command(args) -> int:
     folder = Path(args.dir)
     try:
         _check_model_folder(folder)
-        backend, _ = folder_backend(folder, args.backend)
+        backend = backend_named(folder_backend(folder, args.backend)[0])
         tokenizer, ids = _prompt_ids(args, folder)
-        model = load_pretrained(folder) if backend == BACKEND_NATIVE else _transformers_model(folder)
+        model = backend.pretrained(folder)
         if tokenizer.vocab_size > model.config.vocab_size:
             raise DataError(
                 f"the tokenizer has {tokenizer.vocab_size:,} tokens and the model {model.config.vocab_size:,}: it is "
                 "not this model's tokenizer"
             )
         stop = stop_tokens(model.config, folder, tokenizer)
-        completion = _complete(model, ids, sampling, stop, args)
+        completion = _complete(backend, model, ids, sampling, stop, args)
     except _EmptyPrompt:
         print("error: --prompt gives no token to start from", file=sys.stderr)
         return 2
@@ -135,31 +135,14 @@ def run_command(args) -> int:
     return 0
 
 
-def _complete(model, ids: list[int], sampling: Sampling, stop: set[int], args) -> list[int]:
+def _complete(backend: Backend, model, ids: list[int], sampling: Sampling, stop: set[int], args) -> list[int]:
     """The completion, on the device asked for: a GPU in bfloat16 with captured decode steps, or the CPU."""
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
     model = model.to(device, getattr(torch, compute_dtype(device.type)))
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    engine = DecodeEngine(model) if isinstance(model, Transformer) else _transformers_decoding(model)
+    engine = backend.engine(model)
     return engine.generate([ids], sampling, stop, [Draws(1, generator)])[0]
-
-
-def _transformers_model(folder: Path):
-    """A folder's model through transformers (eval mode, float32): what trained it when the trainer lacks its
-    family."""
-    from astrai.trainer.hf_model import TransformersModel, load_transformers_start
-
-    config, weights = load_transformers_start(folder)
-    model = TransformersModel(config)
-    model.load_weights(weights, str(folder))
-    return model.eval()
-
-
-def _transformers_decoding(model):
-    from astrai.trainer.hf_model import TransformersDecoding
-
-    return TransformersDecoding(model)
 
 
 class _EmptyPrompt(Exception):

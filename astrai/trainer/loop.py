@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from astrai.common.backends import BACKEND_NATIVE, LibraryModel, describe_backend
+from astrai.common.backends import LibraryModel
 from astrai.common.checkpoints import checkpoint_name, latest_complete_checkpoint
 from astrai.common.config import TrainerConfig, describe, ignored_keys_note, parse_args
 from astrai.common.configfile import ConfigError
@@ -46,6 +46,7 @@ from astrai.common.contract import (
 from astrai.common.errors import AstraiError
 from astrai.common.plan import RunPlan, resolve_plan
 from astrai.trainer import build
+from astrai.trainer.backend import backend_named
 from astrai.trainer.checkpoint.files import SCHEDULE, LoadedCheckpoint, NonFiniteWeights, Progress
 from astrai.trainer.checkpoint.formats import FORMATS
 from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
@@ -64,7 +65,6 @@ from astrai.trainer.distributed import (
 )
 from astrai.trainer.health import Diverged, DivergenceRecord
 from astrai.trainer.lora import parameter_counts
-from astrai.trainer.model import describe_folder
 from astrai.trainer.objectives.rewards import StepAbandoned
 from astrai.trainer.optim import Schedule, apply_settings, build_optimizer, describe_changes, set_lr
 from astrai.trainer.report import ProgressReporter, ReportError, StepReport, flops_per_token, peak_tflops, print_line
@@ -159,7 +159,7 @@ class Trainer:
             data.names,
         )
         self.model = build.build_model(config, plan, env, start)
-        self.router_balance = build.router_balance_of(self.model, plan)
+        self.router_balance = backend_named(plan.backend).router_balance(self.model)
         """A mixture of experts' load-balancing loss and metrics; None for a dense model."""
         start = dataclasses.replace(start, weights=None, adapters=None)  # in the model now: not held twice
         release_freed_memory()
@@ -236,7 +236,7 @@ class Trainer:
         torch.manual_seed(self.config.training.random_seed + self.env.rank)
         if self.env.master_process:  # rank 0 read the base model
             plan = self.plan
-            what = describe_folder(source) if plan.backend == BACKEND_NATIVE else describe_backend(*plan.model_backend)
+            what = backend_named(plan.backend).describe(source, plan)
             self.log(
                 f"starting from base model {self.config.ckpt.param_path}: {what} "
                 f"(world size {self.env.world_size}, device {self.env.device})"

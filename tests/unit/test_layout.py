@@ -242,3 +242,30 @@ def test_a_familys_model_type_is_named_only_in_its_spec():
             found[name] = {model_type: literals[model_type] for model_type in named}
     assert found == {}
     assert _string_literals(ast.parse('"""mixtral"""\nx = "mixtral"')) == {"mixtral": 2}
+
+
+BACKEND_MODULES = {"astrai.common.backends", "astrai.trainer.backend"}
+"""Where the backend (native or transformers) is told from a model's config: nowhere else asks."""
+
+
+def _config_isinstance(tree: ast.AST) -> list[int]:
+    """Lines calling isinstance(..., TransformersConfig or ModelConfig)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+            classes = node.args[1] if len(node.args) == 2 else None
+            names = classes.elts if isinstance(classes, ast.Tuple) else [classes]
+            if any(isinstance(n, ast.Name) and n.id in ("TransformersConfig", "ModelConfig") for n in names):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_a_models_backend_is_told_from_its_config_only_in_the_backend_modules():
+    found = {}
+    for name, path in _modules().items():
+        if name not in BACKEND_MODULES:
+            lines = _config_isinstance(ast.parse(path.read_text(encoding="utf-8")))
+            if lines:
+                found[name] = lines
+    assert found == {}
+    assert _config_isinstance(ast.parse("isinstance(c, (int, TransformersConfig))\nisinstance(c, ModelConfig)")) == [1, 2]

@@ -36,7 +36,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from astrai.common.backends import BACKEND_NATIVE, BACKEND_TRANSFORMERS, load_model_config
+from astrai.common.backends import BACKEND_NATIVE, load_model_config
 from astrai.common.checkpoints import (
     Checkpoint,
     CheckpointMeta,
@@ -52,14 +52,13 @@ from astrai.common.contract import (
     RNG_FILE,
     SCHEDULER_FILE,
     TRAINER_STATE_FILE,
-    WEIGHTS_FILE,
 )
 from astrai.common.errors import AstraiError
 from astrai.common.model_folder import inspect_weights, read_layout
 from astrai.common.safetensors_file import CODES, header
-from astrai.trainer.hf_model import read_transformers_checkpoint
-from astrai.trainer.lora import AdapterError, from_peft_names
-from astrai.trainer.model import ModelConfig, ModelLoadError, read_weights
+from astrai.trainer.backend import backend_named
+from astrai.trainer.lora import AdapterError
+from astrai.trainer.model import ModelConfig, ModelLoadError
 
 # What a damaged checkpoint file raises when read: truncated zip or safetensors, bad JSON,
 # a pickle that weights_only refuses, missing keys or wrong types.
@@ -394,17 +393,10 @@ def read_checkpoint(checkpoint: Checkpoint, whole: bool = True, backend: str = B
     try:
         found = examine(path)
         model_config = load_model_config(path, backend)
-        if backend == BACKEND_TRANSFORMERS:
-            model_state = read_transformers_checkpoint(path, found.meta.lora is not None)
-            optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-            names = set(model_state)
-        elif found.meta.lora is not None:
-            # The adapters alone, under PEFT's names; their shapes are checked when they go into the model.
-            model_state = from_peft_names(load_file(path / WEIGHTS_FILE, device="cpu"), f"{path / WEIGHTS_FILE}")
-            optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-            names = set(model_state)
-        elif whole:
-            model_state = read_weights(path, model_config)
+        adapters = found.meta.lora is not None
+        if whole or adapters:
+            # The adapters' shapes are checked when they go into the model.
+            model_state = backend_named(backend).read_checkpoint_weights(path, model_config, adapters)
             optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
             if isinstance(optimizer_state, dict):
                 optimizer_state = join_optimizer_tensors(optimizer_state, path)

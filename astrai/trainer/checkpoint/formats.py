@@ -18,7 +18,6 @@ Either format resumes from a folder written in either.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,7 +33,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from astrai.common.backends import TransformersConfig
 from astrai.common.checkpoints import SMALL_FILES_BYTES
 from astrai.common.contract import (
     CKPT_FORMAT_FULL,
@@ -43,6 +41,7 @@ from astrai.common.contract import (
     OPTIMIZER_FILE,
     WEIGHTS_FILE,
 )
+from astrai.trainer.backend import backend_of
 from astrai.trainer.checkpoint.files import (
     CheckpointError,
     LoadedCheckpoint,
@@ -55,9 +54,7 @@ from astrai.trainer.checkpoint.files import (
 )
 from astrai.trainer.checkpoint.sharded import ShardedState, check_shared_job_dir, read_rows
 from astrai.trainer.distributed import DistEnv, failed_ranks
-from astrai.trainer.hf_model import transformers_state_dict
 from astrai.trainer.lora import adapter_parameters, peft_state_dict
-from astrai.trainer.model import hf_state_dict
 from astrai.trainer.optim import Optimizers
 
 Copy = Callable[[object], object]
@@ -177,8 +174,7 @@ class FullFormat:
         fsdp = env.parallel_mode == "fsdp"
         # Hugging Face's names in the model's family (a transformers model's: its own).
         config = _unwrapped(model).config
-        named = transformers_state_dict if isinstance(config, TransformersConfig) else hf_state_dict
-        names = functools.partial(named, config=config)
+        names = backend_of(config).saved_names(config)
         if not fsdp:  # the live parameters and optimizer moments themselves
             state = (_unwrapped(model).state_dict(), named_optimizer_state(model, optimizer))
             return FullSnapshot(*state, env.master_process, gathered=False, names=names)

@@ -27,20 +27,18 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.utils.data import default_collate
 
-from astrai.common.backends import TransformersConfig
 from astrai.common.checkpoints import fsync_path
 from astrai.common.contract import REFERENCE_LOG_PROBS_FILE
 from astrai.common.data_folder import DataError, TokenData
 from astrai.common.fit import SetupError, check_model_tokenizer
+from astrai.trainer.backend import backend_of
 from astrai.trainer.checkpoint.files import LoadedCheckpoint
 from astrai.trainer.distributed import DistEnv, broadcast_from_master, parallelize
-from astrai.trainer.hf_model import TransformersModel, load_transformers_start
 from astrai.trainer.model import (
     ModelConfig,
     ModelLoadError,
     TokenTargets,
     Transformer,
-    load_base_model,
     model_digest,
     save_tensors,
 )
@@ -130,11 +128,11 @@ def frozen_model(
     the trained model (``model_config``) and of the data, and be the one the checkpoint resumed (``loaded``) was
     trained against; and what checkpoints record of it."""
 
-    through = isinstance(model_config, TransformersConfig)  # model.backend transformers: the reference too
+    backend = backend_of(model_config)  # model.backend transformers: the reference too
 
     def read_reference():
         check_model_tokenizer(data, path)  # a reference with its own tokenizer must be the data's
-        return (*(load_transformers_start if through else load_base_model)(path), model_digest(path))
+        return (*backend.read(path), model_digest(path))
 
     reference_config, weights, digest = broadcast_from_master(
         env, read_reference, errors=(ModelLoadError, SetupError, DataError)
@@ -146,14 +144,9 @@ def frozen_model(
         )
     recorded = {"path": str(path), "sha256": digest}
     check_same_reference(recorded, loaded)
-    if through:
-        reference = TransformersModel(reference_config)
-        reference.load_weights(weights, str(path))
-    else:
-        reference = Transformer(reference_config)
-        reference.load_state_dict(weights)
+    reference = backend.frozen(reference_config, weights, str(path))
     del weights
-    reference.to(env.device).eval().requires_grad_(False)
+    reference.to(env.device)
     if env.parallel_mode == "fsdp":
         reference = parallelize(reference, env)
     return reference, recorded
