@@ -220,6 +220,21 @@ METRIC_MFU = "mfu"
 METRIC_MAX_ALLOCATED_GIB = "max_allocated_gib"
 """Peak memory allocated by tensors on global rank 0's GPU so far; absent on CPU."""
 
+METRIC_EVAL_PREFIX = "eval/"
+"""Generative evaluation in the loop (log.eval_prompts): its metrics are named under this prefix, in metrics.jsonl,
+TensorBoard and the trackers alike."""
+METRIC_EVAL_REWARD = METRIC_EVAL_PREFIX + "reward"
+"""The mean total reward of the evaluation's completions (those scored)."""
+METRIC_EVAL_REWARD_OF = METRIC_EVAL_PREFIX + "{name}"
+"""The mean of one reward of the evaluation (``eval/<reward name>``), over the completions it scored."""
+METRIC_EVAL_PASS_AT_K = METRIC_EVAL_PREFIX + "pass@k"
+"""The share of evaluation prompts with at least one of their k completions (log.eval_generations) scoring at least
+log.eval_pass_threshold."""
+METRIC_EVAL_COMPLETION_LENGTH = METRIC_EVAL_PREFIX + "completion_length"
+"""The mean length of the evaluation's completions, in tokens."""
+METRIC_EVAL_UNSCORED = METRIC_EVAL_PREFIX + "unscored"
+"""The share of the evaluation's completions that no reward scored."""
+
 COMPLETIONS_LOG = "completions.log"
 """online_grpo: every log_interval steps, a group of sampled completions with their rewards, for people to read."""
 

@@ -19,7 +19,7 @@ from astrai.common.contract import CKPT_FORMAT_FULL, CKPT_FORMAT_LORA, CKPT_FORM
 from astrai.common.fit import BatchShape
 from astrai.common.memory import GenerationCache, generation_cache, training_state_bytes
 from astrai.common.model_folder import ADAPTER_TARGETS, num_adapter_parameters, num_parameters
-from astrai.common.settings import LoRASettings, Sampling, TypeSettings
+from astrai.common.settings import EvalSettings, LoRASettings, Sampling, TypeSettings
 from astrai.common.train_types import TRAIN_TYPES, TrainType
 
 
@@ -58,6 +58,10 @@ class RunPlan:
     """Which code computes the model: native, or transformers (model.backend resolved for the folder's family)."""
     model_type: str | None = None
     """The model folder's model_type (None: not read)."""
+    evaluation: EvalSettings | None = None
+    """Generative evaluation in the loop (log.eval_prompts); None: none."""
+    eval_rewards: tuple[str, ...] = ()
+    """The names of the rewards that score the evaluation."""
 
     @property
     def model_backend(self) -> tuple[str, str | None]:
@@ -147,6 +151,8 @@ class RunPlan:
             )
         if self.settings is not None:
             lines.append(f"{self.train_type}: {self.settings.describe()}")
+        if self.evaluation is not None:
+            lines.append(f"evaluation: {self.evaluation.describe(list(self.eval_rewards))}")
         return lines
 
     def _unit(self) -> str:
@@ -205,6 +211,8 @@ def resolve_plan(
         deterministic=training.deterministic,
         backend=backend,
         model_type=model_type,
+        evaluation=config.log.evaluation(training),
+        eval_rewards=tuple(spec.name for spec in config.log.eval_reward_specs(training)),
     )
 
 

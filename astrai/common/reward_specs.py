@@ -10,7 +10,17 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from astrai.common.contract import METRIC_REWARD, METRIC_REWARD_OF, METRIC_REWARD_STD, STD_SUFFIX
+from astrai.common.contract import (
+    METRIC_EVAL_COMPLETION_LENGTH,
+    METRIC_EVAL_PASS_AT_K,
+    METRIC_EVAL_REWARD,
+    METRIC_EVAL_REWARD_OF,
+    METRIC_EVAL_UNSCORED,
+    METRIC_REWARD,
+    METRIC_REWARD_OF,
+    METRIC_REWARD_STD,
+    STD_SUFFIX,
+)
 
 
 @dataclass(frozen=True)
@@ -91,3 +101,27 @@ def check_metric_names(names: list[str]) -> None:
                     f"a reward function named {name} would report its {what} as {metric}, which is already "
                     f"{owners[metric]}; rename the function (metrics.jsonl, TensorBoard and the trackers key by it)"
                 )
+
+
+EVAL_METRICS = {
+    METRIC_EVAL_REWARD: "the evaluation's mean total reward",
+    METRIC_EVAL_PASS_AT_K: "the evaluation's pass@k",
+    METRIC_EVAL_COMPLETION_LENGTH: "the evaluation's mean completion length",
+    METRIC_EVAL_UNSCORED: "the evaluation's share of unscored completions",
+}
+"""The evaluation's own metrics, which a reward's ``eval/<name>`` may not take."""
+
+
+def eval_metric_name(name: str) -> str:
+    """The evaluation's metric of one reward: its mean over the completions it scored."""
+    return METRIC_EVAL_REWARD_OF.format(name=name)
+
+
+def check_eval_metric_names(names: list[str]) -> None:
+    """ValueError when a reward of the evaluation would report under a name the evaluation's own metrics have."""
+    for name in names:
+        taken = EVAL_METRICS.get(eval_metric_name(name))
+        if taken is not None:
+            raise ValueError(
+                f"a reward named {name} would report as {eval_metric_name(name)}, which is already {taken}; rename it"
+            )

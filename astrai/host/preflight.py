@@ -68,6 +68,7 @@ from astrai.common.settings import LoRASettings
 from astrai.common.values import format_bytes
 from astrai.host import compose, engine
 from astrai.host.checklist import FAIL, PASS, SKIP, WARN, Check
+from astrai.host.eval_checks import evaluation_check
 from astrai.host.hostuser import host_user_ids
 from astrai.host.reward_checks import reward_checks
 from astrai.host.runtime import JOB_DIR_ROOM, Runtime, split_endpoint
@@ -110,6 +111,8 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = (), *, this_host: boo
             checks.append(_resume_check(runtime, latest, config, data))
         if config is not None and config.training.kind.reference:
             checks.append(_reference_check(runtime, config, model, data))
+        if config is not None and (evaluation := evaluation_check(runtime, config, data, model)) is not None:
+            checks.append(evaluation)
         if config is not None:
             checks += tracker_checks(runtime, config)
             if this_host:
@@ -783,7 +786,7 @@ def _trainer_config_check(runtime: Runtime, trainer_args: list[str]) -> tuple[Tr
             fix_hint(error, runtime),
         )
     given = f" with {shlex.join(trainer_args)}" if trainer_args else ""
-    note = ignored_keys_note(config.training)
+    note = ignored_keys_note(config.training, config.log)
     found = f"model/data/parallel/training/ckpt/log sections are valid{given}" + (f"; note: {note}" if note else "")
     return config, Check(PASS, TRAINER_CONFIG, found)
 

@@ -37,7 +37,11 @@ _MOUNTED = {
     "reference_path": ("model", CONTAINER_MODEL),
     # LoRA: a PEFT adapter folder to start from; null (new adapters) needs no mount.
     "adapter_path": ("model", CONTAINER_MODEL),
+    # The evaluation's prompts; null needs none, and a relative path is inside data_root_path.
+    "eval_prompts": ("data", CONTAINER_DATA),
 }
+_OPTIONAL = ("reference_path", "adapter_path", "eval_prompts")
+"""Keys whose null needs no mount."""
 
 
 def read_trainer_config(runtime: Runtime, user_args: list[str]) -> TrainerConfig:
@@ -122,8 +126,10 @@ def mount_problem(runtime: Runtime, key: str, value) -> str | None:
             f"lost when it exits; to keep them in another folder, change runtime.paths.checkpoints "
             f"(the job dir is <runtime.paths.checkpoints>/<runtime.job_name>)"
         )
-    if key not in _MOUNTED or (key in ("reference_path", "adapter_path") and value in (None, "null", "")):
+    if key not in _MOUNTED or (key in _OPTIONAL and value in (None, "null", "")):
         return None
+    if key == "eval_prompts" and isinstance(value, str) and not value.startswith("/"):
+        return None  # under data.data_root_path, which is checked itself
     runtime_key, mount = _MOUNTED[key]
     if isinstance(value, str) and _inside(value, mount):
         return None

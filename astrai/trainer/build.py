@@ -427,7 +427,7 @@ ObjectiveBuilder = Callable[[RunParts], BuiltObjective]
 def build_objective(parts: RunParts) -> BuiltObjective:
     """The objective ``training.train_type`` names (its entry of :data:`TRAINER_TYPES`), with what it needs (a
     reference, a rollout source)."""
-    note = ignored_keys_note(parts.config.training)
+    note = ignored_keys_note(parts.config.training, parts.config.log)
     if note is not None:
         parts.log(f"note: {note}")
     return TRAINER_TYPES[parts.plan.train_type].objective(parts)
@@ -531,9 +531,13 @@ TRAINER_TYPES: dict[str, TrainerType] = {
 
 
 def _tokenizer(parts: RunParts):
+    return data_tokenizer(parts.records.index.data)
+
+
+def data_tokenizer(data: TokenData):
+    """The tokenizer a data folder was prepared with: its tokenizer.json, or bytes."""
     from astrai.data.tokenizing import ByteTokenizer, HFTokenizer
 
-    data = parts.records.index.data
     return ByteTokenizer() if data.tokenizer_sha256 is None else HFTokenizer(data.root / TOKENIZER_FILE)
 
 

@@ -391,17 +391,31 @@ class CompletionsLog:
         if not self.master or not self._due(step):
             return
         by_function = rollouts.by_function or {GIVEN: rollouts.rewards}
-        prompt = json.dumps(rollouts.prompt_texts[0], ensure_ascii=False)
-        lines = [f"step {step + 1} | prompt {rollouts.numbers[0]}: {prompt}"]
-        for row in range(generations):
-            total = rollouts.rewards[row]
+        self.write_group(
+            f"step {step + 1} | prompt {rollouts.numbers[0]}",
+            rollouts.prompt_texts[0],
+            rollouts.texts[:generations],
+            rollouts.rewards[:generations],
+            {name: values[:generations] for name, values in by_function.items()},
+        )
+
+    def write_group(
+        self,
+        title: str,
+        prompt: str,
+        texts: list[str],
+        totals: list[float | None],
+        by_function: dict[str, list[float | None]],
+    ) -> None:
+        """Append one prompt's completions with each one's total and every reward's score, under ``title``."""
+        lines = [f"{title}: {json.dumps(prompt, ensure_ascii=False)}"]
+        for row, text in enumerate(texts):
             parts = ", ".join(
                 f"{name} {'n/a' if values[row] is None else f'{values[row]:.3g}'}"
                 for name, values in by_function.items()
             )
-            shown = "n/a" if total is None else f"{total:.3g}"
-            text = json.dumps(rollouts.texts[row], ensure_ascii=False)
-            lines.append(f"  [{row + 1}/{generations}] reward {shown} ({parts}): {text}")
+            shown = "n/a" if totals[row] is None else f"{totals[row]:.3g}"
+            lines.append(f"  [{row + 1}/{len(texts)}] reward {shown} ({parts}): {json.dumps(text, ensure_ascii=False)}")
         try:
             with open(self.path, "a", encoding="utf-8") as handle:
                 handle.write("\n".join(lines) + "\n\n")
