@@ -45,6 +45,7 @@ from astrai.common.settings import (
     GRPOSettings,
     KTOSettings,
     LoRASettings,
+    RewardModelSettings,
     RLOOSettings,
     Sampling,
     SettingError,
@@ -208,8 +209,9 @@ class TrainingSection:
     completions the model samples for prompts, scored by training.rewards; online_dpo: DPO on two sampled
     completions of each prompt, the one the rewards score higher chosen; online_rloo: RLOO (each completion's reward
     against the mean of its group's others) on sampled completions; kto: KTO on unpaired examples, each a prompt and a
-    completion labelled desirable or not (prepare --kind kto). The data folder must hold that kind (prepare --kind;
-    prompts for the online types)."""
+    completion labelled desirable or not (prepare --kind kto); reward_model: a Bradley-Terry reward model (a score
+    head in place of the output projection) on DPO's pairs (prepare --kind dpo). The data folder must hold that kind
+    (prepare --kind; prompts for the online types)."""
     dpo_beta: float = 0.1
     """DPO's beta (dpo, online_dpo): how far from the reference model the policy may move (higher: closer)."""
     kto_beta: float = KTOSettings.beta
@@ -264,6 +266,9 @@ class TrainingSection:
     reference kept)."""
     normalize_advantages: bool = RLOOSettings.normalize_advantages
     """online_rloo: take the step's mean off the advantages and divide them by their std."""
+    center_rewards_coefficient: float | None = RewardModelSettings.center_rewards_coefficient
+    """reward_model: the weight of (r_chosen + r_rejected) ** 2 in each pair's loss, which keeps the rewards centred on
+    0 (TRL's; 0.01 is its suggestion); null: no such term."""
     optimizer: str = "adamw"
     """adamw, or muon: Muon for the 2-D weight matrices of the transformer blocks, AdamW for embeddings, norms,
     biases and the output head (not under FSDP, which shards the matrices Muon orthogonalises whole)."""
@@ -678,6 +683,14 @@ class TrainerConfig:
                 "training.optimizer: muon orthogonalises each weight matrix whole, and parallel.parallel_mode fsdp "
                 "gives every process only a shard of it; use parallel_mode ddp, or optimizer adamw"
             )
+
+    def rewards_in_use(self) -> tuple:
+        """Every reward the run scores with, each once: training.rewards for a type that samples completions, and the
+        evaluation's (log.eval_rewards, else training.rewards) when log.eval_prompts is set."""
+        used = list(self.training.rewards) if self.training.kind.online else []
+        if self.log.eval_prompts is not None:
+            used += self.log.eval_reward_specs(self.training)
+        return tuple(dict.fromkeys(used))
 
     def eval_prompts_folder(self) -> Path | None:
         """log.eval_prompts as the trainer reads it: a path in the container, or relative to data.data_root_path."""

@@ -316,7 +316,8 @@ class TokenData:
 
     def prompt_records(self) -> list[dict]:
         """Prompt data: every sequence's line of its fields file, in order over the shards: ``{"prompt": text,
-        "fields": {...}}`` (prompts), ``{"prompt": text, "reward": r, "index": i, "of": k}`` (grpo: the i-th of
+        "fields": {...}}`` (prompts; with ``"messages"``, the chat messages the text was rendered from),
+        ``{"prompt": text, "reward": r, "index": i, "of": k}`` (grpo: the i-th of
         its prompt's k completions, r None where it went unscored), ``{"label": true | false}`` (kto)."""
         records = []
         for shard in range(len(self.shard_files)):

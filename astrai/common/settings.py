@@ -13,6 +13,8 @@ a setting out of range raises :class:`SettingError` naming the setting, which th
   (``training.rloo_beta``, ``normalize_advantages``). Its defaults are TRL's ``RLOOConfig``'s.
 - :class:`KTOSettings`: KTO's beta and the weights of its desirable and undesirable examples (``training.kto_*``).
   Its defaults are TRL's ``KTOConfig``'s.
+- :class:`RewardModelSettings`: the Bradley–Terry reward model's centring term (``training.center_rewards_coefficient``,
+  TRL's ``RewardConfig``'s).
 - :class:`EvalSettings`: generative evaluation in the loop (``log.eval_*``): the prompts, k completions of each, how
   they are sampled (greedy by default) and the score that passes.
 
@@ -253,6 +255,28 @@ class KTOSettings:
             f"beta {self.beta:g}, desirable_weight {self.desirable_weight:g}, undesirable_weight "
             f"{self.undesirable_weight:g}; the KL estimate from each micro-batch's mismatched pairs"
         )
+
+
+@dataclass(frozen=True)
+class RewardModelSettings:
+    """``reward_model``'s loss (:mod:`astrai.trainer.objectives.reward_model`): TRL's ``RewardConfig``'s default."""
+
+    center_rewards_coefficient: float | None = None
+    """The weight of ``(r_c + r_r) ** 2`` in each pair's loss, which keeps the rewards centred on 0; None: none."""
+
+    def __post_init__(self) -> None:
+        coefficient = self.center_rewards_coefficient
+        _check(
+            coefficient is None or 0 <= coefficient < math.inf,
+            "center_rewards_coefficient",
+            coefficient,
+            "a number >= 0, or null for no centring term",
+        )
+
+    def describe(self) -> str:
+        center = self.center_rewards_coefficient
+        term = "no centring term" if center is None else f"center_rewards_coefficient {center:g}"
+        return f"Bradley-Terry loss on each pair's rewards (the score head at the last token), {term}"
 
 
 @dataclass(frozen=True)

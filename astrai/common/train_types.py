@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from astrai.common.settings import MIN_TEMPERATURE, KTOSettings, RLOOSettings, TypeSettings
+from astrai.common.settings import MIN_TEMPERATURE, KTOSettings, RewardModelSettings, RLOOSettings, TypeSettings
 
 Problem = tuple[str, object, str]
 """A setting a train type refuses: (the training key, its value, what the type allows)."""
@@ -95,7 +95,7 @@ class TrainType:
             return None
         values = {key: getattr(training, key) for key in self.keys}
         if "rewards" in values:
-            values["rewards"] = [f"{spec.function} x{spec.weight:g}" for spec in training.rewards]
+            values["rewards"] = [f"{spec.where} x{spec.weight:g}" for spec in training.rewards]
         return values
 
 
@@ -115,6 +115,21 @@ def _rloo_settings(training) -> TypeSettings:
 
 def _kto_settings(training) -> TypeSettings:
     return KTOSettings(training.kto_beta, training.kto_desirable_weight, training.kto_undesirable_weight)
+
+
+def _reward_model_settings(training) -> TypeSettings:
+    return RewardModelSettings(training.center_rewards_coefficient)
+
+
+def _whole_model(training) -> Problem | None:
+    if training.lora_rank:
+        return (
+            "lora_rank",
+            training.lora_rank,
+            "0 with reward_model (its score head is a new layer that trains whole; train the reward model without "
+            "adapters)",
+        )
+    return None
 
 
 def _mismatched_pairs(training) -> Problem | None:
@@ -202,8 +217,19 @@ KTO = TrainType(
     checks=(_mismatched_pairs,),
 )
 
+REWARD_MODEL = TrainType(
+    "reward_model",
+    "dpo",
+    "pairs",
+    "pairs",
+    rows_per_unit=2,
+    keys=("center_rewards_coefficient",),
+    settings=_reward_model_settings,
+    checks=(_whole_model,),
+)
+
 TRAIN_TYPES: dict[str, TrainType] = {
-    entry.name: entry for entry in (SEQ, SFT, DPO, GRPO, ONLINE_GRPO, ONLINE_DPO, ONLINE_RLOO, KTO)
+    entry.name: entry for entry in (SEQ, SFT, DPO, GRPO, ONLINE_GRPO, ONLINE_DPO, ONLINE_RLOO, KTO, REWARD_MODEL)
 }
 """Every train type, by name, in the order the docs list them."""
 TYPE_KEYS = sorted({key for entry in TRAIN_TYPES.values() for key in entry.keys})

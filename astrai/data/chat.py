@@ -270,8 +270,11 @@ class RecordEncoder:
         clash = sorted({"prompts", "completions"} & set(fields))
         if clash:
             raise RecordError(f"has a field named {clash[0]!r}, which reward functions receive as the texts; rename it")
+        kept = {"prompt": text, "fields": fields}
+        if not isinstance(record["prompt"], str):
+            kept["messages"] = messages  # a reward model renders them with its own chat template
         try:
-            line = json.dumps({"prompt": text, "fields": fields}, ensure_ascii=False, allow_nan=False)
+            line = json.dumps(kept, ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as error:
             raise RecordError(f"a field is not plain JSON ({error}): the rewards receive the fields as JSON") from None
         return ids, line

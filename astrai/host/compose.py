@@ -187,9 +187,9 @@ def render_override(
         # with host networking, its name) would each run torchrun as the same pid of a fresh PID namespace, and
         # the rendezvous would wait forever; the host's PID namespace keeps their pids apart.
         service["pid"] = "host"
-    elif spec.trackers:
-        # A tracker server on this host (MLflow, a self-hosted W&B) is at host.docker.internal inside the container,
-        # as on Docker Desktop; on the host's own network (above) it is at localhost already.
+    elif spec.trackers or spec.judges:
+        # A tracker server on this host (MLflow, a self-hosted W&B), or a judge, is at host.docker.internal inside the
+        # container, as on Docker Desktop; on the host's own network (above) it is at localhost already.
         service["extra_hosts"] = [f"{DOCKER_HOST_NAME}:host-gateway"]
     if runtime.supervisor_pid is not None:
         # The entrypoint watches the Slurm task that started it (a host pid) and stops when it is gone.

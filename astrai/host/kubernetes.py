@@ -211,8 +211,9 @@ def _environment(runtime: Runtime, trainer_args: list[str] | tuple[str, ...] = (
     env = spec.environment
     # A pod stopped short of the end (an eviction, a drain, a preemption) exits non-zero, and is retried.
     env[ENV_STOPPED_EXIT_CODE] = str(EXIT_STOPPED_UNFINISHED)
-    # The trackers' variables come from the job's Secret, by name; a key the Secret lacks is left unset.
-    secret = {name for name in launch.tracker_environment(spec.trackers) if env.get(name) is None}
+    # The trackers' variables and the judges' keys come from the job's Secret, by name; a key the Secret lacks is
+    # left unset.
+    secret = {name for name in spec.secrets if env.get(name) is None}
     passed = [key for key, value in env.items() if value is None and key not in secret]
     if passed:
         raise KubernetesError(

@@ -116,7 +116,7 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = (), *, this_host: boo
         if config is not None:
             checks += tracker_checks(runtime, config)
             if this_host:
-                checks += reward_checks(runtime, config)
+                checks += reward_checks(runtime, config, _plan_or_none(runtime, config))
     checks.append(_disk_space_check(runtime, config))
     if runtime.multi_node:
         checks += node_checks(runtime)
@@ -443,6 +443,14 @@ def _training_state_check(runtime: Runtime, config: TrainerConfig | None, model,
             f"{cache.capacity} positions, split in parts where the device's memory calls for it)"
         )
     return Check(PASS, "training state", found)
+
+
+def _plan_or_none(runtime: Runtime, config: TrainerConfig) -> RunPlan | None:
+    """The container's plan, or None where it cannot be resolved (the line that says why is elsewhere)."""
+    try:
+        return container_plan(runtime, config, at_least_one=True)
+    except ConfigError:
+        return None
 
 
 def container_plan(runtime: Runtime, config: TrainerConfig, at_least_one: bool = False) -> RunPlan:

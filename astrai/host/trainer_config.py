@@ -25,6 +25,7 @@ from astrai.common.contract import (
     resolve_parallel_mode,
     trainer_arguments,
 )
+from astrai.common.reward_specs import JudgeSpec, ModelRewardSpec
 from astrai.host.runtime import Runtime
 
 _FLAGS = ("--dry-run",)
@@ -172,15 +173,30 @@ def _pairs(user_args: list[str]) -> list[tuple[str, str]]:
 
 
 def model_packages_of(runtime: Runtime, user_args: list[str] | tuple[str, ...] = ()) -> tuple[str, ...]:
-    """What the image installs for this job's model: transformers when its plan trains through it (model.backend,
-    resolved for the model_type of runtime.paths.model); none where the config does not read or does not fit."""
+    """What the image installs for this job's models: transformers when its plan trains through it (model.backend,
+    resolved for the model_type of runtime.paths.model), or when a reward model of training.rewards is of a family
+    the trainer does not compute; none where the config does not read or does not fit."""
     try:
         config = read_trainer_config(runtime, list(user_args))
         folder = host_path(runtime, config.ckpt.param_path) or runtime.model_dir
         backend = resolve_backend(config.model.backend, folder_model_type(folder))
     except (ConfigError, ValueError):
         return ()
-    return (TRANSFORMERS_PACKAGE,) if backend == BACKEND_TRANSFORMERS else ()
+    library = backend == BACKEND_TRANSFORMERS or any(
+        resolve_backend("auto", folder_model_type(found)) == BACKEND_TRANSFORMERS
+        for spec in config.rewards_in_use()
+        if isinstance(spec, ModelRewardSpec) and (found := host_path(runtime, spec.model)) is not None
+    )
+    return (TRANSFORMERS_PACKAGE,) if library else ()
+
+
+def judges_of(runtime: Runtime, user_args: list[str] | tuple[str, ...] = ()) -> tuple[JudgeSpec, ...]:
+    """This job's remote judges (training.rewards, log.eval_rewards); none where its config does not read."""
+    try:
+        config = read_trainer_config(runtime, list(user_args))
+    except ConfigError:
+        return ()
+    return tuple(spec for spec in config.rewards_in_use() if isinstance(spec, JudgeSpec))
 
 
 def trackers_of(runtime: Runtime, user_args: list[str] | tuple[str, ...] = ()) -> tuple[str, ...]:

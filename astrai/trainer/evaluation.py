@@ -57,7 +57,7 @@ from astrai.common.values import format_bytes
 from astrai.trainer.decoding import DecodeEngine, Draws, total_memory
 from astrai.trainer.distributed import DistEnv, gather_objects
 from astrai.trainer.objectives.prompts import Prompts
-from astrai.trainer.objectives.rewards import Reward, RewardLimits, StepAbandoned, load_reward, score
+from astrai.trainer.objectives.rewards import Reward, RewardLimits, StepAbandoned, score
 from astrai.trainer.objectives.rollouts import CompletionsLog
 from astrai.trainer.records import RecordIndex
 
@@ -189,12 +189,15 @@ class GenerativeEval:
             numbers = mine[turn] if turn < len(mine) else None
             abandoned = self.limits.stop_requested()
             if not abandoned and (numbers is not None or self.together):
+                # Under FSDP a rank out of batches generates and scores its first one again (generation and a reward
+                # model's forward passes are collectives of the ranks), and keeps nothing of it.
                 completions = self._generate(model, numbers or batches[0], step)
-                if numbers is not None:
-                    try:
-                        results += self._scored(numbers, completions, step, first=turn == 0 and rank == 0)
-                    except StepAbandoned:
-                        abandoned = True
+                try:
+                    scored = self._scored(numbers or batches[0], completions, step, first=turn == 0 and rank == 0)
+                except StepAbandoned:
+                    abandoned = True
+                else:
+                    results += scored if numbers is not None else []
             if self._anyone(abandoned):
                 raise StepAbandoned(f"a stop was asked for during the evaluation of step {step}")
         return results
@@ -216,7 +219,8 @@ class GenerativeEval:
         k = self.settings.generations
         texts = [self.decode(completion) for completion in completions]
         prompt_texts = [self.prompts.texts[number] for number in numbers for _ in range(k)]
-        scores = score(self.rewards, prompt_texts, texts, self.prompts.fields_of(numbers, k), self.limits)
+        fields, messages = self.prompts.fields_of(numbers, k), self.prompts.messages_of(numbers, k)
+        scores = score(self.rewards, prompt_texts, texts, fields, self.limits, messages)
         results = []
         for row, number in enumerate(numbers):
             rows = slice(row * k, (row + 1) * k)
@@ -255,7 +259,7 @@ def open_evaluation(parts, run_data: TokenData) -> GenerativeEval | None:
     settings = plan.evaluation
     if settings is None:
         return None
-    from astrai.trainer.build import autocast_for, completions_log, data_tokenizer
+    from astrai.trainer.build import autocast_for, completions_log, data_tokenizer, loaded_rewards
     from astrai.trainer.generate import stop_tokens
 
     data = open_eval_prompts(config.eval_prompts_folder())
@@ -263,7 +267,7 @@ def open_evaluation(parts, run_data: TokenData) -> GenerativeEval | None:
     units = eval_prompt_units(settings, data, run_data, model, config.data.overlong, parts.start.source)
     index = RecordIndex(data)
     prompts = Prompts(data, index, units)
-    rewards = [load_reward(spec) for spec in config.log.eval_reward_specs(config.training)]
+    rewards = loaded_rewards(parts, config.log.eval_reward_specs(config.training))
     tokenizer = data_tokenizer(data)
     stop = stop_tokens(model, parts.start.source, tokenizer)
     engine = _engine(parts, settings, max(units.takes))

@@ -150,7 +150,7 @@ class Trainer:
         )
         data = build.open_run_data(config, env)
         notes = build.resume_notes(loaded, config, plan, data.digest)
-        start = build.read_start(config, plan, env, data, loaded)
+        start = build.typed_start(config, build.read_start(config, plan, env, data, loaded))
         self.model_config = start.model_config
         records = build.post_training_records(config, plan, data, self.log, start.model_config)
         feed = build.build_feed(config, env, data, start, plan.batch, records)
@@ -402,9 +402,9 @@ class Trainer:
                 who = self.stop.signal_name or "on another rank"
                 self.log(f"stop requested ({who}): stopping after step {self.progress.step}")
             step = self.progress.step
-            val_loss = evaluated = None
+            val_loss = validated = evaluated = None
             if self.validator.due(step):
-                val_loss, self.validator.last_seconds = self._paused(self._validate)
+                (val_loss, validated), self.validator.last_seconds = self._paused(self._validate)
             if self.evaluation is not None and self.evaluation.due(step):
                 if stopping:  # a stop does not wait for it: the resumed run evaluates this step first
                     self.evaluation.pending.step = step
@@ -413,7 +413,7 @@ class Trainer:
                     stopping = evaluated is None
             reported = val_loss is not None or evaluated is not None
             if step % self.config.log.log_interval == 0 or step == self.max_steps or stopping or reported:
-                self._report(lr, grad_norm, val_loss, evaluated)
+                self._report(lr, grad_norm, val_loss, evaluated, validated)
             reason = self.checkpointer.reason_for(step, stopping)
             if reason is not None:
                 self._paused(functools.partial(self.save_checkpoint, reason))
@@ -462,7 +462,7 @@ class Trainer:
             progress.epoch, progress.samples_in_epoch = progress.epoch + 1, 0
             self._start_epoch()
 
-    def _validate(self) -> float:
+    def _validate(self) -> tuple[float, dict[str, float]]:
         return self.validator.run(self.model)
 
     def _evaluate(self) -> dict | None:
@@ -513,7 +513,12 @@ class Trainer:
         return {**(extra or {}), **self.router_balance.report()}
 
     def _report(
-        self, lr: float, grad_norm: torch.Tensor | None, val_loss: float | None, evaluated: dict | None = None
+        self,
+        lr: float,
+        grad_norm: torch.Tensor | None,
+        val_loss: float | None,
+        evaluated: dict | None = None,
+        validated: dict | None = None,
     ) -> None:
         """A progress report: the divergence check first, so a diverged step never reaches metrics.jsonl."""
         steps = self.progress.step - self._report_step
@@ -537,6 +542,7 @@ class Trainer:
             tokens_per_source=self.tokens_per_source(),
             extra=self._extra_metrics(),
             evaluation=evaluated,
+            validation=validated or None,
         )
         step = self.progress.step
         pauses = [(self.validator.left(step, self.max_steps), self.validator.last_seconds)]

@@ -33,6 +33,9 @@ from astrai.common.contract import (
     METRIC_MAX_STEPS,
     METRIC_MFU,
     METRIC_REWARD,
+    METRIC_REWARD_MODEL_ACCURACY,
+    METRIC_REWARD_MODEL_MARGIN,
+    METRIC_REWARD_MODEL_VAL_ACCURACY,
     METRIC_REWARDS_ACCURACY,
     METRIC_REWARDS_MARGIN,
     METRIC_STEP,
@@ -257,6 +260,8 @@ class StepReport:
     """Tokens trained from each source of a mixture so far."""
     evaluation: dict | None = None
     """The generative evaluation's metrics (``eval/...``) on an evaluation step."""
+    validation: dict | None = None
+    """The objective's validation metrics beside val_loss (the reward model's held-out accuracy), by metrics key."""
 
 
 class ProgressReporter:
@@ -333,33 +338,12 @@ class ProgressReporter:
             METRIC_ETA_S: eta_s,
             METRIC_TOKENS_PER_SOURCE: report.tokens_per_source,
             **(report.extra or {}),
+            **(report.validation or {}),
             **(report.evaluation or {}),
         }
         record.update({key: value for key, value in optional.items() if value is not None})
         self._nulled(record, report.step)
-        line = f"step {report.step}/{self.max_steps} | epoch {report.epoch} | loss {report.loss:.4f}"
-        line += f" | lr {report.lr:.3e}"
-        if report.grad_norm is not None:
-            line += f" | grad_norm {report.grad_norm:.3f}"
-        if report.val_loss is not None:
-            line += f" | val_loss {report.val_loss:.4f}"
-        if report.extra and METRIC_REWARDS_MARGIN in report.extra:
-            line += f" | margin {report.extra[METRIC_REWARDS_MARGIN]:.3f}"
-            if METRIC_REWARDS_ACCURACY in report.extra:  # DPO's pairs (KTO's examples are unpaired)
-                line += f" | accuracy {report.extra[METRIC_REWARDS_ACCURACY]:.2f}"
-        if report.extra and record.get(METRIC_REWARD) is not None:
-            line += f" | reward {report.extra[METRIC_REWARD]:.3f}"
-        if report.extra and METRIC_COMPLETION_LENGTH in report.extra:
-            line += f" | length {report.extra[METRIC_COMPLETION_LENGTH]:.1f}"
-        if report.evaluation:
-            line += f" | {evaluation_summary(report.evaluation)}"
-        line += f" | {tokens_per_s:,.0f} tokens/s | mfu {'n/a' if utilization is None else f'{utilization:.1%}'}"
-        if report.max_allocated_gib is not None:
-            line += f" | mem {report.max_allocated_gib:.2f} GiB"
-        if self.tag:
-            line += f" | {self.tag}"
-        line += f" | eta {format_duration(eta_s) if eta_s is not None else 'n/a'}"
-        self.log(line)
+        self.log(self._line(report, record, tokens_per_s, utilization, eta_s))
         self._append(record)
         if self.trackers is not None:
             self.trackers.metrics(report.step, record)
@@ -376,10 +360,42 @@ class ProgressReporter:
                 TAG_MFU: utilization,
                 TAG_MAX_ALLOCATED_GIB: report.max_allocated_gib,
                 **{f"train/{key}": value for key, value in (report.extra or {}).items()},
+                **(report.validation or {}),
                 **(report.evaluation or {}),
                 **{f"{TAG_TOKENS_PREFIX}{name}": count for name, count in (report.tokens_per_source or {}).items()},
             },
         )
+
+    def _line(self, report: StepReport, record: dict, tokens_per_s: float, utilization, eta_s) -> str:
+        """The progress line of ``report``."""
+        line = f"step {report.step}/{self.max_steps} | epoch {report.epoch} | loss {report.loss:.4f}"
+        line += f" | lr {report.lr:.3e}"
+        if report.grad_norm is not None:
+            line += f" | grad_norm {report.grad_norm:.3f}"
+        if report.val_loss is not None:
+            line += f" | val_loss {report.val_loss:.4f}"
+        if report.extra and METRIC_REWARDS_MARGIN in report.extra:
+            line += f" | margin {report.extra[METRIC_REWARDS_MARGIN]:.3f}"
+            if METRIC_REWARDS_ACCURACY in report.extra:  # DPO's pairs (KTO's examples are unpaired)
+                line += f" | accuracy {report.extra[METRIC_REWARDS_ACCURACY]:.2f}"
+        if report.extra and METRIC_REWARD_MODEL_ACCURACY in report.extra:
+            line += f" | accuracy {report.extra[METRIC_REWARD_MODEL_ACCURACY]:.2f}"
+            line += f" | margin {report.extra[METRIC_REWARD_MODEL_MARGIN]:.3f}"
+        if report.validation and METRIC_REWARD_MODEL_VAL_ACCURACY in report.validation:
+            line += f" | val_accuracy {report.validation[METRIC_REWARD_MODEL_VAL_ACCURACY]:.2f}"
+        if report.extra and record.get(METRIC_REWARD) is not None:
+            line += f" | reward {report.extra[METRIC_REWARD]:.3f}"
+        if report.extra and METRIC_COMPLETION_LENGTH in report.extra:
+            line += f" | length {report.extra[METRIC_COMPLETION_LENGTH]:.1f}"
+        if report.evaluation:
+            line += f" | {evaluation_summary(report.evaluation)}"
+        line += f" | {tokens_per_s:,.0f} tokens/s | mfu {'n/a' if utilization is None else f'{utilization:.1%}'}"
+        if report.max_allocated_gib is not None:
+            line += f" | mem {report.max_allocated_gib:.2f} GiB"
+        if self.tag:
+            line += f" | {self.tag}"
+        line += f" | eta {format_duration(eta_s) if eta_s is not None else 'n/a'}"
+        return line
 
     def report_evaluation(self, step: int, epoch: int, tokens_seen: int, evaluation: dict[str, float]) -> None:
         """On rank 0, print and record an evaluation made outside a step's report: the starting model's (step 0), or

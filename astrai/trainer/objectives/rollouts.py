@@ -32,10 +32,11 @@ from astrai.common.contract import (
     METRIC_COMPLETION_LENGTH,
     METRIC_COMPLETION_LENGTH_MAX,
     METRIC_FRAC_REWARD_ZERO_STD,
+    METRIC_JUDGE_FAILURES,
     METRIC_REWARD,
     METRIC_REWARD_STD,
 )
-from astrai.common.reward_specs import reward_metric_names
+from astrai.common.reward_specs import JudgeSpec, reward_metric_names
 from astrai.common.settings import Sampling
 from astrai.trainer.decoding import DecodeEngine, Draws
 from astrai.trainer.distributed import DistEnv
@@ -77,6 +78,8 @@ class RolloutSource(Protocol):
     """Completions per prompt (a group)."""
     functions: tuple[str, ...]
     """The reward functions' names (their metrics); none for rewards the data gives."""
+    judges: tuple[str, ...]
+    """Those of them that are remote judges."""
 
     def rollouts(self, model: torch.nn.Module, batches: list[list[int]], step: int) -> list[Rollouts]:
         """The completions of each micro-batch's prompts (their numbers) of ``step`` on this rank, scored."""
@@ -114,6 +117,8 @@ class SampledRollouts:
         self.generations, self.stop, self.decode, self.seed = generations, stop, decode, seed
         self.mask_truncated, self.autocast, self.limits = mask_truncated, autocast, limits
         self.functions = tuple(reward.name for reward in rewards)
+        self.judges = tuple(reward.name for reward in rewards if isinstance(reward.spec, JudgeSpec))
+        """The remote judges' names: a completion one left unscored is one it failed on (on_error: none)."""
 
     def rollouts(self, model: torch.nn.Module, batches: list[list[int]], step: int) -> list[Rollouts]:
         G = self.generations
@@ -150,7 +155,8 @@ class SampledRollouts:
         ended = [bool(completion) and completion[-1] in self.stop for completion in completions]
         texts = [self.decode(completion) for completion in completions]
         prompt_texts = [self.prompts.texts[number] for number in numbers for _ in range(G)]
-        scores = score(self.rewards, prompt_texts, texts, self.prompts.fields_of(numbers, G), self.limits)
+        fields, messages = self.prompts.fields_of(numbers, G), self.prompts.messages_of(numbers, G)
+        scores = score(self.rewards, prompt_texts, texts, fields, self.limits, messages)
         counted = [end or not self.mask_truncated for end in ended]
         return Rollouts(
             numbers, prompts, completions, prompt_texts, texts, scores.total, scores.by_function, ended, counted
@@ -161,6 +167,7 @@ class GivenRollouts:
     """Each prompt's completions and rewards as the data gives them (``grpo``): nothing is sampled."""
 
     functions: tuple[str, ...] = ()
+    judges: tuple[str, ...] = ()
 
     def __init__(self, groups: ScoredGroups, decode):
         self.groups, self.decode = groups, decode
@@ -357,6 +364,8 @@ class RewardReport:
         for name in self.source.functions:
             mean_name, std_name = reward_metric_names(name)
             values[mean_name], values[std_name] = mean_std(scores.by_function[name])
+        for name in self.source.judges:
+            values[METRIC_JUDGE_FAILURES.format(name=name)] = float(scores.by_function[name].isnan().sum())
         values[METRIC_COMPLETION_LENGTH] = float(scores.completion_lengths.mean())
         values[METRIC_COMPLETION_LENGTH_MAX] = float(scores.completion_lengths.max())
         values[METRIC_COMPLETION_CLIPPED] = float(1.0 - scores.ended.mean())
