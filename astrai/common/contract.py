@@ -104,6 +104,8 @@ LABEL_TORCH = "ai.astrai.torch"
 """Image label: the torch version the Dockerfile installed or verified (the Dockerfile writes it out)."""
 LABEL_CUDA_TAG = "ai.astrai.cuda_tag"
 """Image label: the torch build (cpu, cuNNN) the image was built for."""
+LABEL_EVAL_PACKAGES = "ai.astrai.eval_packages"
+"""Image label: the lm-evaluation-harness packages `invoke eval`'s image installed (empty in the job's own)."""
 
 # --- The trainer image's torch (one version, the tested one) ------------------------------------
 TORCH_VERSION = "2.13.0"
@@ -280,6 +282,18 @@ WANDB_DIR = "wandb"
 """W&B's local files of a job: ``<job dir>/wandb/`` (offline runs stay there for ``wandb sync``)."""
 TRACKER_PACKAGES = {TRACKER_MLFLOW: "mlflow-skinny==3.17.2", TRACKER_WANDB: "wandb==0.28.2"}
 """What the trainer image installs for a tracker ``log.report_to`` asks for (the versions the tests run)."""
+LM_EVAL_PACKAGE = "lm-eval==0.4.13"
+"""lm-evaluation-harness, which `invoke eval` runs in the job's image (the version the tests run)."""
+LM_EVAL_PACKAGES = (LM_EVAL_PACKAGE, "accelerate==1.16.0", "peft==0.21.2")
+"""What the image installs for a job that uses `invoke eval`, beside transformers: the harness and what its Hugging
+Face model needs (astrai/common/backends.py pins transformers)."""
+EVAL_RESULTS_DIR = "eval"
+"""`invoke eval`'s results: ``<job dir>/eval/<checkpoint name>.json``."""
+LM_EVAL_PREFIX = "lm_eval/"
+LM_EVAL_METRIC = LM_EVAL_PREFIX + "{task}/{metric}"
+"""`invoke eval`'s numbers as the trackers get them, at the checkpoint's step."""
+LM_EVAL_STEP = LM_EVAL_PREFIX + "step"
+"""W&B's step axis of `invoke eval`'s numbers (a W&B run takes each of its own steps once)."""
 TRACKER_SECRETS = {
     TRACKER_MLFLOW: (
         "MLFLOW_TRACKING_URI",

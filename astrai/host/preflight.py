@@ -69,6 +69,7 @@ from astrai.common.values import format_bytes
 from astrai.host import compose, engine
 from astrai.host.checklist import FAIL, PASS, SKIP, WARN, Check
 from astrai.host.eval_checks import evaluation_check
+from astrai.host.harness import harness_check
 from astrai.host.hostuser import host_user_ids
 from astrai.host.reward_checks import reward_checks
 from astrai.host.runtime import JOB_DIR_ROOM, Runtime, split_endpoint
@@ -128,6 +129,7 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = (), *, this_host: boo
             checks.append(_gpu_indices_check(runtime))
         checks.append(_compose_config_check(runtime))
         checks.append(_image_torch_check(runtime))
+        checks += [check for check in (harness_check(runtime),) if check is not None]
     return checks
 
 

@@ -48,6 +48,7 @@ from astrai.common.metrics import MetricsFile, TrackerRun, read_runs
 from astrai.common.model_folder import ModelConfig, ModelLoadError, num_adapter_parameters, num_parameters
 from astrai.common.values import format_duration, local_time
 from astrai.host import compose, engine, preflight, slurm, timer
+from astrai.host.harness import describe_results, results_of
 from astrai.host.runtime import Runtime, check_paths
 
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
@@ -79,6 +80,8 @@ class JobStatus:
     """The MLflow and W&B runs the job reports to (log.report_to), from the job dir."""
     latest_eval: dict | None = None
     """The newest record holding the generative evaluation's figures (log.eval_prompts)."""
+    harness: list[dict] = field(default_factory=list)
+    """`invoke eval`'s results files (``<job dir>/eval/*.json``), by their checkpoint's step."""
 
     @property
     def running(self) -> bool:
@@ -117,6 +120,7 @@ def job_status(runtime: Runtime) -> JobStatus:
         slurm=slurm.status_line(runtime),
         trackers=read_runs(runtime.job_dir),
         latest_eval=metrics.latest(METRIC_EVAL_PASS_AT_K),
+        harness=results_of(runtime),
     )
 
 
@@ -212,6 +216,8 @@ def format_status(status: JobStatus) -> list[str]:
             if isinstance(tokens, int)
         )
         lines.append(f"sources     {shown}")
+    for document in status.harness:
+        lines.append(f"eval        {describe_results(document)}")
     if status.latest is not None:
         reason = status.latest.meta.reason
         lines.append(f"latest      {status.latest.path} ({reason}; {status.checkpoints} checkpoint(s))")

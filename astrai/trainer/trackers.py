@@ -34,6 +34,8 @@ from pathlib import Path
 from astrai.common.atomic import write_text_atomically
 from astrai.common.config import LogSection
 from astrai.common.contract import (
+    LM_EVAL_PREFIX,
+    LM_EVAL_STEP,
     METRIC_LOSS,
     METRIC_MAX_STEPS,
     METRIC_STEP,
@@ -598,3 +600,62 @@ class Trackers:
                 write_text_atomically(self.job_dir / TRACKERS_FILE, json.dumps(runs, indent=1, sort_keys=True) + "\n")
             except OSError:
                 pass  # a full disk: the checkpoint's meta.json still names the runs
+
+
+def report_results(
+    log_section: LogSection, job_dir: Path, run_ids: dict[str, str], step: int, values: dict[str, float], log
+) -> dict[str, str]:
+    """Numbers computed after a run (``invoke eval``'s) into the tracker runs that made the checkpoint (``run_ids``,
+    from its meta.json), at its ``step``: the MLflow run takes them as metrics at that step; the W&B run, which takes
+    each of its own steps once, against a step axis of their own (``lm_eval/step``). Returns where they went (tracker
+    -> run id); a tracker that cannot take them is warned about and left out."""
+    sent = {}
+    for name in log_section.trackers:
+        run_id = run_ids.get(name)
+        if run_id is None:
+            log(f"warning: the checkpoint names no {name} run; the results go to metrics of the job dir only")
+            continue
+        tracker = CLIENTS[name](getattr(log_section, name), Path(job_dir), Path(job_dir).name)
+        try:
+            tracker.prepare()
+            if name == TRACKER_MLFLOW:
+                _mlflow_results(tracker, run_id, step, values)
+            else:
+                _wandb_results(tracker, run_id, step, values)
+        except TrackerUnavailable as error:
+            log(f"warning: {error}; the results do not go to {name}")
+            continue
+        except Exception as error:  # the server's or the client's: the results are on disk whatever it says
+            log(f"warning: {name} did not take the results ({_short(error)}); they are in the job dir")
+            continue
+        sent[name] = run_id
+    return sent
+
+
+def _mlflow_results(tracker: MlflowTracker, run_id: str, step: int, values: dict[str, float]) -> None:
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    now = int(time.time() * 1000)
+    client = MlflowClient(tracking_uri=tracker.uri)
+    client.log_batch(run_id, metrics=[Metric(key, value, now, step) for key, value in values.items()])
+
+
+def _wandb_results(tracker: WandbTracker, run_id: str, step: int, values: dict[str, float]) -> None:
+    import wandb
+
+    settings = tracker.settings
+    handle = wandb.init(
+        id=run_id,
+        resume="allow" if settings.mode == "online" else None,
+        project=settings.project or os.environ.get("WANDB_PROJECT") or DEFAULT_EXPERIMENT,
+        entity=settings.entity,
+        name=settings.run_name or tracker.job_name,
+        mode=settings.mode,
+        dir=str(tracker.job_dir),
+        settings=wandb.Settings(console="off", save_code=False, silent=True, init_timeout=WANDB_INIT_SECONDS),
+    )
+    handle.define_metric(LM_EVAL_STEP)
+    handle.define_metric(LM_EVAL_PREFIX + "*", step_metric=LM_EVAL_STEP)
+    handle.log({**values, LM_EVAL_STEP: step})
+    handle.finish()

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from astrai.common.checkpoints import list_complete_checkpoints
-from astrai.host import baseimage, compose, engine, timer
+from astrai.host import baseimage, compose, engine, harness, timer
 from tests.support import REPO, invoke_command
 
 BASE_IMAGE = os.environ.get("ASTRAI_TEST_BASE_IMAGE", baseimage.DEFAULT_TAG)
@@ -240,11 +240,13 @@ def _tear_down(job: Job) -> None:
         ],
         capture_output=True,
     )
-    leftovers = subprocess.run(
-        ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={job.project}"],
-        capture_output=True,
-        text=True,
-    ).stdout.split()
-    if leftovers:
-        subprocess.run(["docker", "rm", "-f", *leftovers], capture_output=True)
-    subprocess.run(["docker", "image", "rm", "--force", f"{job.project}-{compose.SERVICE}"], capture_output=True)
+    for project in (job.project, job.project + harness.EVAL_PROJECT_SUFFIX):  # `invoke eval`'s runs have their own
+        leftovers = subprocess.run(
+            ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        if leftovers:
+            subprocess.run(["docker", "rm", "-f", *leftovers], capture_output=True)
+    image = f"{job.project}-{compose.SERVICE}"
+    subprocess.run(["docker", "image", "rm", "--force", image, f"{image}:{compose.EVAL_TAG}"], capture_output=True)
