@@ -1,9 +1,9 @@
 """Evaluation and rewards from models: what judging a model costs, and whether its numbers are the references'.
 
 - ``eval_vs_manual``: the wall time of the generative evaluation in the loop (``GenerativeEval.run`` of a `tiny`
-  trainer: 32 prompts of ``log.eval_prompts`` completed greedily, 32 tokens each, in batches of 8, scored by a reward
+  trainer: 64 prompts of ``log.eval_prompts`` completed greedily, 32 tokens each, in batches of 8, scored by a reward
   function, the metrics gathered and reported) over the same generation and scoring done by hand on the same prompts
-  (a ``DecodeEngine`` of the same capacity, the same batches, ``score``), in alternating turns (7; 5 with --quick).
+  (a ``DecodeEngine`` of the same capacity, the same batches, ``score``), in alternating turns (11; 7 with --quick).
 - ``reward_model_vs_transformers``: the largest difference between a reward model's scores in the trainer (a tiny
   Llama classifier of ours, rows of several lengths batched and padded) and transformers'
   ``AutoModelForSequenceClassification`` on the same tokens, one row at a time.
@@ -30,10 +30,10 @@ import torch
 
 from bench.common import REPO, Figures, fix_threads
 
-TURNS = (5, 7)
+TURNS = (7, 11)
 JUDGE_BATCHES = (3, 5)
 JUDGE_DELAY = 0.05
-PROMPTS, EVAL_TOKENS, EVAL_BATCH = 32, 32, 8
+PROMPTS, EVAL_TOKENS, EVAL_BATCH = 64, 32, 8
 
 REWARD = "def length(prompts, completions, **fields):\n    return [len(c) / 32 for c in completions]\n"
 SERVER = """

@@ -227,7 +227,7 @@ TARGETS = {
     "qwen3_moe_step_vs_transformers_eager": ("eager, Qwen3-30B-A3B's shape", None, None),
     "mixtral_step_vs_transformers_eager": ("eager, Mixtral-8x7B's shape", None, None),
     "eval_vs_manual": (
-        "the generative evaluation in the loop over the same generation and scoring by hand (32 prompts, `tiny`)",
+        "the generative evaluation in the loop over the same generation and scoring by hand (64 prompts, `tiny`)",
         "<=",
         1.1,
     ),
