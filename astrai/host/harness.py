@@ -21,10 +21,12 @@ A job that is running is not evaluated beside it (its GPUs are the trainer's): s
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from astrai.common.checkpoints import CheckpointMeta, DamagedCheckpoint, latest_complete_checkpoint
@@ -149,16 +151,56 @@ def eval_arguments(
     return arguments
 
 
-def evaluate_checkpoint(
+@dataclass(frozen=True)
+class Evaluation:
+    """What `invoke eval` was asked, checked and named for every place it may run."""
+
+    folder: Path
+    """The checkpoint on this host."""
+    inside: str
+    """Its path in the container."""
+    tasks: list[str]
+    """The tasks as the container reads them."""
+    host_tasks: list[str]
+    """The tasks as this host reads them (absolute paths)."""
+    limit: int | None
+    num_fewshot: int | None
+
+    def image_arguments(self, runtime: Runtime) -> list[str]:
+        """``python -m astrai.evaluate``'s arguments in the job's image."""
+        device = "cuda" if runtime.uses_gpu else "cpu"
+        return eval_arguments(runtime, self.inside, self.tasks, self.limit, self.num_fewshot, device)
+
+    def host_arguments(self) -> list[str]:
+        """``python -m astrai.host.harness``'s arguments (a Slurm node's task under the docker launcher)."""
+        arguments = ["--checkpoint", str(self.folder), "--tasks", ",".join(self.host_tasks)]
+        arguments += ["--limit", str(self.limit)] if self.limit is not None else []
+        return arguments + (["--num_fewshot", str(self.num_fewshot)] if self.num_fewshot is not None else [])
+
+
+def checked_evaluation(
     runtime: Runtime, checkpoint: str | None, tasks: list[str], limit: int | None, num_fewshot: int | None
-) -> dict:
-    """Run the harness on the checkpoint in the job's image (see the module's docstring); the results document."""
+) -> Evaluation:
+    """The evaluation asked for, every refusal made: broken paths, no task, a config the trainer refuses, a checkpoint
+    or a task outside the job's mounts."""
     check_paths(runtime, ("checkpoints",))
     if not tasks:
         raise HarnessError("--tasks is required: task YAMLs (local data), folders of them, or task names", 2)
     read_trainer_config(runtime, [])  # the job's config as `invoke start` reads it: the container reads it too
     folder, inside = checkpoint_source(runtime, checkpoint)
     given = task_arguments(runtime, tasks)
+    host = [
+        task if inside_task == task else os.path.abspath(task) for task, inside_task in zip(tasks, given, strict=True)
+    ]
+    return Evaluation(folder, inside, given, host, limit, num_fewshot)
+
+
+def evaluate_checkpoint(
+    runtime: Runtime, checkpoint: str | None, tasks: list[str], limit: int | None, num_fewshot: int | None
+) -> dict:
+    """Run the harness on the checkpoint in the job's image (see the module's docstring); the results document."""
+    evaluation = checked_evaluation(runtime, checkpoint, tasks, limit, num_fewshot)
+    folder = evaluation.folder
     if engine.daemon_up():
         running = engine.find_container(compose.job_project(runtime))
         if running is not None and running.running:
@@ -171,8 +213,7 @@ def evaluate_checkpoint(
     project = compose.job_project(runtime) + EVAL_PROJECT_SUFFIX
     print(f"building {compose.eval_image_name(runtime)}: the job's image with {' '.join(compose.eval_packages())}")
     _compose(runtime, override, project, ["build", compose.SERVICE], quiet=True)
-    device = "cuda" if runtime.uses_gpu else "cpu"
-    arguments = eval_arguments(runtime, inside, given, limit, num_fewshot, device)
+    arguments = evaluation.image_arguments(runtime)
     run = ["run", "--rm", "--no-deps", "-T", "--entrypoint", "python3", compose.SERVICE, "-m", "astrai.evaluate"]
     code = _compose(runtime, override, project, [*run, *arguments], quiet=False)
     if code != 0:
@@ -245,3 +286,29 @@ def harness_check(runtime: Runtime) -> Check | None:
             WARN, NAME, f"{image} holds {held or 'no harness'}, not {wanted}; `{runtime.command('eval')}` rebuilds it"
         )
     return Check(PASS, NAME, f"{image} holds {wanted}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m astrai.host.harness``: `invoke eval` on this host (a Slurm node's task under the docker launcher)."""
+    from astrai.host.runtime import load_job_config
+
+    parser = argparse.ArgumentParser(prog="python -m astrai.host.harness", description=main.__doc__)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--checkpoint")
+    parser.add_argument("--tasks", required=True)
+    parser.add_argument("--limit", type=int)
+    parser.add_argument("--num_fewshot", type=int)
+    args = parser.parse_args(argv)
+    try:
+        _, runtime = load_job_config(args.config)
+        tasks = [task for task in args.tasks.split(",") if task]
+        document = evaluate_checkpoint(runtime, args.checkpoint, tasks, args.limit, args.num_fewshot)
+    except AstraiError as error:
+        print(error.show(), file=sys.stderr)
+        return error.exit_code
+    print(describe_results(document))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -278,3 +278,84 @@ def test_the_eval_extra_pins_what_the_image_installs():
     pinned = extras["options.extras_require"]["eval"].split()
     assert pinned == [*LM_EVAL_PACKAGES, TRANSFORMERS_PACKAGE] == list(compose.eval_packages())
     assert set(LM_EVAL_PACKAGES[:2]) <= set(extras["options.extras_require"]["dev"].split())
+
+
+# --- through a scheduler -------------------------------------------------------------------------------------------
+
+
+def _cluster_runtime(tmp_path, tiny_model, launcher: str):
+    (tmp_path / "data").mkdir(exist_ok=True)
+    runtime = {
+        "job_name": "evals",
+        "gpu": {"devices": [0]},
+        "container": {"cuda_tag": "cu128"},
+        "paths": {"data": str(tmp_path / "data"), "model": str(tiny_model), "checkpoints": str(tmp_path / "ck")},
+        "slurm": {"partition": "gpu", "time": "02:00:00", "launcher": launcher, "image": "/images/astrai-eval.sqsh"},
+        "kubernetes": {
+            "namespace": "ml",
+            "image": "registry.example/astrai-train:eval",
+            "claims": {"data": "corpus", "model": "base-model", "checkpoints": "ckpts"},
+        },
+    }
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump({"runtime": runtime}), encoding="utf-8")
+    return resolve_runtime(str(tmp_path / "train.yaml"))
+
+
+@pytest.mark.parametrize("launcher", ["docker", "pyxis", "apptainer"])
+def test_a_slurm_job_of_one_node_evaluates_as_each_launcher_runs_the_trainer(tmp_path, tiny_model, launcher):
+    import shlex
+
+    from astrai.host.eval_jobs import render_eval_script
+    from astrai.host.harness import checked_evaluation
+
+    runtime = _cluster_runtime(tmp_path, tiny_model, launcher)
+    placeholder_checkpoint(runtime.job_dir, 0, 8)
+    write_task(tmp_path / "data" / "my tasks $x")
+    task = str(tmp_path / "data" / "my tasks $x" / "facts.yaml")
+    evaluation = checked_evaluation(runtime, None, [task], 10, None)
+    script = render_eval_script(runtime, evaluation.host_arguments(), evaluation.image_arguments(runtime))
+    assert "#SBATCH --nodes=1\n#SBATCH --ntasks=1\n#SBATCH --gpus-per-node=1\n#SBATCH --partition=gpu\n" in script
+    assert "#SBATCH --time=02:00:00\n#SBATCH --no-requeue\n" in script and "eval-%j.out" in script
+    command = shlex.split(script.rstrip().splitlines()[-1].removeprefix("exec "))
+    assert command[:3] == ["srun", "--nodes=1", "--ntasks=1"]
+    if launcher == "docker":
+        assert command[4:9] == ["-m", "astrai.host.harness", "--config", str(runtime.config_path), "--checkpoint"]
+        assert command[9:] == [str(runtime.job_dir / "epoch_0_step_8"), "--tasks", task, "--limit", "10"]
+    else:
+        evaluate = command[command.index("astrai.evaluate") + 1 :]
+        assert evaluate == [
+            "--checkpoint", "/checkpoints/evals/epoch_0_step_8", "--tasks", "/data/my tasks $x/facts.yaml",
+            "--out", "/checkpoints/evals/eval/epoch_0_step_8.json", "--device", "cuda",
+            "--config", "/run/astrai/train.yaml", "--limit", "10",
+        ]  # fmt: skip
+        assert "/images/astrai-eval.sqsh" in (
+            command if launcher == "apptainer" else [c.split("=", 1)[-1] for c in command]
+        )
+
+
+def test_a_kubernetes_job_of_one_pod_runs_the_harness_in_the_trainers_pod_template(tmp_path, tiny_model):
+    import kubernetes_validate
+
+    from astrai.host import kubernetes
+    from astrai.host.eval_jobs import render_eval_manifests
+    from astrai.host.harness import checked_evaluation
+
+    runtime = _cluster_runtime(tmp_path, tiny_model, "docker")
+    placeholder_checkpoint(runtime.job_dir, 0, 8)
+    write_task(tmp_path / "data" / "tasks")
+    evaluation = checked_evaluation(runtime, "epoch_0_step_8", [str(tmp_path / "data" / "tasks")], None, 3)
+    text = kubernetes.dump_manifests(runtime, render_eval_manifests(runtime, evaluation.image_arguments(runtime)))
+    config, job = [document for document in yaml.safe_load_all(text) if document is not None]
+    for document in (config, job):
+        kubernetes_validate.validate(document, kubernetes_validate.utils.latest_version(), strict=True)
+    assert config["metadata"]["name"] == "astrai-evals-eval-config" and job["spec"]["backoffLimit"] == 0
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == "registry.example/astrai-train:eval"
+    assert container["command"] == ["python3", "-m", "astrai.evaluate"]
+    assert container["args"][:4] == ["--checkpoint", "/checkpoints/evals/epoch_0_step_8", "--tasks", "/data/tasks"]
+    assert (
+        container["args"][-2:] == ["--num_fewshot", "3"] and container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    )
+    trainer = kubernetes.render_manifests(runtime)[2]["spec"]["template"]["spec"]
+    assert pod["volumes"][:3] == trainer["volumes"][:3] and pod["securityContext"] == trainer["securityContext"]
