@@ -60,6 +60,9 @@ WANDB_INIT_SECONDS = 15
 FLUSH_SECONDS = 5.0
 """Metrics records reach a tracker together, at most one request this often (and at the end of the run)."""
 CLOSE_SECONDS = 10.0
+RESULTS_FINISH_SECONDS = 180.0
+"""How long `invoke eval`'s report to a W&B run may wait for W&B's service to write it (offline: this machine's own
+work, which a loaded machine slows)."""
 UPLOAD_SECONDS = 1800.0
 """With log.upload_checkpoints, how long a finished run waits for its last checkpoint to reach the trackers (a
 stopped one does not upload: a stop's time is the emergency checkpoint's)."""
@@ -653,9 +656,17 @@ def _wandb_results(tracker: WandbTracker, run_id: str, step: int, values: dict[s
         name=settings.run_name or tracker.job_name,
         mode=settings.mode,
         dir=str(tracker.job_dir),
-        settings=wandb.Settings(console="off", save_code=False, silent=True, init_timeout=WANDB_INIT_SECONDS),
+        settings=wandb.Settings(
+            console="off",
+            save_code=False,
+            silent=True,
+            init_timeout=WANDB_INIT_SECONDS,
+            finish_timeout=RESULTS_FINISH_SECONDS,
+        ),
     )
     handle.define_metric(LM_EVAL_STEP)
     handle.define_metric(LM_EVAL_PREFIX + "*", step_metric=LM_EVAL_STEP)
     handle.log({**values, LM_EVAL_STEP: step})
     handle.finish()
+    # The service writes the run's file after finish returns: wait for it (the command ends next).
+    wandb.teardown()

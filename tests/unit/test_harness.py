@@ -359,3 +359,22 @@ def test_a_kubernetes_job_of_one_pod_runs_the_harness_in_the_trainers_pod_templa
     )
     trainer = kubernetes.render_manifests(runtime)[2]["spec"]["template"]["spec"]
     assert pod["volumes"][:3] == trainer["volumes"][:3] and pod["securityContext"] == trainer["securityContext"]
+
+
+def test_the_results_go_to_the_wandb_run_of_the_checkpoint_on_their_own_step_axis(tmp_path):
+    from astrai.common.config import LogSection, WandbSettings
+    from astrai.trainer.trackers import report_results
+    from tests.trackers_support import wandb_records, wandb_runs
+
+    log = LogSection(report_to=("wandb",), wandb=WandbSettings(mode="offline", project="astrai tests"))
+    said = []
+    values = {"lm_eval/tiny_facts/acc": 0.75}
+    assert report_results(log, tmp_path, {"wandb": "run12345"}, 40, values, said.append) == {"wandb": "run12345"}
+    (run,) = wandb_runs(tmp_path / "wandb")
+    records = wandb_records(run)
+    assert records["id"] == "run12345" and said == []
+    logged = [values for rows in records["history"].values() for values in rows]
+    assert {"lm_eval/tiny_facts/acc": 0.75, "lm_eval/step": 40}.items() <= logged[-1].items()
+    # A checkpoint that names no run of a tracker the job reports to: said, not sent.
+    assert report_results(log, tmp_path, {}, 40, values, said.append) == {}
+    assert said == ["warning: the checkpoint names no wandb run; the results go to metrics of the job dir only"]
