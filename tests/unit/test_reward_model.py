@@ -313,3 +313,49 @@ def test_preflight_checks_the_reward_model_and_says_its_memory(tmp_path, tiny_mo
     assert check("/models/base/lm").mark == FAIL and "is a causal language model" in check("/models/base/lm").detail
     outside = check("/elsewhere/rm")
     assert outside.mark == FAIL and "/elsewhere/rm is in no folder the container mounts" in outside.detail
+
+
+def test_a_pairs_margin_is_kept_by_prepare_and_taken_by_the_loss(tmp_path, one_thread):
+    from torch.utils.data import default_collate
+
+    from astrai.common.data_folder import DataError, TokenData, data_kind
+    from astrai.common.settings import RewardModelSettings
+    from astrai.trainer.distributed import init_distributed
+    from astrai.trainer.objectives.reward_model import RewardModelObjective, RewardPairs, sequence_rewards
+    from astrai.trainer.records import RecordIndex
+
+    records = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": "q 1:", "chosen": " yes", "rejected": " no", "margin": 2.5}]
+    rows += [{"prompt": "q 2:", "chosen": " yes!", "rejected": " no!"}]
+    records.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    prepare(tmp_path / "dpo", [records], kind="dpo")
+    data = TokenData.open(tmp_path / "dpo")
+    assert data.margins() == [2.5, 2.5, 0.0, 0.0]  # each pair's two sequences
+    # A folder prepared before margins were kept reads as it did: no margin.
+    manifest = json.loads((tmp_path / "dpo" / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        (tmp_path / "dpo" / shard.pop("fields")).unlink()
+    (tmp_path / "dpo" / "manifest.json").write_text(json.dumps(manifest))
+    assert TokenData.open(tmp_path / "dpo").margins() is None
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**rows[0], "margin": "big"}) + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"bad.jsonl:1: field 'margin' holds 'big': expected a finite number"):
+        prepare(tmp_path / "bad", [bad], kind="dpo")
+    # The loss of a batch takes each pair's margin off its reward difference.
+    prepare(tmp_path / "again", [records], kind="dpo")
+    data = TokenData.open(tmp_path / "again")
+    index = RecordIndex(data)
+    units = data_kind("dpo").units(data, 16, "truncate")
+    from astrai.common.data_folder import WindowSplit
+
+    pairs = RewardPairs(index, units, 16, WindowSplit(len(units), 0))
+    batch = default_collate([pairs.item(0), pairs.item(1)])
+    assert batch.margin.tolist() == [2.5, 0.0]
+    config, weights = classifier_start(PRESETS["tiny"], Transformer(PRESETS["tiny"]).state_dict(), seed=0)
+    model = Transformer(config)
+    model.load_state_dict(weights)
+    objective = RewardModelObjective(init_distributed("none", "cpu"), RewardModelSettings(0.01), None)
+    loss, _ = objective.micro(model, batch, None, 1)
+    rewards = sequence_rewards(model, batch.tokens.view(-1, 17), batch.lengths.view(-1), None).view(-1, 2)
+    expected = bradley_terry_loss(rewards[:, 0], rewards[:, 1], 0.01, torch.tensor([2.5, 0.0])).mean()
+    assert torch.allclose(loss, expected)

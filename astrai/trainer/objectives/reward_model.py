@@ -6,9 +6,10 @@ state of its last token, read as transformers' ``XForSequenceClassification`` re
 padding token, when the model has one: :func:`last_positions`). For a pair whose chosen and rejected sequences (prompt
 and answer, as ``prepare --kind dpo`` wrote them) score ``r_c`` and ``r_r``::
 
-    loss = mean over the pairs of  -log sigmoid(r_c - r_r)  +  center_rewards_coefficient * (r_c + r_r) ** 2
+    loss = mean over the pairs of  -log sigmoid(r_c - r_r - margin)  +  center_rewards_coefficient * (r_c + r_r) ** 2
 
-(TRL's ``center_rewards_coefficient``, Eisenstein et al. 2023: it keeps the rewards centred on 0; null: no term). The
+(TRL's ``center_rewards_coefficient``, Eisenstein et al. 2023: it keeps the rewards centred on 0; null: no term; the
+``margin`` of a DPO record, which ``prepare --kind dpo`` keeps, 0 where a record gives none). The
 step's loss is the mean over the pairs of its whole global batch. The metrics are TRL's: ``reward_model/accuracy``
 (the share of pairs whose chosen sequence scores higher) and ``reward_model/margin`` (the mean ``r_c - r_r``), over the
 pairs since the last report, and the same on the held-out pairs (``data.val_fraction``) at each validation:
@@ -92,6 +93,8 @@ class RewardPair(NamedTuple):
     tokens: torch.Tensor
     lengths: torch.Tensor
     """Each row's tokens (2,)."""
+    margin: torch.Tensor
+    """The pair's margin (TRL's): the lead the chosen reward is to keep over the rejected one; 0 where none is given."""
 
     def to(self, device: torch.device) -> RewardPair:
         return RewardPair(*(part.to(device, non_blocking=True) for part in self))
@@ -103,6 +106,8 @@ class RewardPairs(Dataset):
 
     def __init__(self, index: RecordIndex, pairs: Pairs, window: int, split: WindowSplit):
         self.index, self.pairs, self.window_size, self.split = index, pairs, window, split
+        self.margins = index.data.margins()
+        """Each sequence's margin (``prepare --kind dpo`` keeps a record's ``margin``); None: a folder without."""
 
     def __len__(self) -> int:
         return self.split.num_train
@@ -118,7 +123,8 @@ class RewardPairs(Dataset):
             ids, _ = self.index.sequence(sequence, min(take, self.index.length[sequence]))
             tokens[row, : len(ids)] = ids
             lengths[row] = len(ids)
-        return RewardPair(tokens, lengths)
+        margin = 0.0 if self.margins is None else self.margins[chosen]
+        return RewardPair(tokens, lengths, torch.tensor(margin, dtype=torch.float32))
 
 
 @dataclass(frozen=True)
@@ -136,24 +142,25 @@ class RewardModelObjective(Objective):
         self.env, self.settings, self.pad_token_id = env, settings, pad_token_id
         self._sums = RunningSums(PairSums)
 
-    def _rewards(self, model, batch: RewardPair) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rewards(self, model, batch: RewardPair) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chosen and rejected rewards (k,) of the batch's pairs, and their margins."""
         batch = batch.to(self.env.device)
         width = batch.tokens.shape[-1]
         rewards = sequence_rewards(model, batch.tokens.view(-1, width), batch.lengths.view(-1), self.pad_token_id)
         rewards = rewards.view(-1, 2)
-        return rewards[:, 0], rewards[:, 1]
+        return rewards[:, 0], rewards[:, 1], batch.margin.view(-1).float()
 
     def micro(self, model, batch, prepared, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chosen, rejected = self._rewards(model, batch)
-        loss = bradley_terry_loss(chosen, rejected, self.settings.center_rewards_coefficient).mean()
+        chosen, rejected, margins = self._rewards(model, batch)
+        loss = bradley_terry_loss(chosen, rejected, self.settings.center_rewards_coefficient, margins).mean()
         margin = (chosen - rejected).detach()
         self._sums.add(self.env.device, right=(margin > 0).sum(), margin=margin.sum(), pairs=len(margin))
         return loss / accum, loss.detach()
 
     def eval_sums(self, model, batch) -> torch.Tensor:
         """(summed loss, pairs, pairs ranked right, summed margin) of held-out pairs."""
-        chosen, rejected = self._rewards(model, batch)
-        losses = bradley_terry_loss(chosen, rejected, self.settings.center_rewards_coefficient)
+        chosen, rejected, margins = self._rewards(model, batch)
+        losses = bradley_terry_loss(chosen, rejected, self.settings.center_rewards_coefficient, margins)
         margin = chosen - rejected
         return torch.stack(
             [losses.sum(), torch.tensor(float(len(losses)), device=losses.device), (margin > 0).sum(), margin.sum()]
