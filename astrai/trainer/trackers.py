@@ -432,7 +432,8 @@ class Outbox:
                         taken += 1
                     else:
                         held = following
-                args = ([record for record in records if record[0] > self.tracker.skip_through],)
+                # Step 0 is the starting model's evaluation (log.eval_at_start), which only a fresh run makes.
+                args = ([record for record in records if record[0] > self.tracker.skip_through or record[0] == 0],)
             try:
                 if self.off or self._closing.is_set():
                     self.dropped += taken

@@ -168,7 +168,14 @@ def test_a_run_evaluates_at_the_start_and_every_interval_and_reports_it_everywhe
     tmp_path, eval_world, train_yaml, run_trainer, one_thread, capsys
 ):
     ckpt = tmp_path / "job"
-    path = _yaml(train_yaml, tmp_path / "t.yaml", eval_world, ckpt_dir=str(ckpt), eval_at_start=True)
+    path = _yaml(
+        train_yaml,
+        tmp_path / "t.yaml",
+        eval_world,
+        ckpt_dir=str(ckpt),
+        eval_at_start=True,
+        report_to=["tensorboard", "mlflow"],
+    )
     run_trainer(path)
     records = _records(ckpt)
     evaluated = {record["step"]: record for record in records if METRIC_EVAL_REWARD in record}
@@ -189,6 +196,14 @@ def test_a_run_evaluates_at_the_start_and_every_interval_and_reports_it_everywhe
     events = EventAccumulator(str(ckpt / "tensorboard"))
     events.Reload()
     assert [event.step for event in events.Scalars(METRIC_EVAL_REWARD)] == [0, 3, 6]
+    # MLflow too, the starting model's baseline at step 0 included.
+    from mlflow.tracking import MlflowClient
+
+    from astrai.common.metrics import read_runs
+
+    client = MlflowClient(tracking_uri=f"file://{ckpt}/mlruns")
+    history = client.get_metric_history(read_runs(ckpt)["mlflow"].run_id, METRIC_EVAL_REWARD)
+    assert sorted(point.step for point in history) == [0, 3, 6]
     assert evaluation_line(records[-1]) == (
         f"reward {records[-1][METRIC_EVAL_REWARD]:.4f} (digits {records[-1]['eval/digits']:.4f}, length "
         f"{records[-1]['eval/length']:.4f}), pass@k {records[-1][METRIC_EVAL_PASS_AT_K]:.0%}, completions of "
