@@ -130,10 +130,13 @@ def score(
     clash = sorted({"prompts", "completions"} & set(fields))
     if clash:
         raise RewardError(f"the prompt records have a field named {clash[0]}, which reward functions take as text")
-    by_function = {}
-    for reward in rewards:
+    values = {}
+    # The rewards a stop cannot give up on (a reward model: its forward passes may be collectives of the ranks) first,
+    # so that no rank is still in one when another gives the step up.
+    for reward in sorted(rewards, key=lambda reward: reward.in_thread):
         given = {**fields, "prompt_messages": messages or [None] * len(prompts)} if reward.takes_messages else fields
-        by_function[reward.name] = _call(reward, prompts, completions, given, limits)
+        values[reward.name] = _call(reward, prompts, completions, given, limits)
+    by_function = {reward.name: values[reward.name] for reward in rewards}
     total = []
     for row in range(len(completions)):
         scored = [
