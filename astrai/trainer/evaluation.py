@@ -187,7 +187,8 @@ class GenerativeEval:
         results: list[PromptResult] = []
         for turn in range(-(-len(batches) // world)):
             numbers = mine[turn] if turn < len(mine) else None
-            abandoned = self.limits.stop_requested()
+            # Every rank decides together before it generates: under FSDP generation is a collective of the ranks.
+            abandoned = self._anyone(self.limits.stop_requested())
             if not abandoned and (numbers is not None or self.together):
                 # Under FSDP a rank out of batches generates and scores its first one again (generation and a reward
                 # model's forward passes are collectives of the ranks), and keeps nothing of it.

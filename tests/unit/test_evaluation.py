@@ -23,6 +23,7 @@ from astrai.common.contract import (
     METRIC_EVAL_PASS_AT_K,
     METRIC_EVAL_REWARD,
     METRIC_EVAL_UNSCORED,
+    METRIC_TOKENS_SEEN,
     METRICS_FILE,
 )
 from astrai.common.metrics import MetricsFile
@@ -234,11 +235,12 @@ def test_a_reward_type_evaluates_with_its_own_rewards_and_the_time_is_left_out_o
     assert [r["step"] for r in records if "eval/half_second" in r] == [2, 4, 6]
     evaluations = [r for r in records if "eval/half_second" in r]
     assert all(r["eval/half_second"] == 1.0 and r[METRIC_EVAL_PASS_AT_K] == 1.0 for r in evaluations)
-    # Each evaluation sleeps 1 s (two batches of at most 8 prompts); the steps take a few milliseconds: counted in,
-    # it would cut tokens/s by orders of magnitude.
-    evaluated = [r["tokens_per_s"] for r in records if "eval/half_second" in r]
-    others = sorted(r["tokens_per_s"] for r in records if "eval/half_second" not in r and r["step"] > 1)
-    assert min(evaluated) > 0.2 * others[len(others) // 2], (evaluated, others)
+    # Each evaluation sleeps 1 s (two batches of at most 8 prompts); the steps take a few milliseconds. The seconds
+    # that tokens/s implies for an evaluated step's interval (a report every step) leave the second out, whatever
+    # the machine's load does to the steps themselves.
+    seen = {r["step"]: r[METRIC_TOKENS_SEEN] for r in records if METRIC_TOKENS_SEEN in r}
+    implied = [(seen[r["step"]] - seen[r["step"] - 1]) / r["tokens_per_s"] for r in records if "eval/half_second" in r]
+    assert max(implied) < 0.5, implied
 
 
 @pytest.mark.slow
@@ -380,3 +382,20 @@ def test_the_host_refuses_a_prompts_folder_outside_the_data_mount(tmp_path, eval
                 read_trainer_config(resolve_runtime(str(path)), [])
         else:
             assert read_trainer_config(resolve_runtime(str(path)), []).log.eval_prompts == where
+
+
+def test_status_shows_the_newest_evaluation(tmp_path, tiny_model):
+    from astrai.host.status import format_status, job_status
+
+    runtime = {"job_name": "evals", "gpu": {"devices": "none"}, "container": {"cuda_tag": "cpu"}}
+    runtime["paths"] = {"data": str(tmp_path / "data"), "model": str(tiny_model), "checkpoints": str(tmp_path / "ck")}
+    resolved = resolve_runtime(str(_write(tmp_path / "train.yaml", {"runtime": runtime})))
+    resolved.job_dir.mkdir(parents=True)
+    evaluated = {METRIC_EVAL_REWARD: 0.5, "eval/digits": 0.25, METRIC_EVAL_PASS_AT_K: 0.4, METRIC_EVAL_UNSCORED: 0.0}
+    lines = [
+        {"step": 10, "max_steps": 20, "loss": 2.0, **evaluated, METRIC_EVAL_COMPLETION_LENGTH: 5.0},
+        {"step": 12, "max_steps": 20, "loss": 1.9},
+    ]
+    (resolved.job_dir / METRICS_FILE).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    shown = [line for line in format_status(job_status(resolved)) if line.startswith("evaluation")]
+    assert shown == ["evaluation  reward 0.5000 (digits 0.2500), pass@k 40%, completions of 5.0 tokens at step 10"]
