@@ -1,19 +1,22 @@
 """`invoke eval` through the real engine: a tiny model with a tokenizer of its own trains a few steps in its container,
 then lm-evaluation-harness runs on its checkpoint in the job's image with the harness added, on a task of our own
-whose data is a local file; the results file is written, `invoke status` lists it, preflight checks the image."""
+whose data is a local file; the results file is written, `invoke status` lists it, preflight checks the image. The same
+evaluation as a job of a real Slurm cluster on this host (`invoke eval --submit`, launcher docker)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from astrai.common.contract import EVAL_RESULTS_DIR
-from astrai.host import compose
+from astrai.host import compose, slurm_script
 from tests.support import REPO
 
 pytestmark = pytest.mark.docker
@@ -37,6 +40,9 @@ doc_to_choice: choices
 metric_list:
   - metric: acc
 """
+
+
+TRAINED = {"training": {"max_steps": 4}, "ckpt": {"ckpt_interval": 4}, "log": {"log_interval": 2}}
 
 
 def _model_with_tokenizer(folder) -> None:
@@ -69,8 +75,8 @@ def _model_with_tokenizer(folder) -> None:
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
-def test_invoke_eval_runs_the_harness_on_a_checkpoint_in_the_jobs_image(make_job):
-    job = make_job(trainer={"training": {"max_steps": 4}, "ckpt": {"ckpt_interval": 4}, "log": {"log_interval": 2}})
+def _trained(job) -> None:
+    """The job with a model and tokenizer of its own, its data, the task folder data/tasks, and step 4's checkpoint."""
     shutil.rmtree(job.folder / "params")
     shutil.rmtree(job.folder / "data")
     _model_with_tokenizer(job.folder / "params")
@@ -86,6 +92,11 @@ def test_invoke_eval_runs_the_harness_on_a_checkpoint_in_the_jobs_image(make_job
     job.invoke("init")
     job.invoke("start")
     assert job.wait_for_exit().exit_code == 0, job.logs()
+
+
+def test_invoke_eval_runs_the_harness_on_a_checkpoint_in_the_jobs_image(make_job):
+    job = make_job(trainer=TRAINED)
+    _trained(job)
     result = job.invoke(
         "eval", "--checkpoint", "epoch_0_step_4", "--tasks", "data/tasks/facts.yaml", "--limit", "4", timeout=1800
     )
@@ -102,3 +113,47 @@ def test_invoke_eval_runs_the_harness_on_a_checkpoint_in_the_jobs_image(make_job
     assert f"{compose.project_name(job.name)}-trainer:eval holds lm-eval==0.4.13" in preflight, preflight
     refused = job.invoke("eval", "--tasks", "/nowhere/facts.yaml", check=False)
     assert refused.returncode == 2 and "no such task file or folder" in refused.stderr, refused.stderr
+
+
+@pytest.mark.slow
+def test_invoke_eval_submit_evaluates_as_a_slurm_job_of_the_real_cluster(make_job, cluster):
+    """The docker launcher: the node's task runs the harness as `invoke eval` does here, and the results land in the
+    job dir, where `invoke status` lists them."""
+    job = make_job(
+        runtime={"slurm": {"time": "00:30:00"}}, trainer=TRAINED, env={"SLURM_CONF": cluster.env["SLURM_CONF"]}
+    )
+    _trained(job)
+    asked = ["--checkpoint", "epoch_0_step_4", "--tasks", "data/tasks/facts.yaml", "--limit", "4"]
+    script = job.invoke("eval", "--submit", "--dry-run", *asked).stdout
+    assert script.startswith("#!/bin/bash\n") and " -m astrai.host.harness --config " in script, script
+    assert not (job.job_dir / EVAL_RESULTS_DIR).exists()
+    submitted = job.invoke("eval", "--submit", *asked)
+    found = re.search(r"^Submitted batch job (\d+)$", submitted.stdout, re.MULTILINE)
+    assert found, submitted.stdout
+    job_id = found.group(1)
+    output = job.job_dir / compose.STATE_DIR_NAME / slurm_script.SLURM_DIR_NAME / f"eval-{job_id}.out"
+    try:
+        state = _finished(cluster, job_id, timeout=1200)
+    finally:
+        cluster.run("scancel", job_id, check=False)
+    shown = output.read_text(errors="replace") if output.exists() else "(no output)"
+    assert state == "COMPLETED", shown
+    assert "epoch_0_step_4: tiny_facts acc " in shown and "(limit 4)" in shown, shown
+    document = json.loads((job.job_dir / EVAL_RESULTS_DIR / "epoch_0_step_4.json").read_text())
+    assert document["step"] == 4 and document["limit"] == 4 and document["n-samples"]["tiny_facts"]["effective"] == 4
+    status = job.invoke("status").stdout
+    accuracy = document["results"]["tiny_facts"]["acc,none"]
+    assert f"eval        epoch_0_step_4: tiny_facts acc {accuracy:.4f}" in status, status
+
+
+def _finished(cluster, job_id: str, timeout: float) -> str:
+    """The Slurm job's state once it has ended (the cluster keeps ended jobs for MinJobAge seconds)."""
+    deadline = time.monotonic() + timeout
+    state = "UNKNOWN"
+    while time.monotonic() < deadline:
+        result = cluster.run("scontrol", "show", "job", "--oneliner", job_id, check=False)
+        state = dict(re.findall(r"(\w+)=(\S*)", result.stdout)).get("JobState", state)
+        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            return state
+        time.sleep(2)
+    raise AssertionError(f"Slurm job {job_id} still {state} after {timeout} s")
