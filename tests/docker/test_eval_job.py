@@ -6,6 +6,7 @@ evaluation as a job of a real Slurm cluster on this host (`invoke eval --submit`
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -14,9 +15,11 @@ import time
 
 import pytest
 import torch
+import yaml
 
 from astrai.common.contract import EVAL_RESULTS_DIR
-from astrai.host import compose, slurm_script
+from astrai.host import compose, harness, slurm_script
+from astrai.host.runtime import resolve_runtime
 from tests.support import REPO
 
 pytestmark = pytest.mark.docker
@@ -157,3 +160,89 @@ def _finished(cluster, job_id: str, timeout: float) -> str:
             return state
         time.sleep(2)
     raise AssertionError(f"Slurm job {job_id} still {state} after {timeout} s")
+
+
+@pytest.mark.slow
+def test_the_kubernetes_job_of_invoke_eval_runs_as_its_pod_spec_states(make_job):
+    """No cluster is reachable here: the Job's one pod runs on the local engine as its spec states it (as
+    test_kubernetes_pods does the training's), in the image a user pushes: the job's with the harness."""
+    job = make_job(trainer=TRAINED)
+    _trained(job)
+    document = yaml.safe_load(job.config.read_text())
+    image = compose.eval_image_name(resolve_runtime(job.config))
+    claims = {"data": "corpus", "model": "base-model", "checkpoints": "runs"}
+    document["runtime"]["kubernetes"] = {"namespace": "ml", "image": image, "claims": claims}
+    job.config.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
+    runtime = resolve_runtime(job.config)
+    override = compose.write_override(runtime, evaluation=True)
+    project = compose.job_project(runtime) + harness.EVAL_PROJECT_SUFFIX
+    build = compose.compose_command(runtime, "build", compose.SERVICE, override=override, project=project)
+    built = subprocess.run(build, capture_output=True, text=True)
+    assert built.returncode == 0, built.stdout + built.stderr
+    asked = ["--checkpoint", "epoch_0_step_4", "--tasks", "data/tasks/facts.yaml", "--limit", "4"]
+    documents = [d for d in yaml.safe_load_all(job.invoke("eval", "--kubernetes", *asked).stdout) if d]
+    assert [d["kind"] for d in documents] == ["ConfigMap", "Job"]
+    pod_security = documents[1]["spec"]["template"]["spec"]["securityContext"]
+    # What fsGroup does to a claim: the pod's group may write it.
+    os.chown(runtime.job_dir, pod_security["runAsUser"], pod_security["fsGroup"])
+    name = f"{job.name}-eval-pod"
+    folders = {"corpus": "data", "base-model": "params", "runs": "checkpoints"}
+    command = _pod_as_docker_run(job, documents, name, folders)
+    subprocess.run(command, check=True, capture_output=True)
+    subprocess.run(["docker", "wait", name], capture_output=True, timeout=1200)
+    logs = subprocess.run(["docker", "logs", name], capture_output=True, text=True)
+    state = subprocess.run(["docker", "inspect", "-f", "{{.State.ExitCode}}", name], capture_output=True, text=True)
+    assert state.stdout.strip() == "0", f"{' '.join(command)}\n{logs.stdout}{logs.stderr}"
+    document = json.loads((runtime.job_dir / EVAL_RESULTS_DIR / "epoch_0_step_4.json").read_text())
+    assert document["step"] == 4 and document["n-samples"]["tiny_facts"]["effective"] == 4
+    accuracy = document["results"]["tiny_facts"]["acc,none"]
+    status = job.invoke("status").stdout
+    assert f"eval        epoch_0_step_4: tiny_facts acc {accuracy:.4f}" in status, status
+
+
+def _pod_as_docker_run(job, documents: list[dict], name: str, claims: dict[str, str]) -> list[str]:
+    """``docker run`` of the Job's pod as a kubelet would run it: its user and group, hardening, volumes (claims as the
+    job's folders, the ConfigMap as its file, emptyDirs as folders anyone may write, or tmpfs in memory), environment,
+    command and args."""
+    config_map, job_object = documents
+    pod = job_object["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    security, pod_security = container["securityContext"], pod["securityContext"]
+    command = ["docker", "run", "--detach", "--name", name, "--network", "none"]
+    command += ["--label", f"com.docker.compose.project={job.project}{harness.EVAL_PROJECT_SUFFIX}"]  # the tear-down
+    command += ["--user", f"{pod_security['runAsUser']}:{pod_security['runAsGroup']}"]
+    command += ["--group-add", str(pod_security["fsGroup"])]
+    if security["capabilities"]["drop"] == ["ALL"]:
+        command += ["--cap-drop", "ALL"]
+    if security["allowPrivilegeEscalation"] is False:
+        command += ["--security-opt", "no-new-privileges:true"]
+    if security["readOnlyRootFilesystem"]:
+        command.append("--read-only")
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    (key,) = config_map["data"]
+    config_file = job.folder / f"configmap-{key}"
+    config_file.write_text(config_map["data"][key], encoding="utf-8")
+    for mount in container["volumeMounts"]:
+        volume = volumes[mount["name"]]
+        if "persistentVolumeClaim" in volume:
+            claim = volume["persistentVolumeClaim"]
+            read_only = mount.get("readOnly") or claim.get("readOnly")
+            source = job.folder / claims[claim["claimName"]]
+            command += ["--mount", f"type=bind,src={source},dst={mount['mountPath']}" + (",readonly" * bool(read_only))]
+        elif "configMap" in volume:
+            assert volume["configMap"]["name"] == config_map["metadata"]["name"] and mount["subPath"] == key
+            command += ["--mount", f"type=bind,src={config_file},dst={mount['mountPath']},readonly"]
+        elif volume["emptyDir"].get("medium") == "Memory":
+            command += ["--tmpfs", f"{mount['mountPath']}:exec,mode=1777"]
+        else:
+            # The kubelet's emptyDir: a folder of the node that anyone may write, whatever the image holds there
+            # (Docker's tmpfs would take the mode of the image's folder: /home/astrai is root's).
+            empty = job.folder / f"emptydir-{mount['name']}"
+            empty.mkdir()
+            empty.chmod(0o777)
+            command += ["--mount", f"type=bind,src={empty},dst={mount['mountPath']}"]
+    for item in container["env"]:
+        assert "value" in item, item  # no index nor uid: a Job of one pod
+        command += ["--env", f"{item['name']}={item['value']}"]
+    entrypoint, *rest = container["command"]
+    return [*command, "--entrypoint", entrypoint, container["image"], *rest, *container.get("args", [])]
