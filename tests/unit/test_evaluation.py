@@ -269,6 +269,50 @@ def test_the_figures_are_the_same_on_one_process_and_two(tmp_path, eval_world, t
 
 
 @pytest.mark.slow
+def test_a_reward_model_scores_alike_on_one_process_and_sharded_on_two(
+    tmp_path, eval_world, train_yaml, trainer_env, tiny_model
+):
+    """A reward model of ours (the tiny base with a score head) as the reward of an online_grpo run and of its
+    evaluation at the start: under FSDP it is sharded like the reference, and the rank out of evaluation batches scores
+    its stand-in batch through the same collectives. Step 0's figures equal one process's; the run trains to its end."""
+    from astrai.trainer.model import Transformer, load_base_model, save_model_folder
+    from astrai.trainer.objectives.reward_model import classifier_start
+
+    config, weights = classifier_start(*load_base_model(tiny_model), seed=3)
+    scorer = Transformer(config)
+    scorer.load_state_dict(weights)
+    save_model_folder(tmp_path / "rm", config, scorer.state_dict())
+    rewards = [{"model": str(tmp_path / "rm"), "name": "rm", "batch_size": 3}, f"{eval_world / 'my rewards.py'}:digits"]
+    figures = {}
+    for world in (1, 2):
+        ckpt = tmp_path / f"world{world}"
+        keys = {"batch_per_device": 4 // world, "global_batch_size": 4, "eval_batch_size": 4}
+        path = _yaml(
+            train_yaml,
+            tmp_path / f"w{world}.yaml",
+            eval_world,
+            **keys,
+            ckpt_dir=str(ckpt),
+            train_type="online_grpo",
+            data_root_path=str(eval_world / "prompts"),
+            num_generations=2,
+            rewards=rewards,
+            eval_at_start=True,
+            max_steps=2,
+            eval_interval=2,
+            ckpt_interval=2,
+        )
+        command = [*TORCHRUN, "-m", "astrai.train", "--parallel_mode", "fsdp"] if world == 2 else TRAINER
+        run_to_end([*command, "--config", str(path)], trainer_env, tmp_path / f"w{world}.log")
+        records = _records(ckpt)
+        assert [r["step"] for r in records if METRIC_EVAL_REWARD in r] == [0, 2], records
+        assert all("reward_rm" in r for r in records if r["step"] > 0 and "loss" in r), records
+        (start,) = [r for r in records if r["step"] == 0 and METRIC_EVAL_REWARD in r]
+        figures[world] = {key: value for key, value in start.items() if key.startswith("eval/")}
+    assert figures[1] == figures[2] and "eval/rm" in figures[1], figures
+
+
+@pytest.mark.slow
 def test_a_stop_during_an_evaluation_resumes_bitwise_and_evaluates_that_step_first(
     tmp_path, eval_world, train_yaml, trainer_env
 ):
