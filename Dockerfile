@@ -94,6 +94,15 @@ RUN set -eu; \
         echo "installing the model's packages: ${MODEL_PACKAGES}"; \
         python3 -m pip install --quiet ${MODEL_PACKAGES}; \
     fi
+# lm-evaluation-harness, only in the image `invoke eval` runs (the job's image with this layer, tagged :eval):
+# `invoke eval` passes the pinned versions (astrai/common/contract.py LM_EVAL_PACKAGES) and preflight reads the label.
+ARG EVAL_PACKAGES=""
+RUN set -eu; \
+    if [ -n "${EVAL_PACKAGES}" ]; then \
+        echo "installing lm-evaluation-harness: ${EVAL_PACKAGES}"; \
+        python3 -m pip install --quiet ${EVAL_PACKAGES}; \
+    fi
+LABEL ai.astrai.eval_packages="${EVAL_PACKAGES}"
 # What `invoke status` and `invoke preflight` report (label names: astrai/common/contract.py).
 LABEL ai.astrai.torch="${TORCH_VERSION}" \
       ai.astrai.cuda_tag="${CUDA_TAG}"

@@ -342,6 +342,56 @@ def export(
 
 
 @task(
+    name="eval",
+    auto_shortflags=False,
+    help={
+        "config": CONFIG_HELP,
+        "node": NODE_HELP,
+        "checkpoint": "a checkpoint name in the job dir (epoch_0_step_200), or a model folder in one of the job's "
+        "mounts (default: the newest checkpoint)",
+        "tasks": "comma-separated: task YAMLs of lm-evaluation-harness (local data), folders of them, or task names",
+        "limit": "at most this many examples of each task",
+        "num_fewshot": "examples shown before each question (default: the task's own)",
+        "submit": "as a Slurm job of one node (runtime.slurm) instead of here",
+        "dry_run": "with --submit: print the sbatch script; submit nothing",
+        "kubernetes": "print the evaluation as a Kubernetes Job (runtime.kubernetes) instead",
+    },
+)
+def eval_(
+    c,
+    config=DEFAULT_CONFIG,
+    node="0",
+    checkpoint=None,
+    tasks=None,
+    limit=None,
+    num_fewshot=None,
+    submit=False,
+    dry_run=False,
+    kubernetes=False,
+):
+    """Run lm-evaluation-harness on a checkpoint in the job's image; results to <job dir>/eval/ and the trackers."""
+    from pathlib import Path
+
+    from astrai.host.eval_jobs import schedule_eval
+    from astrai.host.harness import checked_evaluation, describe_results, evaluate_checkpoint, results_path
+
+    if dry_run and not submit:
+        raise Exit("error: --dry-run goes with --submit", code=2)
+    limit = None if limit is None else _whole("limit", limit, 1)
+    num_fewshot = None if num_fewshot is None else _whole("num_fewshot", num_fewshot, 0)
+    with _user_errors():
+        _, runtime = _load(config, node)
+        given = [task for task in (tasks or "").split(",") if task]
+        if submit or kubernetes:
+            evaluation = checked_evaluation(runtime, checkpoint, given, limit, num_fewshot)
+            print(schedule_eval(runtime, evaluation, kubernetes_manifests=kubernetes, dry_run=dry_run), end="")
+            return
+        document = evaluate_checkpoint(runtime, checkpoint, given, limit, num_fewshot)
+        print(describe_results(document))
+        print(f"results: {results_path(runtime, Path(document['path']))}")
+
+
+@task(
     help={
         "workdir": "where the demo writes its model, data, config and checkpoints (default: ./demo)",
         "fresh": "delete the demo job dir of an earlier run first",
@@ -404,6 +454,7 @@ namespace = Collection(
     list_,
     clean,
     export,
+    eval_,
     demo,
     bench,
 )

@@ -46,6 +46,7 @@ from bench import (
     hf_io,
     host_commands,
     image_build,
+    judging,
     lora,
     post_training,
     qlora,
@@ -262,6 +263,24 @@ TARGETS = {
     ),
     "qwen3_moe_step_vs_transformers_eager": ("eager, Qwen3-30B-A3B's shape", None, None),
     "mixtral_step_vs_transformers_eager": ("eager, Mixtral-8x7B's shape", None, None),
+    "eval_vs_manual": (
+        "the generative evaluation in the loop over the same generation and scoring by hand (64 prompts, `tiny`)",
+        "<=",
+        1.1,
+    ),
+    "eval_s": ("that evaluation's wall time, seconds", None, None),
+    "reward_model_vs_transformers": (
+        "a reward model's scores in the trainer against AutoModelForSequenceClassification's, largest difference",
+        "<=",
+        1e-5,
+    ),
+    "bradley_terry_vs_trl": ("reward_model's Bradley-Terry loss against TRL RewardTrainer's, difference", "<=", 1e-6),
+    "judge_256_s": ("a remote judge on 256 completions, server answering in 50 ms, 16 in flight, seconds", "<=", 1.2),
+    "lm_eval_same_accuracy": (
+        "`invoke eval`'s accuracy equals `lm_eval` run by hand on the exported folder",
+        "==",
+        True,
+    ),
 }
 
 
@@ -286,6 +305,7 @@ SECTIONS = {
     "agents": lambda quick, image: agents.run(quick),
     "trackers": lambda quick, image: trackers.run(quick),
     "transformers backend": lambda quick, image: transformers_backend.run(quick),
+    "evaluation and rewards from models": lambda quick, image: judging.run(quick),
 }
 
 

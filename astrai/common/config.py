@@ -40,9 +40,18 @@ from astrai.common.contract import (
 )
 from astrai.common.model_folder import ADAPTER_TARGETS
 from astrai.common.nf4 import NF4
-from astrai.common.reward_specs import RewardSpec, parse_rewards
+from astrai.common.reward_specs import RewardSpec, check_eval_metric_names, parse_rewards
 from astrai.common.safetensors_file import DTYPE_ALIASES
-from astrai.common.settings import GRPOSettings, KTOSettings, LoRASettings, RLOOSettings, Sampling, SettingError
+from astrai.common.settings import (
+    EvalSettings,
+    GRPOSettings,
+    KTOSettings,
+    LoRASettings,
+    RewardModelSettings,
+    RLOOSettings,
+    Sampling,
+    SettingError,
+)
 from astrai.common.train_types import TRAIN_TYPES, TYPE_KEYS, TrainType
 from astrai.common.values import boolean_word
 
@@ -205,8 +214,9 @@ class TrainingSection:
     completions the model samples for prompts, scored by training.rewards; online_dpo: DPO on two sampled
     completions of each prompt, the one the rewards score higher chosen; online_rloo: RLOO (each completion's reward
     against the mean of its group's others) on sampled completions; kto: KTO on unpaired examples, each a prompt and a
-    completion labelled desirable or not (prepare --kind kto). The data folder must hold that kind (prepare --kind;
-    prompts for the online types)."""
+    completion labelled desirable or not (prepare --kind kto); reward_model: a Bradley-Terry reward model (a score
+    head in place of the output projection) on DPO's pairs (prepare --kind dpo). The data folder must hold that kind
+    (prepare --kind; prompts for the online types)."""
     dpo_beta: float = 0.1
     """DPO's beta (dpo, online_dpo): how far from the reference model the policy may move (higher: closer)."""
     kto_beta: float = KTOSettings.beta
@@ -281,6 +291,9 @@ class TrainingSection:
     with an error message, and the episode goes on."""
     truncated_reward: float | None = EpisodeSettings.truncated_reward
     """Episodes: the reward of an episode a limit ended (null: scored by the rewards like the others)."""
+    center_rewards_coefficient: float | None = RewardModelSettings.center_rewards_coefficient
+    """reward_model: the weight of (r_chosen + r_rejected) ** 2 in each pair's loss, which keeps the rewards centred on
+    0 (TRL's; 0.01 is its suggestion); null: no such term."""
     optimizer: str = "adamw"
     """adamw, or muon: Muon for the 2-D weight matrices of the transformer blocks, AdamW for embeddings, norms,
     biases and the output head (not under FSDP, which shards the matrices Muon orthogonalises whole)."""
@@ -435,16 +448,24 @@ def _settings(build) -> None:
         raise ConfigError(error.under("training.", Sampling.CONFIG_KEYS)) from None
 
 
-def ignored_keys(training: TrainingSection) -> list[str]:
-    """The training keys set (away from their defaults) that ``training.train_type`` does not use."""
+EVAL_TRAINING_KEYS = ("rewards", "reward_timeout", "max_completion_length")
+"""The training keys the generative evaluation reads (its default rewards and length, the rewards' time limit)."""
+
+
+def ignored_keys(training: TrainingSection, log: LogSection | None = None) -> list[str]:
+    """The training keys set (away from their defaults) that ``training.train_type`` does not use, nor the evaluation
+    that ``log`` asks for."""
     used = set(training.kind.keys)
+    if log is not None and log.eval_prompts is not None:
+        used.update(EVAL_TRAINING_KEYS)
     default = TrainingSection()
     return sorted(key for key in TYPE_KEYS if key not in used and getattr(training, key) != getattr(default, key))
 
 
-def ignored_keys_note(training: TrainingSection) -> str | None:
-    """What the trainer, --dry-run and preflight say of the keys this train type ignores; None when none is set."""
-    ignored = ignored_keys(training)
+def ignored_keys_note(training: TrainingSection, log: LogSection | None = None) -> str | None:
+    """What the trainer, --dry-run and preflight say of the keys this train type (and the evaluation of ``log``)
+    ignores; None when none is set."""
+    ignored = ignored_keys(training, log)
     if not ignored:
         return None
     keys = ", ".join(f"training.{key}" for key in ignored)
@@ -554,6 +575,29 @@ class LogSection:
     wandb: WandbSettings = field(default_factory=WandbSettings)
     upload_checkpoints: bool = False
     """Upload the last checkpoint to the trackers when the run ends (its weights leave the host: off by default)."""
+    eval_prompts: str | None = None
+    """Generative evaluation: a prompts data folder (prepare --kind prompts) whose prompts the model completes every
+    eval_interval steps, scored by eval_rewards; a path in the container, or relative to data.data_root_path.
+    null: none."""
+    eval_generations: int = 1
+    """Completions of each evaluation prompt (k of eval/pass@k); above 1 with eval_temperature above 0."""
+    eval_rewards: tuple[RewardSpec, ...] | None = None
+    """The rewards that score the evaluation's completions, as training.rewards lists them; null: training.rewards."""
+    eval_max_completion_length: int | None = None
+    """At most this many tokens per evaluation completion; null: training.max_completion_length."""
+    eval_temperature: float = 0.0
+    """Evaluation's sampling temperature: 0 is greedy (the default)."""
+    eval_top_p: float = Sampling.top_p
+    """Evaluation's nucleus sampling (1: all tokens)."""
+    eval_top_k: int = Sampling.top_k
+    """Evaluation's top-k sampling (0: all tokens)."""
+    eval_batch_size: int = 8
+    """Evaluation prompts a rank completes at once (each eval_generations times): the prompts go to the ranks in
+    batches of this size, the same batches at any world size, so the figures are too."""
+    eval_pass_threshold: float = 1.0
+    """A completion passes (eval/pass@k) when its total reward is at least this."""
+    eval_at_start: bool = False
+    """Evaluate the starting model too, at step 0 (the baseline); a resume does not evaluate again."""
 
     def __post_init__(self) -> None:
         for name, cls in TRACKER_SETTINGS.items():
@@ -569,6 +613,56 @@ class LogSection:
             "a number > 0, or null to look the GPU up",
         )
         _check(self.wandb.mode in WANDB_MODES, "log.wandb.mode", self.wandb.mode, f"one of {', '.join(WANDB_MODES)}")
+        _check(
+            self.eval_max_completion_length is None or self.eval_max_completion_length >= 1,
+            "log.eval_max_completion_length",
+            self.eval_max_completion_length,
+            "an integer >= 1, or null for training.max_completion_length",
+        )
+        if self.eval_prompts is not None:
+            _check(bool(self.eval_prompts.strip()), "log.eval_prompts", self.eval_prompts, "a data folder, or null")
+        try:
+            check_eval_metric_names([spec.name for spec in self.eval_rewards or ()])
+        except ValueError as error:
+            raise ConfigError(f"log.eval_rewards: {error}") from None
+        try:
+            sampling = self._eval_sampling(1)
+            EvalSettings(
+                "",
+                self.eval_interval,
+                self.eval_generations,
+                sampling,
+                self.eval_pass_threshold,
+                batch=self.eval_batch_size,
+            )
+        except SettingError as error:
+            raise ConfigError(error.under("log.", EvalSettings.CONFIG_KEYS)) from None
+
+    def _eval_sampling(self, max_completion_length: int) -> Sampling:
+        return Sampling(
+            self.eval_max_completion_length or max_completion_length,
+            self.eval_temperature,
+            self.eval_top_k,
+            self.eval_top_p,
+        )
+
+    def evaluation(self, training: TrainingSection) -> EvalSettings | None:
+        """Generative evaluation's settings (None without log.eval_prompts); ``training`` gives its defaults."""
+        if self.eval_prompts is None:
+            return None
+        return EvalSettings(
+            self.eval_prompts,
+            self.eval_interval,
+            self.eval_generations,
+            self._eval_sampling(training.max_completion_length),
+            self.eval_pass_threshold,
+            self.eval_at_start,
+            self.eval_batch_size,
+        )
+
+    def eval_reward_specs(self, training: TrainingSection) -> tuple[RewardSpec, ...]:
+        """What scores the evaluation's completions: log.eval_rewards, else training.rewards."""
+        return training.rewards if self.eval_rewards is None else self.eval_rewards
 
     @property
     def trackers(self) -> tuple[str, ...]:
@@ -605,11 +699,40 @@ class TrainerConfig:
             raise ConfigError(
                 "ckpt.adapter_path: a PEFT adapter folder trains as LoRA; set training.lora_rank to its rank (r)"
             )
+        if self.log.eval_prompts is not None and not self.log.eval_reward_specs(self.training):
+            raise ConfigError(
+                "log.eval_rewards: log.eval_prompts asks for an evaluation, and nothing scores it; list the rewards "
+                "(as training.rewards lists them, such as [astrai.rewards:exact_answer]), or set training.rewards"
+            )
+        if self.log.eval_prompts is not None:
+            try:
+                check_eval_metric_names([spec.name for spec in self.log.eval_reward_specs(self.training)])
+            except ValueError as error:
+                raise ConfigError(f"training.rewards (which score log.eval_prompts): {error}") from None
+        if self.log.eval_rewards is not None and self.log.eval_prompts is None:
+            raise ConfigError(
+                "log.eval_rewards: they score the evaluation of log.eval_prompts, which is not set; set it (a prompts "
+                "data folder), or leave eval_rewards out"
+            )
         if self.training.optimizer == "muon" and self.parallel.parallel_mode == "fsdp":
             raise ConfigError(
                 "training.optimizer: muon orthogonalises each weight matrix whole, and parallel.parallel_mode fsdp "
                 "gives every process only a shard of it; use parallel_mode ddp, or optimizer adamw"
             )
+
+    def rewards_in_use(self) -> tuple:
+        """Every reward the run scores with, each once: training.rewards for a type that samples completions, and the
+        evaluation's (log.eval_rewards, else training.rewards) when log.eval_prompts is set."""
+        used = list(self.training.rewards) if self.training.kind.online else []
+        if self.log.eval_prompts is not None:
+            used += self.log.eval_reward_specs(self.training)
+        return tuple(dict.fromkeys(used))
+
+    def eval_prompts_folder(self) -> Path | None:
+        """log.eval_prompts as the trainer reads it: a path in the container, or relative to data.data_root_path."""
+        if self.log.eval_prompts is None:
+            return None
+        return Path(self.data.data_root_path) / self.log.eval_prompts
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -662,6 +785,10 @@ def _coerce(dotted: str, value, kind, from_text: bool):
         return _rewards(dotted, value, from_text)
     if dotted.split(" ")[0] in ("training.tools", "training.environment"):
         return _agent_key(dotted, value, from_text)
+    if dotted.split(" ")[0] == "log.eval_rewards":
+        if value is None or (from_text and value.strip().lower() in ("null", "none", "~")):
+            return None  # the job's training.rewards
+        return _rewards(dotted, value, from_text)
     if dotted.split(" ")[0] == "model.compile":
         return _auto_or_bool(dotted, value, from_text)
     if dotted.split(" ")[0] == "log.report_to":

@@ -109,6 +109,8 @@ LABEL_TORCH = "ai.astrai.torch"
 """Image label: the torch version the Dockerfile installed or verified (the Dockerfile writes it out)."""
 LABEL_CUDA_TAG = "ai.astrai.cuda_tag"
 """Image label: the torch build (cpu, cuNNN) the image was built for."""
+LABEL_EVAL_PACKAGES = "ai.astrai.eval_packages"
+"""Image label: the lm-evaluation-harness packages `invoke eval`'s image installed (empty in the job's own)."""
 
 # --- The trainer image's torch (one version, the tested one) ------------------------------------
 TORCH_VERSION = "2.13.0"
@@ -194,6 +196,8 @@ STD_SUFFIX = "_std"
 METRIC_REWARD_STD = METRIC_REWARD + STD_SUFFIX
 METRIC_REWARD_OF = "reward_{name}"
 """online_grpo: the mean of one reward function (``reward_{name}_std`` its std), over the completions it scored."""
+METRIC_JUDGE_FAILURES = "judge_failures/{name}"
+"""A remote judge with on_error: none: the completions it could not score since the last report."""
 METRIC_FRAC_REWARD_ZERO_STD = "frac_reward_zero_std"
 """online_grpo: the share of groups whose completions all scored the same (no signal to learn from)."""
 METRIC_COMPLETION_LENGTH = "completion_length"
@@ -244,6 +248,29 @@ EPISODE_METRICS = (
     METRIC_EPISODE_UNPARSED,
     METRIC_EPISODE_TRUNCATED,
 )
+METRIC_REWARD_MODEL_ACCURACY = "reward_model/accuracy"
+"""reward_model: the share of the pairs since the last report whose chosen sequence the model scores higher (TRL's
+accuracy)."""
+METRIC_REWARD_MODEL_MARGIN = "reward_model/margin"
+"""reward_model: the mean of the chosen sequence's reward less the rejected one's (TRL's margin)."""
+METRIC_REWARD_MODEL_VAL_ACCURACY = "reward_model/val_accuracy"
+"""reward_model: the accuracy on the held-out pairs (data.val_fraction), at each validation."""
+METRIC_REWARD_MODEL_VAL_MARGIN = "reward_model/val_margin"
+"""reward_model: the margin on the held-out pairs, at each validation."""
+METRIC_EVAL_PREFIX = "eval/"
+"""Generative evaluation in the loop (log.eval_prompts): its metrics are named under this prefix, in metrics.jsonl,
+TensorBoard and the trackers alike."""
+METRIC_EVAL_REWARD = METRIC_EVAL_PREFIX + "reward"
+"""The mean total reward of the evaluation's completions (those scored)."""
+METRIC_EVAL_REWARD_OF = METRIC_EVAL_PREFIX + "{name}"
+"""The mean of one reward of the evaluation (``eval/<reward name>``), over the completions it scored."""
+METRIC_EVAL_PASS_AT_K = METRIC_EVAL_PREFIX + "pass@k"
+"""The share of evaluation prompts with at least one of their k completions (log.eval_generations) scoring at least
+log.eval_pass_threshold."""
+METRIC_EVAL_COMPLETION_LENGTH = METRIC_EVAL_PREFIX + "completion_length"
+"""The mean length of the evaluation's completions, in tokens."""
+METRIC_EVAL_UNSCORED = METRIC_EVAL_PREFIX + "unscored"
+"""The share of the evaluation's completions that no reward scored."""
 
 COMPLETIONS_LOG = "completions.log"
 """online_grpo: every log_interval steps, a group of sampled completions with their rewards, for people to read."""
@@ -285,6 +312,18 @@ OPENENV_PACKAGE = "openenv-core==0.3.0"
 """OpenEnv's client, which the trainer image installs for a job with a server environment (training.environment
 {server: NAME}): the trainer speaks to the server through it (the version the tests run)."""
 """What the trainer image installs for a tracker ``log.report_to`` asks for (the versions the tests run)."""
+LM_EVAL_PACKAGE = "lm-eval==0.4.13"
+"""lm-evaluation-harness, which `invoke eval` runs in the job's image (the version the tests run)."""
+LM_EVAL_PACKAGES = (LM_EVAL_PACKAGE, "accelerate==1.16.0", "peft==0.21.2")
+"""What the image installs for a job that uses `invoke eval`, beside transformers: the harness and what its Hugging
+Face model needs (astrai/common/backends.py pins transformers)."""
+EVAL_RESULTS_DIR = "eval"
+"""`invoke eval`'s results: ``<job dir>/eval/<checkpoint name>.json``."""
+LM_EVAL_PREFIX = "lm_eval/"
+LM_EVAL_METRIC = LM_EVAL_PREFIX + "{task}/{metric}"
+"""`invoke eval`'s numbers as the trackers get them, at the checkpoint's step."""
+LM_EVAL_STEP = LM_EVAL_PREFIX + "step"
+"""W&B's step axis of `invoke eval`'s numbers (a W&B run takes each of its own steps once)."""
 TRACKER_SECRETS = {
     TRACKER_MLFLOW: (
         "MLFLOW_TRACKING_URI",

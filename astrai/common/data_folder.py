@@ -55,6 +55,9 @@ class DataKind:
     """What a run trains on of it, as a count of them reads (``{window}``: data.window_size)."""
     fields: bool = False
     """Each record's fields are kept beside its shard (what reward functions receive; a KTO example's label)."""
+    fields_since: bool = False
+    """Its folders keep fields only since a version of prepare: an older folder without them still reads (DPO's
+    pairs, whose fields are a reward model's optional margin)."""
     units: Callable[[TokenData, int, str], object] | None = None
     """What a run trains on at a window (data, window, overlong): packed windows, pairs, examples, a count of prompts;
     None where the trainer reads windows of the token stream (seq) or the model decides (prompts)."""
@@ -81,7 +84,7 @@ DATA_KINDS: dict[str, DataKind] = {
     for kind in (
         DataKind("seq", "pre-training text", "documents"),
         DataKind("sft", "SFT examples", "records", "packed windows of {window}", units=_packed),
-        DataKind("dpo", "DPO pairs", "pairs", "pairs", units=_paired),
+        DataKind("dpo", "DPO pairs", "pairs", "pairs", fields=True, fields_since=True, units=_paired),
         DataKind("prompts", "prompts", "prompts", "prompts", fields=True),
         DataKind(
             "grpo", "scored completions", "groups", "prompts with their completions", fields=True, units=_documents
@@ -304,6 +307,8 @@ class TokenData:
     """seq, sft, dpo or prompts (KINDS)."""
     record_counts: tuple[int, ...] = ()
     """Post-training data: the sequences of each shard (in its records file)."""
+    has_fields: bool = False
+    """Every shard has a fields file (the manifest lists one for each)."""
 
     def mask_file(self, shard: int) -> Path:
         return self.shard_files[shard].with_name(mask_file_name(self.shard_files[shard].name))
@@ -316,7 +321,8 @@ class TokenData:
 
     def prompt_records(self) -> list[dict]:
         """Prompt data: every sequence's line of its fields file, in order over the shards: ``{"prompt": text,
-        "fields": {...}}`` (prompts), ``{"prompt": text, "reward": r, "index": i, "of": k}`` (grpo: the i-th of
+        "fields": {...}}`` (prompts; with ``"messages"``, the chat messages the text was rendered from),
+        ``{"prompt": text, "reward": r, "index": i, "of": k}`` (grpo: the i-th of
         its prompt's k completions, r None where it went unscored), ``{"label": true | false}`` (kto)."""
         records = []
         for shard in range(len(self.shard_files)):
@@ -326,6 +332,13 @@ class TokenData:
             if len(records) != sum(self.record_counts[: shard + 1]):
                 raise DataError(f"{path}: holds another number of records than the manifest lists; prepare it again")
         return records
+
+    def margins(self) -> list[float] | None:
+        """DPO data: each sequence's margin (TRL's ``margin``: how much more the chosen answer is preferred, 0 where a
+        record gives none), in order over the shards; None for a folder prepared without them."""
+        if not self.has_fields:
+            return None
+        return [float(record.get("margin") or 0.0) for record in self.prompt_records()]
 
     def labels(self) -> list[bool]:
         """KTO data: each example's label (True: desirable), in order over the shards."""
@@ -381,6 +394,7 @@ class TokenData:
             source_files=len(manifest.sources),
             kind=manifest.kind,
             record_counts=tuple(shard.num_records for shard in manifest.shards),
+            has_fields=bool(manifest.shards) and all(shard.fields is not None for shard in manifest.shards),
         )
         if data.num_tokens == 0 or not shards:
             raise DataError(f"data folder {root} holds no tokens; {how}")
@@ -398,7 +412,8 @@ class TokenData:
                     found = path.stat().st_size if path.is_file() else None
                     if found != size:
                         raise DataError(f"{path}: expected {size} bytes, found {found}; {how}")
-        if DATA_KINDS[data.kind].fields:
+        kind = DATA_KINDS[data.kind]
+        if kind.fields and (data.has_fields or not kind.fields_since):
             for index in range(len(data.shard_files)):
                 if not data.fields_file(index).is_file():
                     raise DataError(f"{data.fields_file(index)}: missing (the manifest lists it); {how}")

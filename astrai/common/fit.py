@@ -13,7 +13,16 @@ from pathlib import Path
 from astrai.common.backends import through_transformers
 from astrai.common.checkpoints import CheckpointMeta
 from astrai.common.contract import TOKENIZER_FILE, resolve_parallel_mode
-from astrai.common.data_folder import TokenData, WindowSplit, data_kind, prompt_units, tokenizer_digest
+from astrai.common.data_folder import (
+    DATA_KINDS,
+    DataError,
+    PromptUnits,
+    TokenData,
+    WindowSplit,
+    data_kind,
+    prompt_units,
+    tokenizer_digest,
+)
 from astrai.common.errors import AstraiError
 from astrai.common.model_folder import EXPERT_ADAPTERS, ModelConfig, adapted_modules
 from astrai.common.nf4 import NF4, nf4_problem
@@ -265,6 +274,48 @@ def _no_prompt_left(
         f"leaves of the context of {limit} tokens of the model {source} (its prompts have {shortest} to {longest} "
         f"tokens), and data.overlong: drop leaves them all out; what can work: {'; '.join(remedies)}"
     )
+
+
+def open_eval_prompts(folder: Path) -> TokenData:
+    """The prompts folder of log.eval_prompts; DataError naming the key when it cannot be read."""
+    try:
+        return TokenData.open(folder)
+    except DataError as error:
+        raise DataError(f"log.eval_prompts: {error}") from None
+
+
+def eval_prompt_units(
+    evaluation, eval_data: TokenData, data: TokenData, model: ModelConfig, overlong: str, source: Path
+) -> PromptUnits:
+    """The prompts of log.eval_prompts the evaluation completes (astrai.common.data_folder.PromptUnits), each cut or
+    left out to leave room for its completions in the model's context; SetupError (or DataError) naming the key for a
+    folder of another kind, of another tokenizer than the run's data, or with no prompt left."""
+    where = f"log.eval_prompts: {eval_data.root}"
+    if eval_data.kind != "prompts":
+        raise DataError(
+            f"{where} holds {DATA_KINDS[eval_data.kind].holds} (kind {eval_data.kind}); the evaluation completes "
+            f"prompts: prepare them with `python -m astrai.data prepare --kind prompts {tokenizer_hint(source)} --out "
+            "DIR FILE...`"
+        )
+    if eval_data.tokenizer_identity != data.tokenizer_identity:
+        raise SetupError(
+            f"{where} was prepared with {eval_data.tokenizer_description}, the run's data {data.root} with "
+            f"{data.tokenizer_description}: the same ids would mean other text; prepare both with the same --tokenizer"
+        )
+    try:
+        limit, room = prompt_room(model, evaluation.sampling.max_new_tokens, source)
+    except SetupError as error:
+        what = "log.eval_max_completion_length (its default: training.max_completion_length)"
+        raise SetupError(f"{what}: {error}") from None
+    lengths = [length for shard in range(len(eval_data.shard_files)) for length in eval_data.sequence_lengths(shard)]
+    units = prompt_units(lengths, room, overlong)
+    if not len(units):
+        raise SetupError(
+            f"{where}: every prompt is longer than {room} tokens, the room its completions of "
+            f"{evaluation.sampling.max_new_tokens} tokens leave in the model's context of {limit}; lower "
+            "log.eval_max_completion_length, or set data.overlong: truncate"
+        )
+    return units
 
 
 def check_lora_targets(model: ModelConfig, training, shards: int = 1) -> None:

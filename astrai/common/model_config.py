@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai.common.contract import MODEL_CONFIG_FILE
-from astrai.common.families import BY_MODEL_TYPE, DEFAULT_FAMILY, FEATURES, MODEL_TYPES, OWNED, family
+from astrai.common.families import BY_MODEL_TYPE, DEFAULT_FAMILY, FEATURES, MODEL_TYPES, OWNED, SPECS, family
 from astrai.common.families.base import ROPE_TYPES, check_hf_int  # noqa: F401  (read through this module)
 from astrai.common.families.rope import RopeScaling, read_rope
 from astrai.common.safetensors_file import ModelLoadError
@@ -130,6 +130,9 @@ class ModelConfig:
     ``norm_topk_prob``)."""
     router_aux_loss_coef: float = 0.0
     """Mixture of experts: the weight of the router's load-balancing loss in training; 0 turns it off."""
+    num_labels: int | None = None
+    """A sequence classifier (a reward model: ``XForSequenceClassification``): the scores its head gives each sequence,
+    from the hidden state of its last token, in place of the output projection; None for a causal language model."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len"):
@@ -153,6 +156,8 @@ class ModelConfig:
             raise ValueError(f"dim({self.dim}) must be a multiple of n_heads({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads({self.n_heads}) must be a multiple of n_kv_heads({self.n_kv_heads})")
+        if self.num_labels is not None:
+            _check_positive_int("num_labels", self.num_labels)
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         object.__setattr__(self, "local_layers", tuple(self.local_layers))
@@ -280,11 +285,26 @@ class ModelConfig:
             return self.local_layers
         return tuple(range(self.n_layers)) if self.sliding_window is not None else ()
 
+    @property
+    def architecture(self) -> str:
+        """The transformers class its folders name: the family's causal language model, or its sequence classifier;
+        ValueError for a family without one."""
+        spec = family(self.family)
+        if self.num_labels is None:
+            return spec.classes[self.model_type]
+        if self.model_type not in spec.classifiers:
+            classifying = [model_type for spec in SPECS for model_type in spec.classifiers]
+            raise ValueError(
+                f"model_type {self.model_type} has no sequence classifier in transformers (a reward model); use one of "
+                f"{', '.join(classifying)}"
+            )
+        return spec.classifiers[self.model_type]
+
     def to_hf_dict(self) -> dict:
         """``config.json`` in the form transformers 4.x and 5.x both read."""
         scaling = self.rope_scaling.to_dict() if self.rope_scaling is not None else None
         values = {
-            "architectures": [family(self.family).classes[self.model_type]],
+            "architectures": [self.architecture],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.dim,
@@ -313,6 +333,9 @@ class ModelConfig:
         }
         if self.sliding_window is not None:
             values["sliding_window"] = self.sliding_window
+        if self.num_labels is not None:  # as transformers writes a classifier's labels
+            values["id2label"] = {str(label): f"LABEL_{label}" for label in range(self.num_labels)}
+            values["label2id"] = {f"LABEL_{label}": label for label in range(self.num_labels)}
         spec = family(self.family)
         if spec.write is not None:  # a Llama (or Mistral) has none beyond these
             spec.write(self, values)
@@ -434,7 +457,21 @@ def _from_hf(values: dict) -> ModelConfig:
         eos_token_id=_token_id("eos_token_id", values.get("eos_token_id")),
         pad_token_id=_pad_token_id(values.get("pad_token_id"), shape["vocab_size"]),
         family=spec.name,
+        num_labels=_num_labels(values),
     )
+
+
+def _num_labels(values: dict) -> int | None:
+    """A sequence classifier's labels as transformers counts them (num_labels, else its id2label, else 2); None for a
+    causal language model."""
+    architectures = values.get("architectures") or []
+    if not any(isinstance(name, str) and name.endswith("ForSequenceClassification") for name in architectures):
+        return None
+    if values.get("num_labels") is not None:
+        check_hf_int("num_labels", values["num_labels"])
+        return values["num_labels"]
+    labels = values.get("id2label")
+    return len(labels) if isinstance(labels, dict) and labels else 2
 
 
 def _refuse_biases(values: dict, spec) -> None:

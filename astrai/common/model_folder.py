@@ -65,7 +65,7 @@ _BLOCK_NORMS = {
     },
 }
 _QK_NORMS = {"attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
-_TOP_PARTS = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+_TOP_PARTS = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head", "classifier": "score"}
 
 
 def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -75,7 +75,9 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(config.n_layers):
         shapes.update({f"layers.{i}.{name}": shape for name, shape in layer_tensors(config, i).items()})
     shapes["norm.weight"] = (config.dim,)
-    if not config.tie_embeddings:
+    if config.num_labels is not None:  # a sequence classifier: its score head in place of the output projection
+        shapes["classifier.weight"] = (config.num_labels, config.dim)
+    elif not config.tie_embeddings:
         shapes["output.weight"] = (config.vocab_size, config.dim)
     return shapes
 

@@ -29,7 +29,7 @@ from astrai.common.fit import BatchShape
 from astrai.common.memory import GenerationCache, generation_cache, training_state_bytes
 from astrai.common.model_folder import ADAPTER_TARGETS, num_adapter_parameters, num_parameters
 from astrai.common.nf4 import BLOCK, NF4
-from astrai.common.settings import LoRASettings, Sampling, TypeSettings
+from astrai.common.settings import EvalSettings, LoRASettings, Sampling, TypeSettings
 from astrai.common.train_types import TRAIN_TYPES, TrainType
 
 
@@ -74,6 +74,10 @@ class RunPlan:
     library: LibraryModel | None = None
     """On the transformers path, what the library builds for the folder (its attention, its router's loss); None
     when it was not looked at (native, or a folder not here)."""
+    evaluation: EvalSettings | None = None
+    """Generative evaluation in the loop (log.eval_prompts); None: none."""
+    eval_rewards: tuple[str, ...] = ()
+    """The names of the rewards that score the evaluation."""
 
     @property
     def model_backend(self) -> tuple[str, str | None, LibraryModel | None]:
@@ -182,6 +186,8 @@ class RunPlan:
             lines.append(f"{self.train_type}: {self.settings.describe()}")
         if self.episodes is not None:
             lines.append(f"episodes: {self.episodes.describe()}")
+        if self.evaluation is not None:
+            lines.append(f"evaluation: {self.evaluation.describe(list(self.eval_rewards))}")
         return lines
 
     def _unit(self) -> str:
@@ -255,6 +261,8 @@ def resolve_plan(
         model_type=model_type,
         library=library,
         episodes=training.episodes() if kind.online else None,
+        evaluation=config.log.evaluation(training),
+        eval_rewards=tuple(spec.name for spec in config.log.eval_reward_specs(training)),
     )
 
 

@@ -13,6 +13,10 @@ a setting out of range raises :class:`SettingError` naming the setting, which th
   (``training.rloo_beta``, ``normalize_advantages``). Its defaults are TRL's ``RLOOConfig``'s.
 - :class:`KTOSettings`: KTO's beta and the weights of its desirable and undesirable examples (``training.kto_*``).
   Its defaults are TRL's ``KTOConfig``'s.
+- :class:`RewardModelSettings`: the Bradley–Terry reward model's centring term (``training.center_rewards_coefficient``,
+  TRL's ``RewardConfig``'s).
+- :class:`EvalSettings`: generative evaluation in the loop (``log.eval_*``): the prompts, k completions of each, how
+  they are sampled (greedy by default) and the score that passes.
 
 A train type's own set (GRPO's, RLOO's, KTO's) is a :class:`TypeSettings`: its train type's entry builds it from the
 training section (:mod:`astrai.common.train_types`), the run plan holds it, and ``--dry-run`` prints what it says of
@@ -250,4 +254,81 @@ class KTOSettings:
         return (
             f"beta {self.beta:g}, desirable_weight {self.desirable_weight:g}, undesirable_weight "
             f"{self.undesirable_weight:g}; the KL estimate from each micro-batch's mismatched pairs"
+        )
+
+
+@dataclass(frozen=True)
+class RewardModelSettings:
+    """``reward_model``'s loss (:mod:`astrai.trainer.objectives.reward_model`): TRL's ``RewardConfig``'s default."""
+
+    center_rewards_coefficient: float | None = None
+    """The weight of ``(r_c + r_r) ** 2`` in each pair's loss, which keeps the rewards centred on 0; None: none."""
+
+    def __post_init__(self) -> None:
+        coefficient = self.center_rewards_coefficient
+        _check(
+            coefficient is None or 0 <= coefficient < math.inf,
+            "center_rewards_coefficient",
+            coefficient,
+            "a number >= 0, or null for no centring term",
+        )
+
+    def describe(self) -> str:
+        center = self.center_rewards_coefficient
+        term = "no centring term" if center is None else f"center_rewards_coefficient {center:g}"
+        return f"Bradley-Terry loss on each pair's rewards (the score head at the last token), {term}"
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Generative evaluation in the loop (:mod:`astrai.trainer.evaluation`): every ``interval`` steps (and at step 0
+    with ``at_start``) the model completes each prompt of ``prompts`` ``generations`` times, sampled as ``sampling``
+    says, and the rewards score them."""
+
+    prompts: str
+    """The prompts data folder (``prepare --kind prompts``), as the trainer reads it."""
+    interval: int
+    generations: int = 1
+    """k: completions of each prompt; pass@k counts a prompt with at least one that passes."""
+    sampling: Sampling = Sampling()
+    pass_threshold: float = 1.0
+    """The total reward at which a completion passes."""
+    at_start: bool = False
+    """Evaluate the starting model too (step 0): the baseline."""
+    batch: int = 8
+    """Prompts a rank completes at once: the ranks take batches of this size in turn, the same at any world size."""
+
+    CONFIG_KEYS = {
+        "max_new_tokens": "eval_max_completion_length",
+        "temperature": "eval_temperature",
+        "top_k": "eval_top_k",
+        "top_p": "eval_top_p",
+    }
+    """The config's names of the sampling settings (``log.eval_temperature``, ...)."""
+
+    def __post_init__(self) -> None:
+        _check(self.generations >= 1, "eval_generations", self.generations, "an integer >= 1")
+        _check(
+            self.generations == 1 or not self.sampling.greedy,
+            "eval_generations",
+            self.generations,
+            "1 with eval_temperature 0 (greedy decoding gives every completion of a prompt the same tokens; set "
+            "log.eval_temperature above 0 for pass@k over k > 1 samples)",
+        )
+        _check(math.isfinite(self.pass_threshold), "eval_pass_threshold", self.pass_threshold, "a finite number")
+        _check(self.batch >= 1, "eval_batch_size", self.batch, "an integer >= 1")
+
+    def describe(self, rewards: list[str]) -> str:
+        how = (
+            "greedy"
+            if self.sampling.greedy
+            else (
+                f"temperature {self.sampling.temperature:g}, top_k {self.sampling.top_k}, top_p {self.sampling.top_p:g}"
+            )
+        )
+        start = " and at the start" if self.at_start else ""
+        return (
+            f"every {self.interval} steps{start}: {self.generations} completion(s) of each prompt of {self.prompts} "
+            f"({how}, at most {self.sampling.max_new_tokens} tokens, {self.batch} prompts at a time), scored by "
+            f"{', '.join(rewards)}; pass@k: a total reward >= {self.pass_threshold:g}"
         )

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from astrai.common.agents import AGENT_KEYS
-from astrai.common.settings import MIN_TEMPERATURE, KTOSettings, RLOOSettings, TypeSettings
+from astrai.common.settings import MIN_TEMPERATURE, KTOSettings, RewardModelSettings, RLOOSettings, TypeSettings
 
 Problem = tuple[str, object, str]
 """A setting a train type refuses: (the training key, its value, what the type allows)."""
@@ -96,7 +96,7 @@ class TrainType:
             return None
         values = {key: getattr(training, key) for key in self.keys}
         if "rewards" in values:
-            values["rewards"] = [f"{spec.function} x{spec.weight:g}" for spec in training.rewards]
+            values["rewards"] = [f"{spec.where} x{spec.weight:g}" for spec in training.rewards]
         if "environment" in values:
             values["environment"] = None if training.environment is None else training.environment.describe()
         if "tools" in values:
@@ -120,6 +120,21 @@ def _rloo_settings(training) -> TypeSettings:
 
 def _kto_settings(training) -> TypeSettings:
     return KTOSettings(training.kto_beta, training.kto_desirable_weight, training.kto_undesirable_weight)
+
+
+def _reward_model_settings(training) -> TypeSettings:
+    return RewardModelSettings(training.center_rewards_coefficient)
+
+
+def _whole_model(training) -> Problem | None:
+    if training.lora_rank:
+        return (
+            "lora_rank",
+            training.lora_rank,
+            "0 with reward_model (its score head is a new layer that trains whole; train the reward model without "
+            "adapters)",
+        )
+    return None
 
 
 def _mismatched_pairs(training) -> Problem | None:
@@ -207,8 +222,19 @@ KTO = TrainType(
     checks=(_mismatched_pairs,),
 )
 
+REWARD_MODEL = TrainType(
+    "reward_model",
+    "dpo",
+    "pairs",
+    "pairs",
+    rows_per_unit=2,
+    keys=("center_rewards_coefficient",),
+    settings=_reward_model_settings,
+    checks=(_whole_model,),
+)
+
 TRAIN_TYPES: dict[str, TrainType] = {
-    entry.name: entry for entry in (SEQ, SFT, DPO, GRPO, ONLINE_GRPO, ONLINE_DPO, ONLINE_RLOO, KTO)
+    entry.name: entry for entry in (SEQ, SFT, DPO, GRPO, ONLINE_GRPO, ONLINE_DPO, ONLINE_RLOO, KTO, REWARD_MODEL)
 }
 """Every train type, by name, in the order the docs list them."""
 TYPE_KEYS = sorted({key for entry in TRAIN_TYPES.values() for key in entry.keys})

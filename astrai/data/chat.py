@@ -244,6 +244,17 @@ class RecordEncoder:
             ),
         ]
 
+    def pair_fields(self, record) -> list[str]:
+        """A DPO record's line for the fields file of each of its two sequences: its ``margin`` (TRL's reward model
+        column: the chosen answer's lead its reward should keep over the rejected one's), when it gives one."""
+        margin = record.get("margin")
+        if margin is None:
+            return ["{}", "{}"]
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+            raise RecordError(f"field 'margin' holds {margin!r}: expected a finite number (or no margin)")
+        line = json.dumps({"margin": float(margin)})
+        return [line, line]
+
     def prompt(self, record) -> tuple[list[int], str]:
         """A prompt record: its token ids, and its line for the fields file (the prompt's text and the other fields)."""
         if not isinstance(record, dict):

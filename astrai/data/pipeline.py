@@ -458,6 +458,7 @@ def _run_records(piece: Piece) -> PieceResult:
                         sequences, lines = [sequence], [line]
                     else:
                         sequences = encoder.encode(item.value)
+                        lines = encoder.pair_fields(item.value) if with_fields else []
                 except RecordError as error:
                     item = Bad(item.where, str(error))
             if isinstance(item, Bad):
@@ -581,8 +582,8 @@ class _ShardWriter:
                 tokens.write(ids.read(count * self.width))
                 masks.write(mask.read(count))
                 records.write(b"".join(length.to_bytes(4, "little") for length in unit))
-                if self.fields:
-                    self._handles[3].write(fields.readline())
+                if self.fields:  # a line per sequence of the unit (a DPO pair has two)
+                    self._handles[3].write(b"".join(fields.readline() for _ in unit))
                 self.shards[-1]["num_records"] += len(unit)
                 self._count(count)
 

@@ -40,6 +40,7 @@ from astrai.common.configfile import ConfigError
 from astrai.common.contract import METRIC_TIME, METRICS_FILE
 from astrai.common.errors import AstraiError
 from astrai.common.metrics import MetricsFile
+from astrai.common.reward_specs import functions_of
 from astrai.common.values import local_time
 from astrai.host import compose, engine, launch, preflight, slurm, slurm_script, timer
 from astrai.host.environment_checks import agent_problem, answer_problem
@@ -224,9 +225,11 @@ def start_lock(runtime: Runtime, *, wait: bool = False):
 def _check_rewards_in_image(runtime: Runtime, trainer_args: list[str]) -> None:
     """The reward functions imported in the image just built, before the trainer's container starts."""
     config = check_trainer_config(runtime, trainer_args)
-    if not config.training.kind.online or not config.training.rewards:
+    functions = functions_of(config.training.rewards if config.training.kind.online else ())
+    functions += functions_of(config.log.eval_rewards or () if config.log.eval_prompts is not None else ())
+    if not functions:
         return
-    failures = import_in_image(runtime, config.training.rewards)
+    failures = import_in_image(runtime, tuple(dict.fromkeys(functions)))
     if failures:
         lines = "\n  ".join(failures)
         raise JobError(f"the reward functions do not import in the trainer image:\n  {lines}\nthe job was not started")

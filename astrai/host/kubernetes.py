@@ -81,15 +81,15 @@ def object_name(job_name: str) -> str:
 
 def render_manifests(runtime: Runtime, trainer_args: list[str] = (), *, trainjob: bool = False) -> list[dict]:
     """Every object of the job, in the order `kubectl apply` should create them."""
-    settings = _settings(runtime)
+    settings = kubernetes_settings(runtime)
     name = object_name(runtime.job_name)
-    config = _config_map(runtime, name)
+    config = config_map(runtime, name)
     if trainjob:
         return [config, _trainjob(runtime, name, list(trainer_args))]
     service = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(runtime, name),
+        "metadata": metadata(runtime, name),
         "spec": {
             "clusterIP": "None",
             # Node 0's name must resolve before its pod is ready: the others look it up while it starts.
@@ -98,19 +98,19 @@ def render_manifests(runtime: Runtime, trainer_args: list[str] = (), *, trainjob
             "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT}],
         },
     }
-    env = _environment(runtime, trainer_args)
+    env = environment(runtime, trainer_args)
     env += [
         _from_field(ENV_NODE_RANK, f"metadata.annotations['{INDEX_ANNOTATION}']"),
         {"name": ENV_RDZV_ENDPOINT, "value": f"{name}-0.{name}.{settings.namespace}.svc:{RENDEZVOUS_PORT}"},
         _from_field(ENV_RDZV_ID, f"metadata.labels['{CONTROLLER_UID_LABEL}']"),
     ]
-    pod = _pod_spec(runtime, name, CONTAINER_NAME, env, list(trainer_args))
+    pod = pod_spec(runtime, name, CONTAINER_NAME, env, list(trainer_args))
     pod["subdomain"] = name
     pod["restartPolicy"] = "Never"
     job = {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": _metadata(runtime, name),
+        "metadata": metadata(runtime, name),
         "spec": {
             "completionMode": "Indexed",
             "completions": runtime.node_count,
@@ -151,7 +151,7 @@ def dump_manifests(runtime: Runtime, objects: list[dict]) -> str:
     return header + body
 
 
-def _settings(runtime: Runtime):
+def kubernetes_settings(runtime: Runtime):
     settings = runtime.kubernetes
     if settings is None:
         raise KubernetesError(
@@ -185,11 +185,11 @@ def _settings(runtime: Runtime):
     return settings
 
 
-def _metadata(runtime: Runtime, name: str) -> dict:
+def metadata(runtime: Runtime, name: str) -> dict:
     return {"name": name, "namespace": runtime.kubernetes.namespace, "labels": {LABEL_JOB: runtime.job_name}}
 
 
-def _config_map(runtime: Runtime, name: str) -> dict:
+def config_map(runtime: Runtime, name: str) -> dict:
     """train.yaml as the pods' trainer reads it: its trainer sections only, written anew. The host's ``runtime:``
     block and the file's comments (an old token in a comment, say) are not published to the cluster."""
     trainer_sections(runtime.config_path)  # refuses what the trainer would refuse, before anything is written
@@ -199,26 +199,27 @@ def _config_map(runtime: Runtime, name: str) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(runtime, f"{name}-config"),
+        "metadata": metadata(runtime, f"{name}-config"),
         "data": {CONFIG_KEY: text},
     }
 
 
-def _literal(text: str) -> str:
+def literal(text: str) -> str:
     """A string Kubernetes passes on as written: it expands ``$(VAR)`` in a container's env values, command and
     args, and ``$$(`` is its escape for a literal ``$(``."""
     return text.replace("$(", "$$(")
 
 
-def _environment(runtime: Runtime, trainer_args: list[str] | tuple[str, ...] = ()) -> list[dict]:
+def environment(runtime: Runtime, trainer_args: list[str] | tuple[str, ...] = ()) -> list[dict]:
     """The container's environment as the Docker job has it, minus what each pod takes from Kubernetes."""
     # Each pod's rank and the rendezvous come from the Job (below); the device plugin decides which GPUs it sees.
     spec = launch.scheduler_spec(runtime, trainer_args)
     env = spec.environment
     # A pod stopped short of the end (an eviction, a drain, a preemption) exits non-zero, and is retried.
     env[ENV_STOPPED_EXIT_CODE] = str(EXIT_STOPPED_UNFINISHED)
-    # The trackers' variables come from the job's Secret, by name; a key the Secret lacks is left unset.
-    secret = {name for name in launch.tracker_environment(spec.trackers) if env.get(name) is None}
+    # The trackers' variables and the judges' keys come from the job's Secret, by name; a key the Secret lacks is
+    # left unset.
+    secret = {name for name in spec.secrets if env.get(name) is None}
     passed = [key for key, value in env.items() if value is None and key not in secret]
     if passed:
         raise KubernetesError(
@@ -226,7 +227,7 @@ def _environment(runtime: Runtime, trainer_args: list[str] | tuple[str, ...] = (
             "which a pod does not have; give it a value (or a Secret by editing the manifest)"
         )
     return [
-        _from_secret(key, tracker_secret_name(runtime)) if key in secret else {"name": key, "value": _literal(value)}
+        _from_secret(key, tracker_secret_name(runtime)) if key in secret else {"name": key, "value": literal(value)}
         for key, value in sorted(env.items())
     ]
 
@@ -258,7 +259,7 @@ def _volume_mount(mount: launch.Mount) -> dict:
     return entry
 
 
-def _pod_spec(runtime: Runtime, name: str, container: str, env: list[dict], trainer_args: list[str]) -> dict:
+def pod_spec(runtime: Runtime, name: str, container: str, env: list[dict], trainer_args: list[str]) -> dict:
     settings = runtime.kubernetes
     uid, gid = host_user_ids()
     if uid == 0:
@@ -282,7 +283,7 @@ def _pod_spec(runtime: Runtime, name: str, container: str, env: list[dict], trai
         ],
     }
     if trainer_args:
-        trainer["args"] = [_literal(arg) for arg in trainer_args]
+        trainer["args"] = [literal(arg) for arg in trainer_args]
     resources = _resources(runtime)
     if resources:
         trainer["resources"] = resources
@@ -332,17 +333,17 @@ def _trainjob(runtime: Runtime, name: str, trainer_args: list[str]) -> dict:
             f"{runtime.config_path}: runtime.environments: a TrainJob's runtime owns its pods' containers, so the "
             "server environments cannot join them; render the Indexed Job (without --trainjob)"
         )
-    pod = _pod_spec(runtime, name, TRAINJOB_CONTAINER, [], trainer_args)
+    pod = pod_spec(runtime, name, TRAINJOB_CONTAINER, [], trainer_args)
     container = pod["containers"][0]
     trainer = {
         "image": runtime.kubernetes.image,
         "command": ["python3", "-m", "astrai.trainer.entrypoint"],
         "numNodes": runtime.node_count,
         # No ENV_STOPPED_EXIT_CODE: a TrainJob's runtime has no failure policy that would retry an exit of 76.
-        "env": [item for item in _environment(runtime, trainer_args) if item["name"] != ENV_STOPPED_EXIT_CODE],
+        "env": [item for item in environment(runtime, trainer_args) if item["name"] != ENV_STOPPED_EXIT_CODE],
     }
     if trainer_args:
-        trainer["args"] = [_literal(arg) for arg in trainer_args]
+        trainer["args"] = [literal(arg) for arg in trainer_args]
     if container.get("resources"):
         trainer["resourcesPerNode"] = container["resources"]
     patch = {
@@ -360,7 +361,7 @@ def _trainjob(runtime: Runtime, name: str, trainer_args: list[str]) -> dict:
     return {
         "apiVersion": TRAINJOB_API,
         "kind": "TrainJob",
-        "metadata": _metadata(runtime, name),
+        "metadata": metadata(runtime, name),
         "spec": {
             "runtimeRef": {
                 "name": TRAINJOB_RUNTIME,

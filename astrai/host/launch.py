@@ -45,7 +45,7 @@ from astrai.common.contract import (
     TRACKER_SECRETS,
 )
 from astrai.host.runtime import INTERFACE_VARIABLES, EnvironmentServer, Runtime
-from astrai.host.trainer_config import model_packages_of, trackers_of
+from astrai.host.trainer_config import judges_of, model_packages_of, trackers_of
 
 SCHEDULER_GIVEN = (ENV_NODE_RANK, ENV_RDZV_ENDPOINT, ENV_RDZV_ID)
 """What each node's container gets from the scheduler that starts it, never from the spec (and, for a GPU job,
@@ -74,6 +74,11 @@ class LaunchSpec:
     packages: tuple[str, ...] = ()
     """What the image installs for the job's model: transformers when it trains through it (model.backend), torchao
     for an NF4 base (training.lora_base_dtype)."""
+    secrets: tuple[str, ...] = ()
+    """Variables the container gets by name, never by value: the trackers' (:data:`TRACKER_SECRETS`) and the remote
+    judges' keys (``api_key_env``)."""
+    judges: tuple[str, ...] = ()
+    """The remote judges' addresses (training.rewards, log.eval_rewards): servers the trainer asks, like a tracker's."""
 
 
 ENVIRONMENT_SERVICE = "env-{name}"
@@ -161,15 +166,21 @@ def scheduler_environment(runtime: Runtime) -> dict[str, str | None]:
 
 
 def node_spec(runtime: Runtime, trainer_args: list[str] | tuple[str, ...] = ()) -> LaunchSpec:
-    trackers = trackers_of(runtime, trainer_args)
-    env = {**tracker_environment(trackers), **container_environment(runtime)}
-    return LaunchSpec(mounts(runtime), env, tuple(trainer_args), trackers, model_packages_of(runtime, trainer_args))
+    return _spec(runtime, trainer_args, container_environment(runtime))
 
 
 def scheduler_spec(runtime: Runtime, trainer_args: list[str] | tuple[str, ...] = ()) -> LaunchSpec:
-    trackers = trackers_of(runtime, trainer_args)
-    env = {**tracker_environment(trackers), **scheduler_environment(runtime)}
-    return LaunchSpec(mounts(runtime), env, tuple(trainer_args), trackers, model_packages_of(runtime, trainer_args))
+    return _spec(runtime, trainer_args, scheduler_environment(runtime))
+
+
+def _spec(runtime: Runtime, trainer_args, environment: dict[str, str | None]) -> LaunchSpec:
+    trackers, judges = trackers_of(runtime, trainer_args), judges_of(runtime, trainer_args)
+    keys = [judge.api_key_env for judge in judges if judge.api_key_env is not None]
+    secrets = tuple(dict.fromkeys([*tracker_environment(trackers), *keys]))
+    env = {**{name: None for name in secrets}, **environment}
+    packages = model_packages_of(runtime, trainer_args)
+    urls = tuple(judge.url for judge in judges)
+    return LaunchSpec(mounts(runtime), env, tuple(trainer_args), trackers, packages, secrets, urls)
 
 
 def tracker_environment(trackers: tuple[str, ...]) -> dict[str, None]:

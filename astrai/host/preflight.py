@@ -78,6 +78,8 @@ from astrai.common.values import format_bytes
 from astrai.host import compose, engine
 from astrai.host.checklist import FAIL, PASS, SKIP, WARN, Check
 from astrai.host.environment_checks import agent_checks, environment_checks
+from astrai.host.eval_checks import evaluation_check
+from astrai.host.harness import harness_check
 from astrai.host.hostuser import host_user_ids
 from astrai.host.reward_checks import reward_checks
 from astrai.host.runtime import JOB_DIR_ROOM, Runtime, split_endpoint
@@ -120,10 +122,12 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = (), *, this_host: boo
             checks.append(_resume_check(runtime, latest, config, data))
         if config is not None and config.training.kind.reference:
             checks.append(_reference_check(runtime, config, model, data))
+        if config is not None and (evaluation := evaluation_check(runtime, config, data, model)) is not None:
+            checks.append(evaluation)
         if config is not None:
             checks += tracker_checks(runtime, config)
             if this_host:
-                checks += reward_checks(runtime, config)
+                checks += reward_checks(runtime, config, _plan_or_none(runtime, config))
         if this_host:
             checks += agent_checks(runtime, config, trainer_args)
             checks += environment_checks(runtime, config)
@@ -138,6 +142,7 @@ def run_checks(runtime: Runtime, trainer_args: list[str] = (), *, this_host: boo
             checks.append(_gpu_indices_check(runtime))
         checks.append(_compose_config_check(runtime))
         checks.append(_image_torch_check(runtime))
+        checks += [check for check in (harness_check(runtime),) if check is not None]
     return checks
 
 
@@ -596,6 +601,14 @@ def _gpus() -> list[tuple[str, int, tuple[int, int]]]:
     return gpus
 
 
+def _plan_or_none(runtime: Runtime, config: TrainerConfig) -> RunPlan | None:
+    """The container's plan, or None where it cannot be resolved (the line that says why is elsewhere)."""
+    try:
+        return container_plan(runtime, config, at_least_one=True)
+    except ConfigError:
+        return None
+
+
 def container_plan(runtime: Runtime, config: TrainerConfig, at_least_one: bool = False) -> RunPlan:
     """The run plan the trainer will resolve in the container: its device type and world size (counted with
     nvidia-smi when the runtime leaves them to the GPUs; ``at_least_one``: one when it counts none). ConfigError
@@ -937,7 +950,7 @@ def _trainer_config_check(runtime: Runtime, trainer_args: list[str]) -> tuple[Tr
             fix_hint(error, runtime),
         )
     given = f" with {shlex.join(trainer_args)}" if trainer_args else ""
-    note = ignored_keys_note(config.training)
+    note = ignored_keys_note(config.training, config.log)
     found = f"model/data/parallel/training/ckpt/log sections are valid{given}" + (f"; note: {note}" if note else "")
     return config, Check(PASS, TRAINER_CONFIG, found)
 

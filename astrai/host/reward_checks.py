@@ -12,12 +12,18 @@ before the trainer's container starts, so a reward that does not import never co
 from __future__ import annotations
 
 import json
+import os
+import urllib.parse
 from pathlib import PurePosixPath
 
+from astrai.common.backends import BACKEND_TRANSFORMERS, folder_model_type, resolve_backend
 from astrai.common.config import TrainerConfig
-from astrai.common.reward_specs import RewardSpec
+from astrai.common.contract import MODEL_CONFIG_FILE
+from astrai.common.model_folder import ModelConfig, ModelLoadError, num_parameters
+from astrai.common.reward_specs import JudgeSpec, ModelRewardSpec, RewardSpec, functions_of
+from astrai.common.values import format_bytes
 from astrai.host import compose, engine
-from astrai.host.checklist import FAIL, PASS, SKIP, Check
+from astrai.host.checklist import FAIL, PASS, SKIP, WARN, Check
 from astrai.host.hostuser import host_user_ids
 from astrai.host.launch import mounts
 from astrai.host.runtime import Runtime
@@ -41,11 +47,17 @@ print(json.dumps(found))
 """
 
 
-def reward_checks(runtime: Runtime, config: TrainerConfig) -> list[Check]:
-    """The rewards' lines of the checklist (none for a train type that takes no reward functions)."""
-    specs = config.training.rewards
-    if not config.training.kind.online or not specs:
-        return []
+def reward_checks(runtime: Runtime, config: TrainerConfig, plan=None) -> list[Check]:
+    """The rewards' lines of the checklist (none for a run that scores nothing): the functions', each reward model's
+    and each remote judge's (``plan``: the run plan in the container, for a reward model's memory)."""
+    used = config.rewards_in_use()
+    lines = [model_check(runtime, spec, plan) for spec in used if isinstance(spec, ModelRewardSpec)]
+    lines += [judge_check(spec) for spec in used if isinstance(spec, JudgeSpec)]
+    specs = functions_of(used)
+    return (_function_checks(runtime, specs) if specs else []) + lines
+
+
+def _function_checks(runtime: Runtime, specs: tuple[RewardSpec, ...]) -> list[Check]:
     problems = [problem for spec in specs if (problem := file_problem(runtime, spec)) is not None]
     if problems:
         fix = "put the file in runtime.paths.data and name it /data/..."
@@ -129,3 +141,61 @@ def import_in_image(runtime: Runtime, specs: tuple[RewardSpec, ...]) -> list[str
 
 def _named(specs) -> str:
     return ", ".join(f"{spec.name} ({spec.source})" for spec in specs)
+
+
+def model_check(runtime: Runtime, spec: ModelRewardSpec, plan=None) -> Check:
+    """A reward model's line: the folder in a mount, a sequence classifier of one label, and what it holds in memory
+    on each device of the job (bfloat16 on a GPU, float32 on a CPU; sharded under FSDP)."""
+    where = f"training.rewards: model {spec.model}"
+    folder = host_path(runtime, spec.model)
+    if folder is None:
+        mounted = ", ".join(f"runtime.paths.{m.key} at {m.target}" for m in mounts(runtime) if m.key != "config")
+        return Check(FAIL, NAME, f"{where} is in no folder the container mounts ({mounted})")
+    model_type = folder_model_type(folder)
+    if model_type is None:
+        return Check(FAIL, NAME, f"{where}: {folder / MODEL_CONFIG_FILE} is missing or has no model_type")
+    if resolve_backend("auto", model_type) == BACKEND_TRANSFORMERS:
+        return Check(
+            PASS, NAME, f"{where}: {model_type} classifier, scored through transformers (the image installs it)"
+        )
+    try:
+        model = ModelConfig.load(folder)
+    except ModelLoadError as error:
+        return Check(FAIL, NAME, f"{where}: {error}")
+    if model.num_labels != 1:
+        what = "a causal language model" if model.num_labels is None else f"a classifier of {model.num_labels} labels"
+        fix = "train one with train_type reward_model, or give an XForSequenceClassification folder of one label"
+        return Check(FAIL, NAME, f"{where} is {what}, not a sequence classifier of one label", fix)
+    parameters = num_parameters(model)
+    gpu = plan is not None and plan.device_type == "cuda"
+    share = plan.batch.world_size if plan is not None and plan.parallel_mode == "fsdp" else 1
+    held = parameters * (2 if gpu else 4) // share
+    per = f"on each of {share} ranks (FSDP)" if share > 1 else "on each process"
+    dtype = "bfloat16" if gpu else "float32"
+    return Check(
+        PASS,
+        NAME,
+        f"{where}: {model_type} classifier of {parameters:,} parameters, {format_bytes(held)} {per} ({dtype})",
+    )
+
+
+def judge_check(spec: JudgeSpec) -> Check:
+    """A remote judge's line: its key's variable set in this shell (the container gets it from here, by name), and an
+    address a container can reach."""
+    where = f"training.rewards: judge {spec.name} ({spec.url})"
+    if spec.api_key_env is not None and not os.environ.get(spec.api_key_env):
+        return Check(
+            FAIL,
+            NAME,
+            f"{where}: its key's variable {spec.api_key_env} (api_key_env) is not set in this shell",
+            f"export {spec.api_key_env}=... before invoke (the container gets it by name; it is never written down)",
+        )
+    host = urllib.parse.urlsplit(spec.url).hostname
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return Check(
+            WARN,
+            NAME,
+            f"{where}: {host} inside the container is the container itself; a judge on this host is at "
+            f"{compose.DOCKER_HOST_NAME} (on a job of several nodes, at localhost)",
+        )
+    return Check(PASS, NAME, f"{where}: {spec.kind}, at most {spec.max_in_flight} requests at once")

@@ -100,7 +100,7 @@ def submit(runtime: Runtime, trainer_args: list[str]) -> tuple[Submission, str]:
         check_not_submitted(runtime)
         path = folder / SCRIPT_NAME
         write_text_atomically(path, script, 0o700)
-        result = _slurm(["sbatch", str(path)])
+        result = run_slurm(["sbatch", str(path)])
         if result.returncode != 0:
             raise SlurmError(f"sbatch refused the job (exit {result.returncode}): {result.stderr.strip()}")
         line = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
@@ -137,7 +137,7 @@ def _submit_lock(runtime: Runtime):
         yield
 
 
-def _slurm(command: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+def run_slurm(command: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
     if shutil.which(command[0]) is None:
         raise SlurmError(f"{command[0]} is not installed here: run this on a host of the Slurm cluster (a login node)")
     try:
@@ -148,7 +148,7 @@ def _slurm(command: list[str], timeout: float = 30) -> subprocess.CompletedProce
 
 def query_job(job_id: int) -> SlurmJob:
     """The job's state from ``scontrol show job`` (None once Slurm forgot it, MinJobAge after its end)."""
-    result = _slurm(["scontrol", "show", "job", "--oneliner", str(job_id)])
+    result = run_slurm(["scontrol", "show", "job", "--oneliner", str(job_id)])
     if result.returncode != 0:
         if "Invalid job id" in result.stderr:
             return SlurmJob(job_id, None)
@@ -243,7 +243,7 @@ def follow_output(runtime: Runtime, tail: str, follow: bool, poll: float = 0.5) 
 def stop_submitted(runtime: Runtime, job: SlurmJob, say=print) -> None:
     """`invoke stop` of a submitted job: a graceful stop on every node, no requeue; wait until it ended."""
     if job.state in NOT_STARTED_STATES:
-        result = _slurm(["scancel", str(job.job_id)])
+        result = run_slurm(["scancel", str(job.job_id)])
         if result.returncode != 0:
             raise SlurmError(f"scancel {job.job_id} failed: {result.stderr.strip()}")
         say(f"Slurm job {job.job_id} was {job.state} (nothing ran yet); cancelled it")
@@ -253,7 +253,7 @@ def stop_submitted(runtime: Runtime, job: SlurmJob, say=print) -> None:
         f"{runtime.stop_timeout_seconds} s for the emergency checkpoint; no requeue"
     )
     started, asked = time.monotonic(), time.time()
-    result = _slurm(["scancel", "--batch", "--signal=USR2", str(job.job_id)])
+    result = run_slurm(["scancel", "--batch", "--signal=USR2", str(job.job_id)])
     if result.returncode != 0:
         raise SlurmError(f"scancel --batch --signal=USR2 {job.job_id} failed: {result.stderr.strip()}")
     deadline = started + runtime.stop_timeout_seconds + SIGNAL_MARGIN_SECONDS + 60
@@ -297,7 +297,7 @@ def _submit_checks(runtime: Runtime):
                 "submit from a login node of the cluster, where the Slurm client commands are installed",
             )
         ]
-    reply = _slurm(["scontrol", "ping"], timeout=15)
+    reply = run_slurm(["scontrol", "ping"], timeout=15)
     if reply.returncode != 0 or "UP" not in reply.stdout:
         return [
             Check(
@@ -311,7 +311,7 @@ def _submit_checks(runtime: Runtime):
     partition = _partition(settings.partition)
     if partition is None:
         name = settings.partition or "(the default)"
-        known = _slurm(["sinfo", "--noheader", "--format=%R"]).stdout.split()
+        known = run_slurm(["sinfo", "--noheader", "--format=%R"]).stdout.split()
         return checks + [
             Check(
                 FAIL,
@@ -342,7 +342,7 @@ def _submit_checks(runtime: Runtime):
 
 
 def _partition(name: str | None) -> dict | None:
-    result = _slurm(["scontrol", "show", "partition", "--oneliner", *([name] if name else [])])
+    result = run_slurm(["scontrol", "show", "partition", "--oneliner", *([name] if name else [])])
     if result.returncode != 0:
         return None
     for line in result.stdout.splitlines():
@@ -389,7 +389,7 @@ def _time_check(runtime: Runtime, time_limit: str | None, partition: dict):
 
 def _kill_wait_check(runtime: Runtime):
     """A plain scancel leaves the stop KillWait seconds before SIGKILL: say so when the stop may need longer."""
-    config = _slurm(["scontrol", "show", "config"]).stdout
+    config = run_slurm(["scontrol", "show", "config"]).stdout
     match = re.search(r"^KillWait\s*=\s*(\d+)", config, re.MULTILINE)
     if match is None:
         return Check(PASS, "kill wait", "KillWait unknown; `invoke stop` leaves the stop its whole time")
@@ -407,7 +407,7 @@ def _kill_wait_check(runtime: Runtime):
 
 
 def _gpu_check(partition: str, gpus: int):
-    result = _slurm(["sinfo", "--noheader", f"--partition={partition}", "--Node", "--format=%G"])
+    result = run_slurm(["sinfo", "--noheader", f"--partition={partition}", "--Node", "--format=%G"])
     best = 0
     for gres in result.stdout.split():
         for match in re.finditer(r"gpu(?::[^:,(]+)?:(\d+)", gres):

@@ -238,7 +238,7 @@ first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 address=$(scontrol show node "$first" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p' | head -n 1)
 export {ENV_RDZV_ENDPOINT}="${{address:-$first}}:{rendezvous_port("SLURM_JOB_ID")}"
 export {ENV_RDZV_ID}="slurm-$SLURM_JOB_ID"
-{_exports(runtime, trainer_args)}
+{exports(runtime, trainer_args)}
 # Every stop is graceful: each task gets SIGTERM, finishes its step, and the job writes one emergency checkpoint.
 reason=""
 stop_tasks() {{
@@ -322,7 +322,7 @@ def _in_image_command(trainer_args: list[str]) -> list[str]:
     ]
 
 
-def _mount_list(runtime: Runtime) -> str:
+def mount_list(runtime: Runtime) -> str:
     """The spec's mounts as pyxis' --container-mounts and apptainer's --bind take them."""
     return ",".join(
         f"{mount.source}:{mount.target}{':ro' if mount.read_only else ''}" for mount in launch.mounts(runtime)
@@ -330,8 +330,8 @@ def _mount_list(runtime: Runtime) -> str:
 
 
 def _pyxis_task(runtime: Runtime, trainer_args: list[str], _python: str) -> tuple[str, str]:
-    image = _image(runtime)
-    mounts = _mount_list(runtime)
+    image = image_of(runtime)
+    mounts = mount_list(runtime)
     container = [f"--container-image={image}", f"--container-mounts={mounts}", "--no-container-mount-home"]
     command = [*_srun(runtime), *container, *_in_image_command(trainer_args)]
     finished = [
@@ -348,15 +348,15 @@ def _pyxis_task(runtime: Runtime, trainer_args: list[str], _python: str) -> tupl
 
 
 def _apptainer_task(runtime: Runtime, trainer_args: list[str], _python: str) -> tuple[str, str]:
-    image = _image(runtime)
-    binds = _mount_list(runtime)
+    image = image_of(runtime)
+    binds = mount_list(runtime)
     exec_ = ["apptainer", "exec", *(["--nv"] if runtime.uses_gpu else []), "--contain", "--bind", binds, image]
     command = [*_srun(runtime), *exec_, *_in_image_command(trainer_args)]
     finished = [*exec_, "python3", "-m", "astrai.common.finished", container_job_dir(runtime.job_name)]
     return shlex.join(command), shlex.join(finished)
 
 
-def _exports(runtime: Runtime, trainer_args: list[str] | tuple[str, ...] = ()) -> str:
+def exports(runtime: Runtime, trainer_args: list[str] | tuple[str, ...] = ()) -> str:
     """The container's environment as exports, for the launchers that run the image inside the task.
 
     The docker launcher renders it per node (as `invoke start` does), so it needs none here. Slurm itself
@@ -375,7 +375,7 @@ def _exports(runtime: Runtime, trainer_args: list[str] | tuple[str, ...] = ()) -
     return "\n".join(lines) + "\n"
 
 
-def _image(runtime: Runtime) -> str:
+def image_of(runtime: Runtime) -> str:
     settings = slurm_settings(runtime)
     image = settings.image or (runtime.kubernetes.image if runtime.kubernetes is not None else None)
     if image is None:

@@ -19,6 +19,11 @@ from astrai.common.contract import (
     METRIC_COMPLETION_CLIPPED,
     METRIC_COMPLETION_LENGTH,
     METRIC_ETA_S,
+    METRIC_EVAL_COMPLETION_LENGTH,
+    METRIC_EVAL_PASS_AT_K,
+    METRIC_EVAL_PREFIX,
+    METRIC_EVAL_REWARD,
+    METRIC_EVAL_UNSCORED,
     METRIC_FRAC_REWARD_ZERO_STD,
     METRIC_LOSS,
     METRIC_MAX_ALLOCATED_GIB,
@@ -43,6 +48,7 @@ from astrai.common.metrics import MetricsFile, TrackerRun, read_runs
 from astrai.common.model_folder import ModelConfig, ModelLoadError, num_adapter_parameters, num_parameters
 from astrai.common.values import format_duration, local_time
 from astrai.host import compose, engine, preflight, slurm, timer
+from astrai.host.harness import describe_results, results_of
 from astrai.host.runtime import Runtime, check_paths
 
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
@@ -72,6 +78,10 @@ class JobStatus:
     """The submitted Slurm job's state in words, for a job with runtime.slurm that was submitted."""
     trackers: dict[str, TrackerRun] = field(default_factory=dict)
     """The MLflow and W&B runs the job reports to (log.report_to), from the job dir."""
+    latest_eval: dict | None = None
+    """The newest record holding the generative evaluation's figures (log.eval_prompts)."""
+    harness: list[dict] = field(default_factory=list)
+    """`invoke eval`'s results files (``<job dir>/eval/*.json``), by their checkpoint's step."""
 
     @property
     def running(self) -> bool:
@@ -109,6 +119,8 @@ def job_status(runtime: Runtime) -> JobStatus:
         timer=timer.read_timer(compose.state_dir(runtime)),
         slurm=slurm.status_line(runtime),
         trackers=read_runs(runtime.job_dir),
+        latest_eval=metrics.latest(METRIC_EVAL_PASS_AT_K),
+        harness=results_of(runtime),
     )
 
 
@@ -137,6 +149,28 @@ def _grpo_summary(record: dict) -> str:
 
 
 REWARD_PREFIX = METRIC_REWARD_OF.format(name="")
+EVAL_OWN = (METRIC_EVAL_REWARD, METRIC_EVAL_PASS_AT_K, METRIC_EVAL_COMPLETION_LENGTH, METRIC_EVAL_UNSCORED)
+
+
+def evaluation_line(record: dict) -> str:
+    """The generative evaluation's figures of a record: the mean reward (and each reward's), pass@k, the length."""
+    parts = []
+    if _number(record, METRIC_EVAL_REWARD):
+        parts.append(f"reward {record[METRIC_EVAL_REWARD]:.4f}")
+        each = [
+            f"{key.removeprefix(METRIC_EVAL_PREFIX)} {value:.4f}"
+            for key, value in sorted(record.items())
+            if key.startswith(METRIC_EVAL_PREFIX) and key not in EVAL_OWN and _number(record, key)
+        ]
+        if each:
+            parts[-1] += f" ({', '.join(each)})"
+    else:
+        parts.append("no completion scored")
+    if _number(record, METRIC_EVAL_PASS_AT_K):
+        parts.append(f"pass@k {record[METRIC_EVAL_PASS_AT_K]:.0%}")
+    if _number(record, METRIC_EVAL_COMPLETION_LENGTH):
+        parts.append(f"completions of {record[METRIC_EVAL_COMPLETION_LENGTH]:.1f} tokens")
+    return ", ".join(parts) + f" at step {record.get(METRIC_STEP)}"
 
 
 def format_status(status: JobStatus) -> list[str]:
@@ -171,6 +205,8 @@ def format_status(status: JobStatus) -> list[str]:
         )
     if _number(record, METRIC_REWARD):
         lines.append(f"rewards     {_grpo_summary(record)}")
+    if status.latest_eval is not None:
+        lines.append(f"evaluation  {evaluation_line(status.latest_eval)}")
     per_source = record.get(METRIC_TOKENS_PER_SOURCE)
     if isinstance(per_source, dict) and per_source:
         total = sum(value for value in per_source.values() if isinstance(value, int)) or 1
@@ -180,6 +216,8 @@ def format_status(status: JobStatus) -> list[str]:
             if isinstance(tokens, int)
         )
         lines.append(f"sources     {shown}")
+    for document in status.harness:
+        lines.append(f"eval        {describe_results(document)}")
     if status.latest is not None:
         reason = status.latest.meta.reason
         lines.append(f"latest      {status.latest.path} ({reason}; {status.checkpoints} checkpoint(s))")

@@ -28,6 +28,7 @@ from astrai.common.contract import (
     trainer_arguments,
 )
 from astrai.common.nf4 import NF4, TORCHAO_PACKAGE
+from astrai.common.reward_specs import JudgeSpec, ModelRewardSpec
 from astrai.host.runtime import Runtime
 
 _FLAGS = ("--dry-run",)
@@ -40,7 +41,11 @@ _MOUNTED = {
     "reference_path": ("model", CONTAINER_MODEL),
     # LoRA: a PEFT adapter folder to start from; null (new adapters) needs no mount.
     "adapter_path": ("model", CONTAINER_MODEL),
+    # The evaluation's prompts; null needs none, and a relative path is inside data_root_path.
+    "eval_prompts": ("data", CONTAINER_DATA),
 }
+_OPTIONAL = ("reference_path", "adapter_path", "eval_prompts")
+"""Keys whose null needs no mount."""
 
 
 def read_trainer_config(runtime: Runtime, user_args: list[str]) -> TrainerConfig:
@@ -125,8 +130,10 @@ def mount_problem(runtime: Runtime, key: str, value) -> str | None:
             f"lost when it exits; to keep them in another folder, change runtime.paths.checkpoints "
             f"(the job dir is <runtime.paths.checkpoints>/<runtime.job_name>)"
         )
-    if key not in _MOUNTED or (key in ("reference_path", "adapter_path") and value in (None, "null", "")):
+    if key not in _MOUNTED or (key in _OPTIONAL and value in (None, "null", "")):
         return None
+    if key == "eval_prompts" and isinstance(value, str) and not value.startswith("/"):
+        return None  # under data.data_root_path, which is checked itself
     runtime_key, mount = _MOUNTED[key]
     if isinstance(value, str) and _inside(value, mount):
         return None
@@ -169,25 +176,39 @@ def _pairs(user_args: list[str]) -> list[tuple[str, str]]:
 
 
 def model_packages_of(runtime: Runtime, user_args: list[str] | tuple[str, ...] = ()) -> tuple[str, ...]:
-    """What the image installs for this job's model: transformers when its plan trains through it (model.backend,
-    resolved for the model_type of runtime.paths.model), torchao when LoRA holds its base in NF4
-    (training.lora_base_dtype); for episodes (training.tools, training.environment) the chat template's and the
-    tokenizer's packages, and OpenEnv's client for a server environment; none where the config does not read or does
-    not fit."""
+    """What the image installs for this job's models: transformers when its plan trains through it (model.backend,
+    resolved for the model_type of runtime.paths.model), or when a reward model of training.rewards is of a family
+    the trainer does not compute; torchao when LoRA holds its base in NF4 (training.lora_base_dtype); for episodes
+    (training.tools, training.environment) the chat template's and the tokenizer's packages, and OpenEnv's client for a
+    server environment; none where the config does not read or does not fit."""
     try:
         config = read_trainer_config(runtime, list(user_args))
         folder = host_path(runtime, config.ckpt.param_path) or runtime.model_dir
         backend = resolve_backend(config.model.backend, folder_model_type(folder))
     except (ConfigError, ValueError):
         return ()
+    library = backend == BACKEND_TRANSFORMERS or any(
+        resolve_backend("auto", folder_model_type(found)) == BACKEND_TRANSFORMERS
+        for spec in config.rewards_in_use()
+        if isinstance(spec, ModelRewardSpec) and (found := host_path(runtime, spec.model)) is not None
+    )
     nf4 = config.training.lora_rank > 0 and config.training.lora_base_dtype == NF4
-    packages = (TRANSFORMERS_PACKAGE,) * (backend == BACKEND_TRANSFORMERS) + (TORCHAO_PACKAGE,) * nf4
+    packages = (TRANSFORMERS_PACKAGE,) * library + (TORCHAO_PACKAGE,) * nf4
     environment = config.training.environment
     if config.training.kind.online and config.training.episodes() is not None:
         packages += EPISODE_PACKAGES
         if environment is not None and environment.server is not None:
             packages += (OPENENV_PACKAGE,)
     return packages
+
+
+def judges_of(runtime: Runtime, user_args: list[str] | tuple[str, ...] = ()) -> tuple[JudgeSpec, ...]:
+    """This job's remote judges (training.rewards, log.eval_rewards); none where its config does not read."""
+    try:
+        config = read_trainer_config(runtime, list(user_args))
+    except ConfigError:
+        return ()
+    return tuple(spec for spec in config.rewards_in_use() if isinstance(spec, JudgeSpec))
 
 
 def trackers_of(runtime: Runtime, user_args: list[str] | tuple[str, ...] = ()) -> tuple[str, ...]:

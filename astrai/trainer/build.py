@@ -61,6 +61,7 @@ from astrai.trainer.objectives.kto import KTO, KTOExamples
 from astrai.trainer.objectives.online_dpo import OnlineDPO
 from astrai.trainer.objectives.prompts import Prompts, PromptSet, ScoredGroups
 from astrai.trainer.objectives.reference import check_same_reference, frozen_model, reference_table
+from astrai.trainer.objectives.reward_model import RewardModelObjective, RewardPairs, classifier_start
 from astrai.trainer.objectives.rloo import RLOO
 from astrai.trainer.objectives.rollouts import CompletionsLog, GivenRollouts, SampledRollouts
 from astrai.trainer.objectives.supervised import NextToken, Supervised
@@ -382,6 +383,9 @@ class RunParts:
     loaded: LoadedCheckpoint | None
     stop: GracefulStop
     """The run's stop request: a part that waits on user code (reward functions) gives up when one comes."""
+    rewards: dict = dataclasses.field(default_factory=dict)
+    """The rewards loaded so far, by their entry (:func:`loaded_rewards`): a reward model the objective and the
+    evaluation both score with is loaded once."""
 
     @property
     def model_config(self) -> ModelConfig:
@@ -403,7 +407,7 @@ ObjectiveBuilder = Callable[[RunParts], BuiltObjective]
 def build_objective(parts: RunParts) -> BuiltObjective:
     """The objective ``training.train_type`` names (its entry of :data:`TRAINER_TYPES`), with what it needs (a
     reference, a rollout source)."""
-    note = ignored_keys_note(parts.config.training)
+    note = ignored_keys_note(parts.config.training, parts.config.log)
     if note is not None:
         parts.log(f"note: {note}")
     return TRAINER_TYPES[parts.plan.train_type].objective(parts)
@@ -479,6 +483,48 @@ def _examples(data: RunData, records: Records, window: int, split: WindowSplit):
     return KTOExamples(records.index, records.units, window, split)
 
 
+def _scored_pairs(data: RunData, records: Records, window: int, split: WindowSplit):
+    return RewardPairs(records.index, records.units, window, split)
+
+
+def _reward_model(parts: RunParts) -> BuiltObjective:
+    parts.log(f"reward_model: {parts.plan.settings.describe()}")
+    return BuiltObjective(RewardModelObjective(parts.env, parts.plan.settings, parts.model_config.pad_token_id))
+
+
+def _classifier_start(start: Start, config: TrainerConfig) -> Start:
+    """A reward model's start from a causal language model: its weights with a score head in place of the output
+    projection (a checkpoint, or a folder that is a classifier already, starts as it is)."""
+    if not isinstance(start.model_config, ModelConfig):
+        raise SetupError(
+            f"train_type reward_model trains the families the trainer computes itself (model_type "
+            f"{start.model_config.model_type} goes through transformers); start from a native family's folder"
+        )
+    if start.model_config.num_labels is not None:
+        if start.model_config.num_labels != 1:
+            raise SetupError(
+                f"{start.source} is a sequence classifier of {start.model_config.num_labels} labels; a reward model "
+                "has one (start from a causal language model, or from a classifier of one label)"
+            )
+        return start
+    try:
+        config_, weights = classifier_start(start.model_config, start.weights, config.training.random_seed)
+    except ValueError as error:
+        raise SetupError(f"train_type reward_model: {error}") from None
+    return dataclasses.replace(start, model_config=config_, weights=weights)
+
+
+def typed_start(config: TrainerConfig, start: Start) -> Start:
+    """The weights the run starts from as its train type takes them (a reward model: with its score head)."""
+    adapt = TRAINER_TYPES[config.training.train_type].start
+    if adapt is None and getattr(start.model_config, "num_labels", None) is not None:
+        raise SetupError(
+            f"{start.source} is a sequence classifier (a reward model), which generates no text: train it with "
+            f"train_type reward_model, or start train_type {config.training.train_type} from a causal language model"
+        )
+    return start if adapt is None or start.weights is None else adapt(start, config)
+
+
 def _prompts(data: RunData, records: Records, window: int, split: WindowSplit):
     return PromptSet(records.units, split)
 
@@ -491,6 +537,8 @@ class TrainerType:
     records: Callable[[TrainerConfig, RunPlan, RunData, Log, ModelConfig], Records | None]
     dataset: Callable[[RunData, Records | None, int, WindowSplit], torch.utils.data.Dataset]
     objective: ObjectiveBuilder
+    start: Callable[[Start, TrainerConfig], Start] | None = None
+    """How it takes the weights it starts from, when not as they are (a reward model adds its score head)."""
 
 
 TRAINER_TYPES: dict[str, TrainerType] = {
@@ -502,14 +550,19 @@ TRAINER_TYPES: dict[str, TrainerType] = {
     "online_dpo": TrainerType(_prompt_records, _prompts, _online_dpo),
     "online_rloo": TrainerType(_prompt_records, _prompts, _rloo),
     "kto": TrainerType(_supervised_records, _examples, _kto),
+    "reward_model": TrainerType(_supervised_records, _scored_pairs, _reward_model, _classifier_start),
 }
 """Every train type's trainer side, by the names of astrai.common.train_types.TRAIN_TYPES (a test holds them equal)."""
 
 
 def _tokenizer(parts: RunParts):
+    return data_tokenizer(parts.records.index.data)
+
+
+def data_tokenizer(data: TokenData):
+    """The tokenizer a data folder was prepared with: its tokenizer.json, or bytes."""
     from astrai.data.tokenizing import ByteTokenizer, HFTokenizer
 
-    data = parts.records.index.data
     return ByteTokenizer() if data.tokenizer_sha256 is None else HFTokenizer(data.root / TOKENIZER_FILE)
 
 
@@ -518,10 +571,10 @@ def sampled_rollouts(parts: RunParts) -> SampledRollouts | EpisodeRollouts:
     functions of ``training.rewards`` score, the model's stop tokens end a completion; with tools or an environment,
     each rollout is an episode (:mod:`astrai.trainer.agents.episodes`)."""
     from astrai.trainer.generate import stop_tokens
-    from astrai.trainer.objectives.rewards import RewardLimits, load_reward
+    from astrai.trainer.objectives.rewards import RewardLimits
 
     env, plan, training, records = parts.env, parts.plan, parts.config.training, parts.records
-    rewards = [load_reward(spec) for spec in training.rewards]
+    rewards = loaded_rewards(parts, training.rewards)
     tokenizer = _tokenizer(parts)
     stop = stop_tokens(parts.model_config, parts.start.source, tokenizer)
     sampling = plan.sampling
@@ -568,6 +621,17 @@ def sampled_rollouts(parts: RunParts) -> SampledRollouts | EpisodeRollouts:
         autocast_for(plan),
         limits,
     )
+
+
+def loaded_rewards(parts: RunParts, specs) -> list:
+    """The rewards of ``specs`` (functions, reward models, remote judges), each loaded once for the run."""
+    from astrai.trainer.objectives.model_rewards import load_rewards
+
+    missing = [spec for spec in specs if spec not in parts.rewards]
+    parts.rewards.update(
+        zip(missing, load_rewards(missing, parts.env, autocast_for(parts.plan), parts.log), strict=True)
+    )
+    return [parts.rewards[spec] for spec in specs]
 
 
 def engine_sizes(parts: RunParts, longest_prompt: int) -> EngineSizes:

@@ -63,6 +63,7 @@ from astrai.trainer.distributed import (
     shutdown_distributed,
     world_from_environment,
 )
+from astrai.trainer.evaluation import open_evaluation
 from astrai.trainer.health import Diverged, DivergenceRecord
 from astrai.trainer.lora import parameter_counts
 from astrai.trainer.objectives.rewards import StepAbandoned
@@ -148,7 +149,7 @@ class Trainer:
         )
         data = build.open_run_data(config, env)
         notes = build.resume_notes(loaded, config, plan, data.digest)
-        start = build.read_start(config, plan, env, data, loaded)
+        start = build.typed_start(config, build.read_start(config, plan, env, data, loaded))
         self.model_config = start.model_config
         records = build.post_training_records(config, plan, data, self.log, start.model_config)
         feed = build.build_feed(config, env, data, start, plan.batch, records)
@@ -174,9 +175,10 @@ class Trainer:
         parts = build.RunParts(config, plan, env, self.log, start, records, feed, self.model, loaded, self.stop)
         built = objective(parts)
         self.objective = built.objective
-        self.parts = run_state(
-            self.progress, self.schedule, env, training.random_seed, self.log, **self.objective.parts()
-        )
+        self.evaluation = open_evaluation(parts, data.first)
+        """Generative evaluation in the loop (log.eval_prompts); None without."""
+        own = {**self.objective.parts(), **(self.evaluation.parts() if self.evaluation is not None else {})}
+        self.parts = run_state(self.progress, self.schedule, env, training.random_seed, self.log, **own)
         facts = build.run_facts(config, plan, data, built, start)
         self.checkpointer = self._checkpointer(facts, data, start)
         if env.watch is not None and env.master_process:
@@ -376,7 +378,7 @@ class Trainer:
         self.reporter.clock.restart(started)
         self._report_step, self._report_tokens = first_step, first_tokens
         self._loss_sum.zero_()
-        stopping = False
+        stopping = self._pending_evaluation()
         while self.progress.step < end and not stopping:
             try:
                 lr, grad_norm = self._compiled(self.train_step)
@@ -399,11 +401,18 @@ class Trainer:
                 who = self.stop.signal_name or "on another rank"
                 self.log(f"stop requested ({who}): stopping after step {self.progress.step}")
             step = self.progress.step
-            val_loss = None
+            val_loss = validated = evaluated = None
             if self.validator.due(step):
-                val_loss, self.validator.last_seconds = self._paused(self._validate)
-            if step % self.config.log.log_interval == 0 or step == self.max_steps or stopping or val_loss is not None:
-                self._report(lr, grad_norm, val_loss)
+                (val_loss, validated), self.validator.last_seconds = self._paused(self._validate)
+            if self.evaluation is not None and self.evaluation.due(step):
+                if stopping:  # a stop does not wait for it: the resumed run evaluates this step first
+                    self.evaluation.pending.step = step
+                else:
+                    evaluated = self._paused(self._evaluate)[0]
+                    stopping = evaluated is None
+            reported = val_loss is not None or evaluated is not None
+            if step % self.config.log.log_interval == 0 or step == self.max_steps or stopping or reported:
+                self._report(lr, grad_norm, val_loss, evaluated, validated)
             reason = self.checkpointer.reason_for(step, stopping)
             if reason is not None:
                 self._paused(functools.partial(self.save_checkpoint, reason))
@@ -452,8 +461,33 @@ class Trainer:
             progress.epoch, progress.samples_in_epoch = progress.epoch + 1, 0
             self._start_epoch()
 
-    def _validate(self) -> float:
+    def _validate(self) -> tuple[float, dict[str, float]]:
         return self.validator.run(self.model)
+
+    def _evaluate(self) -> dict | None:
+        """The evaluation of the model at this step, or None when a stop came during it (on every rank): it is then
+        still due, and the resumed run evaluates this step first."""
+        step = self.progress.step
+        try:
+            return self.evaluation.run(self.model, step)
+        except StepAbandoned:
+            who = self.stop.signal_name or "on another rank"
+            self.log(
+                f"stop requested ({who}) during the evaluation of step {step}: it is given up, the run stops after "
+                f"step {step} and evaluates it first when it resumes"
+            )
+            return None
+
+    def _pending_evaluation(self) -> bool:
+        """Evaluate the step the run stands at when its evaluation is due (the start's, log.eval_at_start, or one a
+        stop cut short) and report it; whether a stop came during it."""
+        if self.evaluation is None or self.evaluation.pending.step != self.progress.step:
+            return False
+        evaluated = self._paused(self._evaluate)[0]
+        if evaluated is None:
+            return True
+        self.reporter.report_evaluation(self.progress.step, self.progress.epoch, self.progress.tokens_seen, evaluated)
+        return False
 
     def _synchronize(self) -> None:
         if self.env.device.type == "cuda":
@@ -477,7 +511,14 @@ class Trainer:
             return extra
         return {**(extra or {}), **self.router_balance.report()}
 
-    def _report(self, lr: float, grad_norm: torch.Tensor | None, val_loss: float | None) -> None:
+    def _report(
+        self,
+        lr: float,
+        grad_norm: torch.Tensor | None,
+        val_loss: float | None,
+        evaluated: dict | None = None,
+        validated: dict | None = None,
+    ) -> None:
         """A progress report: the divergence check first, so a diverged step never reaches metrics.jsonl."""
         steps = self.progress.step - self._report_step
         loss = self.health.check(self.progress.step, self._loss_sum / (steps * self.grad_accum))
@@ -499,11 +540,15 @@ class Trainer:
             max_allocated_gib=memory,
             tokens_per_source=self.tokens_per_source(),
             extra=self._extra_metrics(),
+            evaluation=evaluated,
+            validation=validated or None,
         )
+        step = self.progress.step
+        pauses = [(self.validator.left(step, self.max_steps), self.validator.last_seconds)]
+        if self.evaluation is not None:
+            pauses.append((self.evaluation.left(step, self.max_steps), self.evaluation.last_seconds))
         try:
-            self.reporter.report(
-                report, steps, self.validator.left(self.progress.step, self.max_steps), self.validator.last_seconds
-            )
+            self.reporter.report(report, steps, pauses)
         except ReportError as error:
             # On a full disk the checkpoint being written has usually failed too, and its error says more.
             self.checkpointer.wait()
@@ -583,7 +628,7 @@ def dry_run(config: TrainerConfig) -> int:
     print(f"--- run plan (device {device}) ---")
     for line in plan.lines():
         print(line)
-    note = ignored_keys_note(config.training)
+    note = ignored_keys_note(config.training, config.log)
     if note is not None:
         print(f"note: {note}")
     print(f"resume decision: {_resume_decision(config)}")
@@ -603,7 +648,7 @@ def _start_checks(config: TrainerConfig, plan: RunPlan) -> str | None:
     function as preflight's); printed as a line, the refusal returned."""
     from astrai.common.backends import load_model_config
     from astrai.common.data_folder import DataError, TokenData
-    from astrai.common.fit import SetupError, start_checks
+    from astrai.common.fit import SetupError, eval_prompt_units, open_eval_prompts, start_checks
     from astrai.common.model_folder import ModelLoadError
 
     latest = latest_complete_checkpoint(Path(config.ckpt.ckpt_dir))
@@ -622,6 +667,9 @@ def _start_checks(config: TrainerConfig, plan: RunPlan) -> str | None:
         for data in datas:
             data.check_kind(config.training.kind.data_kind, config.training.train_type)
         start_checks(config, plan.batch, datas, model, source)
+        if plan.evaluation is not None:
+            evaluated = open_eval_prompts(config.eval_prompts_folder())
+            eval_prompt_units(plan.evaluation, evaluated, datas[0], model, config.data.overlong, source)
     except (SetupError, DataError) as error:
         print(f"start checks: refused: {error}")
         return str(error)

@@ -684,7 +684,8 @@ def _additive(allowed: torch.Tensor) -> torch.Tensor:
 
 
 class Transformer(nn.Module):
-    """Maps token ids (B, T) to next-token logits (B, T, vocab_size)."""
+    """Maps token ids (B, T) to next-token logits (B, T, vocab_size); a sequence classifier's (``config.num_labels``)
+    to the scores of its head at every position (B, T, num_labels)."""
 
     def __init__(self, config: ModelConfig, activation_checkpointing: bool = False):
         super().__init__()
@@ -696,7 +697,13 @@ class Transformer(nn.Module):
         self.norm = rms_norm(config, config.dim)
         # A tied model has no separate output tensor, so the state dict never holds two names for one tensor
         # (which safetensors refuses to save).
-        self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+        classifier = config.num_labels is not None
+        self.output = (
+            None if config.tie_embeddings or classifier else nn.Linear(config.dim, config.vocab_size, bias=False)
+        )
+        # A sequence classifier (a reward model) scores each position with its head; a sequence's score is its last
+        # token's (astrai.trainer.objectives.reward_model.last_positions).
+        self.classifier = nn.Linear(config.dim, config.num_labels, bias=False) if classifier else None
         self.logits_shape = LogitsShape(config.logits_scaling, config.final_logit_softcapping)
         # Rotary tables derive from the config: not in the state dict, and not buffers either (DDP would
         # broadcast them every step), computed for the longest sequence seen so far on the device in use.
@@ -748,6 +755,7 @@ class Transformer(nn.Module):
         step (:meth:`decode`, :meth:`decode_step`), through ``forward`` so that a DDP or FSDP wrapper sees it as the
         model's call. With ``score``: the log-probabilities of its target tokens instead (:func:`token_scores`),
         computed over the vocabulary a chunk of positions at a time, so the logits of the whole batch never exist.
+        A sequence classifier gives its head's scores at every position instead.
         """
         if cache is not None:
             return self.decode(tokens, real, cache) if real is not None else self.decode_step(tokens, cache)
@@ -766,6 +774,8 @@ class Transformer(nn.Module):
             else:
                 x = layer(x, cos, sin, mask)
         x = self.norm(x)
+        if self.classifier is not None:
+            return self.classifier(x)  # (B, T, num_labels)
         return self._logits(x) if score is None else self._scores(x, score)
 
     def _layer_inputs(self, seq_len: int, positions, segments, device: torch.device) -> dict:

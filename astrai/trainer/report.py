@@ -23,6 +23,9 @@ from astrai.common.contract import (
     METRIC_COMPLETION_LENGTH,
     METRIC_EPOCH,
     METRIC_ETA_S,
+    METRIC_EVAL_COMPLETION_LENGTH,
+    METRIC_EVAL_PASS_AT_K,
+    METRIC_EVAL_REWARD,
     METRIC_GRAD_NORM,
     METRIC_LOSS,
     METRIC_LR,
@@ -30,6 +33,9 @@ from astrai.common.contract import (
     METRIC_MAX_STEPS,
     METRIC_MFU,
     METRIC_REWARD,
+    METRIC_REWARD_MODEL_ACCURACY,
+    METRIC_REWARD_MODEL_MARGIN,
+    METRIC_REWARD_MODEL_VAL_ACCURACY,
     METRIC_REWARDS_ACCURACY,
     METRIC_REWARDS_MARGIN,
     METRIC_STEP,
@@ -52,6 +58,7 @@ from astrai.common.contract import (
 )
 from astrai.common.errors import AstraiError
 from astrai.common.layers import flops_per_token, matmul_params  # noqa: F401  (the MFU's, read here)
+from astrai.common.metrics import MetricsFile
 from astrai.common.values import format_duration
 from astrai.trainer.trackers import Trackers
 
@@ -225,6 +232,10 @@ class StepReport:
     """More fields for metrics.jsonl and the event files (post-training metrics), by metrics key."""
     tokens_per_source: dict[str, int] | None = None
     """Tokens trained from each source of a mixture so far."""
+    evaluation: dict | None = None
+    """The generative evaluation's metrics (``eval/...``) on an evaluation step."""
+    validation: dict | None = None
+    """The objective's validation metrics beside val_loss (the reward model's held-out accuracy), by metrics key."""
 
 
 class ProgressReporter:
@@ -271,15 +282,18 @@ class ProgressReporter:
                     self._said_not_finite.add(key)
                     self.log(f"warning: {key} is {value} at step {step}: written as null in {METRICS_FILE}")
 
-    def report(self, report: StepReport, steps: int, evals_left: int, seconds_per_eval: float) -> None:
-        """Close the timing interval of ``steps`` steps and, on rank 0, print and record ``report``."""
+    def report(self, report: StepReport, steps: int, pauses: list[tuple[int, float]]) -> None:
+        """Close the timing interval of ``steps`` steps and, on rank 0, print and record ``report``; ``pauses``: the
+        validations and evaluations still to come, (how many, seconds each), which the ETA adds."""
         seconds, counted = self.clock.lap(time.perf_counter(), steps)
         if not self.master:
             return
         tokens_per_s = counted * self.tokens_per_step / seconds if seconds > 0 else 0.0
         utilization = mfu(tokens_per_s / self.world_size, self.flops_per_token, self.peak)
         pace = self.clock.seconds_per_step()
-        eta_s = eta_seconds(self.max_steps - report.step, pace, evals_left, seconds_per_eval) if pace else None
+        eta_s = None
+        if pace:
+            eta_s = eta_seconds(self.max_steps - report.step, pace, 0, 0.0) + sum(left * each for left, each in pauses)
         record = {
             METRIC_STEP: report.step,
             METRIC_MAX_STEPS: self.max_steps,
@@ -298,35 +312,13 @@ class ProgressReporter:
             METRIC_ETA_S: eta_s,
             METRIC_TOKENS_PER_SOURCE: report.tokens_per_source,
             **(report.extra or {}),
+            **(report.validation or {}),
+            **(report.evaluation or {}),
         }
         record.update({key: value for key, value in optional.items() if value is not None})
         self._nulled(record, report.step)
-        line = f"step {report.step}/{self.max_steps} | epoch {report.epoch} | loss {report.loss:.4f}"
-        line += f" | lr {report.lr:.3e}"
-        if report.grad_norm is not None:
-            line += f" | grad_norm {report.grad_norm:.3f}"
-        if report.val_loss is not None:
-            line += f" | val_loss {report.val_loss:.4f}"
-        if report.extra and METRIC_REWARDS_MARGIN in report.extra:
-            line += f" | margin {report.extra[METRIC_REWARDS_MARGIN]:.3f}"
-            if METRIC_REWARDS_ACCURACY in report.extra:  # DPO's pairs (KTO's examples are unpaired)
-                line += f" | accuracy {report.extra[METRIC_REWARDS_ACCURACY]:.2f}"
-        if report.extra and record.get(METRIC_REWARD) is not None:
-            line += f" | reward {report.extra[METRIC_REWARD]:.3f}"
-        if report.extra and METRIC_COMPLETION_LENGTH in report.extra:
-            line += f" | length {report.extra[METRIC_COMPLETION_LENGTH]:.1f}"
-        line += f" | {tokens_per_s:,.0f} tokens/s | mfu {'n/a' if utilization is None else f'{utilization:.1%}'}"
-        if report.max_allocated_gib is not None:
-            line += f" | mem {report.max_allocated_gib:.2f} GiB"
-        if self.tag:
-            line += f" | {self.tag}"
-        line += f" | eta {format_duration(eta_s) if eta_s is not None else 'n/a'}"
-        self.log(line)
-        try:
-            with open(self.job_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record, sort_keys=True, allow_nan=False) + "\n")
-        except OSError as error:
-            raise ReportError(f"cannot append to {self.job_dir / METRICS_FILE}: {error.strerror}") from None
+        self.log(self._line(report, record, tokens_per_s, utilization, eta_s))
+        self._append(record)
         if self.trackers is not None:
             self.trackers.metrics(report.step, record)
         if self.events is None:
@@ -342,9 +334,75 @@ class ProgressReporter:
                 TAG_MFU: utilization,
                 TAG_MAX_ALLOCATED_GIB: report.max_allocated_gib,
                 **{f"train/{key}": value for key, value in (report.extra or {}).items()},
+                **(report.validation or {}),
+                **(report.evaluation or {}),
                 **{f"{TAG_TOKENS_PREFIX}{name}": count for name, count in (report.tokens_per_source or {}).items()},
             },
         )
+
+    def _line(self, report: StepReport, record: dict, tokens_per_s: float, utilization, eta_s) -> str:
+        """The progress line of ``report``."""
+        line = f"step {report.step}/{self.max_steps} | epoch {report.epoch} | loss {report.loss:.4f}"
+        line += f" | lr {report.lr:.3e}"
+        if report.grad_norm is not None:
+            line += f" | grad_norm {report.grad_norm:.3f}"
+        if report.val_loss is not None:
+            line += f" | val_loss {report.val_loss:.4f}"
+        if report.extra and METRIC_REWARDS_MARGIN in report.extra:
+            line += f" | margin {report.extra[METRIC_REWARDS_MARGIN]:.3f}"
+            if METRIC_REWARDS_ACCURACY in report.extra:  # DPO's pairs (KTO's examples are unpaired)
+                line += f" | accuracy {report.extra[METRIC_REWARDS_ACCURACY]:.2f}"
+        if report.extra and METRIC_REWARD_MODEL_ACCURACY in report.extra:
+            line += f" | accuracy {report.extra[METRIC_REWARD_MODEL_ACCURACY]:.2f}"
+            line += f" | margin {report.extra[METRIC_REWARD_MODEL_MARGIN]:.3f}"
+        if report.validation and METRIC_REWARD_MODEL_VAL_ACCURACY in report.validation:
+            line += f" | val_accuracy {report.validation[METRIC_REWARD_MODEL_VAL_ACCURACY]:.2f}"
+        if report.extra and record.get(METRIC_REWARD) is not None:
+            line += f" | reward {report.extra[METRIC_REWARD]:.3f}"
+        if report.extra and METRIC_COMPLETION_LENGTH in report.extra:
+            line += f" | length {report.extra[METRIC_COMPLETION_LENGTH]:.1f}"
+        if report.evaluation:
+            line += f" | {evaluation_summary(report.evaluation)}"
+        line += f" | {tokens_per_s:,.0f} tokens/s | mfu {'n/a' if utilization is None else f'{utilization:.1%}'}"
+        if report.max_allocated_gib is not None:
+            line += f" | mem {report.max_allocated_gib:.2f} GiB"
+        if self.tag:
+            line += f" | {self.tag}"
+        line += f" | eta {format_duration(eta_s) if eta_s is not None else 'n/a'}"
+        return line
+
+    def report_evaluation(self, step: int, epoch: int, tokens_seen: int, evaluation: dict[str, float]) -> None:
+        """On rank 0, print and record an evaluation made outside a step's report: the starting model's (step 0), or
+        one a stop cut short, made when the run resumed. Its record is the step's last one with the evaluation added
+        (readers take the last record of a step), or a record of the step alone at step 0."""
+        if not self.master:
+            return
+        last = MetricsFile(self.job_dir / METRICS_FILE).latest()
+        if last is not None and last.get(METRIC_STEP) == step:
+            record = {**last, **evaluation, METRIC_TIME: time.time()}
+        else:
+            record = {
+                METRIC_STEP: step,
+                METRIC_MAX_STEPS: self.max_steps,
+                METRIC_EPOCH: epoch,
+                METRIC_TOKENS_SEEN: tokens_seen,
+                METRIC_TIME: time.time(),
+                **evaluation,
+            }
+        self._nulled(record, step)
+        self.log(f"step {step}/{self.max_steps} | evaluation: {evaluation_summary(evaluation)}")
+        self._append(record)
+        if self.trackers is not None:
+            self.trackers.metrics(step, record)
+        if self.events is not None:
+            self.events.scalars(step, evaluation)
+
+    def _append(self, record: dict) -> None:
+        try:
+            with open(self.job_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record, sort_keys=True, allow_nan=False) + "\n")
+        except OSError as error:
+            raise ReportError(f"cannot append to {self.job_dir / METRICS_FILE}: {error.strerror}") from None
 
     def checkpoint(self, step: int, folder_name: str, reason: str) -> None:
         if self.events is not None:
@@ -358,6 +416,18 @@ class ProgressReporter:
         if self.trackers is not None:
             self.trackers.close(state, checkpoint)
             self.trackers = None
+
+
+def evaluation_summary(evaluation: dict[str, float]) -> str:
+    """The evaluation's figures on a progress line: the mean reward, pass@k and the completions' length."""
+    parts = []
+    if METRIC_EVAL_REWARD in evaluation:
+        parts.append(f"eval reward {evaluation[METRIC_EVAL_REWARD]:.3f}")
+    if METRIC_EVAL_PASS_AT_K in evaluation:
+        parts.append(f"pass@k {evaluation[METRIC_EVAL_PASS_AT_K]:.2f}")
+    if METRIC_EVAL_COMPLETION_LENGTH in evaluation:
+        parts.append(f"eval length {evaluation[METRIC_EVAL_COMPLETION_LENGTH]:.1f}")
+    return " | ".join(parts) or "no completion scored"
 
 
 def print_line(message: str) -> None:

@@ -39,6 +39,8 @@ from pathlib import Path
 from astrai.common.atomic import write_text_atomically
 from astrai.common.config import LogSection
 from astrai.common.contract import (
+    LM_EVAL_PREFIX,
+    LM_EVAL_STEP,
     METRIC_LOSS,
     METRIC_MAX_STEPS,
     METRIC_STEP,
@@ -67,6 +69,9 @@ CLOSE_SECONDS = 10.0
 LOCAL_CLOSE_SECONDS = 180.0
 """How long the end of a run waits for a tracker that needs no network (W&B offline, MLflow's file store): its
 updates are this machine's work, which a loaded machine slows but never loses."""
+RESULTS_FINISH_SECONDS = 180.0
+"""How long `invoke eval`'s report to a W&B run may wait for W&B's service to write it (offline: this machine's own
+work, which a loaded machine slows)."""
 UPLOAD_SECONDS = 1800.0
 """With log.upload_checkpoints, how long a finished run waits for its last checkpoint to reach the trackers (a
 stopped one does not upload: a stop's time is the emergency checkpoint's)."""
@@ -445,7 +450,8 @@ class Outbox:
                         taken += 1
                     else:
                         held = following
-                args = ([record for record in records if record[0] > self.tracker.skip_through],)
+                # Step 0 is the starting model's evaluation (log.eval_at_start), which only a fresh run makes.
+                args = ([record for record in records if record[0] > self.tracker.skip_through or record[0] == 0],)
             try:
                 if self.off or self._closing.is_set():
                     self.dropped += taken
@@ -619,3 +625,70 @@ class Trackers:
                 write_text_atomically(self.job_dir / TRACKERS_FILE, json.dumps(runs, indent=1, sort_keys=True) + "\n")
             except OSError:
                 pass  # a full disk: the checkpoint's meta.json still names the runs
+
+
+def report_results(
+    log_section: LogSection, job_dir: Path, run_ids: dict[str, str], step: int, values: dict[str, float], log
+) -> dict[str, str]:
+    """Numbers computed after a run (``invoke eval``'s) into the tracker runs that made the checkpoint (``run_ids``,
+    from its meta.json), at its ``step``: the MLflow run takes them as metrics at that step; the W&B run, which takes
+    each of its own steps once, against a step axis of their own (``lm_eval/step``). Returns where they went (tracker
+    -> run id); a tracker that cannot take them is warned about and left out."""
+    sent = {}
+    for name in log_section.trackers:
+        run_id = run_ids.get(name)
+        if run_id is None:
+            log(f"warning: the checkpoint names no {name} run; the results go to metrics of the job dir only")
+            continue
+        tracker = CLIENTS[name](getattr(log_section, name), Path(job_dir), Path(job_dir).name)
+        try:
+            tracker.prepare()
+            if name == TRACKER_MLFLOW:
+                _mlflow_results(tracker, run_id, step, values)
+            else:
+                _wandb_results(tracker, run_id, step, values)
+        except TrackerUnavailable as error:
+            log(f"warning: {error}; the results do not go to {name}")
+            continue
+        except Exception as error:  # the server's or the client's: the results are on disk whatever it says
+            log(f"warning: {name} did not take the results ({_short(error)}); they are in the job dir")
+            continue
+        sent[name] = run_id
+    return sent
+
+
+def _mlflow_results(tracker: MlflowTracker, run_id: str, step: int, values: dict[str, float]) -> None:
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    now = int(time.time() * 1000)
+    client = MlflowClient(tracking_uri=tracker.uri)
+    client.log_batch(run_id, metrics=[Metric(key, value, now, step) for key, value in values.items()])
+
+
+def _wandb_results(tracker: WandbTracker, run_id: str, step: int, values: dict[str, float]) -> None:
+    import wandb
+
+    settings = tracker.settings
+    handle = wandb.init(
+        id=run_id,
+        resume="allow" if settings.mode == "online" else None,
+        project=settings.project or os.environ.get("WANDB_PROJECT") or DEFAULT_EXPERIMENT,
+        entity=settings.entity,
+        name=settings.run_name or tracker.job_name,
+        mode=settings.mode,
+        dir=str(tracker.job_dir),
+        settings=wandb.Settings(
+            console="off",
+            save_code=False,
+            silent=True,
+            init_timeout=WANDB_INIT_SECONDS,
+            finish_timeout=RESULTS_FINISH_SECONDS,
+        ),
+    )
+    handle.define_metric(LM_EVAL_STEP)
+    handle.define_metric(LM_EVAL_PREFIX + "*", step_metric=LM_EVAL_STEP)
+    handle.log({**values, LM_EVAL_STEP: step})
+    handle.finish()
+    # The service writes the run's file after finish returns: wait for it (the command ends next).
+    wandb.teardown()

@@ -48,12 +48,13 @@ class Validator:
         """Validations still to come after ``step``."""
         return max_steps // self.interval - step // self.interval if self.enabled else 0
 
-    def run(self, model: torch.nn.Module) -> float:
-        """Mean held-out loss (the model is put back in training mode)."""
+    def run(self, model: torch.nn.Module) -> tuple[float, dict[str, float]]:
+        """Mean held-out loss, and the objective's other validation metrics (the model is put back in training
+        mode)."""
         windows, ranks = self.windows, self.env.world_size
         mine = windows[self.env.rank :: ranks]
         batches = math.ceil(math.ceil(len(windows) / ranks) / self.batch_size)
-        totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)
+        totals = None
         model.eval()
         with torch.no_grad():
             for index in range(batches):
@@ -63,9 +64,12 @@ class Validator:
                 batch = default_collate([self.dataset.item(w) for w in chunk or windows[:1]])
                 with self.autocast:
                     sums = self.objective.eval_sums(model, batch)
+                if totals is None:
+                    totals = torch.zeros_like(sums)
                 if chunk:
                     totals += sums
         model.train()
         if self.env.distributed:
             dist.all_reduce(totals)
-        return (totals[0] / totals[1].clamp(min=1)).item()
+        loss = (totals[0] / totals[1].clamp(min=1)).item()
+        return loss, self.objective.eval_metrics(totals.tolist())

@@ -13,16 +13,18 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import slurm_cluster
 import yaml
 
 from astrai.common.checkpoints import list_complete_checkpoints
-from astrai.host import baseimage, compose, engine, timer
-from tests.support import REPO, interruptible, invoke_command
+from astrai.host import baseimage, compose, engine, harness, timer
+from tests.support import REPO, free_ports, interruptible, invoke_command
 
 BASE_IMAGE = os.environ.get("ASTRAI_TEST_BASE_IMAGE", baseimage.DEFAULT_TAG)
 CORPUS = REPO / "examples" / "corpus"
@@ -43,6 +45,23 @@ TRAINER = {
     "ckpt": {"ckpt_interval": 40},
     "log": {"log_interval": 5},
 }
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A private Slurm cluster on this host (:mod:`slurm_cluster`), one per test module."""
+    why = slurm_cluster.available()
+    if why is not None:
+        if os.environ.get("ASTRAI_REQUIRE_DOCKER") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    root = Path(tempfile.mkdtemp(prefix="astrai-slurm-"))
+    ctld, n1, n2 = free_ports(3)
+    try:
+        with slurm_cluster.Cluster(root, ctld_port=ctld, node_ports=(n1, n2)) as running:
+            yield running
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -241,11 +260,13 @@ def _tear_down(job: Job) -> None:
         ],
         capture_output=True,
     )
-    leftovers = subprocess.run(
-        ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={job.project}"],
-        capture_output=True,
-        text=True,
-    ).stdout.split()
-    if leftovers:
-        subprocess.run(["docker", "rm", "-f", *leftovers], capture_output=True)
-    subprocess.run(["docker", "image", "rm", "--force", f"{job.project}-{compose.SERVICE}"], capture_output=True)
+    for project in (job.project, job.project + harness.EVAL_PROJECT_SUFFIX):  # `invoke eval`'s runs have their own
+        leftovers = subprocess.run(
+            ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        if leftovers:
+            subprocess.run(["docker", "rm", "-f", *leftovers], capture_output=True)
+    image = f"{job.project}-{compose.SERVICE}"
+    subprocess.run(["docker", "image", "rm", "--force", image, f"{image}:{compose.EVAL_TAG}"], capture_output=True)

@@ -14,44 +14,24 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
-import slurm_cluster
 from conftest import _tear_down
 from test_nodes import _NodeView
 
 from astrai.common.checkpoints import list_complete_checkpoints
 from astrai.common.contract import WEIGHTS_FILE
 from astrai.host import compose, engine, slurm_script
-from tests.support import free_ports
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 STOP_TIMEOUT = 15
 """The warning comes STOP_TIMEOUT + 30 s before the time limit."""
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    why = slurm_cluster.available()
-    if why is not None:
-        if os.environ.get("ASTRAI_REQUIRE_DOCKER") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
-    root = Path(tempfile.mkdtemp(prefix="astrai-slurm-"))
-    ctld, n1, n2 = free_ports(3)
-    try:
-        with slurm_cluster.Cluster(root, ctld_port=ctld, node_ports=(n1, n2)) as running:
-            yield running
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

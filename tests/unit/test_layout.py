@@ -268,4 +268,7 @@ def test_a_models_backend_is_told_from_its_config_only_in_the_backend_modules():
             if lines:
                 found[name] = lines
     assert found == {}
-    assert _config_isinstance(ast.parse("isinstance(c, (int, TransformersConfig))\nisinstance(c, ModelConfig)")) == [1, 2]
+    assert _config_isinstance(ast.parse("isinstance(c, (int, TransformersConfig))\nisinstance(c, ModelConfig)")) == [
+        1,
+        2,
+    ]

@@ -37,6 +37,8 @@ CASES = {
     "dpo-muon-constant": ("dpo", {"optimizer": "muon", "schedule": "constant", "dpo_reference": "live"}),
     # LoRA adapters (their reference: the model with its adapters off), with dropout on the adapters' input.
     "dpo-lora": ("dpo", {"lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1}),
+    # A Bradley-Terry reward model on the DPO pairs: the score head added at the start, then resumed as a classifier.
+    "reward_model": ("reward_model", {"center_rewards_coefficient": 0.01}),
 }
 STEPS = 24
 SMALL = {"max_steps": STEPS, "batch_per_device": 2}
@@ -60,7 +62,7 @@ def uninterrupted(tmp_path_factory, post_yaml):
     return get
 
 
-@pytest.mark.parametrize("case", ["sft", "dpo", "sft-muon-wsd", "dpo-lora"])
+@pytest.mark.parametrize("case", ["sft", "dpo", "sft-muon-wsd", "dpo-lora", "reward_model"])
 def test_a_graceful_stop_then_a_restart_ends_bitwise_equal(tmp_path, post_yaml, trainer_env, uninterrupted, case):
     kind, keys = CASES[case]
     ckpt_dir = tmp_path / "ckpt"

@@ -279,6 +279,26 @@ def test_a_reward_past_its_timeout_is_its_error_and_a_stop_gives_the_step_up(tmp
         score([reward], ["p"], ["a"], {}, RewardLimits(100.0, lambda: True))
 
 
+def test_a_stop_gives_the_step_up_only_after_the_rewards_that_cannot_be_given_up_on(tmp_path):
+    """A reward model's forward passes may be collectives of the ranks: it runs to its end before a stop can give the
+    step up in a function listed before it, so that no rank is left inside one. The values keep the listed order."""
+    called = []
+
+    def model_scores(prompts, completions, **fields):
+        called.append("model")
+        return [2.0] * len(completions)
+
+    model = Reward(RewardSpec("/models/rm:model"), model_scores, in_thread=False)
+    function = _reward(tmp_path, "    return [1.0] * len(completions)")
+    scores = score([function, model], ["p"], ["a"], {}, RewardLimits(100.0, lambda: False))
+    assert list(scores.by_function) == ["f", "model"] and scores.total == [3.0]
+    slow = _reward(tmp_path, "    time.sleep(30)\n    return [0.0] * len(completions)")
+    called.clear()
+    with pytest.raises(StepAbandoned):
+        score([slow, model], ["p"], ["a"], {}, RewardLimits(100.0, lambda: True))
+    assert called == ["model"]
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "nan"])
 def test_reward_timeout_out_of_range_is_refused_naming_the_key(tmp_path, world, train_yaml, value):
     path = _yaml(train_yaml, tmp_path / "t.yaml", world)

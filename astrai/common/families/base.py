@@ -64,6 +64,9 @@ class FamilySpec:
     """What ``ModelConfig.family`` holds."""
     classes: dict[str, str]
     """Each ``model_type`` of the family and the transformers class its folders name (the first: its own)."""
+    classifiers: dict[str, str] = field(default_factory=dict)
+    """Each ``model_type``'s sequence classifier in transformers (a reward model: a score head on the last token in
+    place of the output projection); a family without one has none."""
     defaults: dict[str, object] = field(default_factory=dict)
     """The family config's defaults that differ from :data:`GENERIC_DEFAULTS`."""
     activation: tuple[str, str] = ("hidden_act", "silu")

@@ -93,6 +93,7 @@ def _write_mixtral(config, values: dict) -> None:
 QWEN3_MOE = FamilySpec(
     name="qwen3_moe",
     classes={"qwen3_moe": "Qwen3MoeForCausalLM"},
+    classifiers={"qwen3_moe": "Qwen3MoeForSequenceClassification"},
     defaults={"max_position_embeddings": 32768},
     features={"qk_norm": "head"},
     owns=(*_OWNS, "dense_layers", "normalize_top_k"),
@@ -104,6 +105,7 @@ QWEN3_MOE = FamilySpec(
 MIXTRAL = FamilySpec(
     name="mixtral",
     classes={"mixtral": "MixtralForCausalLM"},
+    classifiers={"mixtral": "MixtralForSequenceClassification"},
     defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
     owns=_OWNS,
     needs=("n_experts",),

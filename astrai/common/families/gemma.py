@@ -121,6 +121,7 @@ def _gemma3_rope(values: dict, head_size: int) -> dict:
 GEMMA2 = FamilySpec(
     name="gemma2",
     classes={"gemma2": "Gemma2ForCausalLM"},
+    classifiers={"gemma2": "Gemma2ForSequenceClassification"},
     defaults={**_DEFAULTS, "max_position_embeddings": 8192},
     activation=("hidden_activation", "gelu_pytorch_tanh"),
     features=_FEATURES,
@@ -132,6 +133,7 @@ GEMMA2 = FamilySpec(
 GEMMA3 = FamilySpec(
     name="gemma3_text",
     classes={"gemma3_text": "Gemma3ForCausalLM"},
+    classifiers={"gemma3_text": "Gemma3TextForSequenceClassification"},
     defaults={**_DEFAULTS, "max_position_embeddings": 131072},
     activation=("hidden_activation", "gelu_pytorch_tanh"),
     features={**_FEATURES, "qk_norm": "head"},

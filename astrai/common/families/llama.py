@@ -15,6 +15,7 @@ def _read(values: dict, model_type: str, n_layers: int) -> dict:
 SPEC = FamilySpec(
     name="llama",
     classes={"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"},
+    classifiers={"llama": "LlamaForSequenceClassification", "mistral": "MistralForSequenceClassification"},
     read=_read,
     # A Llama with a sliding window is what transformers calls Mistral.
     model_type_of=lambda config: "mistral" if config.sliding_window is not None else "llama",

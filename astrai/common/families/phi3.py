@@ -25,6 +25,7 @@ def _write(config, values: dict) -> None:
 SPEC = FamilySpec(
     name="phi3",
     classes={"phi3": "Phi3ForCausalLM"},
+    classifiers={"phi3": "Phi3ForSequenceClassification"},
     defaults={"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
     features={"fused_projections": True},
     owns=("partial_rotary_factor",),

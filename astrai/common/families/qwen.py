@@ -29,6 +29,7 @@ def _write_qwen3(config, values: dict) -> None:
 QWEN2 = FamilySpec(
     name="qwen2",
     classes={"qwen2": "Qwen2ForCausalLM"},
+    classifiers={"qwen2": "Qwen2ForSequenceClassification"},
     features={"attention_bias": True},
     read=_read,
     write=_write_qwen2,
@@ -36,6 +37,7 @@ QWEN2 = FamilySpec(
 QWEN3 = FamilySpec(
     name="qwen3",
     classes={"qwen3": "Qwen3ForCausalLM"},
+    classifiers={"qwen3": "Qwen3ForSequenceClassification"},
     features={"qk_norm": "head"},
     read=_read,
     write=_write_qwen3,

@@ -47,7 +47,7 @@ from astrai.common.contract import (
 )
 from astrai.common.data_folder import DataError, prompt_units
 from astrai.common.fit import SetupError, prompt_room
-from astrai.common.reward_specs import check_metric_names
+from astrai.common.reward_specs import JudgeSpec, check_metric_names
 from astrai.common.settings import Sampling
 from astrai.data.chat import ChatTemplate, RecordError
 from astrai.data.tool_calls import ToolCall, ToolFormatError, UnparsedCall, call_id, template_tool_format
@@ -349,6 +349,8 @@ class EpisodeRollouts:
         except ValueError as error:
             raise AgentError(f"training.environment: {error}") from None
         self.functions = tuple(names)
+        self.judges = tuple(reward.name for reward in rewards if isinstance(reward.spec, JudgeSpec))
+        """The remote judges' names: an answer one left unscored is one it failed on (on_error: none)."""
 
     def marked_text(self, tokens: list[int]) -> str:
         """A turn's text with its special tokens (a template's call markers among them)."""
@@ -417,7 +419,8 @@ class EpisodeRollouts:
         G = self.generations
         answers = [self.decode(state.answer) for state in states]
         prompt_texts = [self.prompts.texts[number] for number in numbers for _ in range(G)]
-        scores = score(self.rewards, prompt_texts, answers, self.prompts.fields_of(numbers, G), self.reward_limits)
+        fields, messages = self.prompts.fields_of(numbers, G), self.prompts.messages_of(numbers, G)
+        scores = score(self.rewards, prompt_texts, answers, fields, self.reward_limits, messages)
         by_function = dict(scores.by_function)
         totals = list(scores.total)
         if self.environment_reward is not None:

@@ -56,8 +56,13 @@ class Objective:
         return planned
 
     def eval_sums(self, model: torch.nn.Module, batch) -> torch.Tensor:
-        """(summed loss, count) of a held-out batch in float64, for the validation loss."""
+        """(summed loss, count, ...) of a held-out batch in float64, for the validation loss; any further entries are
+        sums for :meth:`eval_metrics`."""
         raise SetupError(f"{type(self).__name__} has no validation loss; set data.val_fraction to 0")
+
+    def eval_metrics(self, totals: list[float]) -> dict[str, float]:
+        """More validation metrics from the held-out batches' summed ``eval_sums`` (every rank's); none by default."""
+        return {}
 
     def metrics(self) -> dict | None:
         """The objective's own metrics since the last call (every rank's), or None; then counting starts again."""

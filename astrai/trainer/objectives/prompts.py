@@ -33,7 +33,13 @@ class Prompts:
         self.ids = [index.sequence(number)[0][-take:].tolist() for number, take in kept]
         self.texts = [records[number]["prompt"] for number in units.records]
         self.fields = [records[number]["fields"] for number in units.records]
+        self.messages = [records[number].get("messages") for number in units.records]
+        """Each prompt's chat messages, None for a text prompt (a reward model renders them with its own template)."""
         self.names = sorted({name for fields in self.fields for name in fields})
+
+    def messages_of(self, numbers: list[int], generations: int) -> list[list[dict] | None]:
+        """Each completion's prompt as chat messages (None for a text prompt)."""
+        return [self.messages[number] for number in numbers for _ in range(generations)]
 
     def fields_of(self, numbers: list[int], generations: int) -> dict[str, list]:
         """The reward functions' keyword arguments: each field, per completion (None where a record lacks it)."""

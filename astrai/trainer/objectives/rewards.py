@@ -44,6 +44,12 @@ class RewardError(AstraiError):
 class Reward:
     spec: RewardSpec
     function: Callable
+    takes_messages: bool = False
+    """It is also given each completion's prompt as chat messages (``prompt_messages``, None for a text prompt): a
+    reward model renders them with its own template."""
+    in_thread: bool = True
+    """With limits, it runs beside the caller, given up on past training.reward_timeout or at a stop; False: in the
+    caller's thread (a reward model on the trainer's device, whose forward passes may be collectives of the ranks)."""
 
     @property
     def name(self) -> str:
@@ -121,17 +127,23 @@ def score(
     completions: list[str],
     fields: dict[str, list],
     limits: RewardLimits | None = None,
+    messages: list | None = None,
 ) -> Scores:
     """Every reward function on the batch, checked; RewardError names the function and the prompt at fault. With
     ``limits``, each function runs beside this thread, which gives up on it past the timeout (RewardError) or when a
-    stop is asked for (StepAbandoned)."""
+    stop is asked for (StepAbandoned). ``messages``: each completion's prompt as chat messages (None for a text prompt),
+    for the rewards that take them (a reward model)."""
     check_metric_names([reward.name for reward in rewards])
     clash = sorted({"prompts", "completions"} & set(fields))
     if clash:
         raise RewardError(f"the prompt records have a field named {clash[0]}, which reward functions take as text")
-    by_function = {}
-    for reward in rewards:
-        by_function[reward.name] = _call(reward, prompts, completions, fields, limits)
+    values = {}
+    # The rewards a stop cannot give up on (a reward model: its forward passes may be collectives of the ranks) first,
+    # so that no rank is still in one when another gives the step up.
+    for reward in sorted(rewards, key=lambda reward: reward.in_thread):
+        given = {**fields, "prompt_messages": messages or [None] * len(prompts)} if reward.takes_messages else fields
+        values[reward.name] = _call(reward, prompts, completions, given, limits)
+    by_function = {reward.name: values[reward.name] for reward in rewards}
     total = []
     for row in range(len(completions)):
         scored = [
@@ -191,7 +203,7 @@ def _checked(reward: Reward, value, prompt: str) -> float | None:
 def _run(reward: Reward, prompts: list[str], completions: list[str], fields: dict[str, list], limits):
     """The function's values: called here, or with ``limits`` in a thread of its own that is given up on (a daemon:
     a function that never returns does not keep the process from exiting)."""
-    if limits is None:
+    if limits is None or not reward.in_thread:
         return reward.function(prompts=prompts, completions=completions, **fields)
     outcome: dict = {}
     done = threading.Event()

@@ -32,10 +32,11 @@ from astrai.common.contract import (
     METRIC_COMPLETION_LENGTH,
     METRIC_COMPLETION_LENGTH_MAX,
     METRIC_FRAC_REWARD_ZERO_STD,
+    METRIC_JUDGE_FAILURES,
     METRIC_REWARD,
     METRIC_REWARD_STD,
 )
-from astrai.common.reward_specs import reward_metric_names
+from astrai.common.reward_specs import JudgeSpec, reward_metric_names
 from astrai.common.settings import Sampling
 from astrai.trainer.decoding import DecodeEngine, Draws
 from astrai.trainer.distributed import DistEnv
@@ -84,6 +85,8 @@ class RolloutSource(Protocol):
     """Completions per prompt (a group)."""
     functions: tuple[str, ...]
     """The reward functions' names (their metrics); none for rewards the data gives."""
+    judges: tuple[str, ...]
+    """Those of them that are remote judges."""
 
     def rollouts(self, model: torch.nn.Module, batches: list[list[int]], step: int) -> list[Rollouts]:
         """The completions of each micro-batch's prompts (their numbers) of ``step`` on this rank, scored."""
@@ -121,6 +124,8 @@ class SampledRollouts:
         self.generations, self.stop, self.decode, self.seed = generations, stop, decode, seed
         self.mask_truncated, self.autocast, self.limits = mask_truncated, autocast, limits
         self.functions = tuple(reward.name for reward in rewards)
+        self.judges = tuple(reward.name for reward in rewards if isinstance(reward.spec, JudgeSpec))
+        """The remote judges' names: a completion one left unscored is one it failed on (on_error: none)."""
 
     def rollouts(self, model: torch.nn.Module, batches: list[list[int]], step: int) -> list[Rollouts]:
         G = self.generations
@@ -157,7 +162,8 @@ class SampledRollouts:
         ended = [bool(completion) and completion[-1] in self.stop for completion in completions]
         texts = [self.decode(completion) for completion in completions]
         prompt_texts = [self.prompts.texts[number] for number in numbers for _ in range(G)]
-        scores = score(self.rewards, prompt_texts, texts, self.prompts.fields_of(numbers, G), self.limits)
+        fields, messages = self.prompts.fields_of(numbers, G), self.prompts.messages_of(numbers, G)
+        scores = score(self.rewards, prompt_texts, texts, fields, self.limits, messages)
         counted = [end or not self.mask_truncated for end in ended]
         return Rollouts(
             numbers, prompts, completions, prompt_texts, texts, scores.total, scores.by_function, ended, counted
@@ -168,6 +174,7 @@ class GivenRollouts:
     """Each prompt's completions and rewards as the data gives them (``grpo``): nothing is sampled."""
 
     functions: tuple[str, ...] = ()
+    judges: tuple[str, ...] = ()
 
     def __init__(self, groups: ScoredGroups, decode):
         self.groups, self.decode = groups, decode
@@ -394,6 +401,8 @@ class RewardReport:
             values[mean_name], values[std_name] = mean_std(scores.by_function[name])
         for name, counts in scores.episodes.items():
             values[name] = float(counts.mean())
+        for name in self.source.judges:
+            values[METRIC_JUDGE_FAILURES.format(name=name)] = float(scores.by_function[name].isnan().sum())
         values[METRIC_COMPLETION_LENGTH] = float(scores.completion_lengths.mean())
         values[METRIC_COMPLETION_LENGTH_MAX] = float(scores.completion_lengths.max())
         values[METRIC_COMPLETION_CLIPPED] = float(1.0 - scores.ended.mean())
@@ -428,26 +437,45 @@ class CompletionsLog:
         if not self.master or not self._due(step):
             return
         by_function = rollouts.by_function or {GIVEN: rollouts.rewards}
-        prompt = json.dumps(rollouts.prompt_texts[0], ensure_ascii=False)
-        lines = [f"step {step + 1} | prompt {rollouts.numbers[0]}: {prompt}"]
-        for row in range(generations):
-            total = rollouts.rewards[row]
+        self.write_group(
+            f"step {step + 1} | prompt {rollouts.numbers[0]}",
+            rollouts.prompt_texts[0],
+            rollouts.texts[:generations],
+            rollouts.rewards[:generations],
+            {name: values[:generations] for name, values in by_function.items()},
+            None if rollouts.transcripts is None else rollouts.transcripts[:generations],
+            {name: values[:generations] for name, values in (rollouts.episodes or {}).items()},
+        )
+
+    def write_group(
+        self,
+        title: str,
+        prompt: str,
+        texts: list[str],
+        totals: list[float | None],
+        by_function: dict[str, list[float | None]],
+        transcripts: list | None = None,
+        episodes: dict | None = None,
+    ) -> None:
+        """Append one prompt's completions with each one's total and every reward's score, under ``title``; episodes
+        (``transcripts``: each one's turns, (role, text)) whole, with their counts (``episodes``: by metric)."""
+        lines = [f"{title}: {json.dumps(prompt, ensure_ascii=False)}"]
+        for row, text in enumerate(texts):
             parts = ", ".join(
                 f"{name} {'n/a' if values[row] is None else f'{values[row]:.3g}'}"
                 for name, values in by_function.items()
             )
-            shown = "n/a" if total is None else f"{total:.3g}"
-            if rollouts.transcripts is None:
-                text = json.dumps(rollouts.texts[row], ensure_ascii=False)
-                lines.append(f"  [{row + 1}/{generations}] reward {shown} ({parts}): {text}")
+            shown = "n/a" if totals[row] is None else f"{totals[row]:.3g}"
+            if transcripts is None:
+                lines.append(
+                    f"  [{row + 1}/{len(texts)}] reward {shown} ({parts}): {json.dumps(text, ensure_ascii=False)}"
+                )
                 continue
-            counts = ", ".join(
-                f"{name.partition('/')[2]} {values[row]:g}" for name, values in rollouts.episodes.items()
-            )
-            lines.append(f"  [{row + 1}/{generations}] reward {shown} ({parts}; {counts}):")
-            for role, text in rollouts.transcripts[row]:
+            counts = ", ".join(f"{name.partition('/')[2]} {values[row]:g}" for name, values in episodes.items())
+            lines.append(f"  [{row + 1}/{len(texts)}] reward {shown} ({parts}; {counts}):")
+            for role, turn in transcripts[row]:
                 marker = "assistant" if role == "assistant" else "  [tool]"
-                lines.append(f"      {marker}: {json.dumps(text, ensure_ascii=False)}")
+                lines.append(f"      {marker}: {json.dumps(turn, ensure_ascii=False)}")
         try:
             with open(self.path, "a", encoding="utf-8") as handle:
                 handle.write("\n".join(lines) + "\n\n")
