@@ -1,4 +1,5 @@
-"""lm-evaluation-harness on a checkpoint: what ``invoke eval`` runs in the job's image (:mod:`astrai.trainer.harness`).
+"""lm-evaluation-harness on a checkpoint: what ``invoke eval`` runs in the job's image
+(:mod:`astrai.trainer.run.harness`).
 
     python -m astrai.evaluate --checkpoint /checkpoints/job/epoch_0_step_1000 --tasks /data/tasks/facts.yaml \\
         --out /checkpoints/job/eval/epoch_0_step_1000.json [--limit 100] [--num_fewshot 5] [--config train.yaml]
@@ -32,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from astrai.trainer import harness
+    from astrai.trainer.run import harness
 
     args = _parser().parse_args(argv)
     try:
@@ -68,8 +69,8 @@ def _device(requested: str) -> str:
 def _to_trackers(config_path: Path, checkpoint: Path, document: dict) -> None:
     """The results into the tracker runs that made the checkpoint, at its step (its meta.json names them)."""
     from astrai.common.config import load_trainer_config
-    from astrai.trainer.harness import flat_results
-    from astrai.trainer.trackers import report_results
+    from astrai.trainer.run.harness import flat_results
+    from astrai.trainer.run.trackers import report_results
 
     log = load_trainer_config(config_path).log
     if not log.trackers or document.get("step") is None:

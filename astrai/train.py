@@ -23,19 +23,19 @@ from __future__ import annotations
 
 if __name__ == "__main__":
     # Run as the trainer process: before the slow imports below, a stop signal becomes a
-    # recorded request instead of a kill (astrai/trainer/signals.py).
-    from astrai.trainer import signals
+    # recorded request instead of a kill (astrai/trainer/launch/signals.py).
+    from astrai.trainer.launch import signals
 
     signals.catch()
 
 import gc
 import sys
 
-from astrai.trainer.loop import main
+from astrai.trainer.run.loop import main
 
 if __name__ == "__main__":
     code = main()
     # Done: what is left is freed by the exit, without a last collection over torch's objects that would take
-    # seconds of the stop timeout (astrai/trainer/torchrun.py says more).
+    # seconds of the stop timeout (astrai/trainer/launch/torchrun.py says more).
     gc.freeze()
     sys.exit(code)

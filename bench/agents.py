@@ -30,10 +30,10 @@ from astrai.common.config import KEY_SECTION, load_trainer_config
 from astrai.common.contract import METRICS_FILE
 from astrai.data.pipeline import prepare
 from astrai.data.tokenizing import HFTokenizer
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import open_trainer
+from astrai.trainer.launch.distributed import init_distributed
 from astrai.trainer.objectives.grpo import grpo_loss
 from astrai.trainer.objectives.rollouts import completion_logps
+from astrai.trainer.run.loop import open_trainer
 from bench.common import REPO, Figures, fix_threads
 
 EXAMPLE = REPO / "examples" / "agents"

@@ -61,8 +61,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from astrai.common.checkpoints import fsync_path, list_complete_checkpoints
 from astrai.trainer.checkpoint.manager import load_latest
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import Trainer, open_trainer
+from astrai.trainer.launch.distributed import init_distributed
+from astrai.trainer.run.loop import Trainer, open_trainer
 from bench.common import REPO, Figures, drop_from_page_cache, fix_threads, status_kib
 from bench.trainer_speed import make_assets, trainer_config
 

@@ -20,7 +20,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from astrai.trainer.model import PRESETS, TokenTargets, Transformer
+from astrai.trainer.models.native import Transformer
+from astrai.trainer.models.scoring import TokenTargets
+from astrai.trainer.models.weights import PRESETS
 from bench.common import REPO, TORCH_THREADS, Figures, fix_threads
 
 QWEN_VOCAB = 151936
@@ -31,7 +33,9 @@ import torch
 import torch.nn.functional as F
 torch.set_num_threads({threads})
 from astrai.common.model_folder import ModelConfig
-from astrai.trainer.model import PRESETS, TokenTargets, Transformer
+from astrai.trainer.models.weights import PRESETS
+from astrai.trainer.models.scoring import TokenTargets
+from astrai.trainer.models.native import Transformer
 
 def status(field):
     with open("/proc/self/status") as handle:

@@ -26,8 +26,8 @@ from pathlib import Path
 from astrai.common.config import DataSource
 from astrai.data.pipeline import prepare
 from astrai.data.sources import available_cpus
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import open_trainer
+from astrai.trainer.launch.distributed import init_distributed
+from astrai.trainer.run.loop import open_trainer
 from bench.common import REPO, Figures, fix_threads, run_prepare
 from bench.hf_io import _tokenizer
 from bench.trainer_speed import make_assets, trainer_config

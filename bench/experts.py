@@ -2,7 +2,7 @@
 transformers' own block with the same weights, at shapes scaled down from the real models.
 
 - ``qwen3_moe_step_vs_transformers``: CPU time of transformers' ``Qwen3MoeSparseMoeBlock`` (its default experts
-  implementation, ``grouped_mm``) over ours (:mod:`astrai.trainer.experts`), forward and backward of 512 tokens,
+  implementation, ``grouped_mm``) over ours (:mod:`astrai.trainer.models.experts`), forward and backward of 512 tokens,
   at Qwen3-30B-A3B's shape scaled down: 128 experts, 8 per token, width 512, expert width 192 (the real 2048 and
   768 divided by 4), in alternating turns. ``mixtral_step_vs_transformers``: the same for ``MixtralSparseMoeBlock``
   at Mixtral-8x7B's shape scaled down: 8 experts, 2 per token, width 512, expert width 1,792 (4096 and 14336 / 8).
@@ -18,7 +18,7 @@ import time
 import torch
 
 from astrai.common.model_config import ModelConfig
-from astrai.trainer.experts import MixtureOfExperts
+from astrai.trainer.models.experts import MixtureOfExperts
 from bench.common import Figures, fix_threads
 
 TOKENS = 512

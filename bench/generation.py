@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from astrai.common.settings import Sampling
-from astrai.trainer.decoding import generate
-from astrai.trainer.model import PRESETS, load_pretrained, write_base_model
+from astrai.trainer.generation.decoding import generate
+from astrai.trainer.models.weights import PRESETS, load_pretrained, write_base_model
 from bench.common import Figures, fix_threads
 from tests.support import transformers_generate
 

@@ -146,7 +146,7 @@ def make_assets(device: str, work: Path) -> None:
     """The base model (the 0.63B configuration on a GPU) and the corpus, made once for every part."""
     from astrai.common.model_folder import ModelConfig
     from astrai.data.pipeline import prepare
-    from astrai.trainer.model import write_base_model
+    from astrai.trainer.models.weights import write_base_model
 
     sizes = GPU_SIZES if device == "cuda" else CPU_SIZES
     write_base_model(work / "params", ModelConfig(**sizes.model, max_seq_len=max(sizes.window, 2048)), seed=0)
@@ -210,8 +210,8 @@ def _trainer_rate(bench: Bench, job: str, **keys) -> tuple[float, float, object]
     """(tokens/s, peak GiB) of the trainer after warm-up steps; and its plan."""
     import torch
 
-    from astrai.trainer.distributed import init_distributed
-    from astrai.trainer.loop import open_trainer
+    from astrai.trainer.launch.distributed import init_distributed
+    from astrai.trainer.run.loop import open_trainer
 
     trainer = open_trainer(bench.config(job, **keys), init_distributed("none", bench.device.type))
     try:
@@ -230,7 +230,7 @@ def _batches(bench: Bench, count: int):
     import torch
 
     from astrai.common.data_folder import TokenData
-    from astrai.trainer.windows import WindowDataset
+    from astrai.trainer.feed.windows import WindowDataset
 
     dataset = WindowDataset(TokenData.open(bench.data), bench.sizes.window)
     rows = [dataset[index % len(dataset)] for index in range(count * bench.sizes.batch)]
@@ -276,8 +276,8 @@ def throughput(bench: Bench) -> None:
     import torch
     import torch.nn.functional as F
 
-    from astrai.trainer.model import load_pretrained
-    from astrai.trainer.report import flops_per_token, mfu, peak_tflops
+    from astrai.trainer.models.weights import load_pretrained
+    from astrai.trainer.run.report import flops_per_token, mfu, peak_tflops
 
     rate, peak, plan = _trainer_rate(bench, "default")
     eager, _, _ = _trainer_rate(bench, "eager", compile=False)
@@ -338,7 +338,8 @@ def chunked_loss(bench: Bench) -> None:
     import torch.nn.functional as F
 
     from astrai.common.model_folder import ModelConfig
-    from astrai.trainer.model import TokenTargets, Transformer
+    from astrai.trainer.models.native import Transformer
+    from astrai.trainer.models.scoring import TokenTargets
 
     config = ModelConfig(**{**bench.sizes.model, "vocab_size": bench.sizes.qwen_vocab}, max_seq_len=bench.sizes.window)
     model = Transformer(config).to(bench.device)
@@ -394,8 +395,8 @@ def chunked_loss(bench: Bench) -> None:
 def lora(bench: Bench) -> None:
     """LoRA r16 with its base in bf16 against full fine-tuning: tokens/s, peak memory, checkpoint bytes."""
     from astrai.common.checkpoints import folder_bytes, latest_complete_checkpoint
-    from astrai.trainer.distributed import init_distributed
-    from astrai.trainer.loop import open_trainer
+    from astrai.trainer.launch.distributed import init_distributed
+    from astrai.trainer.run.loop import open_trainer
 
     full, full_peak, _ = _trainer_rate(bench, "full")
     keys = {"lora_rank": bench.sizes.lora_rank, "lora_alpha": 2 * bench.sizes.lora_rank}
@@ -421,7 +422,7 @@ def nf4(bench: Bench) -> None:
     matrices whole NF4 scaler blocks; on a CPU the tiny NF4 model), the peak memory of a step on a model whose weights
     dominate (batch 1, eager on both sides), and the step-0 loss of one batch both ways."""
     from astrai.common.model_folder import ModelConfig
-    from astrai.trainer.model import write_base_model
+    from astrai.trainer.models.weights import write_base_model
 
     keys = {"lora_rank": bench.sizes.lora_rank, "lora_alpha": 2 * bench.sizes.lora_rank}
     memory_params = bench.work / "nf4-memory"
@@ -444,9 +445,9 @@ def _step0_loss(bench: Bench, job: str, **keys) -> float:
     """The loss of the trainer's model, adapters at their start (the base's), on the first rows of the corpus."""
     import torch
 
-    from astrai.trainer.build import autocast_for
-    from astrai.trainer.distributed import init_distributed
-    from astrai.trainer.loop import open_trainer
+    from astrai.trainer.launch.distributed import init_distributed
+    from astrai.trainer.run.build import autocast_for
+    from astrai.trainer.run.loop import open_trainer
 
     trainer = open_trainer(bench.config(job, compile=False, **keys), init_distributed("none", bench.device.type))
     try:
@@ -474,8 +475,8 @@ def generation(bench: Bench) -> None:
     from transformers import AutoModelForCausalLM
 
     from astrai.common.settings import Sampling
-    from astrai.trainer.decoding import DecodeEngine, Draws
-    from astrai.trainer.model import load_pretrained
+    from astrai.trainer.generation.decoding import DecodeEngine, Draws
+    from astrai.trainer.models.weights import load_pretrained
     from tests.support import transformers_generate
 
     dtype = torch.bfloat16 if bench.cuda else torch.float32
@@ -549,7 +550,7 @@ def _why_rows_differ(bench: Bench, prompts, ours, theirs) -> dict:
     gap between the top two logits anywhere else, for scale."""
     import torch
 
-    from astrai.trainer.model import load_pretrained
+    from astrai.trainer.models.weights import load_pretrained
 
     reference = load_pretrained(bench.params).to(bench.device)
     gaps = []
@@ -651,8 +652,8 @@ def rollouts(bench: Bench) -> None:
 
 
 def _rollout_share(bench: Bench, config) -> tuple[tuple[float, float], list[float], int]:
-    from astrai.trainer.distributed import init_distributed
-    from astrai.trainer.loop import open_trainer
+    from astrai.trainer.launch.distributed import init_distributed
+    from astrai.trainer.run.loop import open_trainer
 
     trainer = open_trainer(config, init_distributed("none", bench.device.type))
     spent = []
@@ -686,8 +687,8 @@ def checkpoints(bench: Bench) -> None:
     import torch
 
     from astrai.common.checkpoints import folder_bytes, latest_complete_checkpoint
-    from astrai.trainer.distributed import init_distributed
-    from astrai.trainer.loop import open_trainer
+    from astrai.trainer.launch.distributed import init_distributed
+    from astrai.trainer.run.loop import open_trainer
     from bench.checkpoint_cost import stream_to_disk
 
     params = _exact_params(bench)
@@ -735,7 +736,7 @@ def _clear_job(job_dir: Path) -> None:
 def _exact_params(bench: Bench) -> Path:
     """The exactness and checkpoint runs' model (`base`'s shape on a GPU)."""
     from astrai.common.model_folder import ModelConfig
-    from astrai.trainer.model import write_base_model
+    from astrai.trainer.models.weights import write_base_model
 
     folder = bench.work / "params-exact"
     if not folder.exists():
@@ -784,9 +785,9 @@ def exactness_worker(mode: str, compiled: str, device: str, work: Path, params: 
     final weights' distances from the first run, and the first run's tokens/s."""
 
     from astrai.common.checkpoints import latest_complete_checkpoint
-    from astrai.trainer.distributed import GracefulStop, init_distributed
-    from astrai.trainer.loop import open_trainer
-    from astrai.trainer.model import load_base_model
+    from astrai.trainer.launch.distributed import GracefulStop, init_distributed
+    from astrai.trainer.models.weights import load_base_model
+    from astrai.trainer.run.loop import open_trainer
 
     bench = Bench(device, work)
     bench.params = params
@@ -850,7 +851,7 @@ class _StopAt:
     """A graceful stop that arrives once the trainer has taken ``step`` steps (as SIGTERM would, in between)."""
 
     def __init__(self, step: int):
-        from astrai.trainer.distributed import GracefulStop
+        from astrai.trainer.launch.distributed import GracefulStop
 
         self._stop = GracefulStop()
         self.step = step
@@ -1023,7 +1024,7 @@ def main(argv: list[str] | None = None) -> int:
         return part_main(args.part, args.device, args.work, args.out, faults.get(args.part))
     if args.exactness_worker:
         if args.exactness_worker == "deterministic":
-            from astrai.trainer.determinism import make_deterministic
+            from astrai.trainer.launch.determinism import make_deterministic
 
             make_deterministic()
         exactness_worker(args.exactness_worker, args.compile, args.device, args.work, args.params, args.out)

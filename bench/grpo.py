@@ -31,11 +31,12 @@ from astrai.common.config import KEY_SECTION, load_trainer_config
 from astrai.common.contract import METRICS_FILE
 from astrai.common.settings import GRPOSettings
 from astrai.data.pipeline import prepare
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import open_trainer
-from astrai.trainer.model import PRESETS, Transformer, write_base_model
+from astrai.trainer.launch.distributed import init_distributed
+from astrai.trainer.models.native import Transformer
+from astrai.trainer.models.weights import PRESETS, write_base_model
 from astrai.trainer.objectives.grpo import grpo_loss
 from astrai.trainer.objectives.rollouts import completion_logps
+from astrai.trainer.run.loop import open_trainer
 from bench.common import Figures, fix_threads
 
 REWARD = '''

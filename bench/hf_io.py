@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from astrai.data.sources import available_cpus
-from astrai.trainer.model import PRESETS, hf_state_dict, load_base_model, write_base_model
+from astrai.trainer.models.weights import PRESETS, hf_state_dict, load_base_model, write_base_model
 from bench.common import REPO, Figures, run_prepare
 
 CORPUS = sorted((REPO / "examples" / "corpus").glob("*.txt"))

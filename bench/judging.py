@@ -62,10 +62,10 @@ def run(quick: bool) -> Figures:
 def _eval_vs_manual(figures: Figures, folder: Path, turns: int) -> None:
     from astrai.common.config import build_config
     from astrai.data.pipeline import prepare
-    from astrai.trainer.decoding import DecodeEngine, Draws
-    from astrai.trainer.distributed import init_distributed
-    from astrai.trainer.loop import open_trainer
+    from astrai.trainer.generation.decoding import DecodeEngine, Draws
+    from astrai.trainer.launch.distributed import init_distributed
     from astrai.trainer.objectives.rewards import score
+    from astrai.trainer.run.loop import open_trainer
     from bench.trainer_speed import make_assets
 
     params, data = make_assets(folder, "tiny")
@@ -131,8 +131,9 @@ def _reward_model(figures: Figures, folder: Path) -> None:
 
     from transformers import AutoModelForSequenceClassification
 
-    from astrai.trainer.distributed import init_distributed
-    from astrai.trainer.model import PRESETS, Transformer, save_model_folder
+    from astrai.trainer.launch.distributed import init_distributed
+    from astrai.trainer.models.native import Transformer
+    from astrai.trainer.models.weights import PRESETS, save_model_folder
     from astrai.trainer.objectives.model_rewards import load_model_reward
 
     config = dataclasses.replace(PRESETS["tiny"], num_labels=1, pad_token_id=0)
@@ -215,8 +216,8 @@ def _lm_eval(figures: Figures, folder: Path) -> None:
     from astrai.common.config import KEY_SECTION
     from astrai.evaluate import main
     from astrai.host.export import export_checkpoint
-    from astrai.trainer.distributed import init_distributed
-    from astrai.trainer.loop import open_trainer
+    from astrai.trainer.launch.distributed import init_distributed
+    from astrai.trainer.run.loop import open_trainer
 
     def train_yaml(path, **keys):
         import yaml

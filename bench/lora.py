@@ -31,9 +31,9 @@ from astrai.common.checkpoints import folder_bytes, latest_complete_checkpoint
 from astrai.common.config import build_config
 from astrai.common.contract import REASON_EMERGENCY
 from astrai.data.pipeline import prepare
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import open_trainer
-from astrai.trainer.model import PRESETS, write_base_model
+from astrai.trainer.launch.distributed import init_distributed
+from astrai.trainer.models.weights import PRESETS, write_base_model
+from astrai.trainer.run.loop import open_trainer
 from bench.common import REPO, TORCH_THREADS, Figures, fix_threads
 
 CORPUS = sorted((REPO / "examples" / "corpus").glob("*.txt"))
@@ -67,8 +67,8 @@ import json, resource, sys, threading, time
 import torch
 torch.set_num_threads({threads})
 from astrai.common.config import build_config
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import open_trainer
+from astrai.trainer.launch.distributed import init_distributed
+from astrai.trainer.run.loop import open_trainer
 
 def rss():
     with open("/proc/self/statm") as handle:

@@ -27,9 +27,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from astrai.common.config import build_config
 from astrai.data.pipeline import prepare
 from astrai.data.tokenizing import HFTokenizer
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import open_trainer
-from astrai.trainer.model import PRESETS, write_base_model
+from astrai.trainer.launch.distributed import init_distributed
+from astrai.trainer.models.weights import PRESETS, write_base_model
+from astrai.trainer.run.loop import open_trainer
 from bench.common import REPO, Figures, fix_threads
 
 CORPUS = sorted((REPO / "examples" / "corpus").glob("*.txt"))

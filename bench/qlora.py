@@ -35,9 +35,9 @@ from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.common.config import build_config
 from astrai.common.model_folder import ModelConfig
 from astrai.data.pipeline import prepare
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import open_trainer
-from astrai.trainer.model import PRESETS, write_base_model
+from astrai.trainer.launch.distributed import init_distributed
+from astrai.trainer.models.weights import PRESETS, write_base_model
+from astrai.trainer.run.loop import open_trainer
 from bench.common import REPO, TORCH_THREADS, Figures, fix_threads
 from bench.lora import _PEAK
 
@@ -72,7 +72,7 @@ def _trainer(folder: Path, params: Path, job: str, base_dtype: str | None, **tra
 
 
 def _base_bytes(model) -> int:
-    from astrai.trainer.nf4 import is_nf4
+    from astrai.trainer.models.nf4 import is_nf4
 
     total = 0
     for name, param in model.named_parameters():

@@ -52,8 +52,8 @@ def worker(preset: str, window: str, batch: str, repeats: str, params: str, data
     from astrai.common.contract import CKPT_FORMATS
     from astrai.trainer.checkpoint.formats import FORMATS
     from astrai.trainer.checkpoint.manager import load_latest
-    from astrai.trainer.distributed import init_distributed, shutdown_distributed
-    from astrai.trainer.loop import open_trainer
+    from astrai.trainer.launch.distributed import init_distributed, shutdown_distributed
+    from astrai.trainer.run.loop import open_trainer
     from bench.trainer_speed import trainer_config
 
     torch.set_num_threads(1)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.host import compose
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import open_trainer
+from astrai.trainer.launch.distributed import init_distributed
+from astrai.trainer.run.loop import open_trainer
 from bench.common import Figures, invoke, wait_for_metrics, write_config
 from bench.trainer_speed import make_assets, trainer_config
 

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from astrai.common.config import MlflowSettings, WandbSettings, build_config
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import open_trainer
+from astrai.trainer.launch.distributed import init_distributed
+from astrai.trainer.run.loop import open_trainer
 from bench.common import Figures, fix_threads
 from bench.trainer_speed import make_assets
 from tests.trackers_support import mlflow_server

@@ -30,10 +30,11 @@ import torch.nn.functional as F
 from astrai.common.config import build_config
 from astrai.common.data_folder import TokenData
 from astrai.data.pipeline import prepare
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import open_trainer
-from astrai.trainer.model import PRESETS, Transformer, load_base_model, write_base_model
-from astrai.trainer.windows import WindowDataset, epoch_permutation
+from astrai.trainer.feed.windows import WindowDataset, epoch_permutation
+from astrai.trainer.launch.distributed import init_distributed
+from astrai.trainer.models.native import Transformer
+from astrai.trainer.models.weights import PRESETS, load_base_model, write_base_model
+from astrai.trainer.run.loop import open_trainer
 from bench.common import REPO, Figures, fix_threads
 
 # preset: (window_size, batch_per_device, steps per turn)

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from astrai.common.data_folder import TokenData
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import open_trainer
-from astrai.trainer.windows import WindowDataset, epoch_permutation
+from astrai.trainer.feed.windows import WindowDataset, epoch_permutation
+from astrai.trainer.launch.distributed import init_distributed
+from astrai.trainer.run.loop import open_trainer
 from bench.common import Figures, fix_threads
 from bench.trainer_speed import make_assets, trainer_config
 

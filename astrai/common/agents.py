@@ -4,7 +4,7 @@ the run plan, preflight and the trainer read them with the same rules.
 
 An environment is a Python class (``module:Class`` or ``FILE.py:Class``, made once per episode in the trainer's
 process) or a server the product starts beside the trainer (``{server: NAME}``, naming
-``runtime.environments.NAME``). Loading and calling them is the trainer's (:mod:`astrai.trainer.agents`).
+``runtime.environments.NAME``). Loading and calling them is the trainer's (:mod:`astrai.trainer.objectives.agents`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``model.backend: auto`` (the default) is ``native`` when the model folder's ``model_type`` is one of the families
 the trainer computes itself (:data:`astrai.common.model_config.MODEL_TYPES`), else ``transformers``: any folder
-``transformers.AutoModelForCausalLM`` loads trains through :mod:`astrai.trainer.hf_model`, slower than a native
+``transformers.AutoModelForCausalLM`` loads trains through :mod:`astrai.trainer.models.hf_model`, slower than a native
 family. ``native`` with another family is refused, naming ``model.backend: transformers`` as the way to train it.
 
 A folder trained through transformers is described by :class:`TransformersConfig`: its ``config.json`` as it is
@@ -68,7 +68,7 @@ ATTENTION_PREFERRED = "sdpa"
 
 @dataclass(frozen=True)
 class LibraryModel:
-    """What transformers builds for a model folder, found without its weights (:func:`astrai.trainer.hf_model.
+    """What transformers builds for a model folder, found without its weights (:func:`astrai.trainer.models.hf_model.
     inspect_folder`: the config read as ``AutoConfig.from_pretrained`` reads it, the model made on the meta device,
     its output and its adapters' layers looked at), for the run plan to say."""
 

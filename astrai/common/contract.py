@@ -30,7 +30,7 @@ def container_job_dir(job_name: str) -> str:
 
 TRAINER_MODULE = "astrai.train"
 """What the entrypoint runs: ``python -m astrai.train`` (or under torchrun)."""
-TORCHRUN_MODULE = "astrai.trainer.torchrun"
+TORCHRUN_MODULE = "astrai.trainer.launch.torchrun"
 """How the entrypoint runs several trainer processes: torchrun, with a quick exit (``python -m`` this)."""
 
 

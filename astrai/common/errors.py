@@ -3,7 +3,7 @@
 An expected failure is bad input or a state of the world the user can fix: the
 message says what is wrong and what to do, and the command exits with
 ``exit_code`` and no traceback. Anything else is a bug and keeps its traceback.
-The host tasks (tasks.py) and the trainer (astrai/trainer/loop.py) each catch
+The host tasks (tasks.py) and the trainer (astrai/trainer/run/loop.py) each catch
 this one class.
 """
 

@@ -1,7 +1,7 @@
 """The kinds of layer a block is built of, described once and torch-free: what each holds (its tensors, by name within
 the block, with their shapes), what a token multiplies through, and what it caches for generation.
 
-The model builds one module per kind (``astrai.trainer.model``: ``ATTENTIONS``, ``MLPS``), chosen by
+The model builds one module per kind (``astrai.trainer.models.layers``: ``ATTENTIONS``, ``MLPS``), chosen by
 :func:`attention_kind` and :func:`mlp_kind`; the folder's tensor names and shapes (``astrai.common.model_folder``),
 the FLOP count (MFU), preflight's memory and the key/value cache read the kinds here. A family that brings a new kind
 of layer (a latent attention, a shared expert) adds a :class:`LayerKind` here and its module there; nothing else

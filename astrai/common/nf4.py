@@ -13,8 +13,8 @@ Which matrices: the linear layers of every block (the attention's and the MLP's 
 The embeddings and the output head stay in bfloat16, the norms and biases as they are. A mixture of experts is refused:
 its experts are stacked three-dimensional tensors, which the NF4 tensor does not hold.
 
-The trainer (:mod:`astrai.trainer.nf4`) quantises with torchao itself; :func:`round_trip` is the same arithmetic in
-NumPy, for `invoke export` (torch-free), which folds the adapters into the weights the run computed with.
+The trainer (:mod:`astrai.trainer.models.nf4`) quantises with torchao itself; :func:`round_trip` is the same
+arithmetic in NumPy, for `invoke export` (torch-free), which folds the adapters into the weights the run computed with.
 """
 
 from __future__ import annotations

@@ -135,14 +135,15 @@ class RunPlan:
         if self.parallel_mode == "fsdp":
             held //= self.batch.world_size
         elif self.generations and self.autocast and self.base_dtype not in (self.autocast, NF4):
-            held += num_parameters(model) * 2  # the decode steps' copy of the weights (astrai.trainer.decoding)
+            # the decode steps' copy of the weights (astrai.trainer.generation.decoding)
+            held += num_parameters(model) * 2
         return held
 
     def generation_cache(self, model, context: int, longest_prompt: int) -> GenerationCache:
         """The key/value caches of the online types' rounds of generation on a rank, at the largest capacity the run
         reaches (its longest prompt and max_completion_length)."""
         # Episodes: the rows of a round share the cache's slots, so one row's longest episode and another's longest
-        # turn must fit together (astrai.trainer.decoding.DecodeEngine.episodes).
+        # turn must fit together (astrai.trainer.generation.decoding.DecodeEngine.episodes).
         room = self.completion_room + (self.sampling.max_new_tokens if self.episodes is not None else 0)
         return generation_cache(model, context, self.rollout_rows, longest_prompt, room, self.autocast)
 
@@ -206,8 +207,8 @@ def resolve_plan(
     launcher resolved it (by default: the config's, ``auto`` resolved for the world size); ``model_folder``: where the
     base model is read from here (by default ckpt.param_path; the host gives its own path); ``inspect(folder, lora)``:
     what transformers builds for a folder on the transformers path (the trainer's
-    :func:`astrai.trainer.hf_model.inspect_folder`), made without the weights. ConfigError when the world size does
-    not fit the global batch, model.backend does not fit the model, or transformers refuses the folder."""
+    :func:`astrai.trainer.models.hf_model.inspect_folder`), made without the weights. ConfigError when the world
+    size does not fit the global batch, model.backend does not fit the model, or transformers refuses the folder."""
     training = config.training
     mode = parallel_mode or resolve_parallel_mode(config.parallel.parallel_mode, world_size)
     folder = Path(model_folder or config.ckpt.param_path)

@@ -281,7 +281,7 @@ class RewardModelSettings:
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """Generative evaluation in the loop (:mod:`astrai.trainer.evaluation`): every ``interval`` steps (and at step 0
+    """Generative evaluation in the loop (:mod:`astrai.trainer.run.evaluation`): every ``interval`` steps (and at step 0
     with ``at_start``) the model completes each prompt of ``prompts`` ``generations`` times, sampled as ``sampling``
     says, and the rewards score them."""
 

@@ -5,7 +5,7 @@ of ``window_size`` tokens a unit takes, whether it samples completions with the 
 rewards at all, the training keys that are its own (and the named set of settings it builds of them), and the limits
 it puts on the shared ones. The config, the run plan, preflight and `--dry-run` read these entries; the trainer's side
 of each type (its records, its dataset and its objective) is an entry of ``TRAINER_TYPES`` in
-:mod:`astrai.trainer.build` under the same name. Adding an algorithm is one entry here, one there, and its
+:mod:`astrai.trainer.run.build` under the same name. Adding an algorithm is one entry here, one there, and its
 objective's module.
 """
 

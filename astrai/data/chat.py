@@ -288,7 +288,8 @@ class RecordEncoder:
         clash = sorted({"prompts", "completions"} & set(fields))
         if clash:
             raise RecordError(f"has a field named {clash[0]!r}, which reward functions receive as the texts; rename it")
-        # A chat prompt keeps its messages: an episode renders them again, with the tools (astrai.trainer.agents).
+        # A chat prompt keeps its messages: an episode renders them again, with the tools
+        # (astrai.trainer.objectives.agents).
         kept = (
             {"prompt": text, "fields": fields}
             if messages is None

@@ -3,9 +3,9 @@
 
 - The tools (``training.tools``, the environment class's methods) load and have schemas, and the prompts' chat
   template renders them and writes calls in a format the episodes read: the trainer's own check
-  (:func:`astrai.trainer.agents.episodes.describe_agent`), run in the job's built image with its mounts read-only and
-  no network, as the trainer will run. Before `invoke start` has built the image the line says so, and `invoke start`
-  checks it after its build, before the trainer starts.
+  (:func:`astrai.trainer.objectives.agents.episodes.describe_agent`), run in the job's built image with its mounts
+  read-only and no network, as the trainer will run. Before `invoke start` has built the image the line says so, and
+  `invoke start` checks it after its build, before the trainer starts.
 
 - The server ``training.environment`` names is one of ``runtime.environments``.
 - Each server's image is there: its Dockerfile folder builds (``docker build``, as Compose will build it), or its
@@ -54,7 +54,7 @@ _AGENT_SCRIPT = """
 import json, sys
 from astrai.common.config import parse_args
 from astrai.common.errors import AstraiError
-from astrai.trainer.agents.episodes import describe_agent
+from astrai.trainer.objectives.agents.episodes import describe_agent
 try:
     print(json.dumps({"found": describe_agent(parse_args(json.loads(sys.argv[1]))[0])}))
 except (AstraiError, ValueError) as error:

@@ -10,7 +10,7 @@ What it does, in order (:func:`evaluate_checkpoint`):
    it. The job's trainer config is read as `invoke start` reads it.
 2. The job's image is built with lm-evaluation-harness added (:func:`astrai.host.compose.eval_packages`, pinned), as
    an image of its own (``<image>:eval``): the job's image and this one share every layer before the harness's.
-3. One container of that image runs ``python -m astrai.evaluate`` (:mod:`astrai.trainer.harness`) with exactly what
+3. One container of that image runs ``python -m astrai.evaluate`` (:mod:`astrai.trainer.run.harness`) with exactly what
    the trainer's container gets — the mounts, the user, the environment (the trackers' secrets passed by name), the
    GPUs, the hardening — under a Compose project of its own, so it never passes for the job's container in `invoke
    status` or `invoke stop`. Nothing is downloaded while it runs.

@@ -401,7 +401,7 @@ class LibraryCheck(NamedTuple):
 
 
 def library_model(folder: Path, lora: bool) -> LibraryCheck:
-    """What transformers builds for ``folder`` on this host (:func:`astrai.trainer.hf_model.inspect_folder`, the
+    """What transformers builds for ``folder`` on this host (:func:`astrai.trainer.models.hf_model.inspect_folder`, the
     trainer's own refusals), asked of ``python -m astrai.model check`` in a process of its own: the host never
     imports torch."""
     if importlib.util.find_spec("transformers") is None:

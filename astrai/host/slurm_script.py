@@ -9,7 +9,7 @@ node with ``srun``. What a task runs depends on ``runtime.slurm.launcher``:
 - ``docker``: ``python -m astrai.host.slurm_node``, which starts the node's
   container on the host's engine exactly as ``invoke start --node N`` does, with
   the node rank from ``SLURM_NODEID``, and stops it gracefully on SIGTERM. The
-  container watches that task's pid (:mod:`astrai.trainer.entrypoint`), so it
+  container watches that task's pid (:mod:`astrai.trainer.launch.entrypoint`), so it
   never outlives the task, however the task ends;
 - ``pyxis`` / ``apptainer``: the trainer image's entrypoint itself, inside
   ``srun --container-image`` or ``apptainer exec``, a child of the task.

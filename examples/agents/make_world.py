@@ -83,7 +83,7 @@ def write_world(root: Path, prompts: int = 200, episodes: int = 3000, right: flo
 
     from astrai.data.chat import ChatTemplate
     from astrai.data.tool_schemas import json_schema
-    from astrai.trainer.model import PRESETS, write_base_model
+    from astrai.trainer.models.weights import PRESETS, write_base_model
 
     root = Path(root)
     base = write_tokenizer(root / "base")

@@ -76,7 +76,7 @@ def make_chat_world(root: Path, style: str = "chatml", sft_count: int = 240, dpo
     The chatml template sits in tokenizer_config.json, the header one in chat_template.jinja.
     """
     from astrai.common.model_folder import ModelConfig
-    from astrai.trainer.model import write_base_model
+    from astrai.trainer.models.weights import write_base_model
 
     root = Path(root)
     rng = random.Random(7)

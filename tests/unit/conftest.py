@@ -29,7 +29,7 @@ SMALL_RUN = {
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny base model folder (config.json + model.safetensors), seed 0."""
-    from astrai.trainer.model import PRESETS, write_base_model
+    from astrai.trainer.models.weights import PRESETS, write_base_model
 
     folder = tmp_path_factory.mktemp("base_model")
     write_base_model(folder, PRESETS["tiny"], seed=0)
@@ -119,8 +119,8 @@ def make_trainer():
     """make_trainer(train_yaml, **flat_overrides): a Trainer resuming its job dir, as `python -m astrai.train` builds
     it (None when the run is already at max_steps)."""
     from astrai.common.config import load_trainer_config
-    from astrai.trainer.distributed import init_distributed
-    from astrai.trainer.loop import open_trainer
+    from astrai.trainer.launch.distributed import init_distributed
+    from astrai.trainer.run.loop import open_trainer
 
     def make(config_path, **overrides):
         config = load_trainer_config(config_path, [(key, str(value)) for key, value in overrides.items()])

@@ -289,7 +289,7 @@ def save_peft_adapter(folder: Path, base: Path, adapters: dict[str, torch.Tensor
     import transformers
 
     from astrai.common.model_folder import PEFT_EXPERT_PARAMETERS, peft_expert_adapter, peft_modules_of
-    from astrai.trainer.lora import peft_name
+    from astrai.trainer.models.lora import peft_name
 
     tensors = {peft_name(name): value for name, value in adapters.items()}
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)

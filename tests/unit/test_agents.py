@@ -25,9 +25,10 @@ from astrai.common.settings import Sampling
 from astrai.data.chat import ChatTemplate, RecordEncoder
 from astrai.data.pipeline import prepare
 from astrai.data.tokenizing import HFTokenizer
-from astrai.trainer.agents.tools import AgentError
-from astrai.trainer.decoding import Continuation, DecodeEngine, Draws, regenerated_episodes
-from astrai.trainer.model import PRESETS, Transformer
+from astrai.trainer.generation.decoding import Continuation, DecodeEngine, Draws, regenerated_episodes
+from astrai.trainer.models.native import Transformer
+from astrai.trainer.models.weights import PRESETS
+from astrai.trainer.objectives.agents.tools import AgentError
 from astrai.trainer.objectives.grpo import grpo_loss
 from astrai.trainer.objectives.rewards import StepAbandoned
 from astrai.trainer.objectives.rollouts import completion_logps
@@ -208,7 +209,7 @@ def test_going_on_from_the_cache_samples_what_generating_the_whole_episode_again
 ):
     """Greedy turns from the cache (rows waiting for the others, their spent slots hidden; the cache emptied and fed
     again when it has no room) equal turns generated from every episode whole, turn after turn."""
-    from astrai.trainer import decoding
+    from astrai.trainer.generation import decoding
 
     refeeds = []
     refeed = decoding._EpisodeRows.refeed
@@ -228,8 +229,8 @@ def test_going_on_from_the_cache_samples_what_generating_the_whole_episode_again
 
 
 def test_episodes_hold_one_cache_per_batch_size_across_turns(sharp_model, monkeypatch):
-    from astrai.trainer import decoding
-    from astrai.trainer.model import KVCache
+    from astrai.trainer.generation import decoding
+    from astrai.trainer.models.cache import KVCache
 
     made = []
     monkeypatch.setattr(decoding, "KVCache", lambda *args: made.append(args[1:3]) or KVCache(*args))
@@ -571,7 +572,7 @@ def test_preflight_checks_the_tools_and_the_template_as_the_trainer_will(tmp_pat
     from hf_folders import make_chat_tokenizer
 
     from astrai.data.tool_calls import ToolFormatError
-    from astrai.trainer.agents.episodes import describe_agent
+    from astrai.trainer.objectives.agents.episodes import describe_agent
 
     path = _yaml(train_yaml, tmp_path / "t.yaml", agent_world)
     found = describe_agent(load_trainer_config(path))

@@ -23,8 +23,8 @@ import pytest
 from astrai.common.config import load_trainer_config
 from astrai.common.contract import METRICS_FILE, TAG_TRAIN_LOSS
 from astrai.common.metrics import read_records
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import open_trainer
+from astrai.trainer.launch.distributed import init_distributed
+from astrai.trainer.run.loop import open_trainer
 from tests.support import REPO, free_port, interruptible, invoke
 
 pytestmark = pytest.mark.slow

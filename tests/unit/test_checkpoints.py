@@ -32,9 +32,10 @@ from astrai.trainer.checkpoint import formats
 from astrai.trainer.checkpoint.files import CheckpointError, Progress, first_non_finite, read_checkpoint
 from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
 from astrai.trainer.checkpoint.state import RunState, run_state
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.model import PRESETS, Transformer
-from astrai.trainer.optim import Optimizers, Schedule
+from astrai.trainer.launch.distributed import init_distributed
+from astrai.trainer.models.native import Transformer
+from astrai.trainer.models.optim import Optimizers, Schedule
+from astrai.trainer.models.weights import PRESETS
 from tests.support import placeholder_checkpoint as _fake_checkpoint
 
 # The shared folder rules.
@@ -418,8 +419,8 @@ def test_the_optimizer_state_a_save_takes_is_torchs_own_by_parameter_name(kind):
 
     from astrai.common.config import build_config
     from astrai.common.settings import LoRASettings
-    from astrai.trainer.lora import add_adapters
-    from astrai.trainer.optim import build_optimizer
+    from astrai.trainer.models.lora import add_adapters
+    from astrai.trainer.models.optim import build_optimizer
 
     torch.manual_seed(0)
     model = Transformer(PRESETS["tiny"])

@@ -9,12 +9,13 @@ import torch.nn.functional as F
 
 from astrai.common.model_folder import ModelConfig
 from astrai.common.settings import LoRASettings
-from astrai.trainer import model as model_module
-from astrai.trainer.lora import add_adapters, hold_base_in
-from astrai.trainer.model import TokenTargets, Transformer
+from astrai.trainer.feed.records import DPOPair
+from astrai.trainer.models import scoring as model_module
+from astrai.trainer.models.lora import add_adapters, hold_base_in
+from astrai.trainer.models.native import Transformer
+from astrai.trainer.models.scoring import TokenTargets
 from astrai.trainer.objectives.reference import summed_log_probs
 from astrai.trainer.objectives.rollouts import completion_logps
-from astrai.trainer.records import DPOPair
 
 VOCAB = 509
 

@@ -6,7 +6,7 @@ import pytest
 
 from astrai.common.config import KEY_SECTION, TrainerConfig, load_trainer_config, parse_args
 from astrai.common.configfile import ConfigError
-from astrai.trainer.loop import main
+from astrai.trainer.run.loop import main
 from tests.support import placeholder_checkpoint, run_python
 
 

@@ -16,12 +16,12 @@ from astrai.common.checkpoints import is_complete, latest_complete_checkpoint
 from astrai.common.config import load_trainer_config
 from astrai.common.configfile import ConfigError
 from astrai.host.runtime import resolve_runtime
-from astrai.trainer.loop import main as train_main
+from astrai.trainer.run.loop import main as train_main
 from tests.support import REPO, placeholder_checkpoint
 
 TORCH_FREE_PACKAGES = ("astrai.common", "astrai.host", "astrai.data")
 """Layers that must import without torch: the shared rules, the host and the data tools."""
-CONTAINER_START = ("astrai.trainer.entrypoint", "astrai.trainer.signals")
+CONTAINER_START = ("astrai.trainer.launch.entrypoint", "astrai.trainer.launch.signals")
 """Trainer modules that run before torch is imported (the entrypoint decides how to start it)."""
 
 

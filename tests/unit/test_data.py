@@ -14,7 +14,7 @@ from astrai.common.data_folder import DataError, DataManifest, TokenData
 from astrai.data import pipeline as data_module
 from astrai.data.pipeline import prepare
 from astrai.data.tokenizing import ByteTokenizer
-from astrai.trainer.windows import WindowBatchSampler, WindowDataset, epoch_permutation, ignore_stop_signals
+from astrai.trainer.feed.windows import WindowBatchSampler, WindowDataset, epoch_permutation, ignore_stop_signals
 
 TOKENIZER = ByteTokenizer()
 

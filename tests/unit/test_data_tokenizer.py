@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from astrai.common.data_folder import TokenData
 from astrai.data import pipeline as data_module
-from astrai.trainer.windows import WindowDataset
+from astrai.trainer.feed.windows import WindowDataset
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,7 @@ def test_a_vocabulary_beyond_uint16_gets_uint32_shards(tmp_path):
 
 
 def test_the_trainer_refuses_data_whose_vocabulary_does_not_fit_the_model(tmp_path, train_yaml, capsys):
-    from astrai.trainer.loop import main
+    from astrai.trainer.run.loop import main
 
     tokenizer = _word_level_tokenizer(tmp_path / "words.json", 70_000)
     text = tmp_path / "doc.txt"

@@ -15,10 +15,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from astrai.common.memory import CAPACITY_STEP, DECODE_CACHE_SHARE, DEVICE_USABLE_SHARE, kv_cache_bytes
 from astrai.common.settings import LoRASettings, Sampling
-from astrai.trainer import decoding
-from astrai.trainer.decoding import DecodeEngine, Draws, draw, pick
-from astrai.trainer.lora import add_adapters, hold_base_in
-from astrai.trainer.model import load_pretrained, rotary_tables
+from astrai.trainer.generation import decoding
+from astrai.trainer.generation.decoding import DecodeEngine, Draws, draw, pick
+from astrai.trainer.models.lora import add_adapters, hold_base_in
+from astrai.trainer.models.rope import rotary_tables
+from astrai.trainer.models.weights import load_pretrained
 from tests.support import transformers_generate
 
 transformers = pytest.importorskip("transformers")

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from astrai.common.contract import TORCHRUN_MODULE
-from astrai.trainer import entrypoint
-from astrai.trainer.entrypoint import EntrypointError, check_mounts, plan_launch
+from astrai.trainer.launch import entrypoint
+from astrai.trainer.launch.entrypoint import EntrypointError, check_mounts, plan_launch
 from tests.support import REPO, placeholder_checkpoint
 
 PY = "/usr/bin/python3"
@@ -177,7 +177,7 @@ def test_print_plan_prints_json_without_checking_mounts(monkeypatch, capsys):
 def test_errors_exit_2_with_a_message_and_no_traceback():
     env = {**os.environ, **_env(ASTRAI_GPU_DEVICES="0", ASTRAI_PARALLEL_MODE="ddp")}
     result = subprocess.run(
-        [sys.executable, "-m", "astrai.trainer.entrypoint"],
+        [sys.executable, "-m", "astrai.trainer.launch.entrypoint"],
         env=env,
         capture_output=True,
         text=True,
@@ -228,8 +228,8 @@ def _entrypoint_loop(setup: str, arguments: str) -> subprocess.Popen:
     them) and ``setup`` ran."""
     code = (
         "import pathlib, sys\n"
-        "from astrai.trainer import signals\n"
-        "from astrai.trainer.entrypoint import Supervisor, supervise_workers\n"
+        "from astrai.trainer.launch import signals\n"
+        "from astrai.trainer.launch.entrypoint import Supervisor, supervise_workers\n"
         "signals.hold()\n"
         f"{setup}\n"
         f"sys.exit(supervise_workers({arguments}))\n"
@@ -369,7 +369,7 @@ def test_kubeflow_trainers_pet_variables_stand_in_for_unset_astrai_ones():
 _FAKE_TRAINER = textwrap.dedent(
     """
     import signal, sys, time
-    from astrai.trainer import signals
+    from astrai.trainer.launch import signals
     out, mode = sys.argv[1], sys.argv[2]
     signals.catch()  # as the trainer does first: takes a stop held since the entrypoint
     while signals.received() is None:

@@ -32,7 +32,7 @@ from astrai.host.checklist import FAIL, PASS
 from astrai.host.eval_checks import evaluation_check
 from astrai.host.runtime import resolve_runtime
 from astrai.host.status import evaluation_line
-from astrai.trainer.evaluation import PromptResult, eval_metrics
+from astrai.trainer.run.evaluation import PromptResult, eval_metrics
 
 REWARDS = '''
 import os, time
@@ -275,7 +275,8 @@ def test_a_reward_model_scores_alike_on_one_process_and_sharded_on_two(
     """A reward model of ours (the tiny base with a score head) as the reward of an online_grpo run and of its
     evaluation at the start: under FSDP it is sharded like the reference, and the rank out of evaluation batches scores
     its stand-in batch through the same collectives. Step 0's figures equal one process's; the run trains to its end."""
-    from astrai.trainer.model import Transformer, load_base_model, save_model_folder
+    from astrai.trainer.models.native import Transformer
+    from astrai.trainer.models.weights import load_base_model, save_model_folder
     from astrai.trainer.objectives.reward_model import classifier_start
 
     config, weights = classifier_start(*load_base_model(tiny_model), seed=3)
@@ -400,7 +401,7 @@ def _write(path, document):
 
 
 def test_dry_run_prints_the_evaluation_and_refuses_what_the_trainer_would(tmp_path, eval_world, train_yaml, capsys):
-    from astrai.trainer.loop import main
+    from astrai.trainer.run.loop import main
 
     path = _yaml(train_yaml, tmp_path / "t.yaml", eval_world, ckpt_dir=str(tmp_path / "job"))
     assert main(["--config", str(path), "--dry-run"]) == 0

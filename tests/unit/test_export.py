@@ -48,7 +48,7 @@ ODD = 'it\'s a $b "q" é'
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory) -> Path:
     """The tiny model with a tokenizer's files and a generation config."""
-    from astrai.trainer.model import PRESETS, write_base_model
+    from astrai.trainer.models.weights import PRESETS, write_base_model
 
     folder = tmp_path_factory.mktemp("model")
     write_base_model(folder, PRESETS["tiny"], seed=0)

@@ -8,8 +8,9 @@ from hf_folders import FAMILY_CASES, make_hf_model
 
 from astrai.common.settings import Sampling
 from astrai.model import main as model_main
-from astrai.trainer.decoding import generate, pick
-from astrai.trainer.model import KVCache, load_pretrained
+from astrai.trainer.generation.decoding import generate, pick
+from astrai.trainer.models.cache import KVCache
+from astrai.trainer.models.weights import load_pretrained
 from tests.support import transformers_generate
 
 transformers = pytest.importorskip("transformers")
@@ -148,7 +149,7 @@ def test_the_command_completes_a_chat_prompt_as_transformers_does(tmp_path, caps
 
 def test_a_model_of_byte_level_data_generates_with_the_byte_tokenizer(tmp_path, capsys):
     """The demo's models: data prepared without --tokenizer, so no tokenizer.json anywhere; --tokenizer bytes."""
-    from astrai.trainer.model import PRESETS, write_base_model
+    from astrai.trainer.models.weights import PRESETS, write_base_model
 
     folder = tmp_path / "tiny é $x"
     write_base_model(folder, PRESETS["tiny"], seed=0)

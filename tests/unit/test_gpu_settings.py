@@ -14,9 +14,10 @@ from astrai.common.config import load_trainer_config, parse_args
 from astrai.common.contract import DETERMINISTIC_CUBLAS_WORKSPACE, ENV_CUBLAS_WORKSPACE_CONFIG
 from astrai.common.errors import AstraiError
 from astrai.common.plan import resolve_plan
-from astrai.trainer import entrypoint, loop
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import CompileError, open_trainer
+from astrai.trainer.launch import entrypoint
+from astrai.trainer.launch.distributed import init_distributed
+from astrai.trainer.run import loop
+from astrai.trainer.run.loop import CompileError, open_trainer
 
 
 @pytest.fixture
@@ -94,7 +95,7 @@ def test_periodic_saves_and_deterministic_mode_leave_a_cpu_run_bitwise_unchanged
 def test_deterministic_mode_after_cuda_started_without_cublas_setting_refuses_and_changes_nothing(
     monkeypatch, restore_determinism
 ):
-    from astrai.trainer import determinism
+    from astrai.trainer.launch import determinism
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(determinism.TooLate, match="CUDA started in this process before deterministic mode"):

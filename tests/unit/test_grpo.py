@@ -140,7 +140,8 @@ def test_settings_it_cannot_take_name_the_key():
 
 
 def test_completion_log_probabilities_of_a_padded_batch_are_each_rows_own():
-    from astrai.trainer.model import PRESETS, Transformer
+    from astrai.trainer.models.native import Transformer
+    from astrai.trainer.models.weights import PRESETS
     from astrai.trainer.objectives.rollouts import completion_logps
 
     torch.manual_seed(0)

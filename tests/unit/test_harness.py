@@ -29,8 +29,8 @@ from astrai.host.harness import (
     task_arguments,
 )
 from astrai.host.runtime import resolve_runtime
-from astrai.trainer.harness import HarnessError as InImageError
-from astrai.trainer.harness import flat_results, resolve_tasks
+from astrai.trainer.run.harness import HarnessError as InImageError
+from astrai.trainer.run.harness import flat_results, resolve_tasks
 from tests.support import REPO, placeholder_checkpoint
 
 FACTS = [
@@ -363,7 +363,7 @@ def test_a_kubernetes_job_of_one_pod_runs_the_harness_in_the_trainers_pod_templa
 
 def test_the_results_go_to_the_wandb_run_of_the_checkpoint_on_their_own_step_axis(tmp_path):
     from astrai.common.config import LogSection, WandbSettings
-    from astrai.trainer.trackers import report_results
+    from astrai.trainer.run.trackers import report_results
     from tests.trackers_support import wandb_records, wandb_runs
 
     log = LogSection(report_to=("wandb",), wandb=WandbSettings(mode="offline", project="astrai tests"))

@@ -23,9 +23,9 @@ from astrai.common.configfile import ConfigError
 from astrai.common.contract import REASON_EMERGENCY
 from astrai.common.plan import resolve_plan
 from astrai.host.export import export_checkpoint
-from astrai.trainer.hf_model import TransformersModel
-from astrai.trainer.lora import adapter_parameters
-from astrai.trainer.model import TokenTargets
+from astrai.trainer.models.hf_model import TransformersModel
+from astrai.trainer.models.lora import adapter_parameters
+from astrai.trainer.models.scoring import TokenTargets
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -76,7 +76,7 @@ def test_auto_picks_native_for_llama_and_transformers_for_gpt_neox(tiny_model, n
     plan = resolve_plan(load_trainer_config(job_yaml(param_path=str(neox))), "cpu", 1)
     assert plan.backend == "transformers" and not plan.compile
     assert "model: gpt_neox via transformers (no native implementation: slower than native families)" in plan.lines()
-    from astrai.trainer.loop import dry_run
+    from astrai.trainer.run.loop import dry_run
 
     assert dry_run(load_trainer_config(job_yaml(param_path=str(tiny_model)), [("backend", "transformers")])) == 0
     assert "model: llama via transformers (model.backend: transformers: slower than native families)" in (
@@ -105,7 +105,7 @@ def test_native_with_a_family_it_lacks_is_refused_naming_the_key(neox, job_yaml)
 
 
 def test_the_adapter_scores_as_the_library_computes_with_packed_records(neox):
-    from astrai.trainer.hf_model import load_transformers_start
+    from astrai.trainer.models.hf_model import load_transformers_start
 
     config, weights = load_transformers_start(neox)
     model = TransformersModel(config)
@@ -306,7 +306,8 @@ def test_preflight_names_the_model_type_and_says_the_path_is_slower(tmp_path, ne
 
 def test_rollouts_left_padded_in_one_batch_are_what_transformers_generates_for_each_prompt(neox):
     from astrai.common.settings import Sampling
-    from astrai.trainer.hf_model import TransformersDecoding, load_transformers_start
+    from astrai.trainer.generation.library import TransformersDecoding
+    from astrai.trainer.models.hf_model import load_transformers_start
 
     config, weights = load_transformers_start(neox)
     model = TransformersModel(config)

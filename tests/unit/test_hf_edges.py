@@ -18,14 +18,15 @@ from hf_folders import FAMILY_CASES, LIBRARY_CASES, MOE_CASES, make_hf_model, ma
 
 from astrai.common.backends import TransformersConfig
 from astrai.common.settings import LoRASettings
-from astrai.trainer.experts import RouterBalance, router_balance
-from astrai.trainer.hf_model import (
+from astrai.trainer.models.experts import RouterBalance, router_balance
+from astrai.trainer.models.hf_model import (
     TransformersModel,
     add_transformers_adapters,
     inspect_folder,
     load_transformers_start,
 )
-from astrai.trainer.model import TokenTargets, load_pretrained
+from astrai.trainer.models.scoring import TokenTargets
+from astrai.trainer.models.weights import load_pretrained
 
 transformers = pytest.importorskip("transformers")
 
@@ -234,7 +235,7 @@ def test_dry_run_and_preflight_refuse_what_the_trainer_refuses_naming_the_folder
     from astrai.host import preflight
     from astrai.host.runtime import resolve_runtime
     from astrai.host.trainer_config import read_trainer_config
-    from astrai.trainer.loop import main
+    from astrai.trainer.run.loop import main
 
     make, keys, reason = REFUSED[case]
     folder = make(tmp_path / "m")
@@ -257,7 +258,7 @@ def test_dry_run_and_preflight_refuse_what_the_trainer_refuses_naming_the_folder
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
 def test_dry_run_of_a_family_without_sdpa_passes_and_names_its_attention(folders, tmp_path, train_yaml, capsys, family):
-    from astrai.trainer.loop import main
+    from astrai.trainer.run.loop import main
 
     config = train_yaml(tmp_path / "train.yaml", ckpt_dir=str(tmp_path / "ckpt"), param_path=str(folders[family]))
     assert main(["--config", str(config), "--dry-run", "--backend", "transformers", "--lora_rank", "4"]) == 0
@@ -272,7 +273,7 @@ def test_generate_takes_a_family_only_transformers_trains_as_training_does(folde
     run is one): the library's greedy tokens, up to the model's stop tokens; --backend native is refused naming
     the way, and --backend transformers takes a native family too, with the native engine's tokens."""
     from astrai.model import main as model_main
-    from astrai.trainer.decoding import until_stop
+    from astrai.trainer.generation.decoding import until_stop
     from tests.support import transformers_generate
 
     folder = folders[family]
@@ -328,7 +329,7 @@ def test_rollouts_through_transformers_go_past_a_sliding_window_as_transformers_
     layers of 8): prompts and completions past the window, left-padded in one batch, are transformers' greedy
     tokens; the room they may take is the model's context, not its window."""
     from astrai.common.settings import Sampling
-    from astrai.trainer.hf_model import TransformersDecoding
+    from astrai.trainer.generation.library import TransformersDecoding
     from tests.support import transformers_generate
 
     model = _transformers_path(folders[family])

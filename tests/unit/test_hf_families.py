@@ -25,8 +25,8 @@ from astrai.common.settings import LoRASettings
 from astrai.data.pipeline import prepare
 from astrai.data.tokenizing import HFTokenizer
 from astrai.host.export import export_checkpoint
-from astrai.trainer import lora
-from astrai.trainer.model import load_pretrained
+from astrai.trainer.models import lora
+from astrai.trainer.models.weights import load_pretrained
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -10,14 +10,8 @@ import torch
 from hf_folders import FAMILY_CASES, MOE_CASES, ROPE_LLAMA3, hf_logits, make_hf_model, to_transformers_4_config
 from safetensors.torch import load_file, save_file
 
-from astrai.trainer.model import (
-    ModelConfig,
-    ModelLoadError,
-    describe_folder,
-    load_pretrained,
-    save_model_folder,
-    write_base_model,
-)
+from astrai.common.model_folder import ModelConfig, ModelLoadError
+from astrai.trainer.models.weights import describe_folder, load_pretrained, save_model_folder, write_base_model
 
 # (batch, seq) shapes every model is compared on.
 SHAPES = [(1, 1), (2, 17), (3, 48)]
@@ -254,7 +248,7 @@ def test_qwen_families_match_transformers_and_are_written_back_as_themselves(tmp
     with torch.no_grad():
         assert torch.allclose(ours(tokens), hf_logits(folder, tokens), atol=1e-4)
     write_back = tmp_path / "written"
-    from astrai.trainer.model import save_model_folder
+    from astrai.trainer.models.weights import save_model_folder
 
     save_model_folder(write_back, ours.config, ours.state_dict())
     assert json.loads((write_back / "config.json").read_text())["model_type"] == model_type

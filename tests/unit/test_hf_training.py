@@ -23,7 +23,7 @@ from astrai.common.config import KEY_SECTION
 from astrai.data import pipeline as data_module
 from astrai.host import preflight
 from astrai.host.runtime import resolve_runtime
-from astrai.trainer.model import load_pretrained
+from astrai.trainer.models.weights import load_pretrained
 
 TRAINER = [sys.executable, "-m", "astrai.train"]
 VOCAB = 512
@@ -142,7 +142,7 @@ def test_a_run_from_a_hf_folder_stops_resumes_exactly_and_its_checkpoints_load_i
 
 
 def test_the_trainer_refuses_bad_base_models_naming_the_key_or_file(tmp_path, hf_data, capsys):
-    from astrai.trainer.loop import main
+    from astrai.trainer.run.loop import main
 
     _, data_dir = hf_data
     base = _base_model(tmp_path / "base", sharded=True)
@@ -175,7 +175,7 @@ def test_a_sliding_window_shorter_than_the_training_window_trains_and_leaves_pro
     online run's prompts keep the room the context (max_position_embeddings) leaves them, not the window's."""
     from astrai.common.fit import prompt_room
     from astrai.common.model_config import ModelConfig
-    from astrai.trainer.loop import main
+    from astrai.trainer.run.loop import main
 
     _, data_dir = hf_data
     base = make_hf_model(tmp_path / "base", model_type="mistral", vocab_size=VOCAB, sliding_window=16)

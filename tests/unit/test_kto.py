@@ -27,9 +27,9 @@ from astrai.common.fit import SetupError
 from astrai.common.settings import KTOSettings
 from astrai.data.pipeline import describe_folder, prepare
 from astrai.data.tokenizing import HFTokenizer
-from astrai.trainer.loop import dry_run
+from astrai.trainer.feed.records import RecordIndex
 from astrai.trainer.objectives.kto import KTOExamples, KTOMetrics, Scored, kl_estimate, kto_loss, mismatched
-from astrai.trainer.records import RecordIndex
+from astrai.trainer.run.loop import dry_run
 from tests.support import invoke
 
 trl = pytest.importorskip("trl")

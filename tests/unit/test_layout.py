@@ -123,11 +123,11 @@ def test_an_upward_import_is_found():
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     graph["astrai.common.config"] = graph["astrai.common.config"] | {"astrai.trainer.objectives.rewards"}
     graph["astrai.data.chat"] = graph["astrai.data.chat"] | {"astrai.host.runtime"}
-    graph["astrai.trainer.loop"] = graph["astrai.trainer.loop"] | {"astrai.train", "astrai.data.chat"}
+    graph["astrai.trainer.run.loop"] = graph["astrai.trainer.run.loop"] | {"astrai.train", "astrai.data.chat"}
     assert upward_imports(graph) == [
         "astrai.common.config imports astrai.trainer.objectives.rewards",
         "astrai.data.chat imports astrai.host.runtime",
-        "astrai.trainer.loop imports astrai.train",
+        "astrai.trainer.run.loop imports astrai.train",
     ]
 
 
@@ -155,7 +155,7 @@ def test_the_architecture_page_names_every_module():
     assert unnamed == []
 
 
-REGISTRIES = {"astrai.common.train_types", "astrai.trainer.build"}
+REGISTRIES = {"astrai.common.train_types", "astrai.trainer.run.build"}
 """Where a train type's name may be compared with: its two entries (the torch-free one and the trainer's)."""
 
 
@@ -198,7 +198,7 @@ def test_every_train_type_has_its_trainer_side_and_an_unknown_one_is_refused_by_
     from astrai.common.config import TrainingSection
     from astrai.common.configfile import ConfigError
     from astrai.common.train_types import TRAIN_TYPES
-    from astrai.trainer.build import TRAINER_TYPES
+    from astrai.trainer.run.build import TRAINER_TYPES
 
     assert list(TRAINER_TYPES) == list(TRAIN_TYPES)
     with pytest.raises(ConfigError, match=r"training.train_type: expected seq \| sft \| dpo .*got 'ppo'"):
@@ -244,7 +244,7 @@ def test_a_familys_model_type_is_named_only_in_its_spec():
     assert _string_literals(ast.parse('"""mixtral"""\nx = "mixtral"')) == {"mixtral": 2}
 
 
-BACKEND_MODULES = {"astrai.common.backends", "astrai.trainer.backend"}
+BACKEND_MODULES = {"astrai.common.backends", "astrai.trainer.models.backend"}
 """Where the backend (native or transformers) is told from a model's config: nowhere else asks."""
 
 
@@ -272,3 +272,89 @@ def test_a_models_backend_is_told_from_its_config_only_in_the_backend_modules():
         1,
         2,
     ]
+
+
+TRAINER = "astrai.trainer"
+TRAINER_GROUPS = ("launch", "feed", "models", "generation", "checkpoint", "objectives", "run")
+"""The trainer's groups, by lifetime, each importing only those before it: the process's start (launch), what the
+loader feeds (feed), the model (models), sampling from it (generation), its checkpoints, what a step optimises
+(objectives), and one training run (run)."""
+MAX_TRAINER_TOP_LEVEL = 8
+MODEL_CLI = "astrai.trainer.generation.cli"
+
+
+def _trainer_group(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["astrai", "trainer"] or len(parts) < 3:
+        return None
+    return "launch" if parts[2] == "entrypoint" else parts[2]  # the entrypoint's old name, kept for images
+
+
+def trainer_group_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a trainer group from one after it (or from an unknown group)."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        group = _trainer_group(module)
+        if group is None:
+            continue
+        for other in sorted(imported):
+            theirs = _trainer_group(other)
+            if theirs is None or theirs == group:
+                continue
+            if group not in TRAINER_GROUPS or theirs not in TRAINER_GROUPS:
+                found.append(f"{module} imports {other} (a module outside the groups)")
+            elif TRAINER_GROUPS.index(theirs) > TRAINER_GROUPS.index(group):
+                found.append(f"{module} ({group}) imports {other} ({theirs})")
+    return found
+
+
+def test_the_trainer_is_grouped_by_lifetime_and_its_groups_import_earlier_ones_only():
+    top = sorted(p.name for p in (PACKAGE / "trainer").iterdir() if p.name != "__init__.py" and p.name != "__pycache__")
+    assert len(top) <= MAX_TRAINER_TOP_LEVEL, top
+    assert {name for name in top if (PACKAGE / "trainer" / name).is_dir()} == set(TRAINER_GROUPS)
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert trainer_group_violations(graph) == []
+    planted = {**graph, "astrai.trainer.models.native": {"astrai.trainer.run.loop", "astrai.trainer.launch.signals"}}
+    assert trainer_group_violations(planted) == [
+        "astrai.trainer.models.native (models) imports astrai.trainer.run.loop (run)"
+    ]
+
+
+def test_the_entrypoint_imports_no_torch():
+    import subprocess
+    import sys
+
+    probe = "import sys, astrai.trainer.entrypoint; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def _defines_model_cli(tree: ast.AST) -> list[int]:
+    """Lines building the ``python -m astrai.model`` parser or one of its subcommands."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        prog = [k.value for k in node.keywords if k.arg == "prog" and isinstance(k.value, ast.Constant)]
+        if prog and str(prog[0].value).startswith("python -m astrai.model"):
+            lines.append(node.lineno)
+        is_add_parser = isinstance(node.func, ast.Attribute) and node.func.attr == "add_parser"
+        first = node.args[0] if node.args else None
+        if is_add_parser and isinstance(first, ast.Constant) and first.value in ("init", "generate", "check"):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_model_cli_is_defined_in_its_folder_only():
+    found = {}
+    for name, path in _modules().items():
+        if not name.startswith(MODEL_CLI.rpartition(".")[0]):
+            lines = _defines_model_cli(ast.parse(path.read_text(encoding="utf-8")))
+            if lines:
+                found[name] = lines
+    assert found == {}
+    assert _defines_model_cli(ast.parse(MODEL_CLI_PATH.read_text(encoding="utf-8")))
+
+
+MODEL_CLI_PATH = PACKAGE / "trainer" / "generation" / "cli.py"

@@ -11,8 +11,8 @@ from hf_folders import FAMILY_CASES, make_hf_model, save_peft_adapter
 from astrai.common.fit import SetupError
 from astrai.common.model_folder import ADAPTER_TARGETS, num_adapter_parameters, peft_modules_of
 from astrai.common.settings import LoRASettings
-from astrai.trainer import lora
-from astrai.trainer.model import load_pretrained
+from astrai.trainer.models import lora
+from astrai.trainer.models.weights import load_pretrained
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

@@ -42,7 +42,7 @@ from astrai.host import preflight
 from astrai.host.export import ExportError, export_checkpoint, lora_base
 from astrai.host.runtime import resolve_runtime
 from astrai.host.status import _lora_line
-from astrai.trainer.lora import (
+from astrai.trainer.models.lora import (
     AdapterError,
     BaseModel,
     adapter_parameters,
@@ -50,7 +50,7 @@ from astrai.trainer.lora import (
     adapters_off,
     parameter_counts,
 )
-from astrai.trainer.model import PRESETS, write_base_model
+from astrai.trainer.models.weights import PRESETS, write_base_model
 from tests.support import write_config
 
 LORA = {"lora_rank": 4, "lora_alpha": 8}
@@ -308,8 +308,9 @@ def test_export_writes_a_merged_model_and_a_peft_folder_with_the_trainers_logits
 
 def test_the_base_digest_tells_a_base_from_its_merge_and_a_changed_matrix(tmp_path, tiny_model):
     """Two models of one architecture whose embeddings and headers are the same still differ."""
-    from astrai.trainer.lora import adapter_layers, add_adapters, is_adapter
-    from astrai.trainer.model import Transformer, load_base_model, save_model_folder
+    from astrai.trainer.models.lora import adapter_layers, add_adapters, is_adapter
+    from astrai.trainer.models.native import Transformer
+    from astrai.trainer.models.weights import load_base_model, save_model_folder
 
     config, weights = load_base_model(tiny_model)
     model = Transformer(config)

@@ -12,9 +12,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from astrai.common import metrics
 from astrai.common.contract import METRICS_FILE, TAG_TRAIN_LOSS, TAG_VAL_LOSS, TENSORBOARD_DIR
+from astrai.common.model_folder import ModelConfig
 from astrai.host import status
-from astrai.trainer import report
-from astrai.trainer.model import ModelConfig, Transformer
+from astrai.trainer.models.native import Transformer
+from astrai.trainer.run import report
 
 
 def event_scalars(folder, tag: str, purge: bool = True) -> list[tuple[int, float]]:

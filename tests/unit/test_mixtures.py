@@ -17,7 +17,7 @@ from astrai.common.config import ConfigError, load_trainer_config
 from astrai.common.fit import SetupError
 from astrai.data.pipeline import prepare
 from astrai.data.tokenizing import HFTokenizer
-from astrai.trainer.windows import MIXTURE_BLOCK, MixtureBatchSampler, MixtureOrder, block_quotas
+from astrai.trainer.feed.windows import MIXTURE_BLOCK, MixtureBatchSampler, MixtureOrder, block_quotas
 from tests.support import REPO
 
 CORPUS = sorted((REPO / "examples" / "corpus").glob("*.txt"))

@@ -11,16 +11,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from astrai.trainer import model as model_module
-from astrai.trainer.model import (
-    PRESETS,
-    ModelConfig,
-    ModelLoadError,
-    Transformer,
-    load_base_model,
-    num_parameters,
-    write_base_model,
-)
+from astrai.common.model_folder import ModelConfig, ModelLoadError, num_parameters
+from astrai.trainer.generation import cli as model_module
+from astrai.trainer.models.native import Transformer
+from astrai.trainer.models.weights import PRESETS, load_base_model, write_base_model
 
 
 def test_presets_have_the_advertised_sizes():

@@ -37,9 +37,9 @@ from astrai.common.settings import LoRASettings
 from astrai.data.pipeline import prepare
 from astrai.data.tokenizing import HFTokenizer
 from astrai.host.export import export_checkpoint
-from astrai.trainer import experts, lora
-from astrai.trainer.model import load_base_model, load_pretrained, save_model_folder
-from astrai.trainer.report import matmul_params
+from astrai.trainer.models import experts, lora
+from astrai.trainer.models.weights import load_base_model, load_pretrained, save_model_folder
+from astrai.trainer.run.report import matmul_params
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -545,7 +545,7 @@ def test_greedy_generation_equals_transformers_and_is_never_a_captured_graph(moe
     import random
 
     from astrai.common.settings import Sampling
-    from astrai.trainer.decoding import DecodeEngine
+    from astrai.trainer.generation.decoding import DecodeEngine
     from tests.support import transformers_generate
 
     _, folder = moe_folder

@@ -14,11 +14,13 @@ from astrai.common.config import build_config
 from astrai.common.fit import SetupError, check_lora_targets
 from astrai.common.memory import frozen_base_bytes, training_state_bytes
 from astrai.common.model_folder import ModelConfig, num_adapter_parameters, num_parameters
+from astrai.common.reward_specs import parse_rewards
 from astrai.common.settings import LoRASettings
 from astrai.common.values import format_bytes
-from astrai.trainer import lora
-from astrai.trainer.model import PRESETS, Transformer
-from astrai.trainer.nf4 import dequantize, is_nf4, nf4_linear, torchao_nf4
+from astrai.trainer.models import lora
+from astrai.trainer.models.native import Transformer
+from astrai.trainer.models.nf4 import dequantize, is_nf4, nf4_linear, torchao_nf4
+from astrai.trainer.models.weights import PRESETS
 
 NF4Tensor = torchao_nf4().NF4Tensor
 to_nf4 = torchao_nf4().to_nf4
@@ -222,7 +224,7 @@ def test_a_folder_of_quantised_weights_is_refused_naming_the_remedy(
 
     from astrai.common.backends import BACKEND_TRANSFORMERS, load_model_config
     from astrai.common.model_folder import ModelLoadError
-    from astrai.trainer.loop import main
+    from astrai.trainer.run.loop import main
     from tests.support import write_config
 
     folder = tmp_path / "quantised"
@@ -279,7 +281,8 @@ def test_the_plan_says_how_an_nf4_base_is_held_and_counts_no_copy_for_generation
         "held in nf4 (the blocks' linear layers in torchao's NF4: blocks of 64, double-quantised scales, each "
         "dequantised to bfloat16 one layer at a time; the embeddings and head bfloat16), adapters float32"
     )
-    online = {**sections["training"], "train_type": "online_grpo", "rewards": ["astrai.rewards:exact_answer"]}
+    rewards = parse_rewards(["astrai.rewards:exact_answer"])
+    online = {**sections["training"], "train_type": "online_grpo", "rewards": rewards}
     generating = resolve_plan(build_config({**sections, "training": online}), "cuda", 1)
     bf16 = resolve_plan(build_config({**sections, "training": {**online, "lora_base_dtype": "float32"}}), "cuda", 1)
     tiny = PRESETS["tiny"]

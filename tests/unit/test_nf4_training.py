@@ -19,13 +19,14 @@ from trainer_runs import TORCHRUN, TRAINER, Run, final_weights, metrics_step, ru
 
 from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.common.contract import REASON_EMERGENCY
+from astrai.common.model_folder import ModelConfig
 from astrai.common.settings import LoRASettings
 from astrai.data.pipeline import prepare
 from astrai.host.export import export_checkpoint
-from astrai.trainer.decoding import _base_matrices
-from astrai.trainer.lora import adapter_parameters, frozen_dtype
-from astrai.trainer.model import PRESETS, ModelConfig, write_base_model
-from astrai.trainer.nf4 import dequantize, is_nf4
+from astrai.trainer.generation.decoding import _base_matrices
+from astrai.trainer.models.lora import adapter_parameters, frozen_dtype
+from astrai.trainer.models.nf4 import dequantize, is_nf4
+from astrai.trainer.models.weights import PRESETS, write_base_model
 
 NF4 = {"lora_rank": 4, "lora_alpha": 8, "lora_base_dtype": "nf4"}
 REWARD = '''
@@ -201,8 +202,9 @@ def test_ddp_on_two_ranks_trains_over_an_nf4_base_no_rank_broadcasts(tmp_path, t
 def test_the_nf4_base_dequantises_to_what_the_export_folds_adapters_into(tiny_model):
     """invoke export's NumPy round trip gives the weights the trainer computes with (to float32 rounding)."""
     from astrai.common.nf4 import round_trip
-    from astrai.trainer.lora import add_adapters, hold_base_in_nf4
-    from astrai.trainer.model import Transformer, load_base_model
+    from astrai.trainer.models.lora import add_adapters, hold_base_in_nf4
+    from astrai.trainer.models.native import Transformer
+    from astrai.trainer.models.weights import load_base_model
 
     config, weights = load_base_model(tiny_model)
     model = Transformer(config)

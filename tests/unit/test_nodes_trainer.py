@@ -156,7 +156,7 @@ def test_state_travels_as_a_skeleton_and_tensors_in_order():
     import torch
 
     from astrai.trainer.checkpoint.files import Progress
-    from astrai.trainer.distributed import _fill_tensors, _slots, _strip_tensors
+    from astrai.trainer.launch.distributed import _fill_tensors, _slots, _strip_tensors
 
     state = {
         "progress": Progress(step=3),

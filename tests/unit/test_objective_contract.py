@@ -13,11 +13,11 @@ from astrai.common.checkpoints import latest_complete_checkpoint
 from astrai.common.config import load_trainer_config
 from astrai.common.contract import METRICS_FILE
 from astrai.data.pipeline import prepare
-from astrai.trainer import build
-from astrai.trainer.distributed import GracefulStop, init_distributed
-from astrai.trainer.loop import open_trainer
+from astrai.trainer.launch.distributed import GracefulStop, init_distributed
 from astrai.trainer.objectives.contract import Objective
 from astrai.trainer.objectives.rollouts import Rollouts, completion_logps, sample_step
+from astrai.trainer.run import build
+from astrai.trainer.run.loop import open_trainer
 
 pytestmark = pytest.mark.slow
 

@@ -37,7 +37,8 @@ from astrai.common.settings import GRPOSettings
 from astrai.common.values import format_bytes
 from astrai.data.pipeline import prepare
 from astrai.host.status import _grpo_summary
-from astrai.trainer.model import KVCache, load_pretrained
+from astrai.trainer.models.cache import KVCache
+from astrai.trainer.models.weights import load_pretrained
 from astrai.trainer.objectives.grpo import advantages, grpo_loss
 from astrai.trainer.objectives.rewards import RewardError
 from astrai.trainer.objectives.rollouts import completion_logps, flat_groups
@@ -509,7 +510,7 @@ def test_prompts_of_changing_lengths_hold_one_cache_per_batch_size_at_the_plans_
     the largest capacity the run reaches (its longest prompt and max_completion_length), and every round reuses it,
     whatever its own prompts' lengths."""
     from astrai.common.memory import CAPACITY_STEP
-    from astrai.trainer import decoding
+    from astrai.trainer.generation import decoding
 
     records = tmp_path / "prompts.jsonl"
     lengths = [3 + (number * 37) % 150 for number in range(16)]  # a round's longest prompt changes every step

@@ -13,7 +13,7 @@ from astrai.common.plan import resolve_plan
 from astrai.host import preflight
 from astrai.host.runtime import resolve_runtime
 from astrai.host.trainer_config import read_trainer_config
-from astrai.trainer.loop import dry_run
+from astrai.trainer.run.loop import dry_run
 from tests.support import write_config
 
 CASES = {

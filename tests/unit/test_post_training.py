@@ -25,10 +25,10 @@ from astrai.common.data_folder import DataError, TokenData
 from astrai.common.fit import SetupError
 from astrai.data.pipeline import prepare
 from astrai.data.tokenizing import HFTokenizer
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.loop import open_trainer
-from astrai.trainer.model import load_pretrained
+from astrai.trainer.launch.distributed import init_distributed
+from astrai.trainer.models.weights import load_pretrained
 from astrai.trainer.objectives.supervised import Supervised
+from astrai.trainer.run.loop import open_trainer
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -351,7 +351,7 @@ def test_resuming_against_another_reference_or_another_train_type_is_refused(
     world, _, _ = chat_world
     other = tmp_path / "other-reference"
     from astrai.common.model_folder import ModelConfig
-    from astrai.trainer.model import write_base_model
+    from astrai.trainer.models.weights import write_base_model
 
     write_base_model(other, ModelConfig.load(world.model), seed=5)
     path = post_yaml(tmp_path / "dpo.yaml", "dpo", ckpt_dir=str(tmp_path / "ckpt"), max_steps=4, ckpt_interval=2)

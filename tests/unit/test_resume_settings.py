@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from astrai.common.config import TrainingSection, load_trainer_config
-from astrai.trainer.optim import Schedule, describe_changes
+from astrai.trainer.models.optim import Schedule, describe_changes
 
 
 def _records(job_dir):

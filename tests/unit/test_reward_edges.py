@@ -223,7 +223,7 @@ def test_every_train_type_notes_the_keys_it_ignores(train_type, keys, named):
 
 
 def test_dry_run_says_the_note(tmp_path, train_yaml, capsys):
-    from astrai.trainer.loop import main
+    from astrai.trainer.run.loop import main
 
     path = train_yaml(tmp_path / "t.yaml", grpo_beta=0.2, num_generations=3)
     main(["--config", str(path), "--dry-run"])
@@ -373,7 +373,7 @@ def test_reward_files_the_container_cannot_read_are_named(tmp_path, world, tiny_
 def test_preflight_and_dry_run_make_the_trainers_start_checks(tmp_path, world, tiny_model, train_yaml):
     """max_completion_length leaving no room for a prompt: the trainer's refusal, made by preflight and --dry-run
     with the same words."""
-    from astrai.trainer.loop import main
+    from astrai.trainer.run.loop import main
 
     config = tmp_path / "train.yaml"
     runtime = {"job_name": "edges", "gpu": {"devices": "none"}, "container": {"cuda_tag": "cpu"}}
@@ -416,7 +416,7 @@ def test_reward_lines_of_preflight(tmp_path, world, tiny_model):
 
 
 def test_a_peft_folder_with_only_a_pickle_says_what_is_read_and_how_to_convert(tmp_path):
-    from astrai.trainer.lora import AdapterError, read_peft_adapter
+    from astrai.trainer.models.lora import AdapterError, read_peft_adapter
 
     config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
     (tmp_path / "adapter_config.json").write_text(json.dumps(config), encoding="utf-8")
@@ -466,7 +466,7 @@ def test_prompts_all_left_out_name_the_prompts_the_context_and_only_remedies_tha
     from astrai.common.model_config import ModelConfig
 
     model = ModelConfig(max_seq_len=256)
-    training = SimpleNamespace(max_completion_length=completion)
+    training = SimpleNamespace(max_completion_length=completion, episodes=lambda: None)
     with pytest.raises(SetupError) as refused:
         fit_prompts(SimpleNamespace(root=tmp_path), lengths, model, training, "drop", tmp_path / "model")
     said = str(refused.value)

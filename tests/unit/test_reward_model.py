@@ -26,8 +26,9 @@ from astrai.common.contract import (
 from astrai.common.metrics import MetricsFile
 from astrai.common.reward_specs import parse_rewards
 from astrai.data.pipeline import prepare
-from astrai.trainer.distributed import init_distributed
-from astrai.trainer.model import PRESETS, Transformer, load_base_model, save_model_folder
+from astrai.trainer.launch.distributed import init_distributed
+from astrai.trainer.models.native import Transformer
+from astrai.trainer.models.weights import PRESETS, load_base_model, save_model_folder
 from astrai.trainer.objectives.model_rewards import load_model_reward
 from astrai.trainer.objectives.reward_model import bradley_terry_loss, classifier_start
 from astrai.trainer.objectives.rewards import RewardError
@@ -320,9 +321,9 @@ def test_a_pairs_margin_is_kept_by_prepare_and_taken_by_the_loss(tmp_path, one_t
 
     from astrai.common.data_folder import DataError, TokenData, data_kind
     from astrai.common.settings import RewardModelSettings
-    from astrai.trainer.distributed import init_distributed
+    from astrai.trainer.feed.records import RecordIndex
+    from astrai.trainer.launch.distributed import init_distributed
     from astrai.trainer.objectives.reward_model import RewardModelObjective, RewardPairs, sequence_rewards
-    from astrai.trainer.records import RecordIndex
 
     records = tmp_path / "pairs.jsonl"
     rows = [{"prompt": "q 1:", "chosen": " yes", "rejected": " no", "margin": 2.5}]

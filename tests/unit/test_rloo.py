@@ -22,10 +22,10 @@ from astrai.common.contract import METRICS_FILE
 from astrai.common.reward_specs import RewardSpec
 from astrai.common.settings import RLOOSettings
 from astrai.data.pipeline import prepare
-from astrai.trainer.loop import dry_run
 from astrai.trainer.objectives.rewards import Reward, score
 from astrai.trainer.objectives.rloo import rloo_advantages, rloo_loss, sequence_kl
 from astrai.trainer.objectives.rollouts import completion_logps
+from astrai.trainer.run.loop import dry_run
 from tests.support import invoke
 
 trl = pytest.importorskip("trl")

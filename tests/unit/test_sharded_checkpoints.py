@@ -28,7 +28,7 @@ from astrai.common.checkpoints import (
 from astrai.common.contract import TORCHRUN_MODULE
 from astrai.trainer.checkpoint.files import join_optimizer_tensors
 from astrai.trainer.checkpoint.sharded import row_range
-from astrai.trainer.model import load_pretrained
+from astrai.trainer.models.weights import load_pretrained
 from tests.support import free_port
 
 pytestmark = pytest.mark.slow

@@ -23,8 +23,8 @@ from astrai.common.config import build_config, parse_overrides
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import METRICS_FILE, TAG_REPLAYED, TAG_STATE, TRACKERS_FILE, WANDB_DIR
 from astrai.common.metrics import TrackerRun, read_records
-from astrai.trainer import loop
-from astrai.trainer.trackers import Outbox, flat_params, metric_values
+from astrai.trainer.run import loop
+from astrai.trainer.run.trackers import Outbox, flat_params, metric_values
 from tests.support import free_port
 from tests.trackers_support import mlflow_server, wandb_records, wandb_runs
 from tests.unit.test_kubernetes import _validate_k8s
@@ -113,7 +113,7 @@ class FakeTracker:
 
 
 def test_metrics_records_go_out_together_at_most_once_a_flush_period(monkeypatch):
-    monkeypatch.setattr("astrai.trainer.trackers.FLUSH_SECONDS", 0.5)
+    monkeypatch.setattr("astrai.trainer.run.trackers.FLUSH_SECONDS", 0.5)
     tracker = FakeTracker()
     outbox = Outbox(tracker, print, lambda: None)
     for step in range(1, 21):
@@ -143,7 +143,7 @@ def test_a_slow_tracker_never_holds_the_trainer_up_and_what_overflows_is_counted
 
 
 def test_an_unreachable_tracker_gets_its_updates_in_order_once_it_answers(monkeypatch):
-    monkeypatch.setattr("astrai.trainer.trackers.RETRY_SECONDS", (0.05,))
+    monkeypatch.setattr("astrai.trainer.run.trackers.RETRY_SECONDS", (0.05,))
     lines: list[str] = []
     tracker = FakeTracker(failures=3)
     outbox = Outbox(tracker, lines.append, lambda: None)
@@ -231,7 +231,7 @@ def test_an_offline_run_that_opens_late_is_still_written_whole_before_the_traine
     """On a loaded machine W&B's service may take longer to open a run than a short (resumed) run takes to train:
     the end waits for a tracker that needs no network (its files are this machine's), so the offline run holds
     its run record, every step and its end; a tracker with a server gets CLOSE_SECONDS."""
-    from astrai.trainer import trackers
+    from astrai.trainer.run import trackers
 
     monkeypatch.setattr(trackers, "CLOSE_SECONDS", 0.5)
     opened = trackers.WandbTracker.open
@@ -397,7 +397,7 @@ def test_the_trainer_runs_without_the_clients_installed(tmp_path, job_yaml):
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name.split('.')[0] == 'mlflow': raise ImportError(name)\n"
         "sys.meta_path.insert(0, B())\n"
-        "from astrai.trainer.loop import main\n"
+        "from astrai.trainer.run.loop import main\n"
         f"raise SystemExit(main(['--config', {str(config)!r}]))\n"
     )
     result = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=300)

@@ -15,8 +15,8 @@ from astrai.common.data_folder import DataError
 from astrai.common.fit import SetupError
 from astrai.common.model_folder import hf_name
 from astrai.data.pipeline import prepare
-from astrai.trainer.loop import main
-from astrai.trainer.model import PRESETS, write_base_model
+from astrai.trainer.models.weights import PRESETS, write_base_model
+from astrai.trainer.run.loop import main
 
 
 def _final_weights(ckpt_dir) -> bytes:

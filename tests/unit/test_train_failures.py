@@ -13,10 +13,11 @@ from safetensors.torch import load_file
 
 from astrai.common.checkpoints import STAGING_PREFIX, list_complete_checkpoints
 from astrai.common.contract import REASON_EMERGENCY
-from astrai.trainer import health, loop, optim, report
-from astrai.trainer.health import Diverged
-from astrai.trainer.loop import Trainer
-from astrai.trainer.report import ReportError
+from astrai.trainer.models import optim
+from astrai.trainer.run import health, loop, report
+from astrai.trainer.run.health import Diverged
+from astrai.trainer.run.loop import Trainer
+from astrai.trainer.run.report import ReportError
 from tests.support import run_python
 
 
@@ -155,8 +156,8 @@ def test_a_metrics_file_that_cannot_be_written_stops_with_a_clear_error(tmp_path
 
 def test_the_divergence_record_names_the_first_bad_step_without_a_model(tmp_path):
     """The record alone: steps 1-3 finite, step 4's gradient norm infinite; nothing is read before the check."""
-    from astrai.trainer.distributed import init_distributed
-    from astrai.trainer.health import DivergenceRecord
+    from astrai.trainer.launch.distributed import init_distributed
+    from astrai.trainer.run.health import DivergenceRecord
 
     record = DivergenceRecord(capacity=5, env=init_distributed("none", "cpu"), grad_accum=2, job_dir=tmp_path, step=0)
     for step, (loss_sum, norm) in enumerate([(6.0, 1.0), (5.0, 0.9), (4.0, 0.8)]):

@@ -31,7 +31,8 @@ from trainer_runs import (
 )
 
 from astrai.common.checkpoints import latest_complete_checkpoint
-from astrai.trainer.model import ModelConfig, read_weights
+from astrai.common.model_folder import ModelConfig
+from astrai.trainer.models.weights import read_weights
 
 pytestmark = pytest.mark.slow
 
@@ -119,7 +120,7 @@ def _stopped_at_start(path) -> list[str]:
     """The trainer started as the container starts it, with a SIGTERM already pending (held, then exec'd)."""
     launch = (
         "import os, signal, sys\n"
-        "from astrai.trainer import signals\n"
+        "from astrai.trainer.launch import signals\n"
         "signals.hold()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         f"os.execv(sys.executable, {[*TRAINER, '--config', str(path)]!r})\n"

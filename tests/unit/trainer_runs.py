@@ -13,7 +13,7 @@ from pathlib import Path
 
 from astrai.common.checkpoints import STAGING_PREFIX, latest_complete_checkpoint
 from astrai.common.contract import TORCHRUN_MODULE
-from astrai.trainer.entrypoint import child_pids
+from astrai.trainer.launch.entrypoint import child_pids
 
 TORCHRUN = [sys.executable, "-m", TORCHRUN_MODULE, "--standalone", "--nproc-per-node", "2"]
 TRAINER = [sys.executable, "-m", "astrai.train"]

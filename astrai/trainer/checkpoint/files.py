@@ -54,11 +54,10 @@ from astrai.common.contract import (
     TRAINER_STATE_FILE,
 )
 from astrai.common.errors import AstraiError
-from astrai.common.model_folder import inspect_weights, read_layout
+from astrai.common.model_folder import ModelConfig, ModelLoadError, inspect_weights, read_layout
 from astrai.common.safetensors_file import CODES, header
-from astrai.trainer.backend import backend_named
-from astrai.trainer.lora import AdapterError
-from astrai.trainer.model import ModelConfig, ModelLoadError
+from astrai.trainer.models.backend import backend_named
+from astrai.trainer.models.lora import AdapterError
 
 # What a damaged checkpoint file raises when read: truncated zip or safetensors, bad JSON,
 # a pickle that weights_only refuses, missing keys or wrong types.

@@ -41,7 +41,6 @@ from astrai.common.contract import (
     OPTIMIZER_FILE,
     WEIGHTS_FILE,
 )
-from astrai.trainer.backend import backend_of
 from astrai.trainer.checkpoint.files import (
     CheckpointError,
     LoadedCheckpoint,
@@ -53,9 +52,10 @@ from astrai.trainer.checkpoint.files import (
     write_safetensors,
 )
 from astrai.trainer.checkpoint.sharded import ShardedState, check_shared_job_dir, read_rows
-from astrai.trainer.distributed import DistEnv, failed_ranks
-from astrai.trainer.lora import adapter_parameters, peft_state_dict
-from astrai.trainer.optim import Optimizers
+from astrai.trainer.launch.distributed import DistEnv, failed_ranks
+from astrai.trainer.models.backend import backend_of
+from astrai.trainer.models.lora import adapter_parameters, peft_state_dict
+from astrai.trainer.models.optim import Optimizers
 
 Copy = Callable[[object], object]
 """Maps a tree of tensors to host copies of it (reused buffers: the manager's _HostCopy)."""
@@ -214,7 +214,7 @@ def named_optimizer_state(model: torch.nn.Module, optimizer: Optimizers) -> dict
 
 def _restore_whole(model: torch.nn.Module, optimizer: Optimizers, loaded: LoadedCheckpoint) -> None:
     """The optimizer's whole state, on every rank; the weights went into the model before it was wrapped
-    (astrai.trainer.build.build_model)."""
+    (astrai.trainer.run.build.build_model)."""
     set_optimizer_state_dict(
         model, optimizer.parts, loaded.optimizer_state, options=StateDictOptions(full_state_dict=True)
     )

@@ -31,6 +31,7 @@ from astrai.common.checkpoints import (
     scan_job_dir,
 )
 from astrai.common.contract import CKPT_FORMAT_FULL, REASON_EMERGENCY, REASON_FINAL, REASON_PERIODIC, REASONS
+from astrai.common.model_folder import ModelConfig
 from astrai.trainer.checkpoint.files import (
     CheckpointError,
     LoadedCheckpoint,
@@ -41,9 +42,8 @@ from astrai.trainer.checkpoint.files import (
 )
 from astrai.trainer.checkpoint.formats import FORMATS, CheckpointFormat, Snapshot
 from astrai.trainer.checkpoint.state import RunState
-from astrai.trainer.distributed import DistEnv, broadcast_from_master, failed_ranks
-from astrai.trainer.model import ModelConfig
-from astrai.trainer.optim import Optimizers
+from astrai.trainer.launch.distributed import DistEnv, broadcast_from_master, failed_ranks
+from astrai.trainer.models.optim import Optimizers
 
 
 def load_latest(

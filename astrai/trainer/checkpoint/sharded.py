@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from astrai.common.contract import OPTIMIZER_FILE, OPTIMIZER_TENSORS_FILE, SHARED_FS_CHECK_PREFIX, WEIGHTS_FILE
-from astrai.common.model_folder import expert_pieces, hf_name, saved_name
+from astrai.common.model_folder import ModelConfig, expert_pieces, hf_name, saved_name
 from astrai.common.safetensors_file import FLOAT_DTYPES, read_layout
 from astrai.trainer.checkpoint.files import (
     OPTIMIZER_TENSORS_KEY,
@@ -53,8 +53,7 @@ from astrai.trainer.checkpoint.files import (
     tensor_bytes,
     write_file,
 )
-from astrai.trainer.distributed import DistEnv, gather_objects
-from astrai.trainer.model import ModelConfig
+from astrai.trainer.launch.distributed import DistEnv, gather_objects
 
 _CHUNK = 64 << 20
 """Bytes per write or read call; each written chunk is handed to the disk at once."""

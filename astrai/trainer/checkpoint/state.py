@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from astrai.trainer.checkpoint.files import PROGRESS, RNG, SCHEDULE, Progress
-from astrai.trainer.distributed import DistEnv
-from astrai.trainer.optim import Schedule
+from astrai.trainer.launch.distributed import DistEnv
+from astrai.trainer.models.optim import Schedule
 
 
 class Stateful(Protocol):

@@ -1,6 +1,6 @@
 """What the loop asks of an objective: the members of :class:`Objective`, every one of them declared here.
 
-A step of the loop (:meth:`astrai.trainer.loop.Trainer.train_step`) is::
+A step of the loop (:meth:`astrai.trainer.run.loop.Trainer.train_step`) is::
 
     fresh = objective.takes_batch(step)                   # new data this step, or the round's again
     prepared = objective.prepare_step(batches, model, step)   # one entry per micro-batch
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from astrai.common.fit import SetupError
 from astrai.trainer.checkpoint.state import Stateful
-from astrai.trainer.distributed import DistEnv
+from astrai.trainer.launch.distributed import DistEnv
 
 
 class Objective:

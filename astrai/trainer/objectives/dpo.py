@@ -25,10 +25,10 @@ from astrai.common.contract import (
     METRIC_REWARDS_MARGIN,
     METRIC_REWARDS_REJECTED,
 )
-from astrai.trainer.distributed import DistEnv
+from astrai.trainer.feed.records import DPOPair
+from astrai.trainer.launch.distributed import DistEnv
 from astrai.trainer.objectives.contract import Objective, RunningSums
 from astrai.trainer.objectives.reference import summed_log_probs
-from astrai.trainer.records import DPOPair
 
 
 def dpo_loss(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:

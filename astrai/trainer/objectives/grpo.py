@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from astrai.common.contract import METRIC_CLIP_HIGH, METRIC_CLIP_LOW, METRIC_CLIP_REGION, METRIC_ENTROPY, METRIC_KL
 from astrai.common.settings import GRPOSettings
-from astrai.trainer.distributed import DistEnv
+from astrai.trainer.launch.distributed import DistEnv
 from astrai.trainer.objectives.contract import Objective, RunningSums
 from astrai.trainer.objectives.rollouts import (
     IDLE_FLAT,

@@ -45,10 +45,10 @@ from astrai.common.contract import (
 )
 from astrai.common.data_folder import Examples, WindowSplit
 from astrai.common.settings import KTOSettings
-from astrai.trainer.distributed import DistEnv
-from astrai.trainer.model import TokenTargets
+from astrai.trainer.feed.records import RecordIndex
+from astrai.trainer.launch.distributed import DistEnv
+from astrai.trainer.models.scoring import TokenTargets
 from astrai.trainer.objectives.contract import Objective, RunningSums
-from astrai.trainer.records import RecordIndex
 
 
 def kto_loss(

@@ -30,10 +30,12 @@ import torch.distributed as dist
 
 from astrai.common.backends import BACKEND_NATIVE, folder_model_type, resolve_backend
 from astrai.common.contract import TOKENIZER_FILE
-from astrai.common.model_folder import ModelConfig
+from astrai.common.model_folder import ModelConfig, ModelLoadError
 from astrai.common.reward_specs import JudgeSpec, ModelRewardSpec, RewardSpec
-from astrai.trainer.distributed import DistEnv, broadcast_from_master, parallelize
-from astrai.trainer.model import ModelLoadError, Transformer, load_base_model
+from astrai.trainer.launch.distributed import DistEnv, broadcast_from_master
+from astrai.trainer.models.native import Transformer
+from astrai.trainer.models.parallel import parallelize
+from astrai.trainer.models.weights import load_base_model
 from astrai.trainer.objectives.reward_model import sequence_rewards
 from astrai.trainer.objectives.rewards import Reward, RewardError, load_reward
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from astrai.common.contract import METRIC_FRAC_REWARD_ZERO_STD, METRIC_PAIRS_TIED
-from astrai.trainer.distributed import DistEnv
+from astrai.trainer.launch.distributed import DistEnv
 from astrai.trainer.objectives.contract import Objective
 from astrai.trainer.objectives.dpo import DPOMetrics, dpo_loss
 from astrai.trainer.objectives.rollouts import (

@@ -3,7 +3,8 @@ live or turned into a table of log-probabilities.
 
 :func:`frozen_model` loads a model folder (``ckpt.reference_path``, or the base model) frozen on the device, and
 says what checkpoints record of it (path and sha256), which a resume must keep (:func:`check_same_reference`).
-With LoRA the reference is the trained model itself with its adapters off (:class:`astrai.trainer.lora.BaseModel`).
+With LoRA the reference is the trained model itself with its adapters off
+(:class:`astrai.trainer.models.lora.BaseModel`).
 
 With ``training.dpo_reference: precomputed`` (the default) the reference scores every pair of the data
 once, before the first step: each rank scores its share, the shares are summed into one table
@@ -31,18 +32,15 @@ from astrai.common.checkpoints import fsync_path
 from astrai.common.contract import REFERENCE_LOG_PROBS_FILE
 from astrai.common.data_folder import DataError, TokenData
 from astrai.common.fit import SetupError, check_model_tokenizer
-from astrai.trainer.backend import backend_of
+from astrai.common.model_folder import ModelConfig, ModelLoadError, model_digest
 from astrai.trainer.checkpoint.files import LoadedCheckpoint
-from astrai.trainer.distributed import DistEnv, broadcast_from_master, parallelize
-from astrai.trainer.model import (
-    ModelConfig,
-    ModelLoadError,
-    TokenTargets,
-    Transformer,
-    model_digest,
-    save_tensors,
-)
-from astrai.trainer.records import DPOPair
+from astrai.trainer.feed.records import DPOPair
+from astrai.trainer.launch.distributed import DistEnv, broadcast_from_master
+from astrai.trainer.models.backend import backend_of
+from astrai.trainer.models.native import Transformer
+from astrai.trainer.models.parallel import parallelize
+from astrai.trainer.models.scoring import TokenTargets
+from astrai.trainer.models.weights import save_tensors
 
 TABLE_KEY = "log_probs"
 

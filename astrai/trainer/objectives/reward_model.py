@@ -36,11 +36,11 @@ from astrai.common.contract import (
     METRIC_REWARD_MODEL_VAL_MARGIN,
 )
 from astrai.common.data_folder import Pairs, WindowSplit
+from astrai.common.model_folder import ModelConfig
 from astrai.common.settings import RewardModelSettings
-from astrai.trainer.distributed import DistEnv
-from astrai.trainer.model import ModelConfig
+from astrai.trainer.feed.records import RecordIndex
+from astrai.trainer.launch.distributed import DistEnv
 from astrai.trainer.objectives.contract import Objective, RunningSums
-from astrai.trainer.records import RecordIndex
 
 INIT_STD = 0.02
 """The score head's initial weights' standard deviation (transformers' initializer_range)."""

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from astrai.common.contract import METRIC_KL
 from astrai.common.settings import RLOOSettings
-from astrai.trainer.distributed import DistEnv
+from astrai.trainer.launch.distributed import DistEnv
 from astrai.trainer.objectives.contract import RunningSums
 from astrai.trainer.objectives.grpo import GRPO, GRPOBatch, GRPOStats, RoundShape, nanstd
 from astrai.trainer.objectives.rollouts import CompletionsLog, Rollouts, RolloutSource, StepScores, completion_logps

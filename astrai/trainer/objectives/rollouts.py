@@ -1,10 +1,10 @@
 """Rollouts: completions of a micro-batch's prompts, with what the rewards gave them, from one of two sources.
 
 - :class:`SampledRollouts` (``online_grpo``, ``online_dpo``): the policy samples ``generations`` completions of each
-  prompt (:class:`astrai.trainer.decoding.DecodeEngine`, the step's micro-batches at once, each drawn by a generator
-  seeded from the run's seed, the step, the rank and the micro-batch: a resumed run samples what the uninterrupted
-  one sampled), and ``training.rewards`` scores
-  them in text, with each prompt record's other fields (:mod:`astrai.trainer.objectives.rewards`).
+  prompt (:class:`astrai.trainer.generation.decoding.DecodeEngine`, the step's micro-batches at once, each drawn by a
+  generator seeded from the run's seed, the step, the rank and the micro-batch: a resumed run samples what the
+  uninterrupted one sampled), and ``training.rewards`` scores them in text, with each prompt record's other fields
+  (:mod:`astrai.trainer.objectives.rewards`).
 - :class:`GivenRollouts` (``grpo``): each prompt's completions and rewards as the data gives them.
 
 Either returns a :class:`Rollouts` with named fields; the objectives (GRPO, online DPO) take a source and do not ask
@@ -38,9 +38,9 @@ from astrai.common.contract import (
 )
 from astrai.common.reward_specs import JudgeSpec, reward_metric_names
 from astrai.common.settings import Sampling
-from astrai.trainer.decoding import DecodeEngine, Draws
-from astrai.trainer.distributed import DistEnv
-from astrai.trainer.model import TokenTargets
+from astrai.trainer.generation.decoding import DecodeEngine, Draws
+from astrai.trainer.launch.distributed import DistEnv
+from astrai.trainer.models.scoring import TokenTargets
 from astrai.trainer.objectives.prompts import Prompts, ScoredGroups
 from astrai.trainer.objectives.rewards import Reward, RewardLimits, StepAbandoned, score
 
@@ -102,8 +102,8 @@ def rollout_seed(seed: int, step: int, rank: int, micro: int) -> int:
 class SampledRollouts:
     """Completions the policy samples, scored by the reward functions (``online_grpo``, ``online_dpo``).
 
-    A step's micro-batches are sampled together, in one batched generation (:mod:`astrai.trainer.decoding`), each
-    micro-batch's rows drawn by its own generator, seeded from (seed, step, rank, micro-batch)."""
+    A step's micro-batches are sampled together, in one batched generation (:mod:`astrai.trainer.generation.decoding`),
+    each micro-batch's rows drawn by its own generator, seeded from (seed, step, rank, micro-batch)."""
 
     def __init__(
         self,

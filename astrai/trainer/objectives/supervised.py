@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from astrai.trainer.distributed import DistEnv
-from astrai.trainer.model import TokenTargets
+from astrai.trainer.feed.records import SFTWindow
+from astrai.trainer.launch.distributed import DistEnv
+from astrai.trainer.models.scoring import TokenTargets
 from astrai.trainer.objectives.contract import Objective
-from astrai.trainer.records import SFTWindow
 
 
 class NextToken(Objective):

@@ -12,7 +12,8 @@ The format and which matrices it holds are :mod:`astrai.common.nf4`'s. Here:
 torchao's tensor is what FSDP shards: ``fully_shard`` cuts each NF4 weight into row blocks (its own ``split``) and
 all-gathers the 4-bit codes and scales (its ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``), as torchtune composes
 the two; :func:`astrai.common.nf4.nf4_problem` refuses a model whose matrices do not cut into whole scaler blocks. DDP
-broadcasts no NF4 weight at start (:mod:`astrai.trainer.distributed`): every rank quantises the same base the same way.
+broadcasts no NF4 weight at start (:mod:`astrai.trainer.launch.distributed`): every rank quantises the same base
+the same way.
 
 :func:`dequantize` is our own reading of torchao's fields (its ``get_original_weight`` gives the same float32 values,
 tested): it writes the compute dtype directly, through a 256-entry table of code pairs, where torchao's goes through
@@ -104,7 +105,7 @@ def is_nf4(tensor) -> bool:
 def quantize_base(model: nn.Module, device: torch.device) -> int:
     """Hold each matrix :func:`astrai.common.nf4.held_matrices` names as an NF4 tensor on ``device``, quantised from
     its float32 values; the layers owning them compute through :func:`nf4_linear` (their ``nf4`` flag). The count of
-    matrices. Each owner must be a frozen layer with that flag (astrai.trainer.lora.FrozenLinear)."""
+    matrices. Each owner must be a frozen layer with that flag (astrai.trainer.models.lora.FrozenLinear)."""
     to_nf4 = torchao_nf4().to_nf4
     held = set(nf4_format.held_matrices(model.config))
     count = 0

@@ -2,7 +2,7 @@
 
 Starting the trainer takes seconds (the interpreter, importing torch). A SIGTERM
 in that window would take its default action and kill the process with 143
-before :class:`astrai.trainer.distributed.GracefulStop` is installed. So:
+before :class:`astrai.trainer.launch.distributed.GracefulStop` is installed. So:
 
 - the entrypoint calls :func:`hold` first: SIGTERM and SIGINT are blocked, and a
   blocked signal stays pending across ``exec`` into the trainer;

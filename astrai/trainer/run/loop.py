@@ -5,10 +5,10 @@ job dir whether there is anything to do, builds a :class:`Trainer` and trains it
 the end. Each concern has its own owner, which the loop only calls:
 
 - :func:`astrai.trainer.checkpoint.manager.load_latest` and :class:`CheckpointManager`: resume and save;
-- :mod:`astrai.trainer.optim`: the optimizer and the learning rate of every step;
-- :class:`astrai.trainer.health.DivergenceRecord`: non-finite losses and gradient norms;
-- :class:`astrai.trainer.report.ProgressReporter`: progress lines, metrics.jsonl, event files, ETA;
-- :class:`astrai.trainer.validation.Validator`: the held-out loss.
+- :mod:`astrai.trainer.models.optim`: the optimizer and the learning rate of every step;
+- :class:`astrai.trainer.run.health.DivergenceRecord`: non-finite losses and gradient norms;
+- :class:`astrai.trainer.run.report.ProgressReporter`: progress lines, metrics.jsonl, event files, ETA;
+- :class:`astrai.trainer.run.validation.Validator`: the held-out loss.
 
 In-process use (benchmarks, tests)::
 
@@ -45,32 +45,39 @@ from astrai.common.contract import (
 )
 from astrai.common.errors import AstraiError
 from astrai.common.plan import RunPlan, resolve_plan
-from astrai.trainer import build
-from astrai.trainer.backend import backend_named
 from astrai.trainer.checkpoint.files import SCHEDULE, LoadedCheckpoint, NonFiniteWeights, Progress
 from astrai.trainer.checkpoint.formats import FORMATS
 from astrai.trainer.checkpoint.manager import CheckpointManager, RunFacts, load_latest
 from astrai.trainer.checkpoint.state import run_state
-from astrai.trainer.compiling import failed_in_compiler
-from astrai.trainer.determinism import make_deterministic
-from astrai.trainer.distributed import (
+from astrai.trainer.launch.determinism import make_deterministic
+from astrai.trainer.launch.distributed import (
     DistEnv,
     GracefulStop,
     check_parallel_mode,
     init_distributed,
     resolve_device,
-    set_gradient_sync,
     shutdown_distributed,
     world_from_environment,
 )
-from astrai.trainer.evaluation import open_evaluation
-from astrai.trainer.health import Diverged, DivergenceRecord
-from astrai.trainer.lora import parameter_counts
+from astrai.trainer.models.backend import backend_named
+from astrai.trainer.models.compiling import failed_in_compiler
+from astrai.trainer.models.lora import parameter_counts
+from astrai.trainer.models.optim import Schedule, apply_settings, build_optimizer, describe_changes, set_lr
+from astrai.trainer.models.parallel import set_gradient_sync
 from astrai.trainer.objectives.rewards import StepAbandoned
-from astrai.trainer.optim import Schedule, apply_settings, build_optimizer, describe_changes, set_lr
-from astrai.trainer.report import ProgressReporter, ReportError, StepReport, flops_per_token, peak_tflops, print_line
-from astrai.trainer.trackers import Trackers, flat_params
-from astrai.trainer.validation import Validator
+from astrai.trainer.run import build
+from astrai.trainer.run.evaluation import open_evaluation
+from astrai.trainer.run.health import Diverged, DivergenceRecord
+from astrai.trainer.run.report import (
+    ProgressReporter,
+    ReportError,
+    StepReport,
+    flops_per_token,
+    peak_tflops,
+    print_line,
+)
+from astrai.trainer.run.trackers import Trackers, flat_params
+from astrai.trainer.run.validation import Validator
 
 
 @dataclass(frozen=True)
@@ -637,8 +644,8 @@ def dry_run(config: TrainerConfig) -> int:
 
 def inspect_library_model(folder: Path, lora: bool) -> LibraryModel:
     """What transformers builds for ``folder`` (the run plan's, on the transformers path): made on the meta device,
-    every refusal of the folder itself made before anything starts (astrai.trainer.hf_model.inspect_folder)."""
-    from astrai.trainer.hf_model import inspect_folder
+    every refusal of the folder itself made before anything starts (astrai.trainer.models.hf_model.inspect_folder)."""
+    from astrai.trainer.models.hf_model import inspect_folder
 
     return inspect_folder(folder, lora)
 

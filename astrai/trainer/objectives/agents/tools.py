@@ -1,8 +1,8 @@
 """The tools an episode's model may call, and how a call is answered.
 
 A tool is a Python function of ``training.tools`` (``FILE.py:function`` or ``module:function``, loaded as reward
-functions are) or a public method of the episode's environment (:mod:`astrai.trainer.agents.environments`). Its JSON
-schema comes from its signature and docstring (:func:`astrai.data.tool_schemas.json_schema`, transformers' own
+functions are) or a public method of the episode's environment (:mod:`astrai.trainer.objectives.agents.environments`).
+Its JSON schema comes from its signature and docstring (:func:`astrai.data.tool_schemas.json_schema`, transformers' own
 shape), and the chat template renders the schemas into the prompt.
 
 A call is answered with a tool message, whatever happens (:func:`answer`):

@@ -11,7 +11,7 @@ weights' dtype; their output is cast back to the layer's.
 The frozen base may be held in bfloat16 (``training.lora_base_dtype``, :func:`hold_base_in`): half the
 memory of its weights, while every layer still computes in the activations' dtype (float32 on CPU, as
 autocast says on CUDA), widening one weight at a time. Or in 4 bits (``nf4``, QLoRA, :func:`hold_base_in_nf4`): the
-blocks' linear weights as torchao's NF4 tensor (:mod:`astrai.trainer.nf4`), dequantised one layer at a time.
+blocks' linear weights as torchao's NF4 tensor (:mod:`astrai.trainer.models.nf4`), dequantised one layer at a time.
 
 The adapted layer is still an ``nn.Linear`` holding its own ``weight`` (and ``bias``), so the base
 weights keep their names (``layers.0.attention.wq.weight``) and load, shard and export as before;
@@ -51,9 +51,9 @@ from astrai.common.model_folder import (
 )
 from astrai.common.nf4 import NF4
 from astrai.common.settings import LoRASettings, SettingError
-from astrai.trainer.experts import ExpertLoRA, MixtureOfExperts
-from astrai.trainer.model import frozen_linear
-from astrai.trainer.nf4 import is_nf4, nf4_linear, quantize_base
+from astrai.trainer.models.experts import ExpertLoRA, MixtureOfExperts
+from astrai.trainer.models.nf4 import is_nf4, nf4_linear, quantize_base
+from astrai.trainer.models.scoring import frozen_linear
 
 TARGETS = {name: PEFT_MODULES[name] for name in ADAPTER_TARGETS}
 """PEFT's name of each linear layer of a Llama block, and ours (a fused layer is named by these parts)."""
@@ -165,8 +165,8 @@ def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:
 
 def hold_base_in_nf4(model: nn.Module, device: torch.device) -> int:
     """QLoRA's base: the blocks' linear weights as NF4 tensors on ``device`` (quantised from their float32 values,
-    :mod:`astrai.trainer.nf4`), the other frozen matrices (the embeddings, the head) in bfloat16. The count of NF4
-    matrices."""
+    :mod:`astrai.trainer.models.nf4`), the other frozen matrices (the embeddings, the head) in bfloat16. The count of
+    NF4 matrices."""
     _freeze_linear_layers(model)
     count = quantize_base(model, device)
     hold_base_in(model, torch.bfloat16)

@@ -28,14 +28,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel
 
 from astrai.common.configfile import ConfigError
 from astrai.common.contract import ENV_FAILURE_TIMEOUT_SECONDS, ENV_NODE_RANK, EXIT_LOST_NODE, resolve_parallel_mode
-from astrai.trainer import signals
-from astrai.trainer.nf4 import is_nf4
+from astrai.trainer.launch import signals
 
 
 @dataclass
@@ -162,30 +158,6 @@ def shutdown_distributed(env: DistEnv) -> None:
         gc.collect()
 
 
-def parallelize(model: nn.Module, env: DistEnv) -> nn.Module:
-    """Wrap for the parallel mode: DDP replicates the model, FSDP shards each block and the rest."""
-    if env.parallel_mode == "ddp":
-        # An NF4 base is not broadcast at start (DDP's collectives take plain tensors): each rank quantised the same
-        # weights, which rank 0 sent it, the same way.
-        held = [name for name, param in model.named_parameters() if is_nf4(param)]
-        if held:
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, held)
-        return DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
-    if env.parallel_mode == "fsdp":
-        for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    return model
-
-
-def set_gradient_sync(model: nn.Module, env: DistEnv, enabled: bool) -> None:
-    """Skip the gradient all-reduce on all but the last micro-batch of an accumulated step."""
-    if env.parallel_mode == "ddp":
-        model.require_backward_grad_sync = enabled
-    elif env.parallel_mode == "fsdp":
-        model.set_requires_gradient_sync(enabled)
-
-
 class GracefulStop:
     """SIGTERM or SIGINT asks for a stop at the next step boundary; every rank then agrees on that step.
 
@@ -199,7 +171,7 @@ class GracefulStop:
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._request)
         signal.signal(signal.SIGINT, self._request)
-        # A signal that came while the process was starting (see astrai/trainer/signals.py) counts too.
+        # A signal that came while the process was starting (see astrai/trainer/launch/signals.py) counts too.
         early = signals.received()
         if early is not None and self.signal_name is None:
             self.signal_name = early.name

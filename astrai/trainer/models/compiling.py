@@ -1,9 +1,9 @@
 """``model.compile``: what is compiled with torch.compile, and how its failures are told apart from the others.
 
 The training compiles each transformer block (:func:`compile_blocks`); generation compiles its decode step
-(:mod:`astrai.trainer.decoding`). A failure of the compiler is the user's to act on (``model.compile: false``), so
-the trainer names the setting (:func:`failed_in_compiler` tells it from any other error) instead of falling back
-to eager code silently.
+(:mod:`astrai.trainer.generation.decoding`). A failure of the compiler is the user's to act on
+(``model.compile: false``), so the trainer names the setting (:func:`failed_in_compiler` tells it from any other
+error) instead of falling back to eager code silently.
 """
 
 from __future__ import annotations

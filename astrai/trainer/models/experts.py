@@ -137,7 +137,7 @@ class MixtureOfExperts(nn.Module):
         self.gelu = config.activation == "gelu_pytorch_tanh"
         self.gate_up_lora: ExpertLoRA | None = None
         self.down_lora: ExpertLoRA | None = None
-        """LoRA's adapters on the experts (:func:`astrai.trainer.lora.add_adapters`), or None."""
+        """LoRA's adapters on the experts (:func:`astrai.trainer.models.lora.add_adapters`), or None."""
         self.router_logits: torch.Tensor | None = None
         """This layer's router logits (tokens, E) of the last forward pass under grad mode: what the load-balancing
         loss is computed from (which clears them). Each such pass replaces them, so no graph outlives the next."""

@@ -2,14 +2,14 @@
 
 :class:`TransformersModel` holds an ``AutoModelForCausalLM`` built from the folder's ``config.json`` (read as
 ``AutoConfig.from_pretrained`` reads it) and gives the objectives and the loop what
-:class:`astrai.trainer.model.Transformer` gives them:
+:class:`astrai.trainer.models.native.Transformer` gives them:
 
 - ``model(tokens, positions, segments, score=TokenTargets(...))`` returns the same :class:`TokenScores`: the
   library's decoder gives the final hidden states, and the library's own ``ForCausalLM.forward`` turns them into
   logits a chunk of positions at a time (its decoder's output replaced by the chunk's hidden states), so whatever a
   family does after its output projection (a soft cap, Falcon-H1's ``lm_head_multiplier``, Cohere's ``logit_scale``,
   a bias) is in the loss, and the logits of the whole batch never exist at once (a chunk's are computed again in
-  the backward pass when they would not fit :data:`astrai.trainer.model.LOGITS_KEEP_BYTES`). Packed records
+  the backward pass when they would not fit :data:`astrai.common.memory.LOGITS_KEEP_BYTES`). Packed records
   (``segments``) attend within their own record through a 4D mask, ``positions`` restart at each record;
   ``model(tokens)`` returns the library's logits.
 - Its parameters are the library's modules under the library's names (``gpt_neox.layers.0.attention.dense.weight``),
@@ -20,16 +20,16 @@
 - A mixture of experts (a family whose config has ``output_router_logits``): every pass under grad asks the decoder
   for its router logits, and the loop adds the router's load-balancing loss (transformers'
   ``load_balancing_loss_func``, weighted by ``router_aux_loss_coef``) and reports ``router_aux_loss`` and
-  ``expert_load/<e>`` as on the native path (:class:`astrai.trainer.experts.RouterBalance`). A mixture whose
+  ``expert_load/<e>`` as on the native path (:class:`astrai.trainer.models.experts.RouterBalance`). A mixture whose
   router's loss cannot be computed so is refused, never trained without it.
 - LoRA (:func:`add_transformers_adapters`): the trainer's adapters on every ``nn.Linear`` (and subclass of it, as
   PEFT takes them) inside the decoder blocks (the output projection is outside them), by the family's module names
   (``query_key_value``, ``dense``, ``dense_h_to_4h``, ``dense_4h_to_h`` in GPT-NeoX). Their PEFT names are the
   library's module names, so ``invoke export`` writes a PEFT folder and a merged one as for a native family.
-- Generation (:class:`TransformersDecoding`): the online types' rollouts and ``python -m astrai.model generate``, a
-  token at a time with the library's own key/value cache, left-padded rows with their own positions; eager, no CUDA
-  graphs. Sampling and the generators are :mod:`astrai.trainer.decoding`'s, so a completion is the same whichever
-  part of the batch it is in.
+- Generation (:class:`astrai.trainer.generation.library.TransformersDecoding`): the online types' rollouts and
+  ``python -m astrai.model generate``, a token at a time with the library's own key/value cache, left-padded rows
+  with their own positions; eager, no CUDA graphs. Sampling and the generators are
+  :mod:`astrai.trainer.generation.decoding`'s, so a completion is the same whichever part of the batch it is in.
 - :func:`inspect_folder`: all of that found without the weights (the model made on the meta device), for the run
   plan, ``--dry-run`` and preflight: a folder the trainer would refuse at its start is refused there.
 
@@ -51,14 +51,13 @@ from torch.utils.checkpoint import checkpoint
 from astrai.common.backends import LibraryModel, TransformersConfig
 from astrai.common.contract import WEIGHTS_FILE
 from astrai.common.fit import SetupError
+from astrai.common.memory import LOGITS_CHUNK_BYTES, LOGITS_KEEP_BYTES
 from astrai.common.model_folder import PEFT_PREFIX, weight_files
 from astrai.common.plan import RunPlan
 from astrai.common.safetensors_file import ModelLoadError
-from astrai.common.settings import LoRASettings, Sampling
-from astrai.trainer.compiling import blocks_uncompiled
-from astrai.trainer.decoding import Draws, checked_round, left_padded, pick_rows, regenerated_episodes, until_stop
-from astrai.trainer.lora import AdapterError, LoRALinear, hold_base_in, is_adapter, load_adapters
-from astrai.trainer.model import LOGITS_CHUNK_BYTES, LOGITS_KEEP_BYTES, TokenScores, TokenTargets, segment_mask
+from astrai.common.settings import LoRASettings
+from astrai.trainer.models.lora import AdapterError, LoRALinear, hold_base_in, is_adapter, load_adapters
+from astrai.trainer.models.scoring import TokenScores, TokenTargets, segment_mask
 
 
 def _transformers():
@@ -191,7 +190,7 @@ class TransformersModel(nn.Module):
         None: no router)."""
         self.router_logits: torch.Tensor | None = None
         """The router logits (tokens x layers, experts) of the last pass under grad, for the load-balancing loss
-        (:class:`astrai.trainer.experts.RouterBalance` reads and clears them, as a native layer's)."""
+        (:class:`astrai.trainer.models.experts.RouterBalance` reads and clears them, as a native layer's)."""
 
     @property
     def library_model(self) -> nn.Module:
@@ -413,7 +412,7 @@ def transformers_state_dict(state: dict[str, torch.Tensor], config: Transformers
 
 
 def transformers_model(start, plan: RunPlan, seed: int, activation_checkpointing: bool) -> TransformersModel:
-    """The model of ``start`` (astrai.trainer.build's Start: its config, weights and LoRA adapters) on the CPU, as
+    """The model of ``start`` (astrai.trainer.run.build's Start: its config, weights and LoRA adapters) on the CPU, as
     build_model builds ours: the attention the plan chose, the base frozen and the adapters new (A from ``seed``, B
     zero) or the start's, the base held in the plan's dtype."""
     attention = plan.library.attention if plan.library is not None else None
@@ -489,66 +488,3 @@ def add_transformers_adapters(
         setattr(owner, leaf, LoRALinear(module, settings, generator))
         adapted.append(f"{prefix}.{index}.{name}")
     return adapted
-
-
-class TransformersDecoding:
-    """Generation through the library model (its own key/value cache), a token at a time: the online types'
-    rollouts and ``python -m astrai.model generate``.
-
-    Rows are left-padded; each row's positions count its own tokens and its padding is masked, so a row samples
-    what it would alone. The next token is chosen as :class:`astrai.trainer.decoding.DecodeEngine` chooses it."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.inner = getattr(model, "module", model)  # DDP's wrapped model
-        self.capture_seconds = 0.0
-
-    def episodes(self, prompts, sampling: Sampling, stop, draws: list[Draws], handler, rooms: list[int]) -> None:
-        """Multi-turn generation (astrai.trainer.decoding.DecodeEngine.episodes): the library's cache is not kept
-        between turns, so each turn generates again from every going row's episode so far."""
-        regenerated_episodes(self.generate, prompts, sampling, stop, draws, handler, rooms)
-
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: list[list[int]],
-        sampling: Sampling,
-        stop: set[int] | frozenset[int] = frozenset(),
-        draws: list[Draws] | None = None,
-    ) -> list[list[int]]:
-        draws, _ = checked_round(prompts, sampling, draws, self.inner.config.context)
-        # The training's compiled blocks (model.compile) would recompile for every length the cache grows to.
-        with blocks_uncompiled(self.inner):
-            rows = self._generate(prompts, sampling, stop, draws)
-        return [until_stop(row, stop) for row in rows]
-
-    def _generate(self, prompts: list[list[int]], sampling: Sampling, stop, draws: list[Draws]) -> list[list[int]]:
-        device = next(self.inner.parameters()).device
-        batch = len(prompts)
-        tokens, real = left_padded(prompts)
-        tokens, real = tokens.to(device), real.long().to(device)
-        positions = (real.cumsum(-1) - 1).clamp(min=0)
-        hf = self.inner.library_model
-        out = hf(input_ids=tokens, attention_mask=real, position_ids=positions, use_cache=True)
-        cache, logits = out.cache, out.logits[:, -1]
-        stops = torch.tensor(sorted(stop), dtype=torch.long, device=device)
-        done = torch.zeros(batch, dtype=torch.bool, device=device)
-        made = []
-        position = positions[:, -1:]
-        while True:
-            chosen = pick_rows(logits, sampling, draws).masked_fill(done, 0)
-            made.append(chosen)
-            done = done | torch.isin(chosen, stops)
-            if len(made) == sampling.max_new_tokens or bool(done.all()):
-                break
-            real = torch.cat([real, torch.ones(batch, 1, dtype=real.dtype, device=device)], dim=1)
-            position = position + 1
-            out = hf(
-                input_ids=chosen.view(-1, 1),
-                attention_mask=real,
-                position_ids=position,
-                cache=cache,
-                use_cache=True,
-            )
-            cache, logits = out.cache, out.logits[:, -1]
-        return torch.stack(made, dim=1).tolist()

@@ -15,7 +15,7 @@ beside it.
 
 An environment that cannot start an episode or score one (its reset or reward raises, or runs past
 ``training.tool_timeout``, a server that cannot be reached) stops the run with :class:`AgentError` naming it; a call
-that fails is a tool message (:mod:`astrai.trainer.agents.tools`).
+that fails is a tool message (:mod:`astrai.trainer.objectives.agents.tools`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,15 @@ from astrai.common.agents import EnvironmentSpec
 from astrai.common.contract import ENV_ENVIRONMENTS, OPENENV_PACKAGE
 from astrai.data.tool_calls import ToolCall
 from astrai.data.tool_schemas import ToolSchemaError, json_schema
-from astrai.trainer.agents.tools import TOOL_ERROR, AgentError, Outcome, Tool, answer, content_of, run_limited
+from astrai.trainer.objectives.agents.tools import (
+    TOOL_ERROR,
+    AgentError,
+    Outcome,
+    Tool,
+    answer,
+    content_of,
+    run_limited,
+)
 from astrai.trainer.objectives.rewards import user_object
 
 RESERVED = ("reset", "reward", "close")

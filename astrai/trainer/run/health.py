@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from astrai.common.errors import AstraiError
-from astrai.trainer.distributed import DistEnv
+from astrai.trainer.launch.distributed import DistEnv
 
 
 class Diverged(AstraiError):

@@ -6,10 +6,10 @@ environment's opening observation, when its ``reset`` gives one, after the last 
 1. the policy generates an assistant turn, until its end-of-turn (a stop token) or ``max_completion_length`` tokens;
 2. the turn is read in the template's tool-call format (:mod:`astrai.data.tool_calls`); a turn without a call ends
    the episode, its text the answer the rewards score;
-3. every call is answered (:mod:`astrai.trainer.agents.tools`: the environment's tool, a function of
+3. every call is answered (:mod:`astrai.trainer.objectives.agents.tools`: the environment's tool, a function of
    ``training.tools``, or an error message), and the tool messages are rendered as the template renders them after
    the turn, up to the next generation prompt; those tokens go into the model's context and the next turn is generated
-   from the cache (:meth:`astrai.trainer.decoding.DecodeEngine.episodes`).
+   from the cache (:meth:`astrai.trainer.generation.decoding.DecodeEngine.episodes`).
 
 The episode ends as *truncated* at ``max_turns`` turns, past ``max_tool_calls`` calls, when its tokens after the
 prompt would pass ``max_episode_tokens`` (or the model's context), or when a turn is cut at ``max_completion_length``;
@@ -51,10 +51,10 @@ from astrai.common.reward_specs import JudgeSpec, check_metric_names
 from astrai.common.settings import Sampling
 from astrai.data.chat import ChatTemplate, RecordError
 from astrai.data.tool_calls import ToolCall, ToolFormatError, UnparsedCall, call_id, template_tool_format
-from astrai.trainer.agents.environments import Episode, Limits, load_environment
-from astrai.trainer.agents.tools import TOOL_ERROR, UNPARSED, AgentError, Tool, answer, load_tools, unparsed
-from astrai.trainer.decoding import Continuation, Draws
-from astrai.trainer.distributed import DistEnv
+from astrai.trainer.generation.decoding import Continuation, Draws
+from astrai.trainer.launch.distributed import DistEnv
+from astrai.trainer.objectives.agents.environments import Episode, Limits, load_environment
+from astrai.trainer.objectives.agents.tools import TOOL_ERROR, UNPARSED, AgentError, Tool, answer, load_tools, unparsed
 from astrai.trainer.objectives.prompts import Prompts
 from astrai.trainer.objectives.rewards import Reward, RewardLimits, StepAbandoned, score
 from astrai.trainer.objectives.rollouts import Rollouts, rollout_seed
@@ -66,7 +66,7 @@ class Agent:
 
     functions: list[Tool]
     environment: object | None
-    """:class:`astrai.trainer.agents.environments.ClassEnvironment` or ``ServerEnvironment``, or None."""
+    """:class:`astrai.trainer.objectives.agents.environments.ClassEnvironment` or ``ServerEnvironment``, or None."""
 
     @classmethod
     def load(cls, training, limits: Limits) -> Agent:
@@ -172,7 +172,7 @@ def describe_agent(config) -> str:
     from astrai.common.backends import load_model_config
     from astrai.common.data_folder import TokenData
     from astrai.data.tokenizing import HFTokenizer
-    from astrai.trainer.generate import stop_tokens
+    from astrai.trainer.generation.generate import stop_tokens
 
     training = config.training
     data = TokenData.open(Path(config.data.data_root_path))
@@ -231,8 +231,8 @@ class EpisodeState:
 
 
 class Turns:
-    """A round's episodes between turns (:class:`astrai.trainer.decoding.TurnHandler`): reads each turn, answers its
-    calls, renders the replies and says how each episode goes on."""
+    """A round's episodes between turns (:class:`astrai.trainer.generation.decoding.TurnHandler`): reads each turn,
+    answers its calls, renders the replies and says how each episode goes on."""
 
     def __init__(self, source: EpisodeRollouts, states: list[EpisodeState]):
         self.source, self.states = source, states

@@ -1,7 +1,7 @@
 """``python -m astrai.model generate``: a completion of a prompt from a model folder or a checkpoint, with the
-generation engine the trainer's rollouts use: :mod:`astrai.trainer.decoding` for a family the trainer computes (on a
-GPU in bfloat16 with its decode steps captured, on a CPU in float32), :class:`astrai.trainer.hf_model.
-TransformersDecoding` for one trained through transformers (``--backend``: chosen from the folder's model_type as
+generation engine the trainer's rollouts use (:mod:`astrai.trainer.generation.engines`): the native engine for a
+family the trainer computes (on a GPU in bfloat16 with its decode steps captured, on a CPU in float32), the
+transformers engine for one trained through transformers (``--backend``: chosen from the folder's model_type as
 training chooses it). And :func:`stop_tokens`, the ids a model's completions end at.
 """
 
@@ -20,8 +20,9 @@ from astrai.common.fit import SetupError
 from astrai.common.model_folder import ModelConfig
 from astrai.common.plan import compute_dtype
 from astrai.common.settings import Sampling, SettingError
-from astrai.trainer.backend import Backend, backend_named
-from astrai.trainer.decoding import Draws
+from astrai.trainer.generation.decoding import Draws
+from astrai.trainer.generation.engines import generation_engine
+from astrai.trainer.models.backend import Backend, backend_named
 
 # --- python -m astrai.model generate -------------------------------------------------------------------
 
@@ -141,7 +142,7 @@ def _complete(backend: Backend, model, ids: list[int], sampling: Sampling, stop:
     device = torch.device("cuda" if cuda else "cpu")
     model = model.to(device, getattr(torch, compute_dtype(device.type)))
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    engine = backend.engine(model)
+    engine = generation_engine(backend.name, model)
     return engine.generate([ids], sampling, stop, [Draws(1, generator)])[0]
 
 

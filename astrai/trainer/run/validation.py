@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
-from astrai.trainer.distributed import DistEnv
+from astrai.trainer.launch.distributed import DistEnv
 
 
 @dataclass(eq=False)

@@ -1,6 +1,6 @@
 """How a run is put together, each part from the ones before it; every function returns what it builds.
 
-The order is the order of :class:`astrai.trainer.loop.Trainer`'s construction, and each step's inputs are its
+The order is the order of :class:`astrai.trainer.run.loop.Trainer`'s construction, and each step's inputs are its
 arguments: the data folders (:func:`open_run_data`), the weights the run starts from (:func:`read_start`), what
 the data trains on (:func:`post_training_records`, :func:`build_feed`), the model (:func:`build_model`), the
 objective with DPO's frozen reference (:func:`build_objective`) and the facts every checkpoint records
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
+from astrai.common.backends import through_transformers
 from astrai.common.config import TrainerConfig, ignored_keys_note
 from astrai.common.contract import GENERATION_CONFIG_FILE, TOKENIZER_FILE
 from astrai.common.data_folder import DataError, TokenData, WindowSplit, data_digest, data_kind, describe_units
@@ -32,28 +33,38 @@ from astrai.common.fit import (
     prompt_room,
     tokenizer_hint,
 )
-from astrai.common.model_folder import base_digest, other_base
+from astrai.common.model_folder import ModelConfig, ModelLoadError, base_digest, other_base
 from astrai.common.nf4 import NF4
 from astrai.common.plan import RunPlan
 from astrai.common.settings import LoRASettings
 from astrai.common.values import format_bytes
-from astrai.trainer.agents.environments import Limits
-from astrai.trainer.agents.episodes import EpisodePrompts, EpisodeRollouts, episode_prompts
-from astrai.trainer.backend import EngineSizes, backend_named
 from astrai.trainer.checkpoint.files import LoadedCheckpoint
 from astrai.trainer.checkpoint.manager import RunFacts
-from astrai.trainer.compiling import compile_blocks
-from astrai.trainer.decoding import total_memory
-from astrai.trainer.distributed import DistEnv, GracefulStop, broadcast_from_master, gather_objects, parallelize
-from astrai.trainer.lora import (
+from astrai.trainer.feed.records import DPOPairs, PackedSFT, RecordIndex
+from astrai.trainer.feed.windows import (
+    MixtureBatchSampler,
+    MixtureDataset,
+    MixtureOrder,
+    WindowBatchSampler,
+    WindowDataset,
+    ignore_stop_signals,
+)
+from astrai.trainer.generation.decoding import total_memory
+from astrai.trainer.generation.engines import EngineSizes, generation_engine
+from astrai.trainer.launch.distributed import DistEnv, GracefulStop, broadcast_from_master, gather_objects
+from astrai.trainer.models.backend import backend_named
+from astrai.trainer.models.compiling import compile_blocks
+from astrai.trainer.models.lora import (
     AdapterError,
     BaseModel,
     frozen_dtype,
     parameter_counts,
     read_peft_adapter,
 )
-from astrai.trainer.model import ModelConfig, ModelLoadError
-from astrai.trainer.nf4 import check_nf4_runs
+from astrai.trainer.models.nf4 import check_nf4_runs
+from astrai.trainer.models.parallel import parallelize
+from astrai.trainer.objectives.agents.environments import Limits
+from astrai.trainer.objectives.agents.episodes import EpisodePrompts, EpisodeRollouts, episode_prompts
 from astrai.trainer.objectives.contract import Objective
 from astrai.trainer.objectives.dpo import Preference
 from astrai.trainer.objectives.grpo import GRPO, RoundShape
@@ -65,15 +76,6 @@ from astrai.trainer.objectives.reward_model import RewardModelObjective, RewardP
 from astrai.trainer.objectives.rloo import RLOO
 from astrai.trainer.objectives.rollouts import CompletionsLog, GivenRollouts, SampledRollouts
 from astrai.trainer.objectives.supervised import NextToken, Supervised
-from astrai.trainer.records import DPOPairs, PackedSFT, RecordIndex
-from astrai.trainer.windows import (
-    MixtureBatchSampler,
-    MixtureDataset,
-    MixtureOrder,
-    WindowBatchSampler,
-    WindowDataset,
-    ignore_stop_signals,
-)
 
 Log = Callable[[str], None]
 
@@ -495,7 +497,7 @@ def _reward_model(parts: RunParts) -> BuiltObjective:
 def _classifier_start(start: Start, config: TrainerConfig) -> Start:
     """A reward model's start from a causal language model: its weights with a score head in place of the output
     projection (a checkpoint, or a folder that is a classifier already, starts as it is)."""
-    if not isinstance(start.model_config, ModelConfig):
+    if through_transformers(start.model_config):
         raise SetupError(
             f"train_type reward_model trains the families the trainer computes itself (model_type "
             f"{start.model_config.model_type} goes through transformers); start from a native family's folder"
@@ -569,8 +571,8 @@ def data_tokenizer(data: TokenData):
 def sampled_rollouts(parts: RunParts) -> SampledRollouts | EpisodeRollouts:
     """The online types' rollout source: the policy samples (``plan.sampling``, ``plan.generations``), the reward
     functions of ``training.rewards`` score, the model's stop tokens end a completion; with tools or an environment,
-    each rollout is an episode (:mod:`astrai.trainer.agents.episodes`)."""
-    from astrai.trainer.generate import stop_tokens
+    each rollout is an episode (:mod:`astrai.trainer.objectives.agents.episodes`)."""
+    from astrai.trainer.generation.generate import stop_tokens
     from astrai.trainer.objectives.rewards import RewardLimits
 
     env, plan, training, records = parts.env, parts.plan, parts.config.training, parts.records
@@ -585,7 +587,7 @@ def sampled_rollouts(parts: RunParts) -> SampledRollouts | EpisodeRollouts:
     )
     prompts = Prompts(records.index.data, records.index, records.units)
     longest = max(records.units.takes)
-    engine = backend_named(plan.backend).engine(parts.model, lambda: engine_sizes(parts, longest))
+    engine = generation_engine(plan.backend, parts.model, lambda: engine_sizes(parts, longest))
     limits = RewardLimits(training.reward_timeout, lambda: parts.stop.requested)
     if plan.episodes is not None:
         parts.log(f"episodes: {plan.episodes.describe()}")

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from astrai.common.data_folder import Packing, Pairs, TokenData, WindowSplit
-from astrai.trainer.windows import map_token_shards
+from astrai.trainer.feed.windows import map_token_shards
 
 
 class SFTWindow(NamedTuple):

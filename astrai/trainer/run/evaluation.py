@@ -53,13 +53,13 @@ from astrai.common.memory import generation_cache
 from astrai.common.reward_specs import eval_metric_name
 from astrai.common.settings import EvalSettings
 from astrai.common.values import format_bytes
-from astrai.trainer.backend import EngineSizes, GenerationEngine, backend_named
-from astrai.trainer.decoding import Draws, total_memory
-from astrai.trainer.distributed import DistEnv, gather_objects
+from astrai.trainer.feed.records import RecordIndex
+from astrai.trainer.generation.decoding import Draws, total_memory
+from astrai.trainer.generation.engines import EngineSizes, GenerationEngine, generation_engine
+from astrai.trainer.launch.distributed import DistEnv, gather_objects
 from astrai.trainer.objectives.prompts import Prompts
 from astrai.trainer.objectives.rewards import Reward, RewardLimits, StepAbandoned, score
 from astrai.trainer.objectives.rollouts import CompletionsLog
-from astrai.trainer.records import RecordIndex
 
 PART_NAME = "evaluation"
 """The evaluation's part of the run's state (checkpoints record an evaluation still due)."""
@@ -253,15 +253,15 @@ class GenerativeEval:
 
 
 def open_evaluation(parts, run_data: TokenData) -> GenerativeEval | None:
-    """The run's evaluation (None without log.eval_prompts), from the run's parts (:class:`astrai.trainer.build.
+    """The run's evaluation (None without log.eval_prompts), from the run's parts (:class:`astrai.trainer.run.build.
     RunParts`) and its training data: the prompts checked as the trainer checks them at start, the rewards loaded, an
     engine of its own."""
     config, plan, env = parts.config, parts.plan, parts.env
     settings = plan.evaluation
     if settings is None:
         return None
-    from astrai.trainer.build import autocast_for, completions_log, data_tokenizer, loaded_rewards
-    from astrai.trainer.generate import stop_tokens
+    from astrai.trainer.generation.generate import stop_tokens
+    from astrai.trainer.run.build import autocast_for, completions_log, data_tokenizer, loaded_rewards
 
     data = open_eval_prompts(config.eval_prompts_folder())
     model = parts.model_config
@@ -314,4 +314,4 @@ def _engine(parts, settings: EvalSettings, longest_prompt: int) -> GenerationEng
         compiled = plan.compile and together is None
         return EngineSizes(capacity=cache.capacity, rows_per_part=at_once, together=together, compile=compiled)
 
-    return backend_named(plan.backend).engine(parts.model, sizes)
+    return generation_engine(plan.backend, parts.model, sizes)

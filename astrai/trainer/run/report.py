@@ -60,7 +60,7 @@ from astrai.common.errors import AstraiError
 from astrai.common.layers import flops_per_token, matmul_params  # noqa: F401  (the MFU's, read here)
 from astrai.common.metrics import MetricsFile
 from astrai.common.values import format_duration
-from astrai.trainer.trackers import Trackers
+from astrai.trainer.run.trackers import Trackers
 
 
 class ReportError(AstraiError):

@@ -2,16 +2,15 @@
 (``transformers``, for the families it does not compute; ``model.backend``, decided by
 :func:`astrai.common.backends.resolve_backend`).
 
-What the rest of the trainer asks of a model and of a generation engine is the two Protocols below; a
-:class:`Backend` makes them. It reads a model folder (the start, a reference, a checkpoint's weights), builds the
-trained model and a frozen copy, makes the generation engine, names the tensors a checkpoint saves, and says what it
-is. The loop, the objectives, the checkpoints and the generate CLI hold a backend and never ask which one it is.
+What the rest of the trainer asks of a model is :class:`ScoringModel`; a :class:`Backend` makes one. It reads a
+model folder (the start, a reference, a checkpoint's weights), builds the trained model and a frozen copy, names the
+tensors a checkpoint saves, and says what it is (its generation engine: :mod:`astrai.trainer.generation.engines`).
+The loop, the objectives, the checkpoints and the generate CLI hold a backend and never ask which one it is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -21,29 +20,22 @@ from torch import nn
 
 from astrai.common.backends import BACKEND_NATIVE, BACKEND_TRANSFORMERS, TransformersConfig, describe_backend
 from astrai.common.contract import WEIGHTS_FILE
-from astrai.common.fit import SetupError
+from astrai.common.fit import SetupError, lora_modules
 from astrai.common.model_config import ModelConfig
+from astrai.common.model_folder import describe, inspect_weights
 from astrai.common.nf4 import NF4, nf4_problem
 from astrai.common.plan import RunPlan
-from astrai.common.settings import Sampling
-from astrai.trainer.decoding import DecodeEngine, Draws, TurnHandler
-from astrai.trainer.experts import RouterBalance, router_balance
-from astrai.trainer.lora import add_adapters, from_peft_names, hold_base_in, hold_base_in_nf4, load_adapters
-from astrai.trainer.model import (
-    TokenScores,
-    TokenTargets,
-    Transformer,
-    describe_folder,
-    hf_state_dict,
-    load_base_model,
-    load_pretrained,
-    read_weights,
-)
+from astrai.common.settings import LoRASettings
+from astrai.trainer.models.experts import RouterBalance, router_balance
+from astrai.trainer.models.lora import add_adapters, from_peft_names, hold_base_in, hold_base_in_nf4, load_adapters
+from astrai.trainer.models.native import Transformer
+from astrai.trainer.models.scoring import TokenScores, TokenTargets
+from astrai.trainer.models.weights import describe_folder, hf_state_dict, load_base_model, load_pretrained, read_weights
 
 
 class ScoringModel(Protocol):
-    """A causal language model as the loop and the objectives use it (:class:`astrai.trainer.model.Transformer`,
-    :class:`astrai.trainer.hf_model.TransformersModel`)."""
+    """A causal language model as the loop and the objectives use it (:class:`astrai.trainer.models.native.Transformer`,
+    :class:`astrai.trainer.models.hf_model.TransformersModel`)."""
 
     config: ModelConfig | TransformersConfig
 
@@ -60,47 +52,6 @@ class ScoringModel(Protocol):
         ...
 
 
-class GenerationEngine(Protocol):
-    """Sampling from a model for the online types, their evaluation and ``python -m astrai.model generate``
-    (:class:`astrai.trainer.decoding.DecodeEngine`, :class:`astrai.trainer.hf_model.TransformersDecoding`)."""
-
-    capture_seconds: float
-    """Time spent capturing decode steps (none through transformers), left out of the figures of a step."""
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        sampling: Sampling,
-        stop: set[int] | frozenset[int] = frozenset(),
-        draws: list[Draws] | None = None,
-    ) -> list[list[int]]:
-        """Each prompt's completion (its stop token included), each row's draws from its own generator."""
-        ...
-
-    def episodes(
-        self,
-        prompts: list[list[int]],
-        sampling: Sampling,
-        stop: set[int] | frozenset[int],
-        draws: list[Draws],
-        handler: TurnHandler,
-        rooms: list[int],
-    ) -> None:
-        """Multi-turn generation: each row's turns, the handler's replies fed in between them."""
-        ...
-
-
-@dataclass(frozen=True)
-class EngineSizes:
-    """How the native engine sizes its caches (astrai.trainer.build.engine_sizes): a training run's are fixed by its
-    plan; none given, the engine sizes them for each call."""
-
-    capacity: int | None = None
-    rows_per_part: int | None = None
-    together: object = None
-    compile: bool = False
-
-
 class Backend:
     """What one way of computing a model does; :data:`NATIVE` and :data:`TRANSFORMERS` are the two."""
 
@@ -111,7 +62,7 @@ class Backend:
         raise NotImplementedError
 
     def trained(self, start, plan: RunPlan, seed: int, activation_checkpointing: bool, device) -> nn.Module:
-        """The model a run trains, from its start (astrai.trainer.build.Start: config, weights, LoRA adapters), on
+        """The model a run trains, from its start (astrai.trainer.run.build.Start: config, weights, LoRA adapters), on
         ``device``: LoRA's base frozen and held in the plan's dtype, the adapters new (A from ``seed``) or the
         start's. Not yet compiled nor wrapped for the parallel mode."""
         raise NotImplementedError
@@ -125,11 +76,6 @@ class Backend:
         """A folder's model, float32, frozen on the CPU (the generate CLI)."""
         config, weights = self.read(folder)
         return self.frozen(config, weights, str(folder))
-
-    def engine(self, model: nn.Module, sizes: Callable[[], EngineSizes] | None = None) -> GenerationEngine:
-        """The generation engine of ``model`` (wrapped for the parallel mode or not); ``sizes`` is asked for when the
-        engine keeps caches of its own (the native one: the library's keeps its own cache)."""
-        raise NotImplementedError
 
     def router_balance(self, model: nn.Module) -> RouterBalance | None:
         """A mixture of experts' load-balancing loss and metrics; None for a model without a router."""
@@ -147,9 +93,15 @@ class Backend:
         """What the run starts from, in the words of its starting line."""
         raise NotImplementedError
 
+    def inspect(self, folder: Path, lora: bool) -> dict:
+        """What the trainer builds of ``folder``, found without its weights (``python -m astrai.model check``):
+        ``model``, its description, and what else this path chose; ``lora``: the adapters' layers checked too. The
+        refusals of the run's start, made alike (AstraiError)."""
+        raise NotImplementedError
+
 
 class NativeBackend(Backend):
-    """The trainer's own model (:mod:`astrai.trainer.model`), for the families it computes."""
+    """The trainer's own model (:mod:`astrai.trainer.models.native`), for the families it computes."""
 
     name = BACKEND_NATIVE
 
@@ -186,16 +138,6 @@ class NativeBackend(Backend):
     def pretrained(self, folder: Path) -> nn.Module:
         return load_pretrained(folder)
 
-    def engine(self, model: nn.Module, sizes: Callable[[], EngineSizes] | None = None) -> GenerationEngine:
-        sizes = EngineSizes() if sizes is None else sizes()
-        return DecodeEngine(
-            model,
-            together=sizes.together,
-            compile=sizes.compile,
-            capacity=sizes.capacity,
-            rows_per_part=sizes.rows_per_part,
-        )
-
     def router_balance(self, model: nn.Module) -> RouterBalance | None:
         return router_balance(model)
 
@@ -210,34 +152,36 @@ class NativeBackend(Backend):
     def describe(self, folder: Path, plan: RunPlan) -> str:
         return describe_folder(folder)
 
+    def inspect(self, folder: Path, lora: bool) -> dict:
+        config = ModelConfig.load(folder)
+        if lora:
+            lora_modules(config, LoRASettings(rank=8, alpha=16.0))
+        return {"model": describe(folder, config, inspect_weights(folder, config))}
+
 
 class TransformersBackend(Backend):
-    """A transformers model (:mod:`astrai.trainer.hf_model`), for any causal LM the library loads; imported only when
+    """A transformers model (:mod:`astrai.trainer.models.hf_model`), for any causal LM the library loads; imported only
+    when
     a run takes this path."""
 
     name = BACKEND_TRANSFORMERS
 
     def read(self, folder: Path):
-        from astrai.trainer.hf_model import load_transformers_start
+        from astrai.trainer.models.hf_model import load_transformers_start
 
         return load_transformers_start(folder)
 
     def trained(self, start, plan: RunPlan, seed: int, activation_checkpointing: bool, device) -> nn.Module:
-        from astrai.trainer.hf_model import transformers_model
+        from astrai.trainer.models.hf_model import transformers_model
 
         return transformers_model(start, plan, seed, activation_checkpointing).to(device)
 
     def frozen(self, config: TransformersConfig, weights, where: str) -> nn.Module:
-        from astrai.trainer.hf_model import TransformersModel
+        from astrai.trainer.models.hf_model import TransformersModel
 
         model = TransformersModel(config)
         model.load_weights(weights, where)
         return model.eval().requires_grad_(False)
-
-    def engine(self, model: nn.Module, sizes: Callable[[], EngineSizes] | None = None) -> GenerationEngine:
-        from astrai.trainer.hf_model import TransformersDecoding
-
-        return TransformersDecoding(model)
 
     def router_balance(self, model: nn.Module) -> RouterBalance | None:
         # The library's routers: the model keeps their logits as a native layer does.
@@ -245,17 +189,27 @@ class TransformersBackend(Backend):
         return None if inner.top_k is None else RouterBalance([inner], inner.router_aux_loss_coef)
 
     def saved_names(self, config: TransformersConfig):
-        from astrai.trainer.hf_model import transformers_state_dict
+        from astrai.trainer.models.hf_model import transformers_state_dict
 
         return lambda state: transformers_state_dict(state, config)
 
     def read_checkpoint_weights(self, folder: Path, config, adapters: bool):
-        from astrai.trainer.hf_model import read_transformers_checkpoint
+        from astrai.trainer.models.hf_model import read_transformers_checkpoint
 
         return read_transformers_checkpoint(folder, adapters)
 
     def describe(self, folder: Path, plan: RunPlan) -> str:
         return describe_backend(*plan.model_backend)
+
+    def inspect(self, folder: Path, lora: bool) -> dict:
+        from astrai.trainer.models.hf_model import inspect_folder
+
+        library = inspect_folder(folder, lora)
+        return {
+            "model": f"{library.model_type} via transformers; {library.describe()}",
+            "attention": library.attention,
+            "router_aux_loss_coef": library.router_aux_loss_coef,
+        }
 
 
 NATIVE, TRANSFORMERS = NativeBackend(), TransformersBackend()

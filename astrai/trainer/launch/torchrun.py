@@ -1,4 +1,5 @@
-"""torchrun, ending quickly and without a traceback: ``python -m astrai.trainer.torchrun ARGS`` is ``torchrun ARGS``.
+"""torchrun, ending quickly and without a traceback: ``python -m astrai.trainer.launch.torchrun ARGS`` is
+``torchrun ARGS``.
 
 - When a Python process exits, the interpreter runs one last garbage collection over every object still alive. In
   a process that imported torch that takes a second or more on an idle CPU, and several under load, all of it

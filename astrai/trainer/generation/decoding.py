@@ -15,15 +15,15 @@ How a call runs (:meth:`DecodeEngine.generate`):
    with them its tokens, are the same. Parts are cut only between groups of rows that draw from one generator, so
    the split never changes what is drawn.
 2. Each part's prompts go through one batched forward pass (the prefill) into a cache of fixed capacity.
-3. Each new token is one decode step (:meth:`astrai.trainer.model.Transformer.decode_step`): device work on the same
-   buffers every time. There is one step per batch size, made at the largest capacity the run reaches (``capacity``,
-   from the plan: the longest prompt and ``max_new_tokens``) and reused by every shorter call, so the memory the
-   steps hold is bounded, and a compiled step compiles once per batch size. On CUDA (one process, or DDP) the step is
-   captured once as a CUDA graph and replayed: a step costs one launch, not one per kernel (not a mixture of experts,
-   whose shapes depend on the routing, nor a RoPE that changes with the length: those steps run eagerly). With
-   ``compile`` the step is compiled with ``torch.compile`` first (fused kernels). The next token is chosen on the
-   device (:func:`pick`), without a host read; finished rows are tracked there too, and the host asks whether every
-   row has ended only every :data:`STOP_CHECK_EVERY` tokens.
+3. Each new token is one decode step (:meth:`astrai.trainer.models.native.Transformer.decode_step`): device work on the
+   same buffers every time. There is one step per batch size, made at the largest capacity the run reaches
+   (``capacity``, from the plan: the longest prompt and ``max_new_tokens``) and reused by every shorter call, so the
+   memory the steps hold is bounded, and a compiled step compiles once per batch size. On CUDA (one process, or DDP) the
+   step is captured once as a CUDA graph and replayed: a step costs one launch, not one per kernel (not a mixture of
+   experts, whose shapes depend on the routing, nor a RoPE that changes with the length: those steps run eagerly). With
+   ``compile`` the step is compiled with ``torch.compile`` first (fused kernels). The next token is chosen on the device
+   (:func:`pick`), without a host read; finished rows are tracked there too, and the host asks whether every row has
+   ended only every :data:`STOP_CHECK_EVERY` tokens.
 4. A captured step reads only tensors that live as long as it: its cache's buffers and rotary tables, the weights
    (updated in place), and what the step itself computes. So generation runs with autocast's cache of cast weights
    off (those casts are freed when the caller's autocast ends), and under autocast with float32 weights (full
@@ -52,9 +52,9 @@ import torch
 
 from astrai.common.memory import decode_capacity, decode_rows_per_part, kv_cache_bytes
 from astrai.common.settings import Sampling
-from astrai.trainer.compiling import failed_in_compiler
-from astrai.trainer.model import KVCache
-from astrai.trainer.nf4 import is_nf4
+from astrai.trainer.models.cache import KVCache
+from astrai.trainer.models.compiling import failed_in_compiler
+from astrai.trainer.models.nf4 import is_nf4
 
 STOP_CHECK_EVERY = 16
 """Tokens between two host reads of whether every row has ended (the only host synchronisation of a decode)."""
@@ -637,7 +637,7 @@ def _all_done(done: torch.Tensor, together) -> bool:
     """Whether every row has ended (on every rank of ``together``): a host synchronisation."""
     finished = done.all()
     if together is not None:
-        finished = finished.to("cpu", torch.int32)  # the group is gloo's (astrai.trainer.distributed.DistEnv)
+        finished = finished.to("cpu", torch.int32)  # the group is gloo's (astrai.trainer.launch.distributed.DistEnv)
         torch.distributed.all_reduce(finished, op=torch.distributed.ReduceOp.MIN, group=together)
     return bool(finished)
 
