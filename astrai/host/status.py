@@ -25,11 +25,14 @@ from astrai.common.contract import (
     METRIC_EVAL_REWARD,
     METRIC_EVAL_UNSCORED,
     METRIC_FRAC_REWARD_ZERO_STD,
+    METRIC_KL,
     METRIC_LOSS,
     METRIC_MAX_ALLOCATED_GIB,
     METRIC_MAX_STEPS,
     METRIC_MFU,
     METRIC_REWARD,
+    METRIC_REWARD_MODEL_ACCURACY,
+    METRIC_REWARD_MODEL_MARGIN,
     METRIC_REWARD_OF,
     METRIC_REWARD_STD,
     METRIC_REWARDS_ACCURACY,
@@ -125,6 +128,10 @@ def job_status(runtime: Runtime) -> JobStatus:
 
 
 DPO_METRICS = (METRIC_REWARDS_CHOSEN, METRIC_REWARDS_REJECTED, METRIC_REWARDS_MARGIN, METRIC_REWARDS_ACCURACY)
+KTO_METRICS = (METRIC_REWARDS_CHOSEN, METRIC_REWARDS_REJECTED, METRIC_REWARDS_MARGIN, METRIC_KL)
+"""KTO's last record: its rewards of the desirable and undesirable completions, their margin, the KL estimate (it
+has no accuracy: its examples are not pairs)."""
+REWARD_MODEL_METRICS = (METRIC_REWARD_MODEL_ACCURACY, METRIC_REWARD_MODEL_MARGIN)
 
 
 def _grpo_summary(record: dict) -> str:
@@ -197,14 +204,7 @@ def format_status(status: JobStatus) -> list[str]:
     if loss:
         lines.append(f"loss        {loss}")
     record = status.latest_record or {}
-    if all(_number(record, key) for key in DPO_METRICS):
-        chosen, rejected, margin, accuracy = (record[key] for key in DPO_METRICS)
-        lines.append(
-            f"dpo         rewards chosen {chosen:+.4f}, rejected {rejected:+.4f}, margin {margin:.4f}, "
-            f"accuracy {accuracy:.1%}"
-        )
-    if _number(record, METRIC_REWARD):
-        lines.append(f"rewards     {_grpo_summary(record)}")
+    lines += objective_lines(record)
     if status.latest_eval is not None:
         lines.append(f"evaluation  {evaluation_line(status.latest_eval)}")
     per_source = record.get(METRIC_TOKENS_PER_SOURCE)
@@ -238,6 +238,30 @@ def format_status(status: JobStatus) -> list[str]:
     else:
         left = timer.seconds_left(status.timer)
         lines.append(f"timer       graceful stop in {format_duration(left)} (at {local_time(status.timer.deadline)})")
+    return lines
+
+
+def objective_lines(record: dict) -> list[str]:
+    """What a train type's own metrics say in a record: DPO's rewards and accuracy, KTO's rewards and KL, a reward
+    model's accuracy on its pairs, the reward types' rewards."""
+    lines = []
+    if all(_number(record, key) for key in DPO_METRICS):
+        chosen, rejected, margin, accuracy = (record[key] for key in DPO_METRICS)
+        lines.append(
+            f"dpo         rewards chosen {chosen:+.4f}, rejected {rejected:+.4f}, margin {margin:.4f}, "
+            f"accuracy {accuracy:.1%}"
+        )
+    elif all(_number(record, key) for key in KTO_METRICS):
+        desirable, undesirable, margin, kl = (record[key] for key in KTO_METRICS)
+        lines.append(
+            f"kto         rewards desirable {desirable:+.4f}, undesirable {undesirable:+.4f}, margin {margin:.4f}, "
+            f"kl {kl:.4f}"
+        )
+    if all(_number(record, key) for key in REWARD_MODEL_METRICS):
+        accuracy, margin = (record[key] for key in REWARD_MODEL_METRICS)
+        lines.append(f"pairs       accuracy {accuracy:.1%}, margin {margin:.4f} (chosen over rejected)")
+    if _number(record, METRIC_REWARD):
+        lines.append(f"rewards     {_grpo_summary(record)}")
     return lines
 
 

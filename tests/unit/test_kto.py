@@ -27,6 +27,7 @@ from astrai.common.fit import SetupError
 from astrai.common.settings import KTOSettings
 from astrai.data.pipeline import describe_folder, prepare
 from astrai.data.tokenizing import HFTokenizer
+from astrai.host.status import objective_lines
 from astrai.trainer.feed.records import RecordIndex
 from astrai.trainer.objectives.kto import KTOExamples, KTOMetrics, Scored, kl_estimate, kto_loss, mismatched
 from astrai.trainer.run.loop import dry_run
@@ -299,6 +300,12 @@ def test_a_tiny_run_learns_to_prefer_the_desirable_completions(
     rejected = [r["logps_rejected"] for r in records if "logps_rejected" in r]
     assert chosen[-1] > chosen[0] and rejected[-1] < rejected[0]
     assert math.isfinite(last["entropy"])
+    # invoke status's line for it, from a record the run wrote
+    shown = next(r for r in reversed(records) if "rewards_margin" in r)
+    assert objective_lines(shown) == [
+        f"kto         rewards desirable {shown['rewards_chosen']:+.4f}, undesirable {shown['rewards_rejected']:+.4f}, "
+        f"margin {shown['rewards_margin']:.4f}, kl {shown['kl']:.4f}"
+    ]
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from astrai.common.contract import (
 from astrai.common.metrics import MetricsFile
 from astrai.common.reward_specs import parse_rewards
 from astrai.data.pipeline import prepare
+from astrai.host.status import objective_lines
 from astrai.trainer.launch.distributed import init_distributed
 from astrai.trainer.models.native import Transformer
 from astrai.trainer.models.weights import PRESETS, load_base_model, save_model_folder
@@ -237,6 +238,9 @@ def test_a_tiny_reward_model_ranks_held_out_pairs_and_an_online_run_takes_it_as_
     first, last = records[0], records[-1]
     assert first[METRIC_REWARD_MODEL_ACCURACY] <= 1 and first["loss"] > last["loss"]
     assert last[METRIC_REWARD_MODEL_ACCURACY] == 1.0 and last[METRIC_REWARD_MODEL_MARGIN] > 1.0
+    assert objective_lines(last) == [
+        f"pairs       accuracy 100.0%, margin {last[METRIC_REWARD_MODEL_MARGIN]:.4f} (chosen over rejected)"
+    ]
     validated = [record for record in records if METRIC_REWARD_MODEL_VAL_ACCURACY in record]
     assert [record["step"] for record in validated] == [12, 24]
     assert validated[-1][METRIC_REWARD_MODEL_VAL_ACCURACY] > 0.5 and validated[-1][METRIC_REWARD_MODEL_VAL_MARGIN] > 0
