@@ -97,13 +97,24 @@ def mlp_kind(config, layer: int) -> LayerKind:
     return EXPERTS if layer in config.sparse_layers else GATED
 
 
+BLOCK_NORMS = {
+    # ours -> Hugging Face's, for the norms of a block, by where they sit (ModelConfig.block_norms). Llama's norm
+    # before the MLP is its post_attention_layernorm; Gemma's is its pre_feedforward_layernorm.
+    "pre": {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+    "post": {"attention_post_norm": "post_attention_layernorm", "ffn_post_norm": "post_feedforward_layernorm"},
+    "both": {
+        "attention_norm": "input_layernorm",
+        "attention_post_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "ffn_post_norm": "post_feedforward_layernorm",
+    },
+}
+"""A block's RMSNorms by where they sit (``ModelConfig.block_norms``), each with its Hugging Face name."""
+
+
 def block_norms(config) -> tuple[str, ...]:
     """A block's RMSNorms, by where they sit (``ModelConfig.block_norms``)."""
-    return {
-        "pre": ("attention_norm", "ffn_norm"),
-        "post": ("attention_post_norm", "ffn_post_norm"),
-        "both": ("attention_norm", "attention_post_norm", "ffn_norm", "ffn_post_norm"),
-    }[config.block_norms]
+    return tuple(BLOCK_NORMS[config.block_norms])
 
 
 def layer_tensors(config, layer: int) -> Shapes:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from astrai.common.contract import META_FILE, MODEL_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from astrai.common.families import family
-from astrai.common.layers import layer_tensors
+from astrai.common.layers import BLOCK_NORMS, layer_tensors
 from astrai.common.model_config import (  # noqa: F401  (the names model folders are read with)
     MODEL_TYPES,
     ROPE_TYPES,
@@ -51,18 +51,6 @@ PROJECTIONS = {
     "feed_forward.w3": "mlp.up_proj",
     "feed_forward.w13": "mlp.gate_up_proj",
     "feed_forward.w2": "mlp.down_proj",
-}
-_BLOCK_NORMS = {
-    # ours -> Hugging Face's, for the norms of a block, by where they sit (ModelConfig.block_norms). Llama's norm
-    # before the MLP is its post_attention_layernorm; Gemma's is its pre_feedforward_layernorm.
-    "pre": {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
-    "post": {"attention_post_norm": "post_attention_layernorm", "ffn_post_norm": "post_feedforward_layernorm"},
-    "both": {
-        "attention_norm": "input_layernorm",
-        "attention_post_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "ffn_post_norm": "post_feedforward_layernorm",
-    },
 }
 _QK_NORMS = {"attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
 _TOP_PARTS = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head", "classifier": "score"}
@@ -165,7 +153,7 @@ def hf_name(name: str, config: ModelConfig) -> str:
     if module.endswith("feed_forward.router"):
         return f"model.{module.replace('feed_forward.router', 'mlp.gate')}.{leaf}"
     _, index, part = module.split(".", 2)
-    hf = PROJECTIONS.get(part) or _QK_NORMS.get(part) or _BLOCK_NORMS[config.block_norms][part]
+    hf = PROJECTIONS.get(part) or _QK_NORMS.get(part) or BLOCK_NORMS[config.block_norms][part]
     return f"model.layers.{index}.{hf}.{leaf}"
 
 
