@@ -215,7 +215,13 @@ def evaluate_checkpoint(
     _compose(runtime, override, project, ["build", compose.SERVICE], quiet=True)
     arguments = evaluation.image_arguments(runtime)
     run = ["run", "--rm", "--no-deps", "-T", "--entrypoint", "python3", compose.SERVICE, "-m", "astrai.evaluate"]
-    code = _compose(runtime, override, project, [*run, *arguments], quiet=False)
+    try:
+        code = _compose(runtime, override, project, [*run, *arguments], quiet=False)
+    finally:  # `run --rm` removes the container and leaves the project's network: the evaluation is a one-off
+        subprocess.run(
+            compose.compose_command(runtime, "down", "--remove-orphans", override=override, project=project),
+            capture_output=True,
+        )
     if code != 0:
         raise HarnessError(f"the evaluation of {folder.name} failed (exit code {code}); its output is above", code)
     path = results_path(runtime, folder)

@@ -268,5 +268,12 @@ def _tear_down(job: Job) -> None:
         ).stdout.split()
         if leftovers:
             subprocess.run(["docker", "rm", "-f", *leftovers], capture_output=True)
+        networks = subprocess.run(
+            ["docker", "network", "ls", "-q", "--filter", f"label=com.docker.compose.project={project}"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        if networks:
+            subprocess.run(["docker", "network", "rm", *networks], capture_output=True)
     image = f"{job.project}-{compose.SERVICE}"
     subprocess.run(["docker", "image", "rm", "--force", image, f"{image}:{compose.EVAL_TAG}"], capture_output=True)

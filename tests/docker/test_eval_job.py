@@ -110,8 +110,11 @@ def test_invoke_eval_runs_the_harness_on_a_checkpoint_in_the_jobs_image(make_job
     assert 0 <= accuracy <= 1 and document["n-samples"]["tiny_facts"]["effective"] == 4
     status = job.invoke("status").stdout
     assert f"eval        epoch_0_step_4: tiny_facts acc {accuracy:.4f}" in status, status
-    # The job's container stays the job's: the evaluation ran under a project of its own.
+    # The job's container stays the job's: the evaluation ran under a project of its own, whose network is gone.
     assert "exited (exit code 0)" in status, status
+    label = f"label=com.docker.compose.project={job.project}{harness.EVAL_PROJECT_SUFFIX}"
+    networks = subprocess.run(["docker", "network", "ls", "-q", "--filter", label], capture_output=True, text=True)
+    assert networks.returncode == 0 and networks.stdout.split() == [], networks
     preflight = job.invoke("preflight").stdout
     assert f"{compose.project_name(job.name)}-trainer:eval holds lm-eval==0.4.13" in preflight, preflight
     refused = job.invoke("eval", "--tasks", "/nowhere/facts.yaml", check=False)

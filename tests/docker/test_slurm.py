@@ -150,9 +150,11 @@ def _step_daemons(job_id: int) -> list[int]:
 def test_a_time_limit_stops_checkpoints_requeues_and_finishes_bitwise_as_an_uninterrupted_run(slurm_job, cluster):
     """The uninterrupted run beside the limited one is also the plain case: a two-node job trained to the end, which
     status shows while it runs, a second start refuses, and whose logs the host reads."""
-    steps = 400
-    reference = slurm_job(max_steps=steps)
-    limited = slurm_job(time_limit="00:02:00", max_steps=steps)
+    # The limited run must still be training when the warning comes, 75 s into its allocation: 400 steps once ended
+    # in 57 s on a quiet machine; 1200 take two minutes or more here.
+    steps, saves = 1200, {"ckpt_interval": 200}
+    reference = slurm_job(max_steps=steps, ckpt=saves)
+    limited = slurm_job(time_limit="00:02:00", max_steps=steps, ckpt=saves)
     reference_id, limited_id = _submit(reference), _submit(limited)  # side by side: one CPU of each node each
     for job, job_id in ((reference, reference_id), (limited, limited_id)):
         assert _wait_state(cluster, job, job_id, ("RUNNING",), 60)["NodeList"] == "n[1-2]"
