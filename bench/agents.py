@@ -4,11 +4,13 @@ single-turn step, and that no tool or environment token reaches the loss.
 - **It learns** (``agent_reward_start``, ``agent_reward_end``): the toy world of examples/agents (docs/agents.md).
   Each episode hides a digit that only the environment's ``secret`` tool tells; the reward
   (``astrai.rewards:exact_answer``) is 1 for the right digit. The ``tiny`` preset, on the example's byte-level
-  tokenizer, is first pre-trained (``seq``) on whole episodes that call ``secret`` and then answer with the digit it
-  told one time in five: it knows the format (its calls parse), though its answers hardly copy the digit (measured:
-  they score about 0.06, chance is 0.1). Then ``online_grpo`` plays 4 prompts x 8 episodes a step for :data:`STEPS`
-  steps: the median of the first 20 steps' mean rewards, and of the last 20. The curve (every 10 steps) is kept with
-  the figures and drawn in docs/agents.md.
+  tokenizer, is pre-trained (``seq``) in two parts: :data:`PRETRAIN` steps on whole episodes that call ``secret`` and
+  answer with the digit it told (the format, and reading the tool's reply), then :data:`HABIT` steps on episodes of
+  which nine in ten answer at once with a guess (the habit to undo). Then ``online_grpo`` plays 4 prompts x 8
+  episodes a step for :data:`STEPS` steps. The start is the pre-trained model's own reward: :data:`WINDOW` steps of
+  episodes whose updates are nil (every advantage zeroed, no weight decay; the weights are checked unchanged after
+  them), their median; the end is the median of the learning run's last :data:`WINDOW` steps. The curve (the first
+  step and every 10th) is kept with the figures and drawn in docs/agents.md.
 - ``episode_step_vs_single_turn``: tokens per CPU-second of a step of episodes (two turns, the tool's reply between
   them) over a single-turn ``online_grpo`` step's, on the same model and prompts, in alternating turns; a step's
   tokens are its prompts', completions' and replies' (what the trainer counts).
@@ -37,7 +39,7 @@ from astrai.trainer.run.loop import open_trainer
 from bench.common import REPO, Figures, fix_threads
 
 EXAMPLE = REPO / "examples" / "agents"
-STEPS, WINDOW, PRETRAIN = 400, 20, 600
+STEPS, WINDOW, PRETRAIN, HABIT = 200, 20, 1500, 200
 EPISODE = {
     "train_type": "online_grpo",
     "environment": f"{EXAMPLE / 'secret_keeper.py'}:SecretKeeper",
@@ -57,6 +59,7 @@ def _world(root: Path) -> None:
     make_world.write_world(root, prompts=400, episodes=4000)
     tokenizer = HFTokenizer(root / "base")
     prepare(root / "pre", [root / "episodes.jsonl"], tokenizer=tokenizer)
+    prepare(root / "habit", [root / "guesses.jsonl"], tokenizer=tokenizer)
     prepare(root / "prompts", [root / "prompts.jsonl"], tokenizer=tokenizer, kind="prompts")
 
 
@@ -79,20 +82,13 @@ def _train(trainer, steps: int | None = None) -> None:
 
 
 def _pretrained(root: Path) -> Path:
-    pre = _open(
-        root,
-        "pre",
-        data_root_path=str(root / "pre"),
-        param_path=str(root / "base"),
-        window_size=160,
-        batch_per_device=8,
-        max_steps=PRETRAIN,
-        max_lr=3e-3,
-        ckpt_interval=PRETRAIN,
-        log_interval=100,
-    )
-    _train(pre)
-    return next((root / "pre").glob(f"epoch_*_step_{PRETRAIN}"))
+    """The format (whole episodes, the tool always called), then the habit of guessing; the second's checkpoint."""
+    model = root / "base"
+    for name, steps, lr in (("pre", PRETRAIN, 3e-3), ("habit", HABIT, 1e-3)):
+        keys = {"window_size": 160, "batch_per_device": 8, "max_steps": steps, "max_lr": lr, "log_interval": 100}
+        _train(_open(root, name, data_root_path=str(root / name), param_path=str(model), ckpt_interval=steps, **keys))
+        model = next((root / name).glob(f"epoch_*_step_{steps}"))
+    return model
 
 
 def _reply_tokens_in_loss(trainer, counts: list[list[int]]) -> None:
@@ -116,28 +112,60 @@ def _reply_tokens_in_loss(trainer, counts: list[list[int]]) -> None:
     objective.prepare_step = counted
 
 
-def _learning(figures: Figures, root: Path, start: Path) -> None:
-    trainer = _open(
+def _episodes(root: Path, name: str, start: Path, steps: int, **keys):
+    return _open(
         root,
-        "episodes",
+        name,
         data_root_path=str(root / "prompts"),
         param_path=str(start),
-        max_steps=STEPS,
+        max_steps=steps,
         max_lr=5e-4,
         schedule="constant",
-        ckpt_interval=STEPS,
+        ckpt_interval=steps,
         log_interval=1,
         **EPISODE,
+        **keys,
     )
+
+
+def _rewards(root: Path, name: str) -> list[float]:
+    return [json.loads(line)["reward"] for line in (root / name / METRICS_FILE).read_text().splitlines()]
+
+
+def _start_rewards(root: Path, start: Path) -> list[float]:
+    """The start model's reward, step by step: episodes as the learning run plays them, every advantage zeroed (and
+    no weight decay), so that no update moves the weights; checked."""
+    trainer = _episodes(root, "start", start, WINDOW, weight_decay=0.0)
+    objective = trainer.objective
+    prepare_step = objective.prepare_step
+
+    def nil(batches, model, step):
+        prepared = prepare_step(batches, model, step)
+        for batch in prepared:
+            batch.advantages.zero_()
+        return prepared
+
+    objective.prepare_step = nil
+    before = [parameter.detach().clone() for parameter in trainer.model.parameters()]
+    try:
+        trainer.train()
+        after = list(trainer.model.parameters())
+        assert all(torch.equal(old, new) for old, new in zip(before, after, strict=True)), "the start run moved"
+    finally:
+        trainer.close()
+    return _rewards(root, "start")
+
+
+def _learning(figures: Figures, root: Path, start: Path) -> None:
+    figures.median("agent_reward_start", _start_rewards(root, start))
+    trainer = _episodes(root, "episodes", start, STEPS)
     counts: list[list[int]] = []
     _reply_tokens_in_loss(trainer, counts)
     _train(trainer)
-    records = [json.loads(line) for line in (root / "episodes" / METRICS_FILE).read_text().splitlines()]
-    rewards = [record["reward"] for record in records]
-    curve = {record["step"]: round(record["reward"], 4) for record in records if record["step"] % 10 == 0}
-    figures.median("agent_reward_start", rewards[:WINDOW])
+    rewards = _rewards(root, "episodes")
+    curve = {step: round(reward, 4) for step, reward in enumerate(rewards, 1) if step == 1 or step % 10 == 0}
     figures.median("agent_reward_end", rewards[-WINDOW:])
-    figures.observed("agent_reward_curve", curve, "mean reward of every 10th step's 32 episodes")
+    figures.observed("agent_reward_curve", curve, "mean reward of the first step's and every 10th step's 32 episodes")
     reached = sum(count for count, _ in counts)
     figures.observed("tool_tokens_in_loss", reached, {"reached_and_reply_tokens_per_micro_batch": counts})
 

@@ -223,8 +223,12 @@ TARGETS = {
     "grpo_reward_start": ("online_grpo on a toy task: the mean reward of its first 20 steps", "<=", 0.3),
     "grpo_reward_end": ("the same, its last 20 of 400 steps", ">=", 0.8),
     "grpo_rollout_share": ("the share of an online_grpo step's CPU time spent sampling and scoring", None, None),
-    "agent_reward_start": ("episodes with a tool on a toy task: the mean reward of the first 20 steps", "<=", 0.3),
-    "agent_reward_end": ("the same, the last 20 of 400 steps", ">=", 0.8),
+    "agent_reward_start": (
+        "episodes with a tool on a toy task: the pre-trained model's reward (median of 20 steps with no update)",
+        "<=",
+        0.3,
+    ),
+    "agent_reward_end": ("the same, learning: the median of the last 20 of 200 steps", ">=", 0.8),
     "episode_step_vs_single_turn": (
         "tokens per CPU-second of a step of two-turn episodes over a single-turn online_grpo step's",
         ">=",
@@ -415,13 +419,15 @@ def _fill(path, start: str, end: str, body: str) -> None:
 
 
 def reward_curve(results: dict, key: str = "grpo_reward_curve", section: str = "grpo") -> str:
-    """A toy task's mean reward as it trains (bench/grpo.py, bench/agents.py), every 20th step, drawn in text."""
+    """A toy task's mean reward as it trains (bench/grpo.py: every 20th of 400 steps; bench/agents.py: the first and
+    every 10th of 200), drawn in text."""
     curve = {int(step): reward for step, reward in results[key].items()}
     run = results.get("runs", {}).get(key, {})
-    rollouts = "episodes" if key.startswith("agent") else "completions"
+    agents = key.startswith("agent")
+    rollouts, every = ("episodes", 10) if agents else ("completions", 20)
     lines = ["```", f"step  mean reward of the step's 32 {rollouts}"]
     for step in sorted(curve):
-        if step % 20 == 0:
+        if step % every == 0 or (agents and step == 1):
             reward = curve[step]
             lines.append(f"{step:>4}  {reward:.2f} {'█' * round(reward * 40)}")
     lines.append("```")

@@ -1,11 +1,12 @@
 """Write the toy agent world of docs/agents.md into a folder: a tokenizer with a chat template that renders tools, a
-tiny base model of its vocabulary, the prompts, and text of whole episodes to pre-train the model on.
+tiny base model of its vocabulary, the prompts, and two texts to pre-train the model on.
 
     python examples/agents/make_world.py WORLD
 
 The tokenizer is byte-level (one token a byte) with the chat markers as special tokens, so that the ``tiny`` preset
-(a vocabulary of 320) learns it in seconds on a CPU. The pre-training episodes call ``secret`` and then answer, with
-the digit it told one time in five: a base model that knows the format, and that has something to learn.
+(a vocabulary of 320) learns it in minutes on a CPU. ``episodes.jsonl`` holds whole episodes that call ``secret`` and
+answer with the digit it told: the format, and reading the tool's reply. ``guesses.jsonl`` holds the habit that
+reinforcement learning must undo: nine answers in ten are a guess given at once, without the call.
 """
 
 from __future__ import annotations
@@ -75,9 +76,15 @@ def episode_messages(digit: str, answer: str) -> list[dict]:
     ]
 
 
-def write_world(root: Path, prompts: int = 200, episodes: int = 3000, right: float = 0.2, seed: int = 0) -> None:
-    """The tokenizer folder and tiny base model (``base``), the prompts (``prompts.jsonl``) and the pre-training
-    episodes (``episodes.jsonl``, a document each) under ``root``."""
+def guess_messages(answer: str) -> list[dict]:
+    """An episode answered at once, without the tool."""
+    return [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": answer}]
+
+
+def write_world(root: Path, prompts: int = 200, episodes: int = 4000, called: float = 0.1, seed: int = 0) -> None:
+    """The tokenizer folder and tiny base model (``base``), the prompts (``prompts.jsonl``) and the two pre-training
+    texts (``episodes.jsonl``: every episode calls the tool; ``guesses.jsonl``: a share ``called`` does, the others
+    guess; a document each) under ``root``."""
     sys.path.insert(0, str(HERE))
     from secret_keeper import SecretKeeper
 
@@ -91,16 +98,25 @@ def write_world(root: Path, prompts: int = 200, episodes: int = 3000, right: flo
     template = ChatTemplate.of_folder(base)
     tools = [json_schema(SecretKeeper().secret)]
     rng = random.Random(seed)
-    texts = []
-    for _ in range(episodes):
-        digit = str(rng.randrange(10))
-        answer = digit if rng.random() < right else str(rng.randrange(10))
-        texts.append(template.render(episode_messages(digit, answer), tools=tools))
-    with open(root / "episodes.jsonl", "w", encoding="utf-8") as handle:
-        handle.writelines(json.dumps({"text": text}) + "\n" for text in texts)
+
+    def digit() -> str:
+        return str(rng.randrange(10))
+
+    def write(name: str, conversations: list[list[dict]]) -> None:
+        with open(root / name, "w", encoding="utf-8") as handle:
+            for messages in conversations:
+                handle.write(json.dumps({"text": template.render(messages, tools=tools)}) + "\n")
+
+    told = [digit() for _ in range(episodes)]
+    write("episodes.jsonl", [episode_messages(secret, secret) for secret in told])
+    told = [digit() for _ in range(episodes)]
+    write(
+        "guesses.jsonl",
+        [episode_messages(secret, secret) if rng.random() < called else guess_messages(digit()) for secret in told],
+    )
     with open(root / "prompts.jsonl", "w", encoding="utf-8") as handle:
         for _ in range(prompts):
-            record = {"prompt": [{"role": "user", "content": QUESTION}], "answer": str(rng.randrange(10))}
+            record = {"prompt": [{"role": "user", "content": QUESTION}], "answer": digit()}
             handle.write(json.dumps(record) + "\n")
 
 

@@ -135,6 +135,10 @@ def test_pass_at_k_and_the_means_on_hand_made_cases():
         ({"eval_rewards": ["m:unscored"]}, "log.eval_rewards: a reward named unscored would report as eval/unscored"),
         ({"rewards": ["m:reward"]}, "a reward named reward would report as eval/reward, which is already"),
         ({"eval_batch_size": 0}, "log.eval_batch_size: expected an integer >= 1, got 0"),
+        (
+            {"train_type": "online_grpo", "environment": "astrai.rewards:Nothing"},
+            "log.eval_prompts: the evaluation in the loop completes each prompt in one turn, calling no tool",
+        ),
     ],
 )
 def test_evaluation_settings_out_of_range_are_refused_naming_the_key(tmp_path, eval_world, train_yaml, keys, message):
