@@ -56,7 +56,7 @@ def _world(root: Path) -> None:
     sys.path.insert(0, str(EXAMPLE))
     import make_world
 
-    make_world.write_world(root, prompts=400, episodes=4000)
+    make_world.write_world(root)  # the world docs/agents.md's worked example writes
     tokenizer = HFTokenizer(root / "base")
     prepare(root / "pre", [root / "episodes.jsonl"], tokenizer=tokenizer)
     prepare(root / "habit", [root / "guesses.jsonl"], tokenizer=tokenizer)
@@ -128,8 +128,10 @@ def _episodes(root: Path, name: str, start: Path, steps: int, **keys):
     )
 
 
-def _rewards(root: Path, name: str) -> list[float]:
-    return [json.loads(line)["reward"] for line in (root / name / METRICS_FILE).read_text().splitlines()]
+def _rewards(root: Path, name: str) -> dict[int, float]:
+    """Each step's mean reward, from the run's metrics (every step is reported)."""
+    records = [json.loads(line) for line in (root / name / METRICS_FILE).read_text().splitlines()]
+    return {record["step"]: record["reward"] for record in records}
 
 
 def _start_rewards(root: Path, start: Path) -> list[float]:
@@ -153,7 +155,7 @@ def _start_rewards(root: Path, start: Path) -> list[float]:
         assert all(torch.equal(old, new) for old, new in zip(before, after, strict=True)), "the start run moved"
     finally:
         trainer.close()
-    return _rewards(root, "start")
+    return list(_rewards(root, "start").values())
 
 
 def _learning(figures: Figures, root: Path, start: Path) -> None:
@@ -163,8 +165,9 @@ def _learning(figures: Figures, root: Path, start: Path) -> None:
     _reply_tokens_in_loss(trainer, counts)
     _train(trainer)
     rewards = _rewards(root, "episodes")
-    curve = {step: round(reward, 4) for step, reward in enumerate(rewards, 1) if step == 1 or step % 10 == 0}
-    figures.median("agent_reward_end", rewards[-WINDOW:])
+    assert sorted(rewards) == list(range(1, STEPS + 1)), sorted(rewards)
+    curve = {step: round(reward, 4) for step, reward in rewards.items() if step == 1 or step % 10 == 0}
+    figures.median("agent_reward_end", [rewards[step] for step in range(STEPS - WINDOW + 1, STEPS + 1)])
     figures.observed("agent_reward_curve", curve, "mean reward of the first step's and every 10th step's 32 episodes")
     reached = sum(count for count, _ in counts)
     figures.observed("tool_tokens_in_loss", reached, {"reached_and_reply_tokens_per_micro_batch": counts})

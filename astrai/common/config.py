@@ -699,7 +699,7 @@ class TrainerConfig:
             raise ConfigError(
                 "ckpt.adapter_path: a PEFT adapter folder trains as LoRA; set training.lora_rank to its rank (r)"
             )
-        if self.log.eval_prompts is not None and (self.training.tools or self.training.environment is not None):
+        if self.log.eval_prompts is not None and self.training.kind.online and self.training.episodes() is not None:
             raise ConfigError(
                 "log.eval_prompts: the evaluation in the loop completes each prompt in one turn, calling no tool, and "
                 "this job's episodes use training.tools or training.environment; its figures would not be the "

@@ -217,11 +217,8 @@ def evaluate_checkpoint(
     run = ["run", "--rm", "--no-deps", "-T", "--entrypoint", "python3", compose.SERVICE, "-m", "astrai.evaluate"]
     try:
         code = _compose(runtime, override, project, [*run, *arguments], quiet=False)
-    finally:  # `run --rm` removes the container and leaves the project's network: the evaluation is a one-off
-        subprocess.run(
-            compose.compose_command(runtime, "down", "--remove-orphans", override=override, project=project),
-            capture_output=True,
-        )
+    finally:
+        _remove_networks(project)
     if code != 0:
         raise HarnessError(f"the evaluation of {folder.name} failed (exit code {code}); its output is above", code)
     path = results_path(runtime, folder)
@@ -229,6 +226,14 @@ def evaluate_checkpoint(
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise HarnessError(f"the evaluation ended but {path} cannot be read ({error})") from None
+
+
+def _remove_networks(project: str) -> None:
+    """`run --rm` removes the evaluation's container and leaves its project's network: remove it. Docker refuses to
+    remove a network still in use, so another evaluation of the job still running keeps it, and removes it itself."""
+    listed = engine.docker("network", "ls", "--quiet", "--filter", f"label=com.docker.compose.project={project}")
+    for network in listed.stdout.split() if listed.returncode == 0 else []:
+        engine.docker("network", "rm", network)
 
 
 def _compose(runtime: Runtime, override: Path, project: str, args: list[str], quiet: bool) -> int:

@@ -81,7 +81,7 @@ def guess_messages(answer: str) -> list[dict]:
     return [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": answer}]
 
 
-def write_world(root: Path, prompts: int = 200, episodes: int = 4000, called: float = 0.1, seed: int = 0) -> None:
+def write_world(root: Path, prompts: int = 400, episodes: int = 4000, called: float = 0.1, seed: int = 0) -> None:
     """The tokenizer folder and tiny base model (``base``), the prompts (``prompts.jsonl``) and the two pre-training
     texts (``episodes.jsonl``: every episode calls the tool; ``guesses.jsonl``: a share ``called`` does, the others
     guess; a document each) under ``root``."""

@@ -139,6 +139,10 @@ def test_pass_at_k_and_the_means_on_hand_made_cases():
             {"train_type": "online_grpo", "environment": "astrai.rewards:Nothing"},
             "log.eval_prompts: the evaluation in the loop completes each prompt in one turn, calling no tool",
         ),
+        (
+            {"train_type": "online_grpo", "tools": ["astrai.rewards:exact_answer"]},
+            "log.eval_prompts: the evaluation in the loop completes each prompt in one turn, calling no tool",
+        ),
     ],
 )
 def test_evaluation_settings_out_of_range_are_refused_naming_the_key(tmp_path, eval_world, train_yaml, keys, message):
@@ -163,6 +167,9 @@ def test_eval_rewards_default_to_the_jobs_and_the_plan_says_what_is_evaluated(tm
 
     assert ignored_keys_note(config.training, config.log) is None
     assert "training.rewards" in ignored_keys_note(config.training)
+    # An environment left in a job that plays no episodes is only noted as unused: the evaluation stays.
+    unused = load_trainer_config(_yaml(train_yaml, tmp_path / "v.yaml", eval_world, environment="astrai.rewards:X"))
+    assert unused.log.evaluation(unused.training) is not None and unused.training.environment is not None
 
 
 # --- runs ----------------------------------------------------------------------------------------------------------
