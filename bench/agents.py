@@ -12,8 +12,9 @@ single-turn step, and that no tool or environment token reaches the loss.
   them), their median; the end is the median of the learning run's last :data:`WINDOW` steps. The curve (the first
   step and every 10th) is kept with the figures and drawn in docs/agents.md.
 - ``episode_step_vs_single_turn``: tokens per CPU-second of a step of episodes (two turns, the tool's reply between
-  them) over a single-turn ``online_grpo`` step's, on the same model and prompts, in alternating turns; a step's
-  tokens are its prompts', completions' and replies' (what the trainer counts).
+  them: the model of the first part of the pre-training, which always calls) over a single-turn ``online_grpo``
+  step's, on the same model and prompts, in alternating turns (15 of each); a step's tokens are its prompts',
+  completions' and replies' (what the trainer counts).
 - ``tool_tokens_in_loss``: over steps of the learning run, the tokens of tool and environment replies whose
   log-probability gets a gradient from the loss (the update's own tensors, counted): 0.
 """
@@ -81,14 +82,15 @@ def _train(trainer, steps: int | None = None) -> None:
         trainer.close()
 
 
-def _pretrained(root: Path) -> Path:
-    """The format (whole episodes, the tool always called), then the habit of guessing; the second's checkpoint."""
-    model = root / "base"
+def _pretrained(root: Path) -> list[Path]:
+    """The format (whole episodes, the tool always called), then the habit of guessing: both checkpoints."""
+    models = [root / "base"]
     for name, steps, lr in (("pre", PRETRAIN, 3e-3), ("habit", HABIT, 1e-3)):
         keys = {"window_size": 160, "batch_per_device": 8, "max_steps": steps, "max_lr": lr, "log_interval": 100}
-        _train(_open(root, name, data_root_path=str(root / name), param_path=str(model), ckpt_interval=steps, **keys))
-        model = next((root / name).glob(f"epoch_*_step_{steps}"))
-    return model
+        start = str(models[-1])
+        _train(_open(root, name, data_root_path=str(root / name), param_path=start, ckpt_interval=steps, **keys))
+        models.append(next((root / name).glob(f"epoch_*_step_{steps}")))
+    return models[1:]
 
 
 def _reply_tokens_in_loss(trainer, counts: list[list[int]]) -> None:
@@ -176,7 +178,7 @@ def _learning(figures: Figures, root: Path, start: Path) -> None:
 def _step_vs_single_turn(figures: Figures, root: Path, start: Path, quick: bool) -> None:
     """Steps of episodes and single-turn steps in alternating turns, each trainer going on from its last step."""
     keys = {"data_root_path": str(root / "prompts"), "param_path": str(start), "max_lr": 1e-5, "log_interval": 1000}
-    turns = 3 if quick else 7
+    turns = 3 if quick else 15
     sides = {
         "episodes": _open(root, "timed-episodes", max_steps=turns + 1, ckpt_interval=1000, **keys, **EPISODE),
         "single": _open(
@@ -210,7 +212,7 @@ def run(quick: bool) -> Figures:
     with tempfile.TemporaryDirectory(prefix="astrai-bench-agents-") as work:
         root = Path(work)
         _world(root)
-        start = _pretrained(root)
-        _step_vs_single_turn(figures, root, start, quick)
-        _learning(figures, root, start)
+        calling, guessing = _pretrained(root)
+        _step_vs_single_turn(figures, root, calling, quick)  # its episodes call the tool: two turns each
+        _learning(figures, root, guessing)
     return figures
