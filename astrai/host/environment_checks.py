@@ -8,8 +8,8 @@
   `invoke start` checks it after its build, before the trainer starts.
 
 - The server ``training.environment`` names is one of ``runtime.environments``.
-- Each server's image is there: its Dockerfile folder builds (``docker build``, as Compose will build it), or its
-  image is on the engine.
+- Each server's image is there: its Dockerfile folder builds, through Compose as `invoke start` builds it (the same
+  image, so a start after preflight reuses it and leaves no untagged copy behind), or its image is on the engine.
 - It answers ``reset``: the server runs in a throwaway container on a throwaway internal network (no route out),
   hardened as the job runs it, and the job's trainer image asks it for a reset through OpenEnv's own client, as the
   trainer will. That needs the trainer image; before `invoke start` has built it the line says so, and `invoke
@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import json
 import secrets
+import subprocess
+import tempfile
+from pathlib import Path
 
 from astrai.common.config import TrainerConfig
 from astrai.common.contract import trainer_arguments
@@ -130,6 +133,24 @@ def environment_checks(runtime: Runtime, config: TrainerConfig | None, *, answer
     return checks
 
 
+def _compose_build(runtime: Runtime, server: EnvironmentServer) -> str | None:
+    """Build the server's image as `invoke start` does (``docker compose build SERVICE`` on the job's files, the
+    override rendered into a scratch folder); why it failed, or None."""
+    with tempfile.TemporaryDirectory(prefix="astrai-preflight-") as folder:
+        try:
+            override = compose.write_override(runtime, path=Path(folder) / compose.OVERRIDE_FILE_NAME)
+            command = compose.compose_command(runtime, "build", launch.environment_service(server), override=override)
+        except compose.ComposeError as error:
+            return f"build: not tried: {error}"
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            return f"build: {server.build} did not build within {BUILD_TIMEOUT_SECONDS} s"
+    if result.returncode != 0:
+        return f"build: {server.build} does not build: {(result.stderr.strip() or result.stdout.strip())[-400:]}"
+    return None
+
+
 def _built(server: EnvironmentServer) -> Check:
     return Check(PASS, NAME, f"{server.name}: its image is there")
 
@@ -153,12 +174,7 @@ def image_problem(runtime: Runtime, server: EnvironmentServer) -> str | None:
     if server.build is not None:
         if not (server.build / "Dockerfile").is_file():
             return f"build: {server.build} holds no Dockerfile"
-        result = engine.docker(
-            "build", "--tag", image_tag(runtime, server), str(server.build), timeout=BUILD_TIMEOUT_SECONDS
-        )
-        if result.returncode != 0:
-            return f"build: {server.build} does not build: {(result.stderr.strip() or result.stdout.strip())[-400:]}"
-        return None
+        return _compose_build(runtime, server)
     if engine.image_labels(server.image) is None:
         return f"image: {server.image} is not on this engine"
     return None

@@ -116,5 +116,18 @@ def test_a_job_trains_in_a_server_environment_beside_it_through_start_stop_start
         assert tools.startswith("✓") and "tools guess in environment server guess" in tools, checklist
         server = next(line for line in checklist.splitlines() if "environments" in line)
         assert server.startswith("✓") and "answers reset through OpenEnv's client (port 8000)" in server, checklist
+        # Preflight builds the server's image as `invoke start` does: the same image, no untagged copy left behind.
+        label = f"label=com.docker.compose.project={job.project}"
+        untagged = subprocess.run(
+            ["docker", "images", "--quiet", "--filter", "dangling=true", "--filter", label],
+            capture_output=True,
+            text=True,
+        )
+        assert untagged.returncode == 0 and untagged.stdout.split() == [], untagged
     finally:
+        # The image goes with its containers gone first: one still there (stopped) would keep it, untagged.
+        label = f"label=com.docker.compose.project={job.project}"
+        containers = subprocess.run(["docker", "ps", "-aq", "--filter", label], capture_output=True, text=True)
+        if containers.stdout.split():
+            subprocess.run(["docker", "rm", "--force", *containers.stdout.split()], capture_output=True)
         subprocess.run(["docker", "image", "rm", "--force", image], capture_output=True)
