@@ -17,12 +17,15 @@ process: a secret passed through from the invoking shell, never written to disk.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import re
 import shlex
 import shutil
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -43,7 +46,7 @@ from astrai.common.contract import (
 from astrai.common.errors import AstraiError
 from astrai.host import launch
 from astrai.host.hostuser import host_user_ids
-from astrai.host.runtime import Runtime
+from astrai.host.runtime import EnvironmentServer, Runtime
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 """The source checkout: the Dockerfile and the trainer package are the image's build context."""
@@ -237,10 +240,15 @@ def environment_service(runtime: Runtime, server, uid: int, gid: int) -> dict:
     }
     if server.build is not None:
         service["build"] = {"context": str(server.build)}
-        service["image"] = f"{job_project(runtime)}-{launch.environment_service(server)}"
+        service["image"] = built_environment_image(runtime, server)
     else:
         service["image"] = server.image
     return service
+
+
+def built_environment_image(runtime: Runtime, server: EnvironmentServer) -> str:
+    """The tag Compose gives the image it builds from a server environment's folder."""
+    return f"{job_project(runtime)}-{launch.environment_service(server)}"
 
 
 def environment_services(runtime: Runtime) -> list[str]:
@@ -319,6 +327,14 @@ def write_override(
     target.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomically(target, text, 0o600)
     return target
+
+
+@contextlib.contextmanager
+def scratch_override(runtime: Runtime) -> Iterator[Path]:
+    """The override rendered into a scratch folder, gone on leaving (preflight's runs of Compose: the job's own file
+    stays as the last start wrote it)."""
+    with tempfile.TemporaryDirectory(prefix="astrai-preflight-") as folder:
+        yield write_override(runtime, path=Path(folder) / OVERRIDE_FILE_NAME)
 
 
 @functools.cache

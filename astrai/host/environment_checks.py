@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import secrets
 import subprocess
-import tempfile
-from pathlib import Path
 
 from astrai.common.config import TrainerConfig
 from astrai.common.contract import trainer_arguments
@@ -136,16 +134,14 @@ def environment_checks(runtime: Runtime, config: TrainerConfig | None, *, answer
 def _compose_build(runtime: Runtime, server: EnvironmentServer) -> str | None:
     """Build the server's image as `invoke start` does (``docker compose build SERVICE`` on the job's files, the
     override rendered into a scratch folder); why it failed, or None."""
-    with tempfile.TemporaryDirectory(prefix="astrai-preflight-") as folder:
-        try:
-            override = compose.write_override(runtime, path=Path(folder) / compose.OVERRIDE_FILE_NAME)
+    try:
+        with compose.scratch_override(runtime) as override:
             command = compose.compose_command(runtime, "build", launch.environment_service(server), override=override)
-        except compose.ComposeError as error:
-            return f"build: not tried: {error}"
-        try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_SECONDS)
-        except subprocess.TimeoutExpired:
-            return f"build: {server.build} did not build within {BUILD_TIMEOUT_SECONDS} s"
+    except compose.ComposeError as error:
+        return f"build: not tried: {error}"
+    except subprocess.TimeoutExpired:
+        return f"build: {server.build} did not build within {BUILD_TIMEOUT_SECONDS} s"
     if result.returncode != 0:
         return f"build: {server.build} does not build: {(result.stderr.strip() or result.stdout.strip())[-400:]}"
     return None
@@ -165,7 +161,7 @@ def image_tag(runtime: Runtime, server: EnvironmentServer) -> str:
     """The image a server runs: its own, or the one built from its folder (the tag Compose gives it)."""
     if server.image is not None:
         return server.image
-    return f"{compose.job_project(runtime)}-{launch.environment_service(server)}"
+    return compose.built_environment_image(runtime, server)
 
 
 def image_problem(runtime: Runtime, server: EnvironmentServer) -> str | None:

@@ -19,7 +19,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -960,13 +959,12 @@ def _compose_config_check(runtime: Runtime) -> Check:
         program = compose.compose_program()
     except compose.ComposeError:
         return Check(SKIP, "compose config", "not checked without Compose v2")
-    with tempfile.TemporaryDirectory(prefix="astrai-preflight-") as folder:
-        try:
-            override = compose.write_override(runtime, path=Path(folder) / compose.OVERRIDE_FILE_NAME)
-        except compose.ComposeError as error:
-            return Check(FAIL, "compose config", str(error))
-        command = compose.compose_command(runtime, "config", "--quiet", override=override)
-        result = subprocess.run(command, capture_output=True, text=True)
+    try:
+        with compose.scratch_override(runtime) as override:
+            command = compose.compose_command(runtime, "config", "--quiet", override=override)
+            result = subprocess.run(command, capture_output=True, text=True)
+    except compose.ComposeError as error:
+        return Check(FAIL, "compose config", str(error))
     if result.returncode != 0:
         return Check(
             FAIL,
